@@ -1,0 +1,49 @@
+# gpupool — the README's two promises: `make demo` and `make test`.
+# Everything is installed from nothing: a virtualenv in .venv, Debian packages, Kafka jars
+# (cached outside the repo in $(GPUPOOL_CACHE)).
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+export GPUPOOL_CACHE ?= $(HOME)/.cache/gpupool
+export GPUPOOL_STATE ?= $(CURDIR)/.state
+
+.PHONY: demo test venv deps-system deps-kafka deps services-up services-down bench clean
+
+$(BIN)/gpupool: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+venv: $(BIN)/gpupool
+
+deps-system:
+	bash deploy/local/install-system.sh
+
+deps-kafka:
+	bash deploy/local/kafka-fetch.sh
+
+deps: venv deps-system deps-kafka
+
+## The main job on embedded defaults: simulator + every stage in one process.
+demo: venv
+	$(BIN)/gpupool demo $(DEMO_ARGS)
+
+## The whole test suite; services (Kafka, Mosquitto) are started by the tests' session fixtures.
+test: deps
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+services-up: deps
+	bash deploy/local/kafka.sh start
+	bash deploy/local/mosquitto.sh start
+
+services-down:
+	-bash deploy/local/kafka.sh stop
+	-bash deploy/local/mosquitto.sh stop
+
+bench: venv
+	for b in bench/*.py; do $(BIN)/python $$b || exit 1; done
+
+clean: services-down
+	rm -rf $(GPUPOOL_STATE)

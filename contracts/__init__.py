@@ -1,0 +1,51 @@
+"""gpupool contracts: every record that crosses a stage boundary, and the names of the topics.
+
+Stages (``collectors``, ``analytics``, ``broker``) import only this package, never each other.
+Kafka records live in :mod:`contracts.telemetry`, :mod:`contracts.capacity` and
+:mod:`contracts.leases`; MQTT messages in :mod:`contracts.mqtt`; topic names in
+:mod:`contracts.topics`; the bus interface and its implementations in :mod:`contracts.bus`.
+"""
+
+from contracts.base import SCHEMA_VERSION, Record, decode, encode
+from contracts.capacity import CapacityUpdate, GpuState, IdleGrade, PoolDemand
+from contracts.leases import LeaseLogRecord, LeaseState
+from contracts.mqtt import (
+    Claim,
+    LeaseMessage,
+    Offer,
+    OfferedGpu,
+    PeerState,
+    ReasonCode,
+    Release,
+    Renewal,
+    Reply,
+)
+from contracts.telemetry import GpuSample, IbPortSample
+from contracts.topics import KafkaTopics, MqttTopics, gpu_key
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "Record",
+    "encode",
+    "decode",
+    "GpuSample",
+    "IbPortSample",
+    "CapacityUpdate",
+    "GpuState",
+    "IdleGrade",
+    "PoolDemand",
+    "LeaseState",
+    "LeaseLogRecord",
+    "Offer",
+    "OfferedGpu",
+    "Claim",
+    "LeaseMessage",
+    "Renewal",
+    "Release",
+    "Reply",
+    "ReasonCode",
+    "PeerState",
+    "KafkaTopics",
+    "MqttTopics",
+    "gpu_key",
+]

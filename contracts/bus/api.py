@@ -1,0 +1,140 @@
+"""The bus interface shared by every implementation (see :mod:`contracts.bus`)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+
+class TopicPartition(NamedTuple):
+    """A partition of a topic (same shape as aiokafka's ``TopicPartition``)."""
+
+    topic: str
+    partition: int
+
+
+@dataclass(frozen=True, slots=True)
+class BusMessage:
+    """One record read from the bus.
+
+    Attributes:
+        topic / partition / offset: where it was read; ``offset`` grows by one per record.
+        key: the record key (UTF-8), or ``None``.
+        value: the payload (JSON of a :class:`contracts.base.Record`); ``None`` is a tombstone.
+        headers: ``(name, bytes)`` pairs, e.g. ``traceparent``.
+        timestamp_ms: producer timestamp, Unix milliseconds.
+    """
+
+    topic: str
+    partition: int
+    offset: int
+    key: str | None
+    value: bytes | None
+    headers: tuple[tuple[str, bytes], ...] = field(default=())
+    timestamp_ms: int = 0
+
+
+OnAssign = Callable[[set[TopicPartition]], Awaitable[dict[TopicPartition, int]]]
+"""Called when partitions are assigned; returns offsets to start from (e.g. those stored with the
+data, for exactly-once). Partitions it leaves out start from the committed group offset."""
+
+
+def partition_for(key: str | None, partitions: int, _counter: list[int] = [0]) -> int:  # noqa: B006
+    """Partition of ``key`` among ``partitions``: Kafka's default partitioner (murmur2 of the
+    key bytes, positive, modulo the count; Kafka ``Utils.murmur2``), round robin for ``None``."""
+    if key is None:
+        _counter[0] += 1
+        return _counter[0] % partitions
+    return (_murmur2(key.encode()) & 0x7FFFFFFF) % partitions
+
+
+def _murmur2(data: bytes) -> int:
+    """Kafka's murmur2 (32-bit, seed 0x9747b28c), as in ``org.apache.kafka.common.utils.Utils``."""
+    length = len(data)
+    m, r = 0x5BD1E995, 24
+    h = (0x9747B28C ^ length) & 0xFFFFFFFF
+    nblocks = length // 4
+    for i in range(nblocks):
+        k = int.from_bytes(data[4 * i : 4 * i + 4], "little")
+        k = (k * m) & 0xFFFFFFFF
+        k ^= k >> r
+        k = (k * m) & 0xFFFFFFFF
+        h = (h * m) & 0xFFFFFFFF
+        h ^= k
+    tail = data[4 * nblocks :]
+    if len(tail) >= 3:
+        h ^= tail[2] << 16
+    if len(tail) >= 2:
+        h ^= tail[1] << 8
+    if tail:
+        h ^= tail[0]
+        h = (h * m) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * m) & 0xFFFFFFFF
+    h ^= h >> 15
+    return h
+
+
+class Producer(Protocol):
+    """Sends records; batched, keyed, idempotent on Kafka."""
+
+    async def start(self) -> None:
+        """Connect. Raises ``ConnectionError`` (Kafka: ``KafkaConnectionError``) if unreachable."""
+
+    async def stop(self) -> None:
+        """Flush what is pending and disconnect."""
+
+    async def send(
+        self, topic: str, value: bytes | None, key: str | None = None, headers: Sequence[tuple[str, bytes]] = ()
+    ) -> None:
+        """Queue one record for ``topic``; returns once it is accepted into the batch (not yet
+        acknowledged — call :meth:`flush` for that)."""
+
+    async def flush(self) -> None:
+        """Wait until every queued record is acknowledged by the bus."""
+
+
+class Consumer(Protocol):
+    """Reads records of a consumer group; commits explicitly."""
+
+    async def start(self) -> None:
+        """Join the group and get partitions."""
+
+    async def stop(self) -> None:
+        """Leave the group; uncommitted positions are not committed."""
+
+    async def getmany(self, timeout_s: float = 1.0, max_records: int = 1000) -> list[BusMessage]:
+        """Return up to ``max_records`` records (possibly none after ``timeout_s`` seconds)."""
+
+    async def commit(self) -> None:
+        """Commit the position after every record returned so far."""
+
+    def assignment(self) -> set[TopicPartition]:
+        """The partitions this member owns now."""
+
+
+class Bus(Protocol):
+    """Factory of producers and consumers on one cluster (or one process)."""
+
+    def producer(self, client_id: str = "gpupool") -> Producer:
+        """A new, not yet started, producer."""
+
+    def consumer(
+        self,
+        topics: Sequence[str],
+        group_id: str,
+        *,
+        client_id: str = "gpupool",
+        on_assign: OnAssign | None = None,
+    ) -> Consumer:
+        """A new, not yet started, consumer of ``topics`` in ``group_id``; a group with no
+        committed offset starts from the earliest record."""
+
+    async def create_topics(
+        self, names: Sequence[str], partitions: int = 1, compacted: Sequence[str] = ()
+    ) -> None:
+        """Create the topics that do not exist yet (``compacted``: ``cleanup.policy=compact``)."""
+
+    async def close(self) -> None:
+        """Release shared resources (admin clients)."""

@@ -1,0 +1,91 @@
+"""Lease states and the lease-log record (Kafka ``leases.log``, compacted by ``lease_id``).
+
+State machine (DESIGN.md "Broker protocol")::
+
+    granted ─► active ─► reclaiming(deadline) ─► released | revoked
+        │         │                               ▲
+        │         └──────────────► released ──────┘ (site releases early)
+        └───────► expired (no renewal within the TTL)
+
+``released``, ``expired`` and ``revoked`` are terminal; a GPU is in at most one non-terminal lease.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import Field
+
+from contracts.base import Record
+
+
+class LeaseState(StrEnum):
+    """State of a lease; see the module docstring for the transitions."""
+
+    GRANTED = "granted"
+    ACTIVE = "active"
+    RECLAIMING = "reclaiming"
+    RELEASED = "released"
+    EXPIRED = "expired"
+    REVOKED = "revoked"
+
+    @property
+    def live(self) -> bool:
+        """True while the lease holds its GPUs (granted, active, reclaiming)."""
+        return self in (LeaseState.GRANTED, LeaseState.ACTIVE, LeaseState.RECLAIMING)
+
+
+class Partition(Record):
+    """The InfiniBand isolation given to a lease.
+
+    Attributes:
+        pkey: partition key, ``0x0001``..``0x7ffe`` (the 0x8000 full-member bit is not included).
+        sl: InfiniBand service level (0..15) of inference traffic.
+        limited_members: port GUIDs of the leased hosts (limited membership).
+        full_members: port GUIDs of the edge gateway (full membership).
+        verified: True once the PKey tables read back from the fabric matched.
+    """
+
+    pkey: int = Field(ge=1, le=0x7FFE)
+    sl: int = Field(ge=0, le=15)
+    limited_members: list[str] = Field(default_factory=list)
+    full_members: list[str] = Field(default_factory=list)
+    verified: bool = False
+
+
+class LeaseLogRecord(Record):
+    """One lease transition; the newest record per ``lease_id`` is the lease's state.
+
+    Attributes:
+        lease_id: unique lease id.
+        site: edge site that holds it.
+        claim_id: the claim it came from (idempotency key of the site).
+        offer_id: the offer it came from.
+        gpus: GPU keys (:func:`contracts.topics.gpu_key`) held.
+        state: the state after this transition.
+        ts: time of the transition (Unix s).
+        granted_at: when it was granted (Unix s).
+        expires_at: lease TTL deadline; moved by each renewal (Unix s).
+        min_until: the minimum guaranteed duration ends here (Unix s).
+        reclaim_deadline: when reclaiming, the time the GPUs are taken back regardless (Unix s).
+        notice_seconds: reclaim notice promised by the offer.
+        partition: the fabric isolation, once applied.
+        reason: why the transition happened (``demand:<id>``, ``ttl``, ``site_release``...).
+        seq: per-lease transition counter (1, 2, 3...).
+    """
+
+    lease_id: str
+    site: str
+    claim_id: str
+    offer_id: str
+    gpus: list[str]
+    state: LeaseState
+    ts: float
+    granted_at: float
+    expires_at: float
+    min_until: float | None = None
+    reclaim_deadline: float | None = None
+    notice_seconds: float
+    partition: Partition | None = None
+    reason: str = ""
+    seq: int = 1

@@ -1,0 +1,141 @@
+"""Names of every Kafka and MQTT topic, in one place.
+
+Kafka keys (DESIGN.md "The bus"): ``telemetry.gpu`` is keyed by :func:`gpu_key`,
+``telemetry.ib_port`` by ``node_guid/port``, ``capacity`` by :func:`gpu_key`, ``leases.log`` by
+``lease_id`` (a compacted topic), ``pool.demand`` by ``demand_id``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def gpu_key(host: str, gpu_uuid: str, gpu_instance_id: int | None = None) -> str:
+    """Identity of one GPU or one MIG GPU instance: ``host/uuid`` or ``host/uuid/gi``.
+
+    A MIG GPU instance is a GPU of its own for idle detection and leasing.
+    """
+    base = f"{host}/{gpu_uuid}"
+    return base if gpu_instance_id is None else f"{base}/{gpu_instance_id}"
+
+
+def ib_port_key(node_guid: str, port: int) -> str:
+    """Identity of one InfiniBand port: ``node_guid/port`` (GUID as ``0x`` + 16 hex digits)."""
+    return f"{node_guid}/{port}"
+
+
+@dataclass(frozen=True)
+class KafkaTopics:
+    """Kafka topic names; ``prefix`` lets several deployments (or tests) share one cluster."""
+
+    prefix: str = ""
+
+    @property
+    def telemetry_gpu(self) -> str:
+        """GPU samples (:class:`contracts.telemetry.GpuSample`)."""
+        return f"{self.prefix}telemetry.gpu"
+
+    @property
+    def telemetry_ib_port(self) -> str:
+        """InfiniBand port samples (:class:`contracts.telemetry.IbPortSample`)."""
+        return f"{self.prefix}telemetry.ib_port"
+
+    @property
+    def fabric_topology(self) -> str:
+        """Fabric topology snapshots (compacted)."""
+        return f"{self.prefix}fabric.topology"
+
+    @property
+    def capacity(self) -> str:
+        """Per-GPU capacity updates (:class:`contracts.capacity.CapacityUpdate`)."""
+        return f"{self.prefix}capacity"
+
+    @property
+    def pool_demand(self) -> str:
+        """Training wants GPUs back (:class:`contracts.capacity.PoolDemand`)."""
+        return f"{self.prefix}pool.demand"
+
+    @property
+    def leases_log(self) -> str:
+        """Every lease transition (:class:`contracts.leases.LeaseLogRecord`), compacted by lease_id."""
+        return f"{self.prefix}leases.log"
+
+    def all(self) -> list[str]:
+        """Every topic name, for creating them up front."""
+        return [
+            self.telemetry_gpu,
+            self.telemetry_ib_port,
+            self.fabric_topology,
+            self.capacity,
+            self.pool_demand,
+            self.leases_log,
+        ]
+
+
+@dataclass(frozen=True)
+class MqttTopics:
+    """MQTT topic names under ``root`` (default ``gpupool/v1``); see DESIGN.md "Broker protocol"."""
+
+    root: str = "gpupool/v1"
+
+    def offer(self, offer_id: str) -> str:
+        """Retained offer, QoS 1; an empty retained payload withdraws it."""
+        return f"{self.root}/offers/{offer_id}"
+
+    @property
+    def offers_filter(self) -> str:
+        """Subscription filter for every offer."""
+        return f"{self.root}/offers/+"
+
+    def claims(self, site: str) -> str:
+        """A site's claims (site → broker)."""
+        return f"{self.root}/sites/{site}/claims"
+
+    def lease(self, site: str, lease_id: str) -> str:
+        """Retained lease state (broker → site)."""
+        return f"{self.root}/sites/{site}/leases/{lease_id}"
+
+    def leases_filter(self, site: str) -> str:
+        """Subscription filter for one site's leases."""
+        return f"{self.root}/sites/{site}/leases/+"
+
+    def renewals(self, site: str) -> str:
+        """Lease heartbeats (site → broker)."""
+        return f"{self.root}/sites/{site}/renewals"
+
+    def releases(self, site: str) -> str:
+        """Early releases (site → broker)."""
+        return f"{self.root}/sites/{site}/releases"
+
+    def replies(self, site: str) -> str:
+        """Rejections and acknowledgements with a reason code (broker → site)."""
+        return f"{self.root}/sites/{site}/replies"
+
+    def site_state(self, site: str) -> str:
+        """A site's retained birth/death message (its Last Will)."""
+        return f"{self.root}/sites/{site}/state"
+
+    @property
+    def broker_state(self) -> str:
+        """The broker's retained birth/death message (its Last Will)."""
+        return f"{self.root}/broker/state"
+
+    @property
+    def site_inbound_filters(self) -> list[str]:
+        """What the broker subscribes to: every site's claims, renewals, releases and state."""
+        return [
+            f"{self.root}/sites/+/claims",
+            f"{self.root}/sites/+/renewals",
+            f"{self.root}/sites/+/releases",
+            f"{self.root}/sites/+/state",
+        ]
+
+    def parse_site(self, topic: str) -> tuple[str, str] | None:
+        """Split ``{root}/sites/{site}/{kind}`` into ``(site, kind)``; ``None`` if it is not one."""
+        prefix = f"{self.root}/sites/"
+        if not topic.startswith(prefix):
+            return None
+        parts = topic[len(prefix):].split("/")
+        if len(parts) != 2 or not parts[0]:
+            return None
+        return parts[0], parts[1]
