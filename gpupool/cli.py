@@ -60,6 +60,7 @@ def demo(
     mqtt: Annotated[str | None, typer.Option(help="MQTT broker host:port; default: embedded amqtt (MQTT 3.1.1).")] = None,
     mqtt_credentials: Annotated[Path | None, typer.Option(help="credentials.json from deploy/local/mosquitto.sh.")] = None,
     state_dir: Annotated[Path, typer.Option(help="Where the DuckDB file and the simulated sysfs go.")] = Path(".state/demo"),
+    metrics_port: Annotated[int, typer.Option(help="Serve Prometheus /metrics of every stage on this port (0: off).")] = 0,
     json_summary: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Run the simulator and every stage for DURATION seconds, show live progress, print a summary.
@@ -72,7 +73,8 @@ def demo(
     from gpupool.demo import DemoConfig, run_demo
 
     cfg = DemoConfig(duration_s=duration, nodes=nodes, speedup=speedup, kafka=kafka, mqtt=mqtt,
-                     mqtt_credentials=mqtt_credentials, state_dir=state_dir)
+                     mqtt_credentials=mqtt_credentials, state_dir=state_dir,
+                     metrics_port=metrics_port)
     console = Console(stderr=False)
     with Live(console=console, auto_refresh=False, transient=False) as live:
         def progress(snap: dict[str, object]) -> None:

@@ -39,7 +39,7 @@ class DemoConfig:
     nodes: int = 4
     gpus_per_node: int = 8
     speedup: float = 57.0
-    start_step: int = 0
+    start_step: int = 120
     seed: int = 7
     scrape_interval_s: float = 0.5
     min_idle_s: float = 3.0
@@ -56,6 +56,8 @@ class DemoConfig:
     state_dir: Path = Path(".state/demo")
     metrics_port: int = 0
     trace_dir: Path | None = None
+    topic_prefix: str | None = None
+    """Kafka topic prefix; ``None``: a fresh ``demo-<run id>.`` on Kafka, none on the in-process bus."""
 
 
 @dataclass
@@ -157,6 +159,10 @@ async def run_demo(cfg: DemoConfig, progress=None) -> DemoSummary:  # noqa: ANN0
     from simulator.trace import default_trace_dir, load_trace
 
     cfg.state_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(cfg.metrics_port, addr="127.0.0.1")  # every stage's metrics, one process
     run_id = uuid.uuid4().hex[:8]
     trace = load_trace(cfg.trace_dir or default_trace_dir())
     fleet = Fleet(trace, nodes=cfg.nodes, gpus_per_node=cfg.gpus_per_node, speedup=cfg.speedup,
@@ -167,7 +173,8 @@ async def run_demo(cfg: DemoConfig, progress=None) -> DemoSummary:  # noqa: ANN0
     sysfs.update(time.time())
 
     bus = make_bus(cfg.kafka, client_id="gpupool-demo")
-    topics = KafkaTopics(prefix=f"demo-{run_id}." if cfg.kafka else "")
+    prefix = cfg.topic_prefix if cfg.topic_prefix is not None else (f"demo-{run_id}." if cfg.kafka else "")
+    topics = KafkaTopics(prefix=prefix)
     await bus.create_topics(topics.all(), partitions=4 if cfg.kafka else 1,
                             compacted=[topics.leases_log, topics.fabric_topology])
 
