@@ -1,1 +1,34 @@
-"""gpupool analytics."""
+"""gpupool analytics: telemetry from the bus into DuckDB (offsets stored with the rows), per-GPU
+busy / idle / unknown with hysteresis, predicted idle windows, capacity updates on the bus.
+
+Public API:
+
+* :class:`AnalyticsService` — the stage (``start`` / ``step`` / ``run`` / ``stop`` /
+  ``current_states``);
+* :class:`IdleConfig`, :class:`IdleClassifier`, :class:`GpuStatus`, :class:`IdleRun` — idle
+  detection (pure, deterministic);
+* :class:`IdlePredictor`, :class:`PredictorConfig`, :class:`Prediction`, :class:`SurvivalCurve` —
+  predicted availability;
+* :class:`AnalyticsStore`, :class:`StoreBatch` — the DuckDB store;
+* :mod:`analytics.cli` — ``gpupool analytics run|sql``.
+"""
+
+from analytics.classify import GpuStatus, IdleClassifier, IdleConfig, IdleRun
+from analytics.predict import IdlePredictor, Prediction, PredictorConfig, SurvivalCurve
+from analytics.service import AnalyticsService
+from analytics.store import AnalyticsStore, StoreBatch, StoreSchemaError
+
+__all__ = [
+    "AnalyticsService",
+    "AnalyticsStore",
+    "GpuStatus",
+    "IdleClassifier",
+    "IdleConfig",
+    "IdlePredictor",
+    "IdleRun",
+    "Prediction",
+    "PredictorConfig",
+    "StoreBatch",
+    "StoreSchemaError",
+    "SurvivalCurve",
+]

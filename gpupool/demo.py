@@ -201,7 +201,10 @@ async def run_demo(cfg: DemoConfig, progress=None) -> DemoSummary:  # noqa: ANN0
                                  sysfs_roots=sysfs.roots(), interval_s=cfg.scrape_interval_s,
                                  timeout_s=max(0.2, cfg.scrape_interval_s * 2))
     analytics = AnalyticsService(bus=bus, topics=topics, db_path=str(cfg.state_dir / f"analytics-{run_id}.duckdb"),
-                                 idle=IdleConfig(min_idle_s=cfg.min_idle_s, stale_after_s=max(3.0, 6 * cfg.scrape_interval_s)))
+                                 idle=IdleConfig(min_idle_s=cfg.min_idle_s, stale_after_s=max(3.0, 6 * cfg.scrape_interval_s),
+                                                 # the trace is exact: idle means 0 % duty cycle
+                                                 idle_threshold=0.0, busy_threshold=0.0),
+                                 refresh_s=5.0)
     bu, bp = creds("gpupool-broker")
     broker = BrokerService(bus=bus, topics=topics, mqtt_host=mhost, mqtt_port=port, mqtt_username=bu,
                            mqtt_password=bp, root=root, protocol=protocol,

@@ -1,0 +1,323 @@
+"""Table layouts of the analytics store and the conversion of records into Arrow tables.
+
+One column list per table defines both the DuckDB DDL and the Arrow schema, so the two cannot
+drift. Timestamps are ``TIMESTAMP`` (UTC, microseconds). GPU fields the stage uses get columns
+named after their meaning (DCGM units: % for ``gpu_util``, ratio for ``*_active``, MiB, W); every
+valid field is also kept in the ``fields`` JSON column. InfiniBand PMA counters are ``HUGEINT``
+(the Arrow side is ``uint64``: PMA counters are at most 64-bit unsigned), never ``DOUBLE``, so
+deltas of switch byte counters past 2**53 stay exact; the whole counter map is also kept as JSON.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+from pydantic_core import to_json
+
+from analytics import metrics
+from analytics.classify import FB_FREE, FB_USED, GPU_UTIL, GR_ENGINE_ACTIVE, SM_ACTIVE, IdleRun
+from contracts import CapacityUpdate, GpuSample, IbPortSample
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    """One column: its name, DuckDB type and Arrow type."""
+
+    name: str
+    sql_type: str
+    arrow_type: pa.DataType
+
+
+_TS = pa.timestamp("us")
+_JSON = pa.string()
+
+POWER_USAGE = "DCGM_FI_DEV_POWER_USAGE"
+"""Board power draw, W (DCGM field 155)."""
+
+GPU_SAMPLE_COLUMNS: tuple[Column, ...] = (
+    Column("ts", "TIMESTAMP", _TS),
+    Column("gpu_key", "VARCHAR", pa.string()),
+    Column("host", "VARCHAR", pa.string()),
+    Column("gpu_uuid", "VARCHAR", pa.string()),
+    Column("gpu_index", "INTEGER", pa.int32()),
+    Column("gpu_instance_id", "INTEGER", pa.int32()),
+    Column("gpu_instance_profile", "VARCHAR", pa.string()),
+    Column("model_name", "VARCHAR", pa.string()),
+    Column("gpu_util", "DOUBLE", pa.float64()),
+    Column("gr_engine_active", "DOUBLE", pa.float64()),
+    Column("sm_active", "DOUBLE", pa.float64()),
+    Column("fb_used_mib", "BIGINT", pa.int64()),
+    Column("fb_free_mib", "BIGINT", pa.int64()),
+    Column("power_w", "DOUBLE", pa.float64()),
+    Column("fields", "JSON", _JSON),
+    Column("invalid", "JSON", _JSON),
+    Column("attributes", "JSON", _JSON),
+    Column("source", "VARCHAR", pa.string()),
+    Column("target", "VARCHAR", pa.string()),
+    Column("seq", "BIGINT", pa.int64()),
+    Column("kafka_partition", "INTEGER", pa.int32()),
+    Column("kafka_offset", "BIGINT", pa.int64()),
+)
+"""``gpu_samples``: one row per :class:`contracts.GpuSample`."""
+
+_GPU_FLOAT_FIELDS = {
+    "gpu_util": GPU_UTIL,
+    "gr_engine_active": GR_ENGINE_ACTIVE,
+    "sm_active": SM_ACTIVE,
+    "power_w": POWER_USAGE,
+}
+_GPU_INT_FIELDS = {"fb_used_mib": FB_USED, "fb_free_mib": FB_FREE}
+
+IB_COUNTERS: tuple[str, ...] = (
+    "PortXmitData",
+    "PortRcvData",
+    "PortXmitPkts",
+    "PortRcvPkts",
+    "PortXmitWait",
+    "SymbolErrorCounter",
+    "LinkErrorRecoveryCounter",
+    "LinkDownedCounter",
+    "PortRcvErrors",
+    "PortRcvRemotePhysicalErrors",
+    "PortXmitDiscards",
+    "LocalLinkIntegrityErrors",
+    "ExcessiveBufferOverrunErrors",
+)
+"""PMA counters (IBTA vol. 1, 16.1.3) given a column each, named in snake case
+(``PortXmitData`` → ``port_xmit_data``; data counters in 4-octet words)."""
+
+
+def counter_column(pma_name: str) -> str:
+    """Snake-case column name of a PMA counter: ``PortXmitData`` → ``port_xmit_data``."""
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", pma_name).lower()
+
+
+IB_PORT_SAMPLE_COLUMNS: tuple[Column, ...] = (
+    Column("ts", "TIMESTAMP", _TS),
+    Column("port_key", "VARCHAR", pa.string()),
+    Column("host", "VARCHAR", pa.string()),
+    Column("device", "VARCHAR", pa.string()),
+    Column("node_guid", "VARCHAR", pa.string()),
+    Column("port", "INTEGER", pa.int32()),
+    Column("link_layer", "VARCHAR", pa.string()),
+    Column("state_id", "INTEGER", pa.int32()),
+    Column("state", "VARCHAR", pa.string()),
+    Column("phys_state_id", "INTEGER", pa.int32()),
+    Column("phys_state", "VARCHAR", pa.string()),
+    Column("rate_bytes_per_second", "BIGINT", pa.int64()),
+    *(Column(counter_column(c), "HUGEINT", pa.uint64()) for c in IB_COUNTERS),
+    Column("counters", "JSON", _JSON),
+    Column("counter_bits", "JSON", _JSON),
+    Column("saturated", "VARCHAR[]", pa.list_(pa.string())),
+    Column("hw_counters", "JSON", _JSON),
+    Column("source", "VARCHAR", pa.string()),
+    Column("seq", "BIGINT", pa.int64()),
+    Column("kafka_partition", "INTEGER", pa.int32()),
+    Column("kafka_offset", "BIGINT", pa.int64()),
+)
+"""``ib_port_samples``: one row per :class:`contracts.IbPortSample`."""
+
+GPU_STATE_COLUMNS: tuple[Column, ...] = (
+    Column("ts", "TIMESTAMP", _TS),
+    Column("gpu_key", "VARCHAR", pa.string()),
+    Column("host", "VARCHAR", pa.string()),
+    Column("gpu_uuid", "VARCHAR", pa.string()),
+    Column("gpu_instance_id", "INTEGER", pa.int32()),
+    Column("model_name", "VARCHAR", pa.string()),
+    Column("pool", "VARCHAR", pa.string()),
+    Column("state", "VARCHAR", pa.string()),
+    Column("since", "TIMESTAMP", _TS),
+    Column("grade", "VARCHAR", pa.string()),
+    Column("predicted_idle_until", "TIMESTAMP", _TS),
+    Column("confidence", "DOUBLE", pa.float64()),
+    Column("reason", "VARCHAR", pa.string()),
+)
+"""``gpu_states``: every capacity update decided (state changes and periodic refreshes)."""
+
+IDLE_RUN_COLUMNS: tuple[Column, ...] = (
+    Column("gpu_key", "VARCHAR", pa.string()),
+    Column("model_name", "VARCHAR", pa.string()),
+    Column("pool", "VARCHAR", pa.string()),
+    Column("start_ts", "TIMESTAMP", _TS),
+    Column("end_ts", "TIMESTAMP", _TS),
+    Column("duration_s", "DOUBLE", pa.float64()),
+    Column("censored", "BOOLEAN", pa.bool_()),
+)
+"""``idle_runs``: ended idle runs (the predictor's history, reloaded at start)."""
+
+
+def arrow_schema(columns: Sequence[Column]) -> pa.Schema:
+    """The Arrow schema of a column list."""
+    return pa.schema([(c.name, c.arrow_type) for c in columns])
+
+
+def create_table_sql(table: str, columns: Sequence[Column]) -> str:
+    """``CREATE TABLE IF NOT EXISTS`` statement for a column list."""
+    cols = ", ".join(f"{c.name} {c.sql_type}" for c in columns)
+    return f"CREATE TABLE IF NOT EXISTS {table} ({cols})"
+
+
+def gpu_samples_table(
+    samples: Sequence[GpuSample], partitions: Sequence[int], offsets: Sequence[int]
+) -> pa.Table:
+    """Rows of ``gpu_samples`` for ``samples`` read at ``(partitions[i], offsets[i])``.
+
+    Values that do not fit their column (an integer past int64, a non-finite float in JSON) become
+    NULL rather than failing the batch. Raises ``ValueError`` if the three sequences differ in
+    length or a timestamp is not finite.
+    """
+    if not len(samples) == len(partitions) == len(offsets):
+        raise ValueError("samples, partitions and offsets differ in length")
+    fields = [s.fields for s in samples]
+    cols: dict[str, list[Any]] = {
+        "ts": [_micros(s.ts) for s in samples],
+        "gpu_key": [s.key for s in samples],
+        "host": [s.host for s in samples],
+        "gpu_uuid": [s.gpu_uuid for s in samples],
+        "gpu_index": [_as_int(s.gpu_index, 32) for s in samples],
+        "gpu_instance_id": [_as_int(s.gpu_instance_id, 32) for s in samples],
+        "gpu_instance_profile": [s.gpu_instance_profile for s in samples],
+        "model_name": [s.model_name for s in samples],
+        "fields": [_json(f) for f in fields],
+        "invalid": [_json(s.invalid) for s in samples],
+        "attributes": [_json(s.attributes) for s in samples],
+        "source": [s.source for s in samples],
+        "target": [s.target for s in samples],
+        "seq": [_as_int(s.seq, 64) for s in samples],
+        "kafka_partition": list(partitions),
+        "kafka_offset": list(offsets),
+    }
+    for col, name in _GPU_FLOAT_FIELDS.items():
+        cols[col] = [_as_float(f.get(name)) for f in fields]
+    for col, name in _GPU_INT_FIELDS.items():
+        cols[col] = [_as_whole(f.get(name)) for f in fields]
+    return _table(GPU_SAMPLE_COLUMNS, cols)
+
+
+def ib_port_samples_table(
+    samples: Sequence[IbPortSample], partitions: Sequence[int], offsets: Sequence[int]
+) -> pa.Table:
+    """Rows of ``ib_port_samples`` for ``samples`` read at ``(partitions[i], offsets[i])``.
+
+    A counter outside ``0 .. 2**64-1`` is NULL in its column (kept verbatim in ``counters``) and
+    counted in ``gpupool_analytics_rejected_records_total{reason="counter_out_of_range"}``.
+    Raises ``ValueError`` like :func:`gpu_samples_table`.
+    """
+    if not len(samples) == len(partitions) == len(offsets):
+        raise ValueError("samples, partitions and offsets differ in length")
+    cols: dict[str, list[Any]] = {c.name: [] for c in IB_PORT_SAMPLE_COLUMNS}
+    counter_cols = [(name, counter_column(name)) for name in IB_COUNTERS]
+    for s in samples:
+        cols["ts"].append(_micros(s.ts))
+        cols["port_key"].append(s.key)
+        cols["host"].append(s.host)
+        cols["device"].append(s.device)
+        cols["node_guid"].append(s.node_guid)
+        cols["port"].append(_as_int(s.port, 32))
+        cols["link_layer"].append(s.link_layer)
+        cols["state_id"].append(_as_int(s.state_id, 32))
+        cols["state"].append(s.state)
+        cols["phys_state_id"].append(_as_int(s.phys_state_id, 32))
+        cols["phys_state"].append(s.phys_state)
+        cols["rate_bytes_per_second"].append(_as_int(s.rate_bytes_per_second, 64))
+        for name, col in counter_cols:
+            raw = s.counters.get(name)
+            if raw is not None and not 0 <= raw < 2**64:
+                metrics.REJECTED_RECORDS.labels(reason="counter_out_of_range").inc()
+                raw = None
+            cols[col].append(raw)
+        cols["counters"].append(_json(s.counters))
+        cols["counter_bits"].append(_json(s.counter_bits))
+        cols["saturated"].append(list(s.saturated))
+        cols["hw_counters"].append(_json(s.hw_counters))
+        cols["source"].append(s.source)
+        cols["seq"].append(_as_int(s.seq, 64))
+    cols["kafka_partition"] = list(partitions)
+    cols["kafka_offset"] = list(offsets)
+    return _table(IB_PORT_SAMPLE_COLUMNS, cols)
+
+
+def gpu_states_table(updates: Iterable[CapacityUpdate]) -> pa.Table:
+    """Rows of ``gpu_states`` for capacity updates."""
+    cols: dict[str, list[Any]] = {c.name: [] for c in GPU_STATE_COLUMNS}
+    for u in updates:
+        cols["ts"].append(_micros(u.ts))
+        cols["gpu_key"].append(u.key)
+        cols["host"].append(u.host)
+        cols["gpu_uuid"].append(u.gpu_uuid)
+        cols["gpu_instance_id"].append(_as_int(u.gpu_instance_id, 32))
+        cols["model_name"].append(u.model_name)
+        cols["pool"].append(u.pool)
+        cols["state"].append(u.state.value)
+        cols["since"].append(_micros(u.since))
+        cols["grade"].append(None if u.grade is None else u.grade.value)
+        cols["predicted_idle_until"].append(
+            None if u.predicted_idle_until is None else _micros(u.predicted_idle_until)
+        )
+        cols["confidence"].append(u.confidence)
+        cols["reason"].append(u.reason)
+    return _table(GPU_STATE_COLUMNS, cols)
+
+
+def idle_runs_table(runs: Iterable[tuple[IdleRun, str]]) -> pa.Table:
+    """Rows of ``idle_runs`` for ``(run, pool)`` pairs."""
+    cols: dict[str, list[Any]] = {c.name: [] for c in IDLE_RUN_COLUMNS}
+    for run, pool in runs:
+        cols["gpu_key"].append(run.key)
+        cols["model_name"].append(run.model_name)
+        cols["pool"].append(pool)
+        cols["start_ts"].append(_micros(run.start))
+        cols["end_ts"].append(_micros(run.end))
+        cols["duration_s"].append(run.duration_s)
+        cols["censored"].append(run.censored)
+    return _table(IDLE_RUN_COLUMNS, cols)
+
+
+def _table(columns: Sequence[Column], cols: dict[str, list[Any]]) -> pa.Table:
+    return pa.Table.from_arrays(
+        [pa.array(cols[c.name], type=c.arrow_type) for c in columns], schema=arrow_schema(columns)
+    )
+
+
+def _micros(ts: float) -> int:
+    """Unix seconds → integer microseconds. Raises ``ValueError`` if not finite."""
+    if not math.isfinite(ts):
+        raise ValueError(f"timestamp not finite: {ts!r}")
+    return round(ts * 1_000_000)
+
+
+def _as_int(v: float | int | None, bits: int) -> int | None:
+    """``v`` as a signed ``bits``-bit integer, or ``None`` if absent or out of range."""
+    if v is None or isinstance(v, float) or not -(2 ** (bits - 1)) <= v < 2 ** (bits - 1):
+        return None
+    return int(v)
+
+
+def _as_float(v: float | int | None) -> float | None:
+    """``v`` as a float (NaN/inf kept; DuckDB DOUBLE holds them), ``None`` if absent or too large."""
+    if v is None:
+        return None
+    try:
+        return float(v)
+    except OverflowError:
+        return None
+
+
+def _as_whole(v: float | int | None) -> int | None:
+    """A MiB count as an int64 (a float is rounded), ``None`` if absent, not finite or too large."""
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return None
+        v = round(v)
+    return _as_int(v, 64)
+
+
+def _json(obj: dict[str, Any]) -> str:
+    """Compact JSON text of ``obj``; integers stay exact, non-finite floats become ``null``
+    (JSON has no NaN)."""
+    return to_json(obj, inf_nan_mode="null").decode() if obj else "{}"

@@ -1,0 +1,418 @@
+"""The analytics stage: bus → DuckDB → idle detection → capacity updates on the bus.
+
+One :meth:`AnalyticsService.step`:
+
+1. reads one batch from ``telemetry.gpu`` and ``telemetry.ib_port`` (one consumer group);
+2. decodes it; a record that cannot be used is counted by reason
+   (``gpupool_analytics_rejected_records_total``) and skipped, never fatal;
+3. feeds GPU samples to the :class:`~analytics.classify.IdleClassifier` (in offset order) and, every
+   ``publish_interval_s``, marks GPUs not heard from for ``stale_after_s`` unknown;
+4. writes the rows, the decided capacity updates, ended idle runs and the offsets after the batch
+   in ONE DuckDB transaction (:meth:`analytics.store.AnalyticsStore.write`);
+5. commits the consumer (secondary: DuckDB's offsets are authoritative, and the consumer resumes
+   from them through ``on_assign``);
+6. publishes a :class:`contracts.CapacityUpdate` to ``capacity`` (keyed by GPU) for every GPU
+   whose state or grade changed, and re-publishes every GPU at least every ``refresh_s``.
+
+If the DuckDB write fails, nothing of the batch is stored or published; the consumer is rebuilt so
+it resumes from the stored offsets and the batch is read again (the classifier ignores samples it
+has already seen). If publishing fails, the updates stay due and go out on the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import pyarrow as pa
+
+from analytics import metrics
+from analytics.classify import GpuStatus, IdleClassifier, IdleConfig, IdleRun
+from analytics.decode import RejectedRecord, decode_telemetry
+from analytics.predict import IdlePredictor, PredictorConfig
+from analytics.rows import gpu_samples_table, gpu_states_table, ib_port_samples_table, idle_runs_table
+from analytics.store import AnalyticsStore, StoreBatch
+from contracts import CapacityUpdate, GpuSample, GpuState, IbPortSample, KafkaTopics, encode
+from contracts.bus import Bus, BusMessage, Consumer, Producer, TopicPartition
+
+log = logging.getLogger(__name__)
+
+_R = TypeVar("_R", GpuSample, IbPortSample)
+
+
+@dataclass(slots=True)
+class _Decoded:
+    gpu: list[GpuSample] = field(default_factory=list)
+    gpu_pos: list[tuple[int, int]] = field(default_factory=list)
+    ib: list[IbPortSample] = field(default_factory=list)
+    ib_pos: list[tuple[int, int]] = field(default_factory=list)
+    offsets: dict[TopicPartition, int] = field(default_factory=dict)
+
+
+class AnalyticsService:
+    """The analytics stage over a :class:`contracts.bus.Bus`; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        bus: Bus,
+        topics: KafkaTopics,
+        db_path: str,
+        idle: IdleConfig | None = None,
+        group_id: str = "gpupool-analytics",
+        publish_interval_s: float = 1.0,
+        refresh_s: float = 30.0,
+        pool: str = "default",
+        predictor: PredictorConfig | None = None,
+        clock: Callable[[], float] = time.time,
+        max_records: int = 5000,
+        client_id: str = "gpupool-analytics",
+        memory_limit: str | None = None,
+    ) -> None:
+        """Configure; nothing is opened before :meth:`start`.
+
+        Args:
+            bus: where telemetry is read and capacity updates are written.
+            topics: topic names.
+            db_path: DuckDB file, or ``":memory:"``.
+            idle: idle-detection thresholds (:class:`IdleConfig` defaults if ``None``).
+            group_id: consumer group; instances of one group split the partitions.
+            publish_interval_s: period (s) of the stale check and of the refresh scan.
+            refresh_s: every GPU's update is re-published at least this often (s).
+            pool: pool name put on every update.
+            predictor: prediction settings; default: 90 % confidence and, with no history,
+                ``min_idle_s`` seconds at 50 %.
+            clock: wall clock (Unix s) for stale checks and refresh timing; injectable for tests.
+            max_records: most records per step.
+            client_id: bus client id.
+            memory_limit: DuckDB ``memory_limit`` (e.g. ``"2GB"``).
+
+        Raises:
+            ValueError: a non-positive interval or ``max_records``.
+        """
+        if publish_interval_s <= 0 or refresh_s <= 0 or max_records <= 0:
+            raise ValueError("publish_interval_s, refresh_s and max_records must be > 0")
+        self.idle = idle if idle is not None else IdleConfig()
+        self.topics = topics
+        self.pool = pool
+        self._bus = bus
+        self._db_path = db_path
+        self._group_id = group_id
+        self._client_id = client_id
+        self._publish_interval_s = publish_interval_s
+        self._refresh_s = refresh_s
+        self._clock = clock
+        self._max_records = max_records
+        self._memory_limit = memory_limit
+        self._classifier = IdleClassifier(self.idle)
+        self._predictor = IdlePredictor(
+            predictor if predictor is not None else PredictorConfig(default_remaining_s=self.idle.min_idle_s)
+        )
+        self._store: AnalyticsStore | None = None
+        self._consumer: Consumer | None = None
+        self._producer: Producer | None = None
+        self._next_offsets: dict[TopicPartition, int] = {}
+        self._pending_runs: list[IdleRun] = []
+        self._published: dict[str, CapacityUpdate] = {}
+        self._published_at: dict[str, float] = {}
+        self._last_tick = float("-inf")
+        self._rows_ingested = 0
+        self._seen_idle: set[str] = set()
+        self._inflight: asyncio.Future[dict[str, int]] | None = None
+
+    # lifecycle -------------------------------------------------------------------------------
+    @property
+    def store(self) -> AnalyticsStore:
+        """The DuckDB store. Raises ``RuntimeError`` before :meth:`start`."""
+        if self._store is None:
+            raise RuntimeError("AnalyticsService not started")
+        return self._store
+
+    async def start(self) -> None:
+        """Open the store, reload offsets and idle-run history, start the producer and join the
+        consumer group. Raises what the bus or DuckDB raise (connection, lock, schema errors)."""
+        self._store = AnalyticsStore(self._db_path, memory_limit=self._memory_limit)
+        self._next_offsets = self._store.stored_offsets(self._telemetry_topics())
+        for key, pool, duration, censored in self._store.idle_runs(self._predictor.config.max_runs_per_gpu):
+            self._predictor.observe(key, duration, censored=censored, pool=pool)
+        self._producer = self._bus.producer(self._client_id)
+        await self._producer.start()
+        self._consumer = self._new_consumer()
+        await self._consumer.start()
+        log.info(
+            "analytics_started",
+            extra={
+                "db": self._db_path,
+                "group_id": self._group_id,
+                "stored_offsets": len(self._next_offsets),
+            },
+        )
+
+    async def stop(self) -> None:
+        """Leave the group, flush the producer and close the store (idempotent). An error of the
+        bus while stopping is logged; the store is closed regardless."""
+        consumer, producer = self._consumer, self._producer
+        self._consumer = self._producer = None
+        for name, part in (("consumer", consumer), ("producer", producer)):
+            if part is None:
+                continue
+            try:
+                await part.stop()
+            except Exception as exc:
+                log.warning("analytics_stop_failed", extra={"part": name, "error": repr(exc)})
+        if self._inflight is not None and not self._inflight.done():
+            with contextlib.suppress(Exception):
+                await self._inflight
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+        log.info("analytics_stopped", extra={"db": self._db_path})
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Call :meth:`step` until ``stop`` is set. An unexpected error in a step is logged and
+        retried after a short pause; it never ends the loop."""
+        backoff = 0.5
+        while not stop.is_set():
+            try:
+                await self.step(timeout_s=min(0.5, self._publish_interval_s))
+                backoff = 0.5
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("analytics_step_failed", extra={"retry_in_s": backoff})
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), backoff)
+                backoff = min(backoff * 2, 10.0)
+
+    # the loop --------------------------------------------------------------------------------
+    async def step(self, timeout_s: float = 0.5) -> int:
+        """Read, store, classify and publish one batch (see the module docstring); return the
+        number of records read (including rejected ones). Raises ``RuntimeError`` before
+        :meth:`start`; bus errors other than publishing propagate."""
+        consumer, producer = self._consumer, self._producer
+        if consumer is None or producer is None or self._store is None:
+            raise RuntimeError("AnalyticsService not started")
+        msgs = await consumer.getmany(timeout_s=timeout_s, max_records=self._max_records)
+        decoded = self._decode(msgs)
+        gpu_table = _safe_table(gpu_samples_table, decoded.gpu, decoded.gpu_pos)
+        ib_table = _safe_table(ib_port_samples_table, decoded.ib, decoded.ib_pos)
+        for sample in decoded.gpu:
+            self._classifier.observe(sample)
+        now = self._clock()
+        if now - self._last_tick >= self._publish_interval_s:
+            self._classifier.tick(now)
+            self._last_tick = now
+        for run in self._classifier.drain_runs():
+            self._predictor.observe(run.key, run.duration_s, censored=run.censored, pool=self.pool)
+            self._pending_runs.append(run)
+        due = self._due_updates(now)
+        batch = StoreBatch(
+            gpu_samples=gpu_table,
+            ib_port_samples=ib_table,
+            gpu_states=gpu_states_table(due) if due else None,
+            idle_runs=idle_runs_table((r, self.pool) for r in self._pending_runs)
+            if self._pending_runs
+            else None,
+            offsets=decoded.offsets,
+        )
+        if batch.empty():  # nothing read (or only duplicates) and nothing due
+            self._update_gauges()
+            return len(msgs)
+        try:
+            # Shielded: if the step is cancelled the write still completes, and stop() waits for it
+            # before closing the connection.
+            self._inflight = asyncio.ensure_future(asyncio.to_thread(self._store.write, batch))
+            await asyncio.shield(self._inflight)
+        except Exception as exc:
+            metrics.INGEST_FAILURES.inc()
+            log.error("analytics_ingest_failed", extra={"error": repr(exc), "records": len(msgs)})
+            await self._reset_consumer()
+            return len(msgs)
+        self._pending_runs.clear()
+        self._next_offsets.update(decoded.offsets)
+        self._rows_ingested += sum(t.num_rows for t in (gpu_table, ib_table) if t is not None)
+        if msgs:
+            try:
+                await consumer.commit()
+            except Exception as exc:  # DuckDB holds the offsets; the group offset is a fallback
+                log.warning("analytics_commit_failed", extra={"error": repr(exc)})
+        await self._publish(producer, due, now)
+        self._update_gauges()
+        return len(msgs)
+
+    def current_states(self) -> dict[str, CapacityUpdate]:
+        """The current capacity update of every GPU known, by GPU key (predictions as of each
+        GPU's latest sample) — the live view of the demo."""
+        return {key: self._update(st) for key, st in self._classifier.statuses().items()}
+
+    def rows_ingested(self) -> int:
+        """Telemetry rows (GPU and IB port samples) this instance committed to DuckDB since it was
+        built; still valid after :meth:`stop`."""
+        return self._rows_ingested
+
+    def gpus_seen_idle(self) -> int:
+        """How many distinct GPUs (and MIG instances) this instance has classified idle at least
+        once; still valid after :meth:`stop`."""
+        return len(self._seen_idle)
+
+    # internals -------------------------------------------------------------------------------
+    def _telemetry_topics(self) -> list[str]:
+        return [self.topics.telemetry_gpu, self.topics.telemetry_ib_port]
+
+    def _new_consumer(self) -> Consumer:
+        return self._bus.consumer(
+            self._telemetry_topics(), self._group_id, client_id=self._client_id, on_assign=self._on_assign
+        )
+
+    async def _on_assign(self, assigned: set[TopicPartition]) -> dict[TopicPartition, int]:
+        """Resume each assigned partition from the offset stored with the rows (cached copy of
+        DuckDB's ``consumer_offsets``, updated after every committed write)."""
+        start = {tp: self._next_offsets[tp] for tp in assigned if tp in self._next_offsets}
+        log.info(
+            "analytics_partitions_assigned",
+            extra={"partitions": sorted(f"{t}:{p}" for t, p in assigned), "resumed": len(start)},
+        )
+        return start
+
+    async def _reset_consumer(self) -> None:
+        """Rebuild the consumer so it re-reads from the stored offsets."""
+        if self._consumer is not None:
+            try:
+                await self._consumer.stop()
+            except Exception as exc:
+                log.warning("analytics_consumer_stop_failed", extra={"error": repr(exc)})
+        self._consumer = self._new_consumer()
+        await self._consumer.start()
+
+    def _decode(self, msgs: Sequence[BusMessage]) -> _Decoded:
+        out = _Decoded()
+        for msg in msgs:
+            tp = TopicPartition(msg.topic, msg.partition)
+            metrics.RECORDS_CONSUMED.labels(topic=msg.topic).inc()
+            if msg.offset < self._next_offsets.get(tp, 0):
+                metrics.REJECTED_RECORDS.labels(reason="duplicate").inc()
+                continue
+            out.offsets[tp] = max(out.offsets.get(tp, 0), msg.offset + 1)
+            try:
+                record = decode_telemetry(msg, self.topics)
+            except RejectedRecord as exc:
+                metrics.REJECTED_RECORDS.labels(reason=exc.reason).inc()
+                log.warning(
+                    "analytics_record_rejected",
+                    extra={
+                        "reason": exc.reason,
+                        "detail": exc.detail,
+                        "messaging.destination.name": msg.topic,
+                        "messaging.kafka.destination.partition": msg.partition,
+                        "messaging.kafka.message.offset": msg.offset,
+                    },
+                )
+                continue
+            if isinstance(record, GpuSample):
+                out.gpu.append(record)
+                out.gpu_pos.append((msg.partition, msg.offset))
+            else:
+                out.ib.append(record)
+                out.ib_pos.append((msg.partition, msg.offset))
+        return out
+
+    def _update(self, st: GpuStatus) -> CapacityUpdate:
+        until = confidence = None
+        if st.state is GpuState.IDLE:
+            pred = self._predictor.predict(st.key, st.since, st.ts, pool=self.pool)
+            until, confidence = pred.idle_until, pred.confidence * st.confidence_factor
+        return CapacityUpdate(
+            ts=st.ts,
+            host=st.host,
+            gpu_uuid=st.gpu_uuid,
+            gpu_instance_id=st.gpu_instance_id,
+            model_name=st.model_name,
+            state=st.state,
+            since=st.since,
+            grade=st.grade,
+            predicted_idle_until=until,
+            confidence=confidence,
+            reason=st.reason,
+            fb_total_mib=st.fb_total_mib,
+            pool=self.pool,
+        )
+
+    def _due_updates(self, now: float) -> list[CapacityUpdate]:
+        due: list[CapacityUpdate] = []
+        for key, st in self._classifier.statuses().items():
+            if st.state is GpuState.IDLE:
+                self._seen_idle.add(key)
+            last = self._published.get(key)
+            if (
+                last is None
+                or last.state is not st.state
+                or last.grade != st.grade
+                or now - self._published_at.get(key, float("-inf")) >= self._refresh_s
+            ):
+                due.append(self._update(st))
+        return due
+
+    async def _publish(self, producer: Producer, updates: list[CapacityUpdate], now: float) -> None:
+        if not updates:
+            return
+        try:
+            for update in updates:
+                await producer.send(self.topics.capacity, encode(update), key=update.key)
+            await producer.flush()
+        except Exception as exc:
+            metrics.PUBLISH_FAILURES.inc()
+            log.warning("analytics_publish_failed", extra={"error": repr(exc), "updates": len(updates)})
+            return
+        for update in updates:
+            self._published[update.key] = update
+            self._published_at[update.key] = now
+            metrics.CAPACITY_UPDATES.labels(state=update.state.value).inc()
+
+    def _update_gauges(self) -> None:
+        statuses = self._classifier.statuses().values()
+        counts = Counter(st.state for st in statuses)
+        for state in GpuState:
+            metrics.GPUS.labels(state=state.value).set(counts.get(state, 0))
+        idle = Counter(
+            (st.model_name or "unknown", st.grade.value if st.grade else "unknown")
+            for st in statuses
+            if st.state is GpuState.IDLE
+        )
+        metrics.IDLE_GPUS.clear()
+        for (model, grade), n in idle.items():
+            metrics.IDLE_GPUS.labels(pool=self.pool, model=model, grade=grade).set(n)
+
+
+def _safe_table(
+    build: Callable[[Sequence[_R], Sequence[int], Sequence[int]], pa.Table],
+    records: list[_R],
+    positions: list[tuple[int, int]],
+) -> pa.Table | None:
+    """Arrow table of ``records``; if the batch cannot be converted, convert record by record and
+    drop (count as ``unstorable``) the ones that fail, so one bad record cannot block a partition."""
+    if not records:
+        return None
+    try:
+        return build(records, [p for p, _ in positions], [o for _, o in positions])
+    except Exception:
+        good: list[pa.Table] = []
+        for record, (partition, offset) in zip(records, positions, strict=True):
+            try:
+                good.append(build([record], [partition], [offset]))
+            except Exception as exc:
+                metrics.REJECTED_RECORDS.labels(reason="unstorable").inc()
+                log.warning(
+                    "analytics_record_unstorable",
+                    extra={
+                        "error": repr(exc),
+                        "messaging.kafka.destination.partition": partition,
+                        "messaging.kafka.message.offset": offset,
+                    },
+                )
+        return pa.concat_tables(good) if good else None

@@ -1,0 +1,242 @@
+"""The analytics store: telemetry rows, decisions and consumer offsets in one DuckDB database.
+
+Exactly-once groundwork: :meth:`AnalyticsStore.write` commits a batch's rows *and* the offsets
+after them in one transaction, so after a crash :meth:`AnalyticsStore.stored_offsets` says where
+to resume and no row is lost or stored twice. Inserts are batched through Arrow
+(``INSERT INTO t BY NAME SELECT * FROM <registered arrow table>``), never row by row.
+
+DuckDB allows one writer process per database file; inside the process this class owns one
+connection, used by one thread at a time. Another thread reads through :meth:`cursor`.
+
+Tables (columns in :mod:`analytics.rows`): ``gpu_samples``, ``ib_port_samples``, ``gpu_states``,
+``idle_runs``, ``consumer_offsets(topic, partition, next_offset)``, ``analytics_meta``.
+Views: ``gpu_state_now`` — per GPU key, the latest sample joined with the latest decided state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+
+from analytics import metrics
+from analytics.rows import (
+    GPU_SAMPLE_COLUMNS,
+    GPU_STATE_COLUMNS,
+    IB_PORT_SAMPLE_COLUMNS,
+    IDLE_RUN_COLUMNS,
+    create_table_sql,
+)
+from contracts.bus import TopicPartition
+
+log = logging.getLogger(__name__)
+
+STORE_SCHEMA_VERSION = 1
+"""Layout version of the database; a file written with another version is refused."""
+
+_DDL: tuple[str, ...] = (
+    "CREATE TABLE IF NOT EXISTS analytics_meta (key VARCHAR PRIMARY KEY, value VARCHAR NOT NULL)",
+    create_table_sql("gpu_samples", GPU_SAMPLE_COLUMNS),
+    create_table_sql("ib_port_samples", IB_PORT_SAMPLE_COLUMNS),
+    create_table_sql("gpu_states", GPU_STATE_COLUMNS),
+    create_table_sql("idle_runs", IDLE_RUN_COLUMNS),
+    "CREATE TABLE IF NOT EXISTS consumer_offsets ("
+    " topic VARCHAR NOT NULL, partition INTEGER NOT NULL,"
+    " next_offset BIGINT NOT NULL CHECK (next_offset >= 0), PRIMARY KEY (topic, partition))",
+    # Latest sample per GPU (ties on ts broken by the later Kafka position), with the latest decision.
+    # max(ts) per GPU joined back, then a window over the few rows left: a row_number() window or
+    # max_by(row) over the whole table is several times slower on millions of rows.
+    """CREATE OR REPLACE VIEW gpu_state_now AS
+    WITH latest AS (SELECT gpu_key, max(ts) AS ts FROM gpu_samples GROUP BY gpu_key),
+    s AS (
+        SELECT g.* FROM gpu_samples AS g JOIN latest USING (gpu_key, ts)
+        QUALIFY row_number() OVER (PARTITION BY gpu_key ORDER BY kafka_partition DESC, kafka_offset DESC) = 1
+    ),
+    latest_state AS (SELECT gpu_key, max(ts) AS ts FROM gpu_states GROUP BY gpu_key),
+    d AS (
+        SELECT x.* FROM gpu_states AS x JOIN latest_state USING (gpu_key, ts)
+        QUALIFY row_number() OVER (PARTITION BY gpu_key ORDER BY x.since DESC) = 1
+    )
+    SELECT s.gpu_key, s.host, s.gpu_uuid, s.gpu_instance_id, s.gpu_instance_profile, s.model_name,
+           s.ts AS sample_ts, s.gpu_util, s.gr_engine_active, s.sm_active, s.fb_used_mib,
+           s.fb_free_mib, s.power_w, s.invalid,
+           d.state, d.since, d.grade, d.predicted_idle_until, d.confidence, d.reason, d.pool,
+           d.ts AS state_ts
+    FROM s LEFT JOIN d USING (gpu_key)""",
+)
+
+_BATCH_TABLES: tuple[str, ...] = ("gpu_samples", "ib_port_samples", "gpu_states", "idle_runs")
+
+
+@dataclass(slots=True)
+class StoreBatch:
+    """What one transaction writes. Tables come from :mod:`analytics.rows`; ``None`` or empty
+    tables are skipped. ``offsets`` maps each partition read to the *next* offset to read."""
+
+    gpu_samples: pa.Table | None = None
+    ib_port_samples: pa.Table | None = None
+    gpu_states: pa.Table | None = None
+    idle_runs: pa.Table | None = None
+    offsets: Mapping[TopicPartition, int] = field(default_factory=dict)
+
+    def empty(self) -> bool:
+        """True when there is nothing to write."""
+        tables = (self.gpu_samples, self.ib_port_samples, self.gpu_states, self.idle_runs)
+        return not self.offsets and all(t is None or t.num_rows == 0 for t in tables)
+
+
+def _offsets_table(offsets: Mapping[TopicPartition, int]) -> pa.Table:
+    items = sorted(offsets.items())
+    return pa.table(
+        {
+            "topic": pa.array([tp.topic for tp, _ in items], pa.string()),
+            "partition": pa.array([tp.partition for tp, _ in items], pa.int32()),
+            "next_offset": pa.array([off for _, off in items], pa.int64()),
+        }
+    )
+
+
+class StoreSchemaError(RuntimeError):
+    """The database file was written with another :data:`STORE_SCHEMA_VERSION`."""
+
+
+class AnalyticsStore:
+    """One DuckDB database (a file, or ``:memory:``) holding the stage's data."""
+
+    def __init__(
+        self,
+        path: str = ":memory:",
+        *,
+        memory_limit: str | None = None,
+        threads: int | None = None,
+        read_only: bool = False,
+    ) -> None:
+        """Open (creating tables and views unless ``read_only``).
+
+        Args:
+            path: database file, or ``:memory:``.
+            memory_limit: DuckDB ``memory_limit`` (e.g. ``"2GB"``); DuckDB's default if ``None``.
+            threads: DuckDB worker threads; DuckDB's default (all cores) if ``None``.
+            read_only: open an existing file read-only (operators' queries).
+
+        Raises:
+            duckdb.IOException: the file is locked by another process or cannot be opened.
+            StoreSchemaError: the file has another layout version.
+        """
+        config: dict[str, Any] = {}
+        if memory_limit:
+            config["memory_limit"] = memory_limit
+        if threads:
+            config["threads"] = threads
+        self.path = path
+        self._con = duckdb.connect(path, read_only=read_only, config=config)
+        if not read_only:
+            self._create()
+
+    def _create(self) -> None:
+        for stmt in _DDL:
+            self._con.execute(stmt)
+        row = self._con.execute("SELECT value FROM analytics_meta WHERE key = 'schema_version'").fetchone()
+        if row is None:
+            self._con.execute(
+                "INSERT INTO analytics_meta VALUES ('schema_version', ?)", [str(STORE_SCHEMA_VERSION)]
+            )
+        elif row[0] != str(STORE_SCHEMA_VERSION):
+            raise StoreSchemaError(
+                f"{self.path}: store layout {row[0]}, this code needs {STORE_SCHEMA_VERSION}"
+            )
+
+    # writing ---------------------------------------------------------------------------------
+    def write(self, batch: StoreBatch) -> dict[str, int]:
+        """Write every table of ``batch`` and upsert its offsets in ONE transaction.
+
+        Returns rows written per table. On any error the transaction is rolled back — neither the
+        rows nor the offsets are stored — and the error is raised again (``duckdb.Error``, e.g.
+        ``ConstraintException`` for a negative offset, or the Arrow/cast error of a bad table).
+        """
+        if batch.empty():
+            return {}
+        started = time.perf_counter()
+        con = self._con
+        views: dict[str, pa.Table] = {
+            name: table
+            for name in _BATCH_TABLES
+            if (table := getattr(batch, name)) is not None and table.num_rows > 0
+        }
+        if batch.offsets:
+            views["consumer_offsets"] = _offsets_table(batch.offsets)
+        # Registered outside the transaction: unregistering inside an aborted one would fail and
+        # hide the original error.
+        for name, table in views.items():
+            con.register(f"_batch_{name}", table)
+        try:
+            con.begin()
+            try:
+                for name in views:
+                    if name == "consumer_offsets":
+                        con.execute(
+                            "INSERT INTO consumer_offsets SELECT topic, partition, next_offset"
+                            " FROM _batch_consumer_offsets"
+                            " ON CONFLICT (topic, partition) DO UPDATE SET next_offset = excluded.next_offset"
+                        )
+                    else:
+                        con.execute(f"INSERT INTO {name} BY NAME SELECT * FROM _batch_{name}")
+                con.commit()
+            except BaseException:
+                con.rollback()
+                raise
+        finally:
+            for name in views:
+                con.unregister(f"_batch_{name}")
+        metrics.INGEST_BATCH_SECONDS.observe(time.perf_counter() - started)
+        written = {name: t.num_rows for name, t in views.items() if name != "consumer_offsets"}
+        for name, n in written.items():
+            metrics.INGEST_ROWS.labels(table=name).inc(n)
+        return written
+
+    # reading ---------------------------------------------------------------------------------
+    def stored_offsets(self, topics: Sequence[str] | None = None) -> dict[TopicPartition, int]:
+        """Next offset to read per partition, as last committed with rows (all topics, or
+        ``topics``)."""
+        rows = self._con.execute("SELECT topic, partition, next_offset FROM consumer_offsets").fetchall()
+        wanted = None if topics is None else set(topics)
+        return {TopicPartition(t, int(p)): int(o) for t, p, o in rows if wanted is None or t in wanted}
+
+    def idle_runs(self, per_gpu: int = 256) -> list[tuple[str, str, float, bool]]:
+        """The latest ``per_gpu`` idle runs of each GPU, oldest first, as
+        ``(gpu_key, pool, duration_s, censored)`` — to reload the predictor's history."""
+        return [
+            (str(k), str(p), float(d), bool(c))
+            for k, p, d, c in self._con.execute(
+                "SELECT gpu_key, pool, duration_s, censored FROM ("
+                " SELECT *, row_number() OVER (PARTITION BY gpu_key ORDER BY end_ts DESC) AS n"
+                " FROM idle_runs) WHERE n <= ? ORDER BY end_ts, gpu_key",
+                [per_gpu],
+            ).fetchall()
+        ]
+
+    def sql(self, query: str, params: Sequence[Any] = ()) -> tuple[list[str], list[tuple[Any, ...]]]:
+        """Run ``query`` on this store's connection; return ``(column names, rows)``.
+
+        Raises:
+            duckdb.Error: the query is invalid or fails.
+        """
+        rel = self._con.execute(query, list(params))
+        names = [d[0] for d in rel.description or []]
+        return names, rel.fetchall()
+
+    def cursor(self) -> duckdb.DuckDBPyConnection:
+        """A new connection to the same database, for use in another thread."""
+        return self._con.cursor()
+
+    def close(self) -> None:
+        """Close the connection (idempotent)."""
+        try:
+            self._con.close()
+        except duckdb.Error:  # already closed
+            log.debug("store_close_twice", extra={"path": self.path})

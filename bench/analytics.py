@@ -1,0 +1,171 @@
+"""Benchmarks of the analytics stage, printed as ratios against a yardstick measured in the same run.
+
+1. Ingest: bus records (JSON ``GpuSample``) → decode → Arrow → DuckDB with offsets, through the
+   stage's own code (:func:`analytics.decode.decode_telemetry`, :func:`analytics.rows.gpu_samples_table`,
+   :meth:`analytics.store.AnalyticsStore.write`), against DuckDB's fastest bulk path on the same
+   rows: ``INSERT ... SELECT * FROM <arrow table>`` of a prebuilt table. Target (issue 4): >= 50 %.
+   Also the idle classifier's throughput on the same samples.
+2. Queries over ``--gpus`` GPUs × 24 h at 10 s (default 1,000 → 8.64 M rows, generated inside
+   DuckDB): ``gpu_state_now`` and an idle-window (gaps and islands) query. Target: <= 1 s each.
+3. Peak RSS of the process (``ru_maxrss``) against the configured DuckDB ``memory_limit``.
+
+Usage: ``python bench/analytics.py [--records 100000] [--gpus 1000] [--memory-limit 2GB]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import resource
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from analytics.classify import FB_USED, GPU_UTIL, GR_ENGINE_ACTIVE, SM_ACTIVE, IdleClassifier
+from analytics.decode import decode_telemetry
+from analytics.rows import gpu_samples_table
+from analytics.store import AnalyticsStore, StoreBatch
+from contracts import GpuSample, KafkaTopics, encode
+from contracts.bus import BusMessage, TopicPartition
+
+TOPICS = KafkaTopics()
+T0 = 1_700_000_000.0
+
+
+def _messages(n: int, gpus: int) -> list[BusMessage]:
+    """``n`` encoded GPU samples as the bus delivers them (one partition)."""
+    rng = random.Random(1)
+    out = []
+    for i in range(n):
+        g = i % gpus
+        s = GpuSample(
+            ts=T0 + (i // gpus) * 10.0,
+            host=f"node-{g // 8:04d}",
+            gpu_uuid=f"GPU-{g:08x}-0000-0000-0000-000000000000",
+            gpu_index=g % 8,
+            model_name="NVIDIA H100 80GB HBM3",
+            fields={
+                GR_ENGINE_ACTIVE: round(rng.random(), 6),
+                SM_ACTIVE: round(rng.random(), 6),
+                GPU_UTIL: rng.randrange(101),
+                FB_USED: rng.randrange(81_000),
+                "DCGM_FI_DEV_FB_FREE": 1000,
+                "DCGM_FI_DEV_POWER_USAGE": 123.456,
+                "DCGM_FI_DEV_GPU_TEMP": 41,
+                "DCGM_FI_DEV_SM_CLOCK": 1980,
+            },
+            attributes={"pod": f"pod-{g}", "namespace": "team-a"},
+            target="http://127.0.0.1:9400/metrics",
+            seq=i,
+        )
+        out.append(BusMessage(TOPICS.telemetry_gpu, 0, i, s.key, encode(s)))
+    return out
+
+
+def _gpu(msg: BusMessage) -> GpuSample:
+    rec = decode_telemetry(msg, TOPICS)
+    assert isinstance(rec, GpuSample)
+    return rec
+
+
+def bench_ingest(n: int, batch: int, memory_limit: str) -> None:
+    """Print end-to-end ingest vs the Arrow bulk insert of the same rows."""
+    msgs = _messages(n, gpus=1000)
+    # yardstick: the rows already in Arrow, inserted with DuckDB's bulk path, same batch size
+    decoded = [_gpu(m) for m in msgs]
+    tables = [
+        gpu_samples_table(
+            decoded[i : i + batch], [0] * len(decoded[i : i + batch]), list(range(i, i + batch))
+        )
+        for i in range(0, n, batch)
+    ]
+    yard = AnalyticsStore(":memory:", memory_limit=memory_limit)
+    con = yard.cursor()
+    t = time.perf_counter()
+    for tbl in tables:
+        con.register("b", tbl)
+        con.execute("INSERT INTO gpu_samples SELECT * FROM b")
+        con.unregister("b")
+    yard_s = time.perf_counter() - t
+    # the stage's path: decode → Arrow → one transaction with offsets
+    store = AnalyticsStore(":memory:", memory_limit=memory_limit)
+    tp = TopicPartition(TOPICS.telemetry_gpu, 0)
+    t = time.perf_counter()
+    for i in range(0, n, batch):
+        chunk = msgs[i : i + batch]
+        samples = [_gpu(m) for m in chunk]
+        table = gpu_samples_table(samples, [0] * len(chunk), [m.offset for m in chunk])
+        store.write(StoreBatch(gpu_samples=table, offsets={tp: chunk[-1].offset + 1}))
+    e2e_s = time.perf_counter() - t
+    t = time.perf_counter()
+    clf = IdleClassifier()
+    for s in decoded:
+        clf.observe(s)
+    clf_s = time.perf_counter() - t
+    print(f"ingest {n:,} GPU samples, batches of {batch}:")
+    print(f"  yardstick  INSERT FROM arrow      {n / yard_s:12,.0f} rows/s")
+    print(
+        f"  gpupool    decode→arrow→duckdb    {n / e2e_s:12,.0f} rows/s"
+        f"   ratio {yard_s / e2e_s:6.1%}  (target >= 50%)"
+    )
+    print(f"  classifier observe()              {n / clf_s:12,.0f} samples/s")
+
+
+def bench_queries(gpus: int, memory_limit: str) -> None:
+    """Print the time of the operator queries over ``gpus`` × 8,640 rows."""
+    store = AnalyticsStore(":memory:", memory_limit=memory_limit)
+    con = store.cursor()
+    rows = gpus * 8640
+    t = time.perf_counter()
+    con.execute(
+        f"""INSERT INTO gpu_samples BY NAME
+        SELECT make_timestamp(CAST({int(T0)} + (i % 8640) * 10 AS BIGINT) * 1000000) AS ts,
+               'node-' || (g // 8) || '/GPU-' || g AS gpu_key, 'node-' || (g // 8) AS host,
+               'GPU-' || g AS gpu_uuid, 'NVIDIA H100 80GB HBM3' AS model_name,
+               CASE WHEN hash(g, (i % 8640) // 30) % 3 = 0 THEN 0.0 ELSE 0.6 END AS gr_engine_active,
+               1024 AS fb_used_mib, '{{}}' AS fields, '{{}}' AS invalid, '{{}}' AS attributes,
+               0 AS kafka_partition, i AS kafka_offset
+        FROM (SELECT i, i // 8640 AS g FROM range({rows}) r(i))"""
+    )
+    print(
+        f"queries over {gpus:,} GPUs x 24 h at 10 s = {rows:,} rows"
+        f" (generated in {time.perf_counter() - t:.1f} s):"
+    )
+    queries = {
+        "gpu_state_now": "SELECT count(*), count(DISTINCT host) FROM gpu_state_now",
+        "idle windows (>= 60 s)": """
+            WITH s AS (SELECT gpu_key, ts, gr_engine_active <= 0.05 AS idle FROM gpu_samples),
+            g AS (SELECT *, row_number() OVER (PARTITION BY gpu_key ORDER BY ts)
+                          - row_number() OVER (PARTITION BY gpu_key, idle ORDER BY ts) AS grp FROM s)
+            SELECT count(*), sum(epoch(e) - epoch(b)) FROM (
+                SELECT gpu_key, min(ts) AS b, max(ts) AS e FROM g WHERE idle GROUP BY gpu_key, grp
+                HAVING max(ts) - min(ts) >= INTERVAL 60 SECOND)""",
+    }
+    for name, q in queries.items():
+        t = time.perf_counter()
+        result = con.execute(q).fetchall()
+        dt = time.perf_counter() - t
+        print(f"  {name:24s} {dt:6.2f} s   {'ok' if dt <= 1.0 else 'over'} (target <= 1 s)   {result[0]}")
+
+
+def main() -> None:
+    """Run every benchmark and print the results."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--records", type=int, default=100_000, help="GPU samples for the ingest benchmark")
+    ap.add_argument("--batch", type=int, default=5000, help="records per transaction")
+    ap.add_argument("--gpus", type=int, default=1000, help="GPUs for the query benchmark (x 8,640 rows)")
+    ap.add_argument("--memory-limit", default="2GB", help="DuckDB memory_limit")
+    args = ap.parse_args()
+    bench_ingest(args.records, args.batch, args.memory_limit)
+    bench_queries(args.gpus, args.memory_limit)
+    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(
+        f"peak RSS {rss_mib:,.0f} MiB (DuckDB memory_limit {args.memory_limit};"
+        " includes Python and the benchmark's own data)"
+    )
+
+
+if __name__ == "__main__":
+    main()
