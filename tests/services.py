@@ -1,0 +1,122 @@
+"""pytest plugin: real Kafka and Mosquitto from deploy/local, started once per test session.
+
+Fixtures:
+
+* ``kafka_bootstrap`` (session): ``"127.0.0.1:PORT"`` of a KRaft node started by
+  ``deploy/local/kafka.sh start``;
+* ``kafka_topics`` (function): a :class:`contracts.topics.KafkaTopics` with a fresh
+  ``t<32 hex>.`` prefix, so tests never see each other's records;
+* ``kafka_bus`` (function): a :class:`contracts.bus.kafka.KafkaBus` on ``kafka_bootstrap``, closed
+  after the test;
+* ``mosquitto`` (session): the credentials of ``deploy/local/mosquitto.sh start`` as written to
+  ``$GPUPOOL_STATE/mosquitto/credentials.json``:
+  ``{"host": "127.0.0.1", "port": int, "users": {site or "gpupool-broker": password}, "root": "gpupool/v1"}``.
+
+A service is stopped at the end of the session only if this session started it (one already
+running, e.g. from ``make services-up``, is left running). A service that does not start fails
+every test that needs it with the script's output; it is never skipped, in CI (``CI=true``) or
+not. Tests that use these fixtures get the ``integration`` marker, so ``-m "not integration"``
+deselects them.
+
+State: ``$GPUPOOL_STATE`` (default ``<repo>/.state``), as in the scripts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from contracts.bus.kafka import KafkaBus
+from contracts.topics import KafkaTopics
+
+REPO = Path(__file__).resolve().parents[1]
+DEPLOY = REPO / "deploy" / "local"
+_SERVICE_FIXTURES = {"kafka_bootstrap", "kafka_bus", "mosquitto"}
+
+
+def state_dir() -> Path:
+    """``$GPUPOOL_STATE`` or ``<repo>/.state``: where the scripts keep each service's files."""
+    return Path(os.environ.get("GPUPOOL_STATE") or REPO / ".state")
+
+
+def run_service(script: str, action: str, timeout_s: float = 180.0) -> subprocess.CompletedProcess[str]:
+    """Run ``deploy/local/<script> <action>`` (e.g. ``"kafka.sh", "stop"``) and return the
+    finished process (text stdout/stderr; not checked). Tests that restart a service mid-test
+    use this too. Raises ``subprocess.TimeoutExpired`` after ``timeout_s`` seconds."""
+    return subprocess.run(
+        ["bash", str(DEPLOY / script), action],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+        cwd=REPO,
+    )
+
+
+def _fail(script: str, done: subprocess.CompletedProcess[str]) -> None:
+    ci = " (CI=true)" if os.environ.get("CI") == "true" else ""
+    pytest.fail(
+        f"deploy/local/{script} start failed{ci} with exit status {done.returncode}\n"
+        f"--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}",
+        pytrace=False,
+    )
+
+
+def _start(script: str) -> tuple[str, bool]:
+    """Start a service; returns (its ``host:port``, whether this call started it)."""
+    was_running = run_service(script, "status", 60).returncode == 0
+    try:
+        done = run_service(script, "start")
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"deploy/local/{script} start did not finish in {e.timeout} s", pytrace=False)
+    if done.returncode != 0:
+        _fail(script, done)
+    return done.stdout.strip().splitlines()[-1], not was_running
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap() -> Iterator[str]:
+    """``host:port`` of the local Kafka node (started if needed; stopped after the session if
+    this session started it)."""
+    address, started = _start("kafka.sh")
+    yield address
+    if started:
+        run_service("kafka.sh", "stop")
+
+
+@pytest.fixture(scope="session")
+def mosquitto() -> Iterator[dict[str, Any]]:
+    """Credentials of the local Mosquitto (see the module docstring for the shape)."""
+    _, started = _start("mosquitto.sh")
+    creds = json.loads((state_dir() / "mosquitto" / "credentials.json").read_text())
+    yield creds
+    if started:
+        run_service("mosquitto.sh", "stop")
+
+
+@pytest.fixture
+def kafka_topics() -> KafkaTopics:
+    """Topic names unique to this test: prefix ``t<uuid4 hex>.``."""
+    return KafkaTopics(prefix=f"t{uuid.uuid4().hex}.")
+
+
+@pytest.fixture
+async def kafka_bus(kafka_bootstrap: str) -> AsyncIterator[KafkaBus]:
+    """A :class:`contracts.bus.kafka.KafkaBus` on the local node; closed after the test."""
+    bus = KafkaBus(kafka_bootstrap, client_id="gpupool-test")
+    yield bus
+    await bus.close()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test that uses a real-service fixture as ``integration``."""
+    for item in items:
+        if _SERVICE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
