@@ -1,0 +1,466 @@
+"""dcgm-exporter ``/metrics`` bodies → one :class:`contracts.GpuSample` per GPU or MIG instance.
+
+Format: Prometheus text exposition 0.0.4 (Prometheus docs, "Exposition formats"; the pieces are
+in :mod:`collectors.exposition`) as written by NVIDIA dcgm-exporter, with its real quirks:
+
+* identity is ``(host, UUID[, GPU_I_ID])`` whatever the label spelling: ``Hostname`` (exporters
+  up to 4.x) or ``hostname`` (main), ``UUID`` or ``uuid`` (1.x); an empty label value is absent;
+* 1.x metric names (``dcgm_gpu_utilization``, ``dcgm_fi_prof_*``) are mapped to DCGM field names
+  (:data:`collectors.dcgm_fields.LEGACY_NAMES`), as are the 1.x k8s label names
+  (``pod_name``, ``pod_namespace``, ``container_name``);
+* a MIG instance (``GPU_I_ID``) is a GPU of its own; GPU-level fields that dcgm-exporter repeats
+  on every instance (power, temperature, XID...) stay per instance as read — never summed;
+* DCGM blank / not-found / not-supported / not-permissioned sentinels (int32, int64 and fp64
+  families), ``NaN`` and out-of-range values are kept out of ``fields`` and named in
+  ``invalid`` (reasons ``sentinel``, ``not_a_number``, ``out_of_range``);
+* ``pod``, ``namespace``, ``container`` and every other non-identity label go to
+  ``attributes``;
+* optional sample timestamps (ms), families in any order, ``# HELP``/``# TYPE`` without samples
+  and samples under another family's ``# TYPE`` are all accepted; a malformed or truncated line
+  is rejected with a reason and the rest of the body is kept.
+
+Speed: a body repeats one label set per GPU on every metric line, so each distinct label text is
+parsed once per body and its identity cached; metric names are resolved once per body too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import NamedTuple
+
+from collectors.dcgm_fields import (
+    DCGM_INT64_BLANK,
+    SENTINELS,
+    XID_COUNT_FIELD,
+    XID_FIELD,
+    field_name,
+    field_range,
+)
+from collectors.exposition import (
+    METRIC_TYPES,
+    ExpositionError,
+    parse_labels,
+    parse_timestamp_ms,
+    parse_value,
+)
+from collectors.xid import XidObservation
+from contracts import GpuSample, gpu_key
+
+_IDENTITY_LABELS = frozenset(
+    {"UUID", "uuid", "Hostname", "hostname", "GPU_I_ID", "GPU_I_PROFILE", "gpu", "modelName"}
+)
+_SERIES_LABELS = frozenset({"err_code", "err_msg", "xid", "clock_event"})
+"""Labels that tell apart series of one metric on one GPU; not GPU attributes."""
+_ATTRIBUTE_RENAMES = {"pod_name": "pod", "pod_namespace": "namespace", "container_name": "container"}
+"""dcgm-exporter 1.x k8s label names → current ones."""
+_MAX_DETAIL = 160
+
+
+REJECTION_REASONS = frozenset(
+    {
+        "malformed_line",
+        "truncated_line",
+        "bad_labels",
+        "duplicate_label",
+        "bad_value",
+        "bad_timestamp",
+        "bad_type_line",
+        "unknown_metric",
+        "missing_uuid",
+        "missing_host",
+        "bad_gpu_instance_id",
+        "duplicate_series",
+        "invalid_sample",
+        "sentinel",
+        "not_a_number",
+        "out_of_range",
+    }
+)
+"""Every reason a :class:`Rejection` can carry."""
+
+
+class Rejection(NamedTuple):
+    """One input the parser refused.
+
+    Attributes:
+        reason: snake_case cause, the ``reason`` label of the rejection counter: line-level
+            ``malformed_line``, ``truncated_line``, ``bad_labels``, ``duplicate_label``,
+            ``bad_value``, ``bad_timestamp``, ``bad_type_line``, ``unknown_metric``,
+            ``missing_uuid``, ``missing_host``, ``bad_gpu_instance_id``, ``duplicate_series``,
+            ``invalid_sample``; value-level ``sentinel``, ``not_a_number``, ``out_of_range``.
+        metric: the metric (or DCGM field) name, ``""`` when the line had none.
+        detail: line number and the start of the line, or the offending value.
+    """
+
+    reason: str
+    metric: str
+    detail: str
+
+
+@dataclass(slots=True)
+class DcgmParseResult:
+    """What one body yielded.
+
+    Attributes:
+        samples: one per ``(host, UUID[, GPU_I_ID])``, in order of first appearance, with
+            ``seq`` numbered from ``seq_start``.
+        rejected: every refused line and every invalid value (also in ``samples[i].invalid``).
+        xid: one observation per GPU that reported ``DCGM_FI_DEV_XID_ERRORS`` or
+            ``DCGM_EXP_XID_ERRORS_COUNT`` (see :class:`collectors.xid.XidTracker`).
+        sample_lines: number of sample (non-comment, non-blank) lines read.
+    """
+
+    samples: list[GpuSample] = field(default_factory=list)
+    rejected: list[Rejection] = field(default_factory=list)
+    xid: list[XidObservation] = field(default_factory=list)
+    sample_lines: int = 0
+
+    def rejected_by_reason(self) -> Counter[str]:
+        """Count of :attr:`rejected` by reason."""
+        return Counter(r.reason for r in self.rejected)
+
+
+class _Ident(NamedTuple):
+    key: str
+    host: str
+    uuid: str
+    gpu_index: int | None
+    instance_id: int | None
+    profile: str | None
+    model: str | None
+    attributes: dict[str, str]
+    err_msg: str | None
+    xid: int | None
+
+
+class _Acc:
+    """Everything gathered for one GPU identity while reading a body."""
+
+    __slots__ = ("attributes", "fields", "ident", "invalid", "ts_ms", "xid_counts", "xid_msg")
+
+    def __init__(self, ident: _Ident) -> None:
+        self.ident = ident
+        self.fields: dict[str, int | float] = {}
+        self.invalid: dict[str, str] = {}
+        self.attributes = dict(ident.attributes)
+        self.ts_ms: int | None = None
+        self.xid_msg: str | None = None
+        self.xid_counts: dict[int, int] = {}
+
+
+def _identity(label_text: str, default_host: str | None) -> _Ident | Rejection:
+    """Resolve a label set to a GPU identity, or say why it has none."""
+    try:
+        labels = parse_labels(label_text)
+    except ExpositionError as e:
+        return Rejection(e.reason, "", str(e)[:_MAX_DETAIL])
+    uuid = labels.get("UUID") or labels.get("uuid")
+    if not uuid:
+        return Rejection("missing_uuid", "", label_text[:_MAX_DETAIL])
+    host = labels.get("Hostname") or labels.get("hostname") or default_host
+    if not host:
+        return Rejection("missing_host", "", label_text[:_MAX_DETAIL])
+    gi_text = labels.get("GPU_I_ID")
+    instance_id: int | None = None
+    if gi_text:
+        if not (gi_text.isascii() and gi_text.isdigit()):
+            return Rejection("bad_gpu_instance_id", "", gi_text[:_MAX_DETAIL])
+        instance_id = int(gi_text)
+    gpu_text = labels.get("gpu", "")
+    gpu_index = int(gpu_text) if gpu_text.isascii() and gpu_text.isdigit() else None
+    attributes = {
+        _ATTRIBUTE_RENAMES.get(k, k): v
+        for k, v in labels.items()
+        if v and k not in _IDENTITY_LABELS and k not in _SERIES_LABELS
+    }
+    xid_text = labels.get("xid", "")
+    return _Ident(
+        key=gpu_key(host, uuid, instance_id),
+        host=host,
+        uuid=uuid,
+        gpu_index=gpu_index,
+        instance_id=instance_id,
+        profile=labels.get("GPU_I_PROFILE") or None,
+        model=labels.get("modelName") or None,
+        attributes=attributes,
+        err_msg=labels.get("err_msg") or None,
+        xid=int(xid_text) if xid_text.isascii() and xid_text.isdigit() else None,
+    )
+
+
+_PLAIN, _COUNT, _XID_LAST, _XID_COUNT = 0, 1, 2, 3
+"""How a field's series combine on one GPU: one value (a repeat must agree), windowed event
+counts summed over their series (``DCGM_EXP_*_COUNT``), the last-XID gauge, the XID count."""
+
+
+class _Metric(NamedTuple):
+    field: str
+    range: tuple[float, float] | None
+    kind: int
+
+
+@lru_cache(maxsize=4096)
+def _metric(name: str) -> _Metric | None:
+    """The DCGM field, value range and kind of a metric name; ``None`` if not a DCGM metric."""
+    fname = field_name(name.strip(" \t"))
+    if fname is None:
+        return None
+    if fname == XID_FIELD:
+        kind = _XID_LAST
+    elif fname == XID_COUNT_FIELD:
+        kind = _XID_COUNT
+    elif fname.startswith("DCGM_EXP_") and fname.endswith("_COUNT"):
+        kind = _COUNT
+    else:
+        kind = _PLAIN
+    return _Metric(fname, field_range(fname), kind)
+
+
+def _classify(value: int | float, rng: tuple[float, float] | None) -> str | None:
+    """``None`` for a valid value, else why it is invalid (``not_a_number``, ``sentinel``,
+    ``out_of_range``)."""
+    if value.__class__ is float:
+        if math.isnan(value):
+            return "not_a_number"
+        if value == math.inf or value == -math.inf:
+            return "out_of_range"
+    if value in SENTINELS or value >= DCGM_INT64_BLANK:
+        return "sentinel"
+    if rng is not None and not rng[0] <= value <= rng[1]:
+        return "out_of_range"
+    return None
+
+
+def parse_dcgm_exporter(
+    body: str,
+    *,
+    ts: float,
+    target: str = "",
+    default_host: str | None = None,
+    seq_start: int = 0,
+) -> DcgmParseResult:
+    """Parse one dcgm-exporter ``/metrics`` body.
+
+    Args:
+        body: the response text (Prometheus text format 0.0.4; see the module docstring).
+        ts: scrape time, Unix seconds; a sample's ``ts`` is the newest exposition timestamp of
+            its lines when they carry one, else this.
+        target: the scrape target, copied into every sample.
+        default_host: host for series without a ``Hostname``/``hostname`` label (e.g. the
+            target's host name); without it such series are rejected as ``missing_host``.
+        seq_start: ``seq`` of the first sample; the following ones count up by one.
+
+    Returns:
+        The samples, the rejections and the XID observations. Never raises on bad input: every
+        line that cannot be used is a :class:`Rejection` and the rest is kept. A last line
+        without its line feed was cut off (the format ends every line with one) and is rejected
+        as ``truncated_line``.
+    """
+    result = DcgmParseResult()
+    rejected = result.rejected
+    accs: dict[str, _Acc] = {}
+    series: dict[str, tuple[_Acc, _Ident] | Rejection] = {}  # label text → its GPU, per body
+    lines = body.split("\n")
+    last = len(lines) - 1
+    sample_lines = 0
+
+    for index, line in enumerate(lines):
+        if not line:
+            continue
+        if line[-1] == "\r":
+            line = line[:-1]
+        first = line[:1]
+        if first == " " or first == "\t":
+            line = line.strip()
+            first = line[:1]
+        if not first:
+            continue
+        if first == "#":
+            if line.startswith("# TYPE"):
+                _check_type_line(line, index + 1, rejected)
+            continue
+        sample_lines += 1
+        if index == last:
+            rejected.append(Rejection("truncated_line", "", f"line {index + 1}: {line[:_MAX_DETAIL]}"))
+            continue
+        try:
+            # --- split ``name{labels} value [timestamp]``; label values may hold '}' but the
+            # value and timestamp never do, so the last '}' closes the label set.
+            brace = line.find("{")
+            if brace >= 0:
+                name = line[:brace]
+                close = line.rfind("}")
+                if close < brace:
+                    rejected.append(
+                        Rejection("bad_labels", name[:_MAX_DETAIL], f"line {index + 1}: no closing brace")
+                    )
+                    continue
+                label_text = line[brace + 1 : close]
+                tokens = line[close + 1 :].split()
+            else:
+                tokens = line.split()
+                name = tokens.pop(0)
+                label_text = ""
+            metric = _metric(name)
+            if metric is None:
+                rejected.append(Rejection("unknown_metric", name[:_MAX_DETAIL], f"line {index + 1}"))
+                continue
+            if not 1 <= len(tokens) <= 2:
+                rejected.append(
+                    Rejection("malformed_line", metric.field, f"line {index + 1}: {line[:_MAX_DETAIL]}")
+                )
+                continue
+            # --- the GPU this label set belongs to (resolved once per distinct label text)
+            hit = series.get(label_text)
+            if hit is None:
+                hit = series[label_text] = _resolve(label_text, default_host, accs)
+            if hit.__class__ is Rejection:
+                rej: Rejection = hit
+                rejected.append(Rejection(rej.reason, metric.field, f"line {index + 1}: {rej.detail}"))
+                continue
+            acc, ident = hit  # type: ignore[misc]
+            # --- value and optional timestamp
+            vtext = tokens[0]
+            value: int | float = int(vtext) if vtext.isdigit() and vtext.isascii() else parse_value(vtext)
+            if len(tokens) == 2:
+                ts_ms = parse_timestamp_ms(tokens[1])
+                if acc.ts_ms is None or ts_ms > acc.ts_ms:
+                    acc.ts_ms = ts_ms
+            reason = _classify(value, metric.range)
+            if reason is not None:
+                rejected.append(Rejection(reason, metric.field, f"line {index + 1}: {vtext[:40]}"))
+                if metric.field not in acc.fields:
+                    acc.invalid[metric.field] = reason
+                continue
+            if metric.kind == _PLAIN:  # the common case, inline: one value per GPU and field
+                fields = acc.fields
+                old = fields.get(metric.field)
+                if old is None:
+                    fields[metric.field] = value
+                    if acc.invalid:
+                        acc.invalid.pop(metric.field, None)
+                elif old != value:
+                    rejected.append(
+                        Rejection(
+                            "duplicate_series",
+                            metric.field,
+                            f"line {index + 1}: {ident.key} has {old!r}, dropped {vtext[:40]}",
+                        )
+                    )
+            else:
+                _store(acc, ident, metric, value, vtext, index + 1, rejected)
+        except ExpositionError as e:
+            rejected.append(
+                Rejection(e.reason, name[:_MAX_DETAIL], f"line {index + 1}: {str(e)[:_MAX_DETAIL]}")
+            )
+        except Exception as e:  # noqa: BLE001 — a bug on one line must not lose the rest of the body
+            rejected.append(
+                Rejection("malformed_line", "", f"line {index + 1}: {type(e).__name__}: {line[:80]}")
+            )
+
+    result.sample_lines = sample_lines
+    _finish(result, accs, ts, target, seq_start)
+    return result
+
+
+def _check_type_line(line: str, lineno: int, rejected: list[Rejection]) -> None:
+    """Reject a ``# TYPE`` line that is not ``# TYPE <name> <known type>`` (nothing else is lost)."""
+    parts = line.split()
+    if parts[1] == "TYPE" and (len(parts) != 4 or parts[3] not in METRIC_TYPES):
+        rejected.append(
+            Rejection(
+                "bad_type_line",
+                parts[2][:_MAX_DETAIL] if len(parts) > 2 else "",
+                f"line {lineno}: {line[:_MAX_DETAIL]}",
+            )
+        )
+
+
+def _resolve(
+    label_text: str, default_host: str | None, accs: dict[str, _Acc]
+) -> tuple[_Acc, _Ident] | Rejection:
+    """The accumulator of the GPU a label set names (created on first sight), or a rejection."""
+    ident = _identity(label_text, default_host)
+    if ident.__class__ is Rejection:
+        return ident
+    idt: _Ident = ident  # type: ignore[assignment]
+    acc = accs.get(idt.key)
+    if acc is None:
+        acc = accs[idt.key] = _Acc(idt)
+    else:  # another label set of a GPU already seen (pod labels on some series, XID labels...)
+        for k, v in idt.attributes.items():
+            acc.attributes.setdefault(k, v)
+    return acc, idt
+
+
+def _store(
+    acc: _Acc,
+    ident: _Ident,
+    metric: _Metric,
+    value: int | float,
+    vtext: str,
+    lineno: int,
+    rejected: list[Rejection],
+) -> None:
+    """Put a valid value of a non-plain field (event counts, XID) into its GPU's fields."""
+    fname = metric.field
+    fields = acc.fields
+    if metric.kind == _COUNT or metric.kind == _XID_COUNT:
+        fields[fname] = fields.get(fname, 0) + value
+        if metric.kind == _XID_COUNT and ident.xid is not None:
+            acc.xid_counts[ident.xid] = acc.xid_counts.get(ident.xid, 0) + int(value)
+    else:
+        old = fields.get(fname)
+        if old is None:
+            fields[fname] = value
+            if metric.kind == _XID_LAST:
+                acc.xid_msg = ident.err_msg
+        elif old != value:
+            rejected.append(
+                Rejection(
+                    "duplicate_series",
+                    fname,
+                    f"line {lineno}: {ident.key} already has {old!r}, dropped {vtext[:40]}",
+                )
+            )
+            return
+    if acc.invalid:
+        acc.invalid.pop(fname, None)
+
+
+def _finish(result: DcgmParseResult, accs: dict[str, _Acc], ts: float, target: str, seq_start: int) -> None:
+    """Turn the accumulators into samples (numbered from ``seq_start``) and XID observations."""
+    seq = seq_start
+    for acc in accs.values():
+        ident = acc.ident
+        sample_ts = acc.ts_ms / 1000.0 if acc.ts_ms is not None else ts
+        try:
+            sample = GpuSample(
+                ts=sample_ts,
+                host=ident.host,
+                gpu_uuid=ident.uuid,
+                gpu_index=ident.gpu_index,
+                gpu_instance_id=ident.instance_id,
+                gpu_instance_profile=ident.profile,
+                model_name=ident.model,
+                fields=acc.fields,
+                invalid=acc.invalid,
+                attributes=acc.attributes,
+                source="dcgm-exporter",
+                target=target,
+                seq=seq,
+            )
+        except ValueError as e:  # pydantic.ValidationError is a ValueError
+            result.rejected.append(Rejection("invalid_sample", "", f"{ident.key}: {str(e)[:_MAX_DETAIL]}"))
+            continue
+        seq += 1
+        result.samples.append(sample)
+        last = acc.fields.get(XID_FIELD)
+        if last is not None or acc.xid_counts:
+            last_xid = int(last) if last is not None and float(last).is_integer() else None
+            result.xid.append(
+                XidObservation(ident.key, sample_ts, last_xid, acc.xid_msg, dict(acc.xid_counts))
+            )

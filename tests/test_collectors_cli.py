@@ -1,0 +1,49 @@
+"""``gpupool collect`` sub-commands through typer's test runner."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from collectors.cli import app
+from contracts import GpuSample, IbPortSample
+
+DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+runner = CliRunner()
+
+
+def test_parse_dcgm_prints_samples_then_rejections() -> None:
+    path = DATA / "cases" / "dcgm_exporter_samples" / "readme_blank_sentinel_and_spaces.prom"
+    res = runner.invoke(app, ["parse-dcgm", str(path), "--host", "node-9"])
+    assert res.exit_code == 0, res.output
+    lines = [json.loads(x) for x in res.output.splitlines()]
+    sample = GpuSample.model_validate(lines[0])
+    assert sample.key == "node-9/GPU-88888888-0000-0000-0000-000000000000"
+    assert sample.fields == {"DCGM_FI_DEV_SM_CLOCK": 139, "DCGM_FI_DEV_MEM_CLOCK": 405}
+    assert lines[1] == {
+        "rejected": {
+            "reason": "sentinel",
+            "metric": "DCGM_FI_DEV_MEMORY_TEMP",
+            "detail": "line 9: 9223372036854775794",
+        }
+    }
+
+
+def test_read_sysfs_prints_ports() -> None:
+    res = runner.invoke(
+        app,
+        ["read-sysfs", str(DATA / "cases" / "sysfs_cases" / "rate_zero_unpopulated" / "sys"), "--host", "n1"],
+    )
+    assert res.exit_code == 0, res.output
+    [port] = [IbPortSample.model_validate_json(x) for x in res.output.splitlines()]
+    assert (port.host, port.device, port.rate_bytes_per_second, port.state) == ("n1", "mlx5_1", 0, "DOWN")
+
+
+def test_run_needs_kafka_and_something_to_collect() -> None:
+    assert runner.invoke(app, ["run", "--dcgm-target", "http://x/metrics"]).exit_code == 2  # no --kafka
+    res = runner.invoke(app, ["run", "--kafka", "127.0.0.1:1"])
+    assert res.exit_code == 2 and "--dcgm-target" in res.output
+    res = runner.invoke(app, ["run", "--kafka", "127.0.0.1:1", "--sysfs-root", "no-equals-sign"])
+    assert res.exit_code == 2 and "HOST=PATH" in res.output

@@ -1,0 +1,188 @@
+"""CollectorService on the in-process MemoryBus: records on the topics, keys, sequence numbers,
+failure accounting by reason, and a loop that survives its own exceptions."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import pytest
+from prometheus_client import REGISTRY
+
+from collectors.service import CollectorService, CollectStats
+from contracts import GpuSample, IbPortSample, KafkaTopics, decode
+from contracts.bus import MemoryBus
+from tests.test_collectors_scrape import FakeExporters
+
+SYSFS_CASES = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "cases" / "sysfs_cases"
+TOPICS = KafkaTopics(prefix="t.")
+
+
+@pytest.fixture
+async def exporters() -> AsyncIterator[FakeExporters]:
+    fx = FakeExporters()
+    await fx.start()
+    try:
+        yield fx
+    finally:
+        await fx.stop()
+
+
+def _metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def test_collect_once_produces_to_topics_and_counts_failures(exporters: FakeExporters) -> None:
+    bus = MemoryBus(default_partitions=4)
+    good, bad = exporters.url("/ok/7"), exporters.url("/500")
+    targets = [
+        good,
+        bad,
+        exporters.url("/truncated"),
+        exporters.url("/garbage"),
+        exporters.url("/empty"),
+        exporters.url("/cut"),
+        exporters.refused,
+        exporters.url("/slow"),
+    ]
+    roots = [
+        ("ib-host-1", SYSFS_CASES / "na_no_pma" / "sys"),
+        ("ib-host-2", SYSFS_CASES / "no_infiniband_class" / "sys"),
+        ("ib-host-3", SYSFS_CASES / "roce_link_layer_ethernet" / "sys"),
+    ]
+    before_500 = _metric("gpupool_collector_scrape_errors_total", target=bad, reason="http_500")
+    before_ok = _metric("gpupool_collector_scrapes_total", target=good, result="success")
+    before_gpu = _metric("gpupool_collector_records_produced_total", topic=TOPICS.telemetry_gpu)
+    before_unknown = _metric("gpupool_collector_rejected_samples_total", reason="unknown_metric")
+    svc = CollectorService(
+        bus=bus,
+        topics=TOPICS,
+        dcgm_targets=targets,
+        sysfs_roots=roots,
+        interval_s=1.0,
+        timeout_s=0.5,
+        concurrency=8,
+    )
+    await svc.start()
+    try:
+        stats = await svc.collect_once()
+    finally:
+        await svc.stop()
+
+    assert stats.targets == 8 and stats.targets_ok == 1
+    assert stats.failures == {
+        "http_500": 1,
+        "truncated": 2,  # cut in transfer (connection closed) and cut by a proxy (no final newline)
+        "garbage": 1,
+        "empty_body": 1,
+        "connect_error": 1,
+        "timeout": 1,
+    }
+    assert (stats.gpu_samples, stats.ib_ports, stats.sysfs_errors) == (4, 3, 0)
+    assert stats.produced == 7 and stats.produce_errors == 0
+    assert stats.xid_events == 1  # GPU 1 of the template shows XID 45
+
+    gpu = [(m.key, decode(GpuSample, m.value)) for m in bus.records(TOPICS.telemetry_gpu) if m.value]
+    assert len(gpu) == 4
+    assert all(key == s.key and s.host == "gpu-node-7" and s.target == good for key, s in gpu)
+    ib = [(m.key, decode(IbPortSample, m.value)) for m in bus.records(TOPICS.telemetry_ib_port) if m.value]
+    assert sorted(k for k, _ in ib) == ["0x0000000000000001/1", "0x0000000000000001/1", "ib-host-1:i40iw0/1"]
+    assert all(key == s.key for key, s in ib)
+    roce = next(s for _, s in ib if s.host == "ib-host-3")
+    assert roce.link_layer == "Ethernet" and roce.data_bytes("PortXmitData") == 4000
+    seqs = sorted(s.seq for _, s in gpu + ib)  # type: ignore[operator]
+    assert seqs == list(range(7)) and svc.seq == 7
+
+    assert _metric("gpupool_collector_scrape_errors_total", target=bad, reason="http_500") == before_500 + 1
+    assert _metric("gpupool_collector_scrapes_total", target=good, result="success") == before_ok + 1
+    assert _metric("gpupool_collector_records_produced_total", topic=TOPICS.telemetry_gpu) == before_gpu + 4
+    # TEST_METRIC of the good page, two lines of the garbage page (whose target failed as garbage)
+    # and the cut line of the page cut by a proxy (whose target failed as truncated)
+    assert stats.rejected == {"unknown_metric": 3, "truncated_line": 1}
+    assert _metric("gpupool_collector_rejected_samples_total", reason="unknown_metric") == before_unknown + 3
+
+
+async def test_sequence_numbers_keep_growing_across_cycles(exporters: FakeExporters) -> None:
+    bus = MemoryBus()
+    svc = CollectorService(
+        bus=bus,
+        topics=TOPICS,
+        dcgm_targets=[exporters.url("/ok/1"), exporters.url("/ok/2")],
+        sysfs_roots=[("h", SYSFS_CASES / "saturated_pma_counters" / "sys")],
+    )
+    await svc.start()
+    try:
+        for _ in range(3):
+            await svc.collect_once()
+    finally:
+        await svc.stop()
+    records = bus.records(TOPICS.telemetry_gpu) + bus.records(TOPICS.telemetry_ib_port)
+    seqs = [
+        decode(GpuSample if m.topic == TOPICS.telemetry_gpu else IbPortSample, m.value).seq  # type: ignore[arg-type]
+        for m in records
+    ]
+    assert sorted(seqs) == list(range(27))  # (2 targets x 4 GPUs + 1 port) x 3 cycles, no gap, no repeat
+    assert (
+        svc.cycles == 3 and svc.last_stats is not None and svc.last_stats.xid_events == 0
+    )  # XID 45 once only
+
+
+async def test_run_survives_a_failing_cycle_and_stops_on_event(
+    exporters: FakeExporters, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bus = MemoryBus()
+    svc = CollectorService(
+        bus=bus, topics=TOPICS, dcgm_targets=[exporters.url("/ok")], sysfs_roots=[], interval_s=0.05
+    )
+    real = svc.collect_once
+    calls = 0
+
+    async def flaky() -> CollectStats:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise RuntimeError("boom")
+        return await real()
+
+    monkeypatch.setattr(svc, "collect_once", flaky)
+    before = _metric("gpupool_collector_loop_errors_total", reason="RuntimeError")
+    stop = asyncio.Event()
+    await svc.start()
+    task = asyncio.create_task(svc.run(stop))
+    try:
+        while calls < 4:
+            await asyncio.sleep(0.02)
+        stop.set()
+        await asyncio.wait_for(task, 2.0)
+    finally:
+        await svc.stop()
+    assert _metric("gpupool_collector_loop_errors_total", reason="RuntimeError") == before + 1
+    assert len(bus.records(TOPICS.telemetry_gpu)) >= 4 * 2  # cycles 1, 3, 4 produced
+
+
+async def test_produce_errors_are_counted_not_raised(exporters: FakeExporters) -> None:
+    class RefusingBus(MemoryBus):
+        async def append(
+            self, topic: str, value: bytes | None, key: str | None, headers: Sequence[tuple[str, bytes]]
+        ) -> None:
+            raise ConnectionError("broker gone")
+
+    svc = CollectorService(
+        bus=RefusingBus(), topics=TOPICS, dcgm_targets=[exporters.url("/ok")], sysfs_roots=[]
+    )
+    await svc.start()
+    try:
+        stats = await svc.collect_once()
+    finally:
+        await svc.stop()
+    assert stats.gpu_samples == 4 and stats.produced == 0 and stats.produce_errors == 4
+
+
+async def test_collect_before_start_and_bad_settings() -> None:
+    svc = CollectorService(bus=MemoryBus(), topics=TOPICS, dcgm_targets=[], sysfs_roots=[])
+    with pytest.raises(RuntimeError):
+        await svc.collect_once()
+    with pytest.raises(ValueError):
+        CollectorService(bus=MemoryBus(), topics=TOPICS, dcgm_targets=[], sysfs_roots=[], interval_s=0)
+    await svc.stop()  # stopping a service never started is fine
