@@ -7,6 +7,7 @@ Kafka records live in :mod:`contracts.telemetry`, :mod:`contracts.capacity` and
 """
 
 from contracts.base import SCHEMA_VERSION, Record, decode, encode
+from contracts.fabric import FabricTopology
 from contracts.capacity import CapacityUpdate, GpuState, IdleGrade, PoolDemand
 from contracts.leases import LeaseLogRecord, LeaseState
 from contracts.mqtt import (
@@ -34,6 +35,7 @@ __all__ = [
     "GpuState",
     "IdleGrade",
     "PoolDemand",
+    "FabricTopology",
     "LeaseState",
     "LeaseLogRecord",
     "Offer",

@@ -1,0 +1,225 @@
+"""FabricCollector against stand-in diag commands: every failure kind is counted and the sweep goes on.
+
+The stand-ins are small Python scripts that print real-format output (or hang, fail, print
+nothing) depending on the LID asked; no fabric is needed. The real thing is tested in
+``test_fabric_ibsim.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from prometheus_client import REGISTRY
+
+from collectors.fabric_collector import FabricCollector
+from contracts.base import decode
+from contracts.bus import MemoryBus
+from contracts.fabric import FabricTopology
+from contracts.telemetry import IbPortSample
+from contracts.topics import KafkaTopics
+
+TOPOLOGY = """\
+SW    10  1 0x0000000000000a10 4x EDR - CA    11  1 0x0000000000000b11 ( 'sw-a' - 'h11 mlx5_0' )
+SW    10  2 0x0000000000000a10 4x EDR - CA    12  1 0x0000000000000b12 ( 'sw-a' - 'h12 mlx5_0' )
+SW    10  3 0x0000000000000a10 4x EDR                                    'sw-a'
+SW    20  1 0x0000000000000a20 4x HDR - CA    13  1 0x0000000000000b13 ( 'sw-b' - 'h13 mlx5_0' )
+SW    20  2 0x0000000000000a20 4x HDR - CA    14  1 0x0000000000000b14 ( 'sw-b' - 'h14 mlx5_0' )
+CA    11  1 0x0000000000000b11 4x EDR - SW    10  1 0x0000000000000a10 ( 'h11 mlx5_0' - 'sw-a' )
+CA    12  1 0x0000000000000b12 4x EDR - SW    10  2 0x0000000000000a10 ( 'h12 mlx5_0' - 'sw-a' )
+CA    13  1 0x0000000000000b13 4x HDR - SW    20  1 0x0000000000000a20 ( 'h13 mlx5_0' - 'sw-b' )
+CA    14  1 0x0000000000000b14 4x HDR - SW    20  2 0x0000000000000a20 ( 'h14 mlx5_0' - 'sw-b' )
+this line is garbage
+"""
+
+PERFQUERY = r"""
+import sys, time
+args = [a for a in sys.argv[1:]]
+extended = "-x" in args
+args = [a for a in args if a != "-x"]
+lid, ports = int(args[0]), [int(p) for p in args[1].split(",")]
+with open(sys.argv[0] + ".log", "a") as log:
+    log.write(f"{'x' if extended else 'legacy'} {lid} {args[1]}\n")
+if lid == 11:
+    time.sleep(30)
+if lid == 12:
+    sys.stderr.write("ibwarn: [1] mad_rpc: _do_madrpc failed; dport (Lid 12)\n"
+                     "perfquery: iberror: failed: classportinfo query\n")
+    sys.exit(255)
+if lid == 13:
+    sys.exit(0)
+if lid == 20:
+    ports = ports[:1]
+for p in ports:
+    if extended:
+        print(f"# Port extended counters: Lid {lid} port {p} (CapMask: 0x5300 CapMask2: 0x0000002)")
+        print(f"PortSelect:......................{p}")
+        print("CounterSelect:...................0x0000")
+        print(f"PortXmitData:....................{2**60 + lid * 100 + p}")
+        print("PortRcvData:.....................7")
+        if lid != 14:
+            print("PortXmitWait:....................3")
+    else:
+        print(f"# Port counters: Lid {lid} port {p} (CapMask: 0x1300)")
+        print(f"PortSelect:......................{p}")
+        print("PortXmitData:....................4294967295")
+        print("PortXmitWait:....................65535")
+        print("SymbolErrorCounter:..............65535")
+"""
+
+
+def _err(reason: str) -> float:
+    return REGISTRY.get_sample_value("gpupool_collector_fabric_errors_total", {"reason": reason}) or 0.0
+
+
+def _timeouts() -> float:
+    return REGISTRY.get_sample_value("gpupool_collector_fabric_timeouts_total") or 0.0
+
+
+@pytest.fixture
+def tools(tmp_path: Path) -> tuple[Path, Path]:
+    ibnet = tmp_path / "ibnetdiscover"
+    ibnet.write_text(
+        f"#!{sys.executable}\nimport sys\nassert sys.argv[1:] == ['-p']\nprint({TOPOLOGY!r}, end='')\n"
+    )
+    perf = tmp_path / "perfquery"
+    perf.write_text(f"#!{sys.executable}\n{PERFQUERY}")
+    for p in (ibnet, perf):
+        p.chmod(0o755)
+    return ibnet, perf
+
+
+async def test_sweep_counts_every_failure_and_keeps_going(tools: tuple[Path, Path], tmp_path: Path) -> None:
+    ibnet, perf = tools
+    bus, topics = MemoryBus(), KafkaTopics(prefix="t.")
+    before = {
+        r: _err(r) for r in ("timeout", "unreachable", "empty_output", "missing_port", "too_few_fields")
+    }
+    timeouts0 = _timeouts()
+    async with FabricCollector(
+        bus,
+        topics,
+        perfquery=str(perf),
+        ibnetdiscover=str(ibnet),
+        timeout_s=0.8,
+        concurrency=4,
+        workdir=tmp_path / "work",
+    ) as fc:
+        topo = await fc.discover()
+        assert len(topo.ports) == 9 and [p.reason for p in topo.problems] == ["too_few_fields"]
+        t0 = time.monotonic()
+        samples = await fc.sweep()
+        elapsed = time.monotonic() - t0
+    assert elapsed < 5, "the hung perfquery was not killed at its timeout"
+    got = {(s.node_guid, s.port): s for s in samples}
+    # sw-a ports 1, 2 (3 never had a peer), sw-b port 1 (port 2 missing from the output), h14 via legacy too
+    assert sorted(got) == [
+        ("0x0000000000000a10", 1),
+        ("0x0000000000000a10", 2),
+        ("0x0000000000000a20", 1),
+        ("0x0000000000000b14", 1),
+    ]
+    assert got[("0x0000000000000a10", 2)].counters["PortXmitData"] == 2**60 + 1002
+    h14 = got[("0x0000000000000b14", 1)]
+    assert h14.counters["PortXmitData"] == 2**60 + 1401 and h14.counter_bits["PortXmitData"] == 64
+    assert h14.counters["PortXmitWait"] == 65535 and h14.counter_bits["PortXmitWait"] == 32
+    assert h14.counters["SymbolErrorCounter"] == 65535 and h14.saturated == ["SymbolErrorCounter"]
+    assert (h14.host, h14.device, h14.rate_bytes_per_second) == ("h14", "mlx5_0", 25_000_000_000)
+    assert _err("timeout") - before["timeout"] == 1 and _timeouts() - timeouts0 == 1
+    assert _err("unreachable") - before["unreachable"] == 1
+    assert _err("empty_output") - before["empty_output"] == 1
+    assert _err("missing_port") - before["missing_port"] == 1
+    assert _err("too_few_fields") - before["too_few_fields"] == 1
+    # switches first, then CAs; legacy only where PortXmitWait was missing
+    calls = (perf.parent / "perfquery.log").read_text().split("\n")
+    assert calls[:2] == ["x 10 1,2", "x 20 1,2"] or calls[:2] == ["x 20 1,2", "x 10 1,2"]
+    assert sum(c.startswith("legacy") for c in calls) == 1 and "legacy 14 1" in calls
+    # records on the bus: one topology under the compaction key, the samples under node_guid/port
+    topo_recs = bus.records(topics.fabric_topology)
+    assert [r.key for r in topo_recs] == ["topology"]
+    rec = decode(FabricTopology, topo_recs[0].value or b"")
+    assert len(rec.nodes) == 6 and len(rec.links) == 4 and rec.problems == 1
+    ib = bus.records(topics.telemetry_ib_port)
+    assert sorted(r.key or "" for r in ib) == sorted(s.key for s in samples)
+    assert decode(IbPortSample, ib[0].value or b"") in samples
+    assert not list((tmp_path / "work").glob("sys-*"))
+
+
+async def test_a_port_that_loses_its_peer_is_reported_down(tools: tuple[Path, Path], tmp_path: Path) -> None:
+    ibnet, perf = tools
+    bus, topics = MemoryBus(), KafkaTopics()
+    async with FabricCollector(
+        bus, topics, perfquery=str(perf), ibnetdiscover=str(ibnet), timeout_s=0.5, include_cas=False
+    ) as fc:
+        await fc.discover()
+        first = {(s.node_guid, s.port): s for s in await fc.sweep()}
+        assert first[("0x0000000000000a10", 1)].phys_state == "LinkUp"
+        # h11's link goes down: sw-a port 1 has no peer any more, h11 disappears
+        ibnet.write_text(
+            ibnet.read_text()
+            .replace(
+                "SW    10  1 0x0000000000000a10 4x EDR - CA    11  1 0x0000000000000b11"
+                " ( 'sw-a' - 'h11 mlx5_0' )",
+                "SW    10  1 0x0000000000000a10 4x EDR                                    'sw-a'",
+            )
+            .replace(
+                "CA    11  1 0x0000000000000b11 4x EDR - SW    10  1 0x0000000000000a10"
+                " ( 'h11 mlx5_0' - 'sw-a' )\n",
+                "",
+            )
+        )
+        await fc.discover()
+        second = {(s.node_guid, s.port): s for s in await fc.sweep()}
+    down = second[("0x0000000000000a10", 1)]
+    assert (down.state, down.state_id, down.phys_state, down.rate_bytes_per_second) == ("DOWN", 1, None, None)
+    assert down.counters["PortXmitData"] == 2**60 + 1001  # still read: the switch answers for it
+    assert second[("0x0000000000000a10", 2)].phys_state == "LinkUp"
+
+
+async def test_missing_tools_and_not_started(tmp_path: Path) -> None:
+    bus = MemoryBus()
+    fc = FabricCollector(
+        bus, KafkaTopics(), perfquery=str(tmp_path / "nope"), ibnetdiscover=str(tmp_path / "nope")
+    )
+    with pytest.raises(RuntimeError):
+        await fc.sweep()
+    before = _err("exec_error")
+    async with fc:
+        topo = await fc.discover()
+        assert topo.error == "exec_error" and await fc.sweep() == []
+    assert _err("exec_error") - before == 2  # discover, then the sweep's own discovery attempt
+    with pytest.raises(ValueError):
+        FabricCollector(bus, KafkaTopics(), concurrency=0)
+
+
+async def test_run_loop_stops_and_survives_a_failing_bus(tools: tuple[Path, Path]) -> None:
+    ibnet, perf = tools
+
+    class _Broken(MemoryBus):
+        def producer(self, client_id: str = "gpupool"):  # type: ignore[no-untyped-def]
+            p = super().producer(client_id)
+
+            async def send(*a: object, **k: object) -> None:
+                raise ConnectionError("bus down")
+
+            p.send = send  # type: ignore[method-assign]
+            return p
+
+    before = _err("publish")
+    stop = asyncio.Event()
+    async with FabricCollector(
+        _Broken(),
+        KafkaTopics(),
+        perfquery=str(perf),
+        ibnetdiscover=str(ibnet),
+        timeout_s=0.3,
+        include_cas=False,
+    ) as fc:
+        task = asyncio.create_task(fc.run(0.05, stop=stop))
+        await asyncio.sleep(0.6)
+        stop.set()
+        await asyncio.wait_for(task, 5)
+    assert _err("publish") - before >= 2
