@@ -1,0 +1,219 @@
+"""The Fabric dashboard: gpupool's InfiniBand fabric collector, and per-port utilisation,
+congestion (PortXmitWait), symbol errors, link downs and port state from node_exporter.
+
+gpupool sends per-port counters to Kafka, not to Prometheus; operators scrape node_exporter, whose
+infiniband collector reads the same sysfs counters (``node_infiniband_*{device, port}``;
+prometheus/node_exporter ``collector/infiniband_linux.go``): data counters in bytes (PortXmitData
+× 4), ``rate_bytes_per_second`` the link rate, ``state_id`` 4 = Active. Fabric headroom per leaf is
+not exported as a metric yet, so no panel shows it.
+"""
+
+from __future__ import annotations
+
+from grafana_foundation_sdk.builders import dashboard as dashboard_b
+
+from grafana import panels
+from grafana.panels import Query
+
+__all__ = ["UID", "dashboard"]
+
+UID = "gpupool-fabric"
+"""Dashboard uid (stable: links and provisioning refer to it)."""
+
+_INST = 'instance=~"$instance"'
+_PORT_LEGEND = "{{instance}} {{device}}/{{port}}"
+_PORT_STATES = {
+    1: ("Down", "red"),
+    2: ("Init", "orange"),
+    3: ("Armed", "yellow"),
+    4: ("Active", "green"),
+    5: ("ActDefer", "blue"),
+}
+
+
+def _quantile(q: float, bucket: str, by: str = "") -> str:
+    labels = f"le, {by}" if by else "le"
+    return f"histogram_quantile({q}, sum by ({labels}) (rate({bucket}[$__rate_interval])))"
+
+
+def dashboard() -> dashboard_b.Dashboard:
+    """The Fabric dashboard builder (uid :data:`UID`); variables ``datasource`` and ``instance``
+    (node_exporter targets)."""
+    return (
+        dashboard_b.Dashboard("gpupool / Fabric")
+        .uid(UID)
+        .description(
+            "InfiniBand fabric: gpupool's fabric collector, and per-port counters from node_exporter."
+        )
+        .tags(["gpupool"])
+        .link(panels.dashboard_links())
+        .refresh("30s")
+        .time("now-6h", "now")
+        .timezone("browser")
+        .with_variable(panels.datasource_variable())
+        .with_variable(panels.label_variable("instance", "node_infiniband_state_id", "instance", "Host"))
+        .with_row(panels.row("Fabric collector (gpupool)"))
+        .with_panel(
+            panels.stat(
+                "Ports down",
+                [Query("sum(gpupool_collector_fabric_ports_down)")],
+                description="Ports seen connected once and without a peer at the last ibnetdiscover.",
+                thresholds=[(None, "green"), (1, "red")],
+            )
+        )
+        .with_panel(
+            panels.stat(
+                "Port samples per second",
+                [Query("sum(rate(gpupool_collector_fabric_samples_total[$__rate_interval]))")],
+                description="IbPortSample records the fabric collector produces (perfquery readings).",
+                unit="ops",
+            )
+        )
+        .with_panel(
+            panels.stat(
+                "Sweep time p95",
+                [Query(_quantile(0.95, "gpupool_collector_fabric_sweep_duration_seconds_bucket"))],
+                description="95th percentile of one counter sweep over the whole fabric.",
+                unit="s",
+            )
+        )
+        .with_panel(
+            panels.stat(
+                "Diag timeouts in range",
+                [Query("sum(increase(gpupool_collector_fabric_timeouts_total[$__range]))")],
+                description="perfquery / ibnetdiscover runs killed at their timeout over the time range.",
+                thresholds=[(None, "green"), (1, "orange")],
+            )
+        )
+        .with_panel(
+            panels.timeseries(
+                "Fabric collection errors by reason",
+                [
+                    Query(
+                        "sum by (reason) (rate(gpupool_collector_fabric_errors_total[$__rate_interval]))",
+                        "{{reason}}",
+                    )
+                ],
+                description="timeout, exec_error, unreachable, ... or a parser reason (a new infiniband-diags format).",
+                unit="ops",
+            )
+        )
+        .with_panel(
+            panels.timeseries(
+                "Sweep, discovery and per-device time",
+                [
+                    Query(
+                        _quantile(0.95, "gpupool_collector_fabric_sweep_duration_seconds_bucket"), "sweep p95"
+                    ),
+                    Query(
+                        _quantile(0.95, "gpupool_collector_fabric_discovery_duration_seconds_bucket"),
+                        "ibnetdiscover p95",
+                    ),
+                    Query(
+                        _quantile(
+                            0.95, "gpupool_collector_fabric_device_duration_seconds_bucket", "node_type"
+                        ),
+                        "device p95 {{node_type}}",
+                    ),
+                ],
+                description="95th percentiles of a fabric sweep, an ibnetdiscover run, and reading one device's ports.",
+                unit="s",
+            )
+        )
+        .with_row(panels.row("Ports (node_exporter)"))
+        .with_panel(
+            panels.timeseries(
+                "Transmit utilisation",
+                [
+                    Query(
+                        f"rate(node_infiniband_port_data_transmitted_bytes_total{{{_INST}}}[$__rate_interval])"
+                        f" / node_infiniband_rate_bytes_per_second{{{_INST}}}",
+                        _PORT_LEGEND,
+                    )
+                ],
+                description="Transmitted bytes per second over the link rate (PortXmitData × 4 / rate).",
+                unit="percentunit",
+                min_value=0,
+                max_value=1,
+            )
+        )
+        .with_panel(
+            panels.timeseries(
+                "Receive utilisation",
+                [
+                    Query(
+                        f"rate(node_infiniband_port_data_received_bytes_total{{{_INST}}}[$__rate_interval])"
+                        f" / node_infiniband_rate_bytes_per_second{{{_INST}}}",
+                        _PORT_LEGEND,
+                    )
+                ],
+                description="Received bytes per second over the link rate (PortRcvData × 4 / rate).",
+                unit="percentunit",
+                min_value=0,
+                max_value=1,
+            )
+        )
+        .with_panel(
+            panels.timeseries(
+                "XmitWait per data word",
+                [
+                    Query(
+                        f"rate(node_infiniband_port_transmit_wait_total{{{_INST}}}[$__rate_interval])"
+                        f" / (rate(node_infiniband_port_data_transmitted_bytes_total{{{_INST}}}[$__rate_interval]) / 4)",
+                        _PORT_LEGEND,
+                    )
+                ],
+                description="PortXmitWait ticks per 4-byte word sent: congestion (waiting for credits). "
+                "Alert GpupoolIbXmitWaitHigh above 1.",
+            )
+        )
+        .with_panel(
+            panels.timeseries(
+                "XmitWait ticks per second",
+                [
+                    Query(
+                        f"rate(node_infiniband_port_transmit_wait_total{{{_INST}}}[$__rate_interval])",
+                        _PORT_LEGEND,
+                    )
+                ],
+                description="PortXmitWait: ticks during which the port had data to send and sent none.",
+            )
+        )
+        .with_panel(
+            panels.timeseries(
+                "Symbol errors",
+                [
+                    Query(
+                        f"increase(node_infiniband_symbol_error_total{{{_INST}}}[$__rate_interval])",
+                        _PORT_LEGEND,
+                    )
+                ],
+                description="SymbolErrorCounter increase: minor link errors on the lanes (cable, transceiver). "
+                "A saturated counter (65535) stops counting.",
+            )
+        )
+        .with_panel(
+            panels.timeseries(
+                "Link downs and error recoveries",
+                [
+                    Query(
+                        f"increase(node_infiniband_link_downed_total{{{_INST}}}[$__rate_interval])",
+                        "downed " + _PORT_LEGEND,
+                    ),
+                    Query(
+                        f"increase(node_infiniband_link_error_recovery_total{{{_INST}}}[$__rate_interval])",
+                        "recovered " + _PORT_LEGEND,
+                    ),
+                ],
+                description="LinkDownedCounter (the link went down) and LinkErrorRecoveryCounter (it recovered) increases.",
+            )
+        )
+        .with_panel(
+            panels.state_timeline(
+                "Port state",
+                Query(f"node_infiniband_state_id{{{_INST}}}", _PORT_LEGEND),
+                description="Logical port state: 1 Down, 2 Init, 3 Armed, 4 Active, 5 ActDefer.",
+                states=_PORT_STATES,
+            )
+        )
+    )
