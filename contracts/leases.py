@@ -66,6 +66,9 @@ class LeaseLogRecord(Record):
         ts: time of the transition (Unix s).
         granted_at: when it was granted (Unix s).
         expires_at: lease TTL deadline; moved by each renewal (Unix s).
+        ends_at: the lease ends here at the latest — grant time + the claim's
+            ``duration_seconds`` (Unix s); renewals never move ``expires_at`` past it. ``None``:
+            no end but the TTL.
         min_until: the minimum guaranteed duration ends here (Unix s).
         reclaim_deadline: when reclaiming, the time the GPUs are taken back regardless (Unix s).
         notice_seconds: reclaim notice promised by the offer.
@@ -83,6 +86,7 @@ class LeaseLogRecord(Record):
     ts: float
     granted_at: float
     expires_at: float
+    ends_at: float | None = None
     min_until: float | None = None
     reclaim_deadline: float | None = None
     notice_seconds: float

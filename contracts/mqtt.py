@@ -88,6 +88,9 @@ class LeaseMessage(Record):
     ts: float
     expires_at: float
     """Renew before this (Unix s) or the lease expires."""
+    ends_at: float | None = None
+    """The lease ends here at the latest (grant time + the claim's ``duration_seconds``, Unix s);
+    renewals never move ``expires_at`` past it. ``None``: no end but the TTL."""
     reclaim_deadline: float | None = None
     """When ``reclaiming``: the GPUs are taken back at this time (Unix s)."""
     notice_seconds: float

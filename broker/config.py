@@ -1,0 +1,48 @@
+"""Settings of the broker stage (one typed model; every time is in seconds)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class BrokerConfig(BaseModel):
+    """How the broker offers, leases and reclaims; shared by :class:`broker.leases.LeaseBook` and
+    :class:`broker.service.BrokerService`.
+
+    Attributes:
+        offer_ttl_s: an offer lapses this long after it is published (``Offer.expires_at``, and the
+            MQTT 5 message expiry); still-idle GPUs are then offered again under a new id.
+        notice_s: reclaim notice a lease gets (``Offer.notice_seconds``): on a training demand the
+            site has this long to release before the lease is revoked.
+        lease_ttl_s: a lease expires unless renewed within this long; a renewal never extends it
+            by more than this.
+        tick_s: how often the service looks for expired offers, lease TTLs and reclaim deadlines.
+        group_id: Kafka consumer group of the capacity and pool-demand consumer.
+        retain_terminal_s: how long a released / expired / revoked lease (and every claim answer)
+            is remembered for idempotent replies before it is forgotten and its retained MQTT lease
+            message cleared.
+        capacity_max_age_s: a GPU whose newest capacity update is older than this (by its ``ts``)
+            counts as unknown and is not offered: analytics re-publishes every GPU regularly, so
+            silence means it stopped watching (or a restarted broker replayed old history).
+        reclaim_hold_s: GPUs taken back by a reclaim are not offered again until analytics reports
+            them busy or unknown, or until this long has passed (training asked for them).
+        demand_max_age_s: a pool demand older than this when read (by its ``ts``) is ignored, so a
+            broker replaying an old ``pool.demand`` topic does not reclaim on stale demands.
+        reconnect_min_s / reconnect_max_s: MQTT reconnect backoff (doubles per failure, jittered).
+        rebuild_timeout_s: how long the start may take to read ``leases.log`` to its end.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    offer_ttl_s: float = Field(default=60.0, gt=0)
+    notice_s: float = Field(default=30.0, ge=0)
+    lease_ttl_s: float = Field(default=60.0, gt=0)
+    tick_s: float = Field(default=0.5, gt=0)
+    group_id: str = "gpupool-broker"
+    retain_terminal_s: float = Field(default=900.0, ge=0)
+    capacity_max_age_s: float = Field(default=120.0, gt=0)
+    reclaim_hold_s: float = Field(default=300.0, ge=0)
+    demand_max_age_s: float = Field(default=300.0, gt=0)
+    reconnect_min_s: float = Field(default=0.2, gt=0)
+    reconnect_max_s: float = Field(default=30.0, gt=0)
+    rebuild_timeout_s: float = Field(default=60.0, gt=0)

@@ -1,0 +1,90 @@
+"""The seam between leases and InfiniBand fabric isolation (DESIGN.md "Broker protocol").
+
+A lease is granted only after the fabric manager has put the leased hosts' ports in a partition of
+their own and read it back from the fabric. The broker calls :meth:`FabricManager.isolate` between
+reserving a claim's GPUs and granting the lease, and :meth:`FabricManager.remove` when the lease
+ends (released, expired or revoked — whether or not the site released).
+
+The grant rule is :func:`isolation_problem`: a manager that *enforces* isolation must return a
+:class:`contracts.leases.Partition` with ``verified=True``, or the claim is rejected with
+``isolation_failed``. The only manager here, :class:`NoIsolation`, is the explicit "fabric isolation
+disabled by configuration" mode: it does not enforce, returns no partition, and leases then say so
+honestly (``partition: null``). An OpenSM manager (PKey + SL per lease, verified with
+``smpquery pkeys``) is the subject of issue 5 and plugs in here.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from contracts import LeaseLogRecord
+from contracts.leases import Partition
+
+
+class FabricError(Exception):
+    """Isolation could not be applied, verified or removed; the message says which and why."""
+
+
+class FabricManager(Protocol):
+    """Applies and removes per-lease fabric isolation.
+
+    Attributes:
+        enforced: True if leases must not be granted without a verified partition. A manager
+            that cannot isolate must say False here, never pretend.
+    """
+
+    enforced: bool
+
+    async def isolate(self, lease: LeaseLogRecord) -> Partition | None:
+        """Put ``lease.gpus``' hosts in a partition of their own and verify it on the fabric.
+
+        Returns the partition (``verified=True`` once read back), or ``None`` when this manager
+        does not isolate. Raises :class:`FabricError` if it cannot be applied or verified.
+        """
+        ...
+
+    async def remove(self, lease: LeaseLogRecord) -> None:
+        """Take ``lease``'s partition off the fabric and verify it is gone; no-op without one.
+
+        Raises :class:`FabricError` if it cannot be removed or verified gone.
+        """
+        ...
+
+
+class NoIsolation:
+    """Fabric isolation disabled by configuration: leases are granted without a partition.
+
+    Nothing is applied and nothing is claimed: :meth:`isolate` returns ``None`` and every lease
+    carries ``partition = None``, so sites, the lease log and the demo all show that no isolation
+    was given. Use only where the fabric is not shared with training (or for the demo).
+    """
+
+    enforced = False
+
+    async def isolate(self, lease: LeaseLogRecord) -> Partition | None:
+        """No partition: returns ``None``."""
+        return None
+
+    async def remove(self, lease: LeaseLogRecord) -> None:
+        """Nothing to remove."""
+
+
+def isolation_problem(fabric: FabricManager, partition: Partition | None) -> str:
+    """Why a lease with ``partition`` must not be granted under ``fabric``; ``""`` if it may.
+
+    An enforcing manager needs a verified partition; a non-enforcing one must not hand out a
+    partition it has not verified either (a partition in a lease message is a promise).
+    """
+    if partition is None:
+        return "fabric isolation is enforced but no partition was made" if fabric.enforced else ""
+    if not partition.verified:
+        return f"partition 0x{partition.pkey:04x} was not verified on the fabric"
+    return ""
+
+
+def describe(partition: Partition | None) -> str:
+    """One line for logs and the demo: ``pkey=0x0012 sl=1 verified`` or ``none``."""
+    if partition is None:
+        return "none (fabric isolation disabled)"
+    state = "verified" if partition.verified else "NOT verified"
+    return f"pkey=0x{partition.pkey:04x} sl={partition.sl} {state}"

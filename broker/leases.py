@@ -1,0 +1,733 @@
+"""The lease book: idle capacity → offers, claims → leases, renewals, releases, reclaims, expiry.
+
+Pure logic: no I/O and no clock of its own. Every method takes ``now`` (Unix seconds) and returns
+what changed (:class:`Changes`) for the caller to log (Kafka ``leases.log``) and publish (MQTT),
+so the same calls in the same order always give the same book.
+
+Invariants (checked by :meth:`LeaseBook.violations`, property-tested with hypothesis):
+
+* no GPU is in two live leases (``granted``, ``active``, ``reclaiming``);
+* no offer holds a GPU that is leased, reserved by a claim in progress, held back for training,
+  or not ``idle`` in the newest capacity update (or whose newest update is older than
+  ``capacity_max_age_s``: checked at every call with ``now``); a node has at most one offer;
+* an offer never promises past its GPUs' predicted idle time
+  (``Offer.available_until <= min(CapacityUpdate.predicted_idle_until)``).
+
+What protects training is the reclaim notice, not the prediction: a GPU is offered as long as the
+newest capacity update says idle, and its offer states the prediction as ``available_until`` (the
+broker promises nothing past it, and nothing at all once it has passed; analytics refreshes it).
+A lease lasts while renewed, up to the claim's ``duration_seconds`` (``ends_at``), and any lease
+can be reclaimed with the offer's notice.
+
+Lease states and transitions follow :mod:`contracts.leases`: ``granted`` → ``active`` on the first
+renewal; ``granted``/``active`` → ``reclaiming`` on a demand (deadline = now + the offer's notice);
+→ ``released`` (site), ``expired`` (TTL or the lease's end passed), ``revoked`` (reclaim deadline
+passed). A claim is granted in two steps (:meth:`LeaseBook.begin_claim` reserves the GPUs,
+:meth:`LeaseBook.grant` or :meth:`LeaseBook.abort` finishes it) so that fabric isolation can be
+applied in between without another claim taking the same GPUs.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from broker.config import BrokerConfig
+from contracts import (
+    CapacityUpdate,
+    Claim,
+    GpuState,
+    LeaseLogRecord,
+    LeaseMessage,
+    LeaseState,
+    Offer,
+    OfferedGpu,
+    PoolDemand,
+    ReasonCode,
+    Release,
+    Renewal,
+)
+from contracts.leases import Partition
+
+_Node = tuple[str, str]
+"""(pool, host): offers group a node's idle GPUs."""
+_ClaimKey = tuple[str, str]
+"""(site, claim_id): the idempotency key of a claim."""
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """The book's answer to a site's claim, renewal or release (becomes a :class:`contracts.Reply`).
+
+    Attributes:
+        code: :attr:`ReasonCode.OK` or the reason of the rejection.
+        text: a short human-readable explanation.
+        lease_id: the lease granted, renewed or released, when there is one.
+        replayed: True when a repeated ``claim_id`` got its first answer again.
+    """
+
+    code: ReasonCode
+    text: str = ""
+    lease_id: str | None = None
+    replayed: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """True for :attr:`ReasonCode.OK`."""
+        return self.code is ReasonCode.OK
+
+
+@dataclass(slots=True)
+class Changes:
+    """What one call changed, in order.
+
+    Attributes:
+        records: lease transitions (log them to ``leases.log``, then publish each as the retained
+            :class:`contracts.LeaseMessage` of the lease).
+        published: new offers (publish retained).
+        withdrawn: offers that are gone (publish an empty retained payload on their topic).
+        forgotten: terminal leases dropped from memory after ``retain_terminal_s`` (clear their
+            retained lease message).
+    """
+
+    records: list[LeaseLogRecord] = field(default_factory=list)
+    published: list[Offer] = field(default_factory=list)
+    withdrawn: list[Offer] = field(default_factory=list)
+    forgotten: list[LeaseLogRecord] = field(default_factory=list)
+
+    def extend(self, other: Changes) -> Changes:
+        """Append ``other``'s changes to these; returns ``self``."""
+        self.records.extend(other.records)
+        self.published.extend(other.published)
+        self.withdrawn.extend(other.withdrawn)
+        self.forgotten.extend(other.forgotten)
+        return self
+
+    def __bool__(self) -> bool:
+        return bool(self.records or self.published or self.withdrawn or self.forgotten)
+
+
+@dataclass(frozen=True, slots=True)
+class PendingGrant:
+    """A claim that passed validation; its GPUs are reserved until :meth:`LeaseBook.grant` or
+    :meth:`LeaseBook.abort`.
+
+    Attributes:
+        site: the claiming site (from the topic).
+        claim_id: the site's idempotency key.
+        offer: the offer claimed.
+        record: the lease as it will be logged when granted (state ``granted``, seq 1, no
+            partition yet); hand it to the fabric manager to isolate.
+    """
+
+    site: str
+    claim_id: str
+    offer: Offer
+    record: LeaseLogRecord
+
+
+@dataclass(frozen=True, slots=True)
+class _Retired:
+    offer: Offer
+    why: str  # "expired" | "claimed" | "changed"
+
+
+def _default_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:16]}"
+
+
+def lease_message(record: LeaseLogRecord) -> LeaseMessage:
+    """The retained MQTT message (:class:`contracts.LeaseMessage`) that tells a site the state of
+    the lease in ``record``."""
+    return LeaseMessage(
+        lease_id=record.lease_id,
+        site=record.site,
+        claim_id=record.claim_id,
+        offer_id=record.offer_id,
+        gpus=list(record.gpus),
+        state=record.state,
+        ts=record.ts,
+        expires_at=record.expires_at,
+        ends_at=record.ends_at,
+        reclaim_deadline=record.reclaim_deadline,
+        notice_seconds=record.notice_seconds,
+        partition=record.partition,
+        reason=record.reason,
+        seq=record.seq,
+    )
+
+
+class LeaseBook:
+    """Offers, leases and claim answers of one broker; see the module docstring.
+
+    Args:
+        config: offer TTL, notice, lease TTL, retention and hold times (:class:`BrokerConfig`).
+        new_id: makes a fresh id from a prefix (``"offer"``, ``"lease"``); ids become MQTT topic
+            levels, so they must not contain ``/``, ``+`` or ``#``. Default: prefix + 16 hex digits
+            of a random UUID. Tests pass a counter to be fully deterministic.
+    """
+
+    def __init__(
+        self, config: BrokerConfig | None = None, new_id: Callable[[str], str] = _default_id
+    ) -> None:
+        self.config = config or BrokerConfig()
+        self._new_id = new_id
+        self._caps: dict[str, CapacityUpdate] = {}
+        self._node_of: dict[str, _Node] = {}
+        self._nodes: dict[_Node, set[str]] = {}
+        self._offers: dict[str, Offer] = {}
+        self._node_offer: dict[_Node, str] = {}
+        self._retired: dict[str, _Retired] = {}
+        self._leases: dict[str, LeaseLogRecord] = {}
+        self._gpu_lease: dict[str, str] = {}
+        self._reserved: dict[str, _ClaimKey] = {}
+        self._pending: dict[_ClaimKey, PendingGrant] = {}
+        self._answers: dict[_ClaimKey, tuple[Answer, float]] = {}
+        self._holds: dict[str, float] = {}
+        self._demands: dict[str, float] = {}
+
+    # read-only views ----------------------------------------------------------------------------
+    @property
+    def offers(self) -> Mapping[str, Offer]:
+        """Live offers by ``offer_id`` (read-only view)."""
+        return MappingProxyType(self._offers)
+
+    @property
+    def leases(self) -> Mapping[str, LeaseLogRecord]:
+        """Newest record of every remembered lease, live or terminal, by ``lease_id`` (read-only)."""
+        return MappingProxyType(self._leases)
+
+    @property
+    def capacity(self) -> Mapping[str, CapacityUpdate]:
+        """Newest capacity update of every GPU, by GPU key (read-only view)."""
+        return MappingProxyType(self._caps)
+
+    def live_leases(self) -> list[LeaseLogRecord]:
+        """Leases that hold their GPUs (granted, active, reclaiming), ordered by ``lease_id``."""
+        return [r for _, r in sorted(self._leases.items()) if r.state.live]
+
+    def lease_of(self, gpu: str) -> str | None:
+        """The live lease holding ``gpu`` (a GPU key), or ``None``."""
+        return self._gpu_lease.get(gpu)
+
+    def lease_counts(self) -> dict[LeaseState, int]:
+        """Remembered leases per state (every state present, zero if none)."""
+        counts = {s: 0 for s in LeaseState}
+        for r in self._leases.values():
+            counts[r.state] += 1
+        return counts
+
+    # capacity -----------------------------------------------------------------------------------
+    def apply_capacity(self, update: CapacityUpdate, now: float) -> Changes:
+        """Take the newest state of one GPU; offers of its node follow (a GPU that turns busy or
+        unknown leaves its offer at once). An update older (by ``ts``) than the one held is
+        ignored. Leases are never touched: a leased GPU looks busy because the site uses it."""
+        ch = Changes()
+        key = update.key
+        old = self._caps.get(key)
+        if old is not None and update.ts < old.ts:
+            return ch
+        self._caps[key] = update
+        node = (update.pool, update.host)
+        dirty = {node}
+        prev = self._node_of.get(key)
+        if prev is not None and prev != node:
+            self._nodes[prev].discard(key)
+            dirty.add(prev)
+        self._node_of[key] = node
+        self._nodes.setdefault(node, set()).add(key)
+        if update.state is not GpuState.IDLE:
+            self._holds.pop(key, None)  # training has it (or it is unknown): the hold has done its job
+        self._reconcile(dirty, now, ch)
+        return ch
+
+    # claims ---------------------------------------------------------------------------------------
+    def begin_claim(self, site: str, claim: Claim, now: float) -> tuple[Answer | PendingGrant, Changes]:
+        """Validate ``claim`` that arrived on ``site``'s claims topic.
+
+        Returns ``(Answer, Changes())`` for a rejection (or a repeated ``claim_id``: its first
+        answer, ``replayed=True``), or ``(PendingGrant, Changes)``: the GPUs are reserved and the
+        offer withdrawn (its remaining GPUs offered anew); finish with :meth:`grant` or
+        :meth:`abort`. Rejection codes: ``site_mismatch``, ``unknown_offer``, ``offer_expired``,
+        ``gpu_unavailable`` (leased, not idle, not in the offer, too few), ``notice_too_short``.
+        """
+        key = (site, claim.claim_id)
+        cached = self._answers.get(key)
+        if cached is not None:
+            a = cached[0]
+            return Answer(a.code, a.text, a.lease_id, replayed=True), Changes()
+        if key in self._pending:
+            return Answer(ReasonCode.INTERNAL, "claim in progress; retry"), Changes()
+        answer_or_grant = self._validate_claim(site, claim, now)
+        if isinstance(answer_or_grant, Answer):
+            self._answers[key] = (answer_or_grant, now)
+            return answer_or_grant, Changes()
+        ch = Changes()
+        pending = answer_or_grant
+        self._pending[key] = pending
+        for g in pending.record.gpus:
+            self._reserved[g] = key
+        self._retire(pending.offer, "claimed", ch)
+        self._reconcile({(pending.offer.pool, pending.offer.host)}, now, ch)
+        return pending, ch
+
+    def grant(
+        self, pending: PendingGrant, now: float, partition: Partition | None = None
+    ) -> tuple[Answer, Changes]:
+        """Turn a reserved claim into a lease in state ``granted`` (with ``partition`` if the
+        fabric isolated it); ``expires_at`` counts from ``now``.
+
+        Raises:
+            KeyError: ``pending`` is not in progress (already granted or aborted).
+        """
+        key = (pending.site, pending.claim_id)
+        if self._pending.get(key) is not pending:
+            raise KeyError(f"claim {pending.claim_id} of {pending.site} is not in progress")
+        del self._pending[key]
+        draft = pending.record
+        for g in draft.gpus:
+            self._reserved.pop(g, None)
+        expires = now + self.config.lease_ttl_s
+        if draft.ends_at is not None:
+            expires = min(expires, draft.ends_at)
+        rec = draft.model_copy(
+            update={"ts": now, "granted_at": now, "expires_at": expires, "partition": partition}
+        )
+        self._leases[rec.lease_id] = rec
+        for g in rec.gpus:
+            self._gpu_lease[g] = rec.lease_id
+        answer = Answer(ReasonCode.OK, f"lease {rec.lease_id} granted", rec.lease_id)
+        self._answers[key] = (answer, now)
+        ch = Changes(records=[rec])
+        self._reconcile({(pending.offer.pool, pending.offer.host)}, now, ch)
+        return answer, ch
+
+    def abort(self, pending: PendingGrant, code: ReasonCode, text: str, now: float) -> tuple[Answer, Changes]:
+        """Give up a reserved claim (e.g. ``isolation_failed``): the GPUs are free again and
+        offered anew; the answer is remembered for the ``claim_id``.
+
+        Raises:
+            KeyError: ``pending`` is not in progress.
+        """
+        key = (pending.site, pending.claim_id)
+        if self._pending.get(key) is not pending:
+            raise KeyError(f"claim {pending.claim_id} of {pending.site} is not in progress")
+        del self._pending[key]
+        for g in pending.record.gpus:
+            self._reserved.pop(g, None)
+        answer = Answer(code, text)
+        self._answers[key] = (answer, now)
+        ch = Changes()
+        self._reconcile({(pending.offer.pool, pending.offer.host)}, now, ch)
+        return answer, ch
+
+    def claim(
+        self, site: str, claim: Claim, now: float, partition: Partition | None = None
+    ) -> tuple[Answer, Changes]:
+        """:meth:`begin_claim` then at once :meth:`grant` (no fabric step in between)."""
+        step, ch = self.begin_claim(site, claim, now)
+        if isinstance(step, Answer):
+            return step, ch
+        answer, ch2 = self.grant(step, now, partition)
+        return answer, ch.extend(ch2)
+
+    def _validate_claim(self, site: str, claim: Claim, now: float) -> Answer | PendingGrant:
+        if claim.site != site:
+            return Answer(ReasonCode.SITE_MISMATCH, f"claim names site {claim.site!r} on {site!r}'s topic")
+        offer = self._offers.get(claim.offer_id)
+        if offer is None:
+            return self._answer_retired(claim, now)
+        if now >= offer.expires_at:
+            return Answer(ReasonCode.OFFER_EXPIRED, f"offer {offer.offer_id} expired")
+        wanted = self._wanted(offer, claim)
+        if isinstance(wanted, Answer):
+            return wanted
+        if claim.min_notice_seconds > offer.notice_seconds:
+            return Answer(
+                ReasonCode.NOTICE_TOO_SHORT,
+                f"offer gives {offer.notice_seconds:g} s notice, claim needs {claim.min_notice_seconds:g} s",
+            )
+        for g in wanted:
+            why = self._unavailable(g, now)
+            if why:
+                return Answer(ReasonCode.GPU_UNAVAILABLE, f"{g}: {why}")
+        ends_at = now + claim.duration_seconds
+        record = LeaseLogRecord(
+            lease_id=self._new_id("lease"),
+            site=site,
+            claim_id=claim.claim_id,
+            offer_id=offer.offer_id,
+            gpus=wanted,
+            state=LeaseState.GRANTED,
+            ts=now,
+            granted_at=now,
+            expires_at=min(now + self.config.lease_ttl_s, ends_at),
+            ends_at=ends_at,
+            notice_seconds=offer.notice_seconds,
+            reason="claim",
+            seq=1,
+        )
+        return PendingGrant(site=site, claim_id=claim.claim_id, offer=offer, record=record)
+
+    def _answer_retired(self, claim: Claim, now: float) -> Answer:
+        retired = self._retired.get(claim.offer_id)
+        if retired is None:
+            return Answer(ReasonCode.UNKNOWN_OFFER, f"no offer {claim.offer_id}")
+        if retired.why == "expired" or now >= retired.offer.expires_at:
+            return Answer(ReasonCode.OFFER_EXPIRED, f"offer {claim.offer_id} expired")
+        wanted = self._wanted(retired.offer, claim)
+        if isinstance(wanted, Answer):
+            return wanted
+        if claim.count and not claim.gpus:
+            free = [g.gpu for g in retired.offer.gpus if not self._unavailable(g.gpu, now)]
+            if len(free) < claim.count:
+                return Answer(
+                    ReasonCode.GPU_UNAVAILABLE, f"only {len(free)} of the offer's GPUs are still free"
+                )
+        else:
+            for g in wanted:
+                why = self._unavailable(g, now)
+                if why:
+                    return Answer(ReasonCode.GPU_UNAVAILABLE, f"{g}: {why}")
+        return Answer(
+            ReasonCode.UNKNOWN_OFFER, f"offer {claim.offer_id} was withdrawn; claim a current offer"
+        )
+
+    @staticmethod
+    def _wanted(offer: Offer, claim: Claim) -> list[str] | Answer:
+        in_offer = [g.gpu for g in offer.gpus]
+        if claim.gpus:
+            wanted = list(dict.fromkeys(claim.gpus))
+            missing = [g for g in wanted if g not in in_offer]
+            if missing:
+                return Answer(
+                    ReasonCode.GPU_UNAVAILABLE, f"not in offer {offer.offer_id}: {', '.join(missing)}"
+                )
+            return wanted
+        if claim.count > len(in_offer):
+            return Answer(
+                ReasonCode.GPU_UNAVAILABLE, f"offer has {len(in_offer)} GPUs, claim wants {claim.count}"
+            )
+        return in_offer[: claim.count] if claim.count else in_offer
+
+    # renewals and releases --------------------------------------------------------------------------
+    def _site_lease(self, site: str, payload_site: str, lease_id: str, now: float) -> LeaseLogRecord | Answer:
+        if payload_site != site:
+            return Answer(
+                ReasonCode.SITE_MISMATCH, f"message names site {payload_site!r} on {site!r}'s topic"
+            )
+        rec = self._leases.get(lease_id)
+        if rec is None or rec.site != site:
+            return Answer(ReasonCode.UNKNOWN_LEASE, f"no lease {lease_id} for {site}")
+        if not rec.state.live:
+            return Answer(ReasonCode.LEASE_NOT_LIVE, f"lease {lease_id} is {rec.state.value}", lease_id)
+        return rec
+
+    def renew(self, site: str, renewal: Renewal, now: float) -> tuple[Answer, Changes]:
+        """Heartbeat: move ``expires_at`` to ``now + min(extend_seconds or lease_ttl_s,
+        lease_ttl_s)``, never past the lease's ``ends_at`` and never backwards; the first renewal
+        makes a ``granted`` lease ``active``. Rejections: ``site_mismatch``, ``unknown_lease``
+        (also another site's lease), ``lease_not_live`` (terminal, or its TTL already passed)."""
+        found = self._site_lease(site, renewal.site, renewal.lease_id, now)
+        if isinstance(found, Answer):
+            return found, Changes()
+        rec = found
+        if rec.expires_at <= now:
+            return Answer(
+                ReasonCode.LEASE_NOT_LIVE, f"lease {rec.lease_id} TTL passed", rec.lease_id
+            ), Changes()
+        ttl = self.config.lease_ttl_s
+        ext = min(renewal.extend_seconds, ttl) if renewal.extend_seconds is not None else ttl
+        expires = now + ext
+        if rec.ends_at is not None:
+            expires = min(expires, rec.ends_at)
+        expires = max(expires, rec.expires_at)
+        state = LeaseState.ACTIVE if rec.state is LeaseState.GRANTED else rec.state
+        new = self._transition(rec, state, now, "renewal", expires_at=expires)
+        return Answer(ReasonCode.OK, f"renewed until {expires:.3f}", rec.lease_id), Changes(records=[new])
+
+    def release(self, site: str, release: Release, now: float) -> tuple[Answer, Changes]:
+        """Early release by the site: the lease becomes ``released`` and its GPUs are offered
+        again if still idle (or held back for training if the lease was ``reclaiming``).
+        Rejections as for :meth:`renew` (a lease past its TTL can still be released)."""
+        found = self._site_lease(site, release.site, release.lease_id, now)
+        if isinstance(found, Answer):
+            return found, Changes()
+        ch = Changes()
+        self._end(found, LeaseState.RELEASED, now, "site_release", ch)
+        return Answer(ReasonCode.OK, f"lease {found.lease_id} released", found.lease_id), ch
+
+    # reclaims ----------------------------------------------------------------------------------------
+    def reclaim(
+        self, now: float, gpus: Sequence[str] = (), count: int = 0, reason: str = "reclaim"
+    ) -> Changes:
+        """Move leases to ``reclaiming`` with ``reclaim_deadline = now + notice_seconds``.
+
+        ``gpus`` (GPU keys): every granted/active lease holding one of them; named GPUs that are
+        not leased are held back from offers (training wants them). Else ``count`` > 0: the newest
+        granted/active leases until at least ``count`` GPUs are covered. Else every granted/active
+        lease. Leases already reclaiming keep their deadline.
+        """
+        ch = Changes()
+        takeable = [r for r in self._leases.values() if r.state in (LeaseState.GRANTED, LeaseState.ACTIVE)]
+        if gpus:
+            named = set(gpus)
+            targets = sorted((r for r in takeable if named.intersection(r.gpus)), key=lambda r: r.lease_id)
+            dirty: set[_Node] = set()
+            for g in sorted(named):
+                if g not in self._gpu_lease and g in self._caps:
+                    self._holds[g] = max(self._holds.get(g, -math.inf), now + self.config.reclaim_hold_s)
+                    dirty.add(self._node_of[g])
+            self._reconcile(dirty, now, ch)
+        else:
+            newest = sorted(takeable, key=lambda r: (-r.granted_at, r.lease_id))
+            if count > 0:
+                targets, covered = [], 0
+                for r in newest:
+                    if covered >= count:
+                        break
+                    targets.append(r)
+                    covered += len(r.gpus)
+            else:
+                targets = newest
+        for r in targets:
+            new = self._transition(
+                r, LeaseState.RECLAIMING, now, reason, reclaim_deadline=now + r.notice_seconds
+            )
+            ch.records.append(new)
+        return ch
+
+    def apply_demand(self, demand: PoolDemand, now: float) -> tuple[str, Changes]:
+        """Apply a training demand once (by ``demand_id``): :meth:`reclaim` with reason
+        ``demand:<id>``. Returns ``(result, changes)`` with result ``reclaimed``,
+        ``nothing_to_reclaim``, ``duplicate`` or ``stale`` (older than ``demand_max_age_s``)."""
+        if demand.demand_id in self._demands:
+            return "duplicate", Changes()
+        self._demands[demand.demand_id] = max(now, demand.ts) + self.config.demand_max_age_s
+        if now - demand.ts > self.config.demand_max_age_s:
+            return "stale", Changes()
+        ch = self.reclaim(now, demand.gpus, demand.count, f"demand:{demand.demand_id}")
+        return ("reclaimed" if ch.records else "nothing_to_reclaim"), ch
+
+    # time ----------------------------------------------------------------------------------------------
+    def tick(self, now: float) -> Changes:
+        """Let time pass: reclaim deadlines passed → ``revoked``; TTL or end passed → ``expired``;
+        offers past ``expires_at`` withdrawn and their GPUs offered anew if still eligible; holds,
+        terminal leases, claim answers and demand ids past their retention forgotten."""
+        ch = Changes()
+        for rec in self.live_leases():
+            deadline = rec.reclaim_deadline
+            if deadline is not None and deadline <= now and not rec.expires_at < deadline:
+                self._end(rec, LeaseState.REVOKED, now, "reclaim_deadline", ch)
+            elif rec.expires_at <= now:
+                ended = rec.ends_at is not None and rec.expires_at >= rec.ends_at
+                self._end(rec, LeaseState.EXPIRED, now, "ended" if ended else "ttl", ch)
+        for offer in sorted(self._offers.values(), key=lambda o: o.offer_id):
+            if offer.expires_at <= now:
+                self._retire(offer, "expired", ch)
+        for g in [g for g, until in self._holds.items() if until <= now]:
+            del self._holds[g]
+        self._forget(now, ch)
+        self._reconcile(set(self._nodes), now, ch)
+        return ch
+
+    def _forget(self, now: float, ch: Changes) -> None:
+        keep = self.config.retain_terminal_s
+        for lease_id in sorted(self._leases):
+            rec = self._leases[lease_id]
+            if not rec.state.live and rec.ts + keep <= now:
+                del self._leases[lease_id]
+                ch.forgotten.append(rec)
+        for key, (answer, at) in list(self._answers.items()):
+            if at + keep <= now and (answer.lease_id is None or answer.lease_id not in self._leases):
+                del self._answers[key]
+        for oid, r in list(self._retired.items()):
+            if r.offer.expires_at + keep <= now:
+                del self._retired[oid]
+        for did, until in list(self._demands.items()):
+            if until <= now:
+                del self._demands[did]
+
+    # recovery ---------------------------------------------------------------------------------------
+    def rebuild(self, records: Iterable[LeaseLogRecord], now: float) -> Changes:
+        """Restore leases and claim answers from the lease log (any order across leases; the
+        record with the highest ``seq`` per ``lease_id`` wins), then :meth:`tick` at ``now``.
+
+        Capacity already applied is kept. Terminal leases older than ``retain_terminal_s`` are not
+        restored; GPUs of recently reclaimed leases are held back as before the restart. Should two
+        live leases name the same GPU (a corrupt log), the later-granted one is revoked with
+        reason ``rebuild_conflict``. Claims in progress and demand ids are not in the log and
+        are lost (a repeated demand after a restart is reclaimed again only if its leases are
+        still granted/active). Returns the conflicts' and the tick's changes.
+        """
+        latest: dict[str, LeaseLogRecord] = {}
+        for r in records:
+            cur = latest.get(r.lease_id)
+            if cur is None or r.seq >= cur.seq:
+                latest[r.lease_id] = r
+        self._leases.clear()
+        self._gpu_lease.clear()
+        self._reserved.clear()
+        self._pending.clear()
+        self._answers.clear()
+        self._holds.clear()
+        self._demands.clear()
+        ch = Changes()
+        keep, hold = self.config.retain_terminal_s, self.config.reclaim_hold_s
+        for rec in sorted(latest.values(), key=lambda r: (r.granted_at, r.lease_id)):
+            if rec.state.live:
+                if any(g in self._gpu_lease for g in rec.gpus):
+                    self._leases[rec.lease_id] = rec
+                    new = self._transition(rec, LeaseState.REVOKED, now, "rebuild_conflict")
+                    ch.records.append(new)
+                    continue
+                for g in rec.gpus:
+                    self._gpu_lease[g] = rec.lease_id
+            elif rec.ts + keep <= now:
+                continue
+            elif rec.reclaim_deadline is not None and rec.ts + hold > now:
+                for g in rec.gpus:
+                    self._holds[g] = max(self._holds.get(g, -math.inf), rec.ts + hold)
+            self._leases[rec.lease_id] = rec
+            self._answers[(rec.site, rec.claim_id)] = (
+                Answer(ReasonCode.OK, f"lease {rec.lease_id} granted", rec.lease_id),
+                rec.granted_at,
+            )
+        return ch.extend(self.tick(now))
+
+    # invariants -------------------------------------------------------------------------------------
+    def violations(self) -> list[str]:
+        """Every broken invariant (see the module docstring) as a sentence; empty when sound."""
+        out: list[str] = []
+        holder: dict[str, str] = {}
+        for rec in self.live_leases():
+            for g in rec.gpus:
+                if g in holder:
+                    out.append(f"{g} is in live leases {holder[g]} and {rec.lease_id}")
+                holder[g] = rec.lease_id
+        if holder != self._gpu_lease:
+            out.append("GPU → lease index disagrees with the live leases")
+        per_node: dict[_Node, int] = {}
+        for offer in self._offers.values():
+            node = (offer.pool, offer.host)
+            per_node[node] = per_node.get(node, 0) + 1
+            preds: list[float] = []
+            for og in offer.gpus:
+                g = og.gpu
+                cap = self._caps.get(g)
+                if g in holder:
+                    out.append(f"offer {offer.offer_id} holds {g}, leased by {holder[g]}")
+                if g in self._reserved:
+                    out.append(f"offer {offer.offer_id} holds {g}, reserved by a claim")
+                if cap is None or cap.state is not GpuState.IDLE:
+                    out.append(f"offer {offer.offer_id} holds {g}, which is not idle")
+                elif cap.predicted_idle_until is not None:
+                    preds.append(cap.predicted_idle_until)
+            if preds and (offer.available_until is None or offer.available_until > min(preds)):
+                out.append(f"offer {offer.offer_id} promises past its GPUs' predicted idle time")
+        out.extend(f"node {n} has {k} offers" for n, k in sorted(per_node.items()) if k > 1)
+        return out
+
+    # internals --------------------------------------------------------------------------------------
+    def _transition(
+        self, rec: LeaseLogRecord, state: LeaseState, now: float, reason: str, **update: object
+    ) -> LeaseLogRecord:
+        new = rec.model_copy(
+            update={"state": state, "ts": now, "reason": reason, "seq": rec.seq + 1, **update}
+        )
+        self._leases[rec.lease_id] = new
+        return new
+
+    def _end(self, rec: LeaseLogRecord, state: LeaseState, now: float, reason: str, ch: Changes) -> None:
+        new = self._transition(rec, state, now, reason)
+        ch.records.append(new)
+        dirty: set[_Node] = set()
+        for g in rec.gpus:
+            if self._gpu_lease.get(g) == rec.lease_id:
+                del self._gpu_lease[g]
+            if rec.reclaim_deadline is not None:
+                self._holds[g] = max(self._holds.get(g, -math.inf), now + self.config.reclaim_hold_s)
+            node = self._node_of.get(g)
+            if node is not None:
+                dirty.add(node)
+        self._reconcile(dirty, now, ch)
+
+    def _unavailable(self, gpu: str, now: float) -> str:
+        """Why ``gpu`` cannot be leased now; ``""`` if it can."""
+        if gpu in self._gpu_lease:
+            return "leased"
+        if gpu in self._reserved:
+            return "claimed by another site a moment ago"
+        cap = self._caps.get(gpu)
+        if cap is None or cap.state is not GpuState.IDLE:
+            return "not idle"
+        if now - cap.ts > self.config.capacity_max_age_s:
+            return "no recent capacity update"
+        if self._holds.get(gpu, -math.inf) > now:
+            return "held for training"
+        return ""
+
+    def _eligible(self, node: _Node, now: float) -> list[CapacityUpdate]:
+        return [self._caps[g] for g in sorted(self._nodes.get(node, ())) if not self._unavailable(g, now)]
+
+    def _retire(self, offer: Offer, why: str, ch: Changes) -> None:
+        del self._offers[offer.offer_id]
+        node = (offer.pool, offer.host)
+        if self._node_offer.get(node) == offer.offer_id:
+            del self._node_offer[node]
+        self._retired[offer.offer_id] = _Retired(offer, why)
+        ch.withdrawn.append(offer)
+
+    def _reconcile(self, nodes: Iterable[_Node], now: float, ch: Changes) -> None:
+        """Make each node's offer match its eligible GPUs (one offer per node, or none)."""
+        for node in sorted(nodes):
+            caps = self._eligible(node, now)
+            cur_id = self._node_offer.get(node)
+            cur = self._offers.get(cur_id) if cur_id is not None else None
+            if caps:
+                gpus = [
+                    OfferedGpu(
+                        gpu=c.key,
+                        model_name=c.model_name,
+                        fb_total_mib=c.fb_total_mib,
+                        grade=c.grade.value if c.grade is not None else "free",
+                    )
+                    for c in caps
+                ]
+                preds = [c.predicted_idle_until for c in caps if c.predicted_idle_until is not None]
+                avail = min(preds) if preds else None
+                if (
+                    cur is not None
+                    and cur.gpus == gpus
+                    and now < cur.expires_at
+                    and _promise_holds(cur.available_until, avail)
+                ):
+                    continue
+            if cur is not None:
+                self._retire(cur, "changed", ch)
+            if not caps:
+                continue
+            offer = Offer(
+                offer_id=self._new_id("offer"),
+                ts=now,
+                host=node[1],
+                leaf=next((c.leaf for c in caps if c.leaf is not None), None),
+                gpus=gpus,
+                available_until=avail,
+                expires_at=now + self.config.offer_ttl_s,
+                notice_seconds=self.config.notice_s,
+                pool=node[0],
+            )
+            self._offers[offer.offer_id] = offer
+            self._node_offer[node] = offer.offer_id
+            ch.published.append(offer)
+
+
+def _promise_holds(offered: float | None, now_predicted: float | None) -> bool:
+    """True if an offer promising ``offered`` is still honest under the new prediction."""
+    if offered is None or now_predicted is None:
+        return offered is None and now_predicted is None
+    return offered <= now_predicted

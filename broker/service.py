@@ -1,0 +1,650 @@
+"""The broker stage: capacity (bus) → retained offers (MQTT); site claims → leases; pool demand →
+reclaims with notice; every lease transition → the ``leases.log`` topic.
+
+Protocol v1 (DESIGN.md "Broker protocol", topics from :class:`contracts.MqttTopics`):
+
+* ``offers/{offer_id}`` — retained :class:`contracts.Offer`, QoS 1, MQTT 5 message expiry = the
+  offer's remaining lifetime; withdrawn with an empty retained payload;
+* ``sites/{site}/claims|renewals|releases`` — read; each answered with a :class:`contracts.Reply`
+  on ``sites/{site}/replies`` (MQTT 5: with the request's correlation data, and also on its
+  response topic when that lies in the site's own subtree);
+* ``sites/{site}/leases/{lease_id}`` — retained :class:`contracts.LeaseMessage`, QoS 1;
+* ``sites/{site}/state`` — read (site birth/death); ``broker/state`` — the broker's retained birth,
+  and its Last Will (death), both :class:`contracts.PeerState` with a growing ``seq``.
+
+Durability: at :meth:`BrokerService.start` the lease book is rebuilt from ``leases.log`` read from
+its beginning; each transition is logged (and flushed) before it is published on MQTT. On every
+(re)connection the broker republishes its offers and leases and clears retained offers and lease
+messages it does not know (left by an earlier incarnation), so MQTT converges to the book.
+
+Everything runs on one event loop; handlers of MQTT messages, bus batches and ticks take turns
+under one lock, so the book sees one change at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiomqtt
+
+from broker import metrics as m
+from broker.config import BrokerConfig
+from broker.fabric import FabricError, FabricManager, NoIsolation, isolation_problem
+from broker.leaselog import read_lease_log
+from broker.leases import Answer, Changes, LeaseBook, PendingGrant, lease_message
+from broker.tally import Tally
+from broker.transport import (
+    Backoff,
+    birth_seq,
+    make_client,
+    protocol_version,
+    publish_properties,
+    response_route,
+    subscriptions,
+)
+from broker.wire import Malformed, parse_site_message, payload_bytes
+from contracts import (
+    CapacityUpdate,
+    Claim,
+    KafkaTopics,
+    LeaseLogRecord,
+    MqttTopics,
+    Offer,
+    PeerState,
+    PoolDemand,
+    ReasonCode,
+    Release,
+    Renewal,
+    Reply,
+    decode,
+    encode,
+)
+from contracts.bus import Bus, BusMessage, Consumer, Producer, TopicPartition
+
+__all__ = ["BrokerConfig", "BrokerService"]
+
+log = logging.getLogger(__name__)
+
+
+class BrokerService:
+    """The broker stage (see the module docstring).
+
+    Args:
+        bus: where ``topics.capacity`` and ``topics.pool_demand`` are read and ``topics.leases_log``
+            is read (at start) and written.
+        topics: Kafka topic names.
+        mqtt_host / mqtt_port: the MQTT server.
+        mqtt_username / mqtt_password: the broker's MQTT credentials (``None``: anonymous).
+        root: MQTT topic root (``gpupool/v1``).
+        protocol: 5 (MQTT 5) or 4 (MQTT 3.1.1, e.g. the demo's embedded amqtt).
+        config: offer/lease/notice times and the consumer group (:class:`BrokerConfig`).
+        fabric: fabric isolation applied before each grant; default :class:`NoIsolation`
+            ("fabric isolation disabled by configuration").
+        client_id: MQTT client id; the broker keeps a persistent session under it, so claims sent
+            while it is briefly disconnected are delivered when it is back.
+        clock: Unix time source (seconds), injectable for tests.
+
+    Raises ``ValueError`` for a protocol other than 5 or 4.
+    """
+
+    def __init__(
+        self,
+        *,
+        bus: Bus,
+        topics: KafkaTopics,
+        mqtt_host: str,
+        mqtt_port: int,
+        mqtt_username: str | None = None,
+        mqtt_password: str | None = None,
+        root: str = "gpupool/v1",
+        protocol: int = 5,
+        config: BrokerConfig | None = None,
+        fabric: FabricManager | None = None,
+        client_id: str = "gpupool-broker",
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        protocol_version(protocol)
+        self.bus = bus
+        self.topics = topics
+        self.mqtt = MqttTopics(root)
+        self.config = config or BrokerConfig()
+        self.book = LeaseBook(self.config)
+        self.fabric: FabricManager = fabric or NoIsolation()
+        self._host, self._port = mqtt_host, mqtt_port
+        self._username, self._password = mqtt_username, mqtt_password
+        self._protocol = protocol
+        self._client_id = client_id
+        self._clock = clock
+        self._lock = asyncio.Lock()
+        self._client: aiomqtt.Client | None = None
+        self._connected = asyncio.Event()
+        self._producer: Producer | None = None
+        self._consumer: Consumer | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._seq = 0
+        self._sites: dict[str, PeerState] = {}
+        self.tally = Tally()
+        """Counts since start (see :meth:`stats`)."""
+
+    # lifecycle ----------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Create the topics, rebuild the lease book from ``leases.log``, start consuming capacity
+        and demand, and start the MQTT connection (retried with backoff in the background) and the
+        tick loop.
+
+        Raises ``RuntimeError`` if already started, ``TimeoutError`` if the lease log cannot be
+        read to its end within ``config.rebuild_timeout_s``, and the bus's connection errors.
+        """
+        if self._tasks:
+            raise RuntimeError("BrokerService already started")
+        log.info("broker_starting", extra={"fabric_enforced": self.fabric.enforced, "root": self.mqtt.root})
+        if not self.fabric.enforced:
+            log.warning("fabric_isolation_disabled", extra={"fabric": type(self.fabric).__name__})
+        await self.bus.create_topics(
+            [self.topics.capacity, self.topics.pool_demand, self.topics.leases_log],
+            compacted=[self.topics.leases_log],
+        )
+        self._producer = self.bus.producer(client_id=self._client_id)
+        await self._producer.start()
+        try:
+            await self._start_after_producer()
+        except BaseException:
+            producer, self._producer = self._producer, None
+            await producer.stop()
+            raise
+
+    async def _start_after_producer(self) -> None:
+        assert self._producer is not None
+        records, rejected = await read_lease_log(
+            self.bus,
+            self._producer,
+            self.topics.leases_log,
+            group_prefix=self.config.group_id,
+            client_id=self._client_id,
+            timeout_s=self.config.rebuild_timeout_s,
+        )
+        for _ in range(rejected):
+            self.tally.reject("malformed_lease_log")
+        async with self._lock:
+            now = self._clock()
+            await self._apply(self.book.rebuild(records, now), now)
+            self.tally.rebuilt(self.book)
+        log.info(
+            "lease_book_rebuilt", extra={"records": len(records), "live_leases": len(self.book.live_leases())}
+        )
+        consumer = self.bus.consumer(
+            [self.topics.capacity, self.topics.pool_demand],
+            self.config.group_id,
+            client_id=self._client_id,
+            on_assign=self._capacity_from_start,
+        )
+        await consumer.start()
+        self._consumer = consumer
+        self._tasks = [
+            asyncio.create_task(self._mqtt_loop(), name="broker-mqtt"),
+            asyncio.create_task(self._bus_loop(), name="broker-bus"),
+            asyncio.create_task(self._tick_loop(), name="broker-tick"),
+        ]
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve until ``stop`` is set (call :meth:`start` first, :meth:`stop` after).
+
+        Raises ``RuntimeError`` if not started, or if a service loop ended on its own (a bug:
+        loops log and survive every error of a message, batch or connection).
+        """
+        if not self._tasks:
+            raise RuntimeError("BrokerService not started")
+        waiter = asyncio.create_task(stop.wait())
+        try:
+            done, _ = await asyncio.wait({waiter, *self._tasks}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        for t in done:
+            if t is not waiter:
+                raise RuntimeError(f"broker loop {t.get_name()} ended") from (
+                    t.exception() if not t.cancelled() else None
+                )
+
+    async def stop(self) -> None:
+        """Withdraw the offers and say goodbye on ``broker/state`` (retained, offline) if connected,
+        disconnect cleanly, stop consuming and flush the lease log. Idempotent."""
+        client = self._client
+        if client is not None:
+            try:
+                async with self._lock:
+                    for offer in list(self.book.offers.values()):
+                        await client.publish(self.mqtt.offer(offer.offer_id), b"", qos=1, retain=True)
+                    await client.publish(self.mqtt.broker_state, self._peer_state(False), qos=1, retain=True)
+            except aiomqtt.MqttError as e:
+                log.warning("mqtt_goodbye_failed", extra={"error": str(e)})
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._consumer is not None:
+            consumer, self._consumer = self._consumer, None
+            await consumer.stop()
+        if self._producer is not None:
+            producer, self._producer = self._producer, None
+            await producer.stop()
+
+    async def wait_connected(self, timeout_s: float) -> None:
+        """Wait until the broker is connected to MQTT and has republished its state.
+
+        Raises ``TimeoutError`` after ``timeout_s`` seconds."""
+        await asyncio.wait_for(self._connected.wait(), timeout_s)
+
+    # status -------------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """A summary for logs and the demo (counts since start)::
+
+        {"offers_published", "offers_withdrawn", "live_offers", "leases_granted", "live_leases",
+         "leases_by_state": {state: n}, "reclaims_started", "reclaims_completed",
+         "reclaims": {outcome: n}, "expired", "claims": {result: n},
+         "rejections": {code: n} (claims), "rejected_messages": {reason: n} (everything),
+         "demands": {result: n}, "capacity_records", "sites_online": [site],
+         "partitions": ["<lease_id>: <partition>"] (newest grants), "mqtt_connected": bool}
+        """
+        return {
+            **self.tally.snapshot(self.book),
+            "sites_online": sorted(s for s, st in self._sites.items() if st.online),
+            "mqtt_connected": self._connected.is_set(),
+        }
+
+    # bus offsets ------------------------------------------------------------------------------------------
+    async def _capacity_from_start(self, assigned: set[TopicPartition]) -> dict[TopicPartition, int]:
+        """Capacity is read whole from the beginning at every assignment: the book's view of
+        each GPU is the newest update, which a restarted broker must see again."""
+        return {tp: 0 for tp in assigned if tp.topic == self.topics.capacity}
+
+    # applying changes -------------------------------------------------------------------------------
+    async def _apply(self, ch: Changes, now: float) -> None:
+        """Log lease transitions (flushed), then publish them and the offer changes on MQTT."""
+        if ch.records:
+            assert self._producer is not None
+            for rec in ch.records:
+                await self._producer.send(self.topics.leases_log, encode(rec), key=rec.lease_id)
+            await self._producer.flush()
+            m.RECORDS_PRODUCED.labels(topic=self.topics.leases_log).inc(len(ch.records))
+        for rec in ch.records:
+            self._count_transition(rec)
+            await self._publish(
+                self.mqtt.lease(rec.site, rec.lease_id), encode(lease_message(rec)), retain=True
+            )
+            if not rec.state.live:
+                await self._remove_partition(rec)
+        # an offer made and withdrawn within one change set was never seen by anyone: skip both
+        born = {o.offer_id for o in ch.published}
+        died = {o.offer_id for o in ch.withdrawn}
+        for offer in ch.withdrawn:
+            if offer.offer_id in born:
+                continue
+            self.tally.offer_withdrawn()
+            await self._publish(self.mqtt.offer(offer.offer_id), b"", retain=True)
+        for offer in ch.published:
+            if offer.offer_id in died:
+                continue
+            self.tally.offer_published()
+            await self._publish_offer(offer, now)
+        for rec in ch.forgotten:
+            await self._publish(self.mqtt.lease(rec.site, rec.lease_id), b"", retain=True)
+        if ch.records or ch.forgotten:
+            self.tally.lease_gauges(self.book)
+
+    def _count_transition(self, rec: LeaseLogRecord) -> None:
+        self.tally.transition(rec)
+        log.info(
+            "lease_transition",
+            extra={
+                "lease_id": rec.lease_id,
+                "site": rec.site,
+                "state": rec.state.value,
+                "reason": rec.reason,
+                "seq": rec.seq,
+                "gpus": len(rec.gpus),
+            },
+        )
+
+    async def _remove_partition(self, rec: LeaseLogRecord) -> None:
+        try:
+            await self.fabric.remove(rec)
+        except FabricError as e:
+            log.error("fabric_remove_failed", extra={"lease_id": rec.lease_id, "error": str(e)})
+
+    async def _publish_offer(self, offer: Offer, now: float) -> None:
+        props = publish_properties(self._protocol, expiry_s=max(1.0, offer.expires_at - now))
+        await self._publish(self.mqtt.offer(offer.offer_id), encode(offer), retain=True, properties=props)
+
+    async def _publish(self, topic: str, payload: bytes, *, retain: bool, properties: Any = None) -> bool:
+        """QoS 1 publish; ``False`` if not connected or it failed (the reconnect resync republishes
+        retained state, so a lost retained publish heals itself)."""
+        client = self._client
+        if client is None:
+            return False
+        try:
+            await client.publish(topic, payload, qos=1, retain=retain, properties=properties)
+        except aiomqtt.MqttError as e:
+            log.warning("mqtt_publish_failed", extra={"topic": topic, "error": str(e)})
+            return False
+        return True
+
+    def _peer_state(self, online: bool) -> bytes:
+        return encode(PeerState(peer=self._client_id, online=online, seq=self._seq, ts=self._clock()))
+
+    # MQTT -------------------------------------------------------------------------------------------------
+    async def _mqtt_loop(self) -> None:
+        backoff = Backoff(self.config.reconnect_min_s, self.config.reconnect_max_s)
+        while True:
+            self._seq = birth_seq()
+            client = make_client(
+                self._host,
+                self._port,
+                username=self._username,
+                password=self._password,
+                identifier=self._client_id,
+                protocol=self._protocol,
+                state_topic=self.mqtt.broker_state,
+                peer=self._client_id,
+                seq=self._seq,
+                persistent=True,
+            )
+            connected = False
+            try:
+                async with client:
+                    connected = True
+                    m.MQTT_CONNECTIONS.labels(result="connected").inc()
+                    backoff.reset()
+                    self._client = client
+                    await self._on_connect(client)
+                    async for msg in client.messages:
+                        await self._on_message(msg)
+            except aiomqtt.MqttError as e:
+                m.MQTT_CONNECTIONS.labels(result="lost" if connected else "failed").inc()
+                log.warning(
+                    "mqtt_disconnected", extra={"host": self._host, "port": self._port, "error": str(e)}
+                )
+            except Exception:  # noqa: BLE001 — e.g. a resync publish failing oddly: reconnect, never die
+                m.MQTT_CONNECTIONS.labels(result="lost" if connected else "failed").inc()
+                log.exception("mqtt_loop_error", extra={"host": self._host, "port": self._port})
+            finally:
+                self._client = None
+                self._connected.clear()
+            await asyncio.sleep(backoff.next())
+
+    async def _on_connect(self, client: aiomqtt.Client) -> None:
+        """Birth, subscriptions, then republish every offer and lease (resync after an outage)."""
+        await client.publish(self.mqtt.broker_state, self._peer_state(True), qos=1, retain=True)
+        inbound = [*self.mqtt.site_inbound_filters, self.mqtt.broker_state]
+        own = [self.mqtt.offers_filter, f"{self.mqtt.root}/sites/+/leases/+"]
+        await client.subscribe(subscriptions(self._protocol, inbound))
+        await client.subscribe(subscriptions(self._protocol, own, no_local=True))
+        async with self._lock:
+            now = self._clock()
+            for offer in list(self.book.offers.values()):
+                await self._publish_offer(offer, now)
+            for rec in list(self.book.leases.values()):
+                await self._publish(
+                    self.mqtt.lease(rec.site, rec.lease_id), encode(lease_message(rec)), retain=True
+                )
+        self._connected.set()
+        log.info("mqtt_connected", extra={"host": self._host, "port": self._port, "seq": self._seq})
+
+    async def _on_message(self, msg: aiomqtt.Message) -> None:
+        """Dispatch one MQTT message; never raises (errors are logged and counted)."""
+        topic = msg.topic.value
+        payload = payload_bytes(msg.payload)
+        try:
+            if topic == self.mqtt.broker_state:
+                await self._on_own_state(payload)
+                return
+            site_kind = self.mqtt.parse_site(topic)
+            if site_kind is None:
+                await self._on_own_retained(topic, payload, msg.retain)
+                return
+            site, kind = site_kind
+            if kind == "claims":
+                await self._on_claim(site, payload, response_route(msg))
+            elif kind == "renewals":
+                await self._on_lease_request(site, payload, response_route(msg), Renewal)
+            elif kind == "releases":
+                await self._on_lease_request(site, payload, response_route(msg), Release)
+            elif kind == "state":
+                self._on_site_state(site, payload)
+        except Exception:  # noqa: BLE001 — one bad message must not stop the broker
+            self.tally.reject(ReasonCode.INTERNAL.value)
+            log.exception("mqtt_message_failed", extra={"topic": topic})
+
+    async def _on_own_retained(self, topic: str, payload: bytes, retain: bool) -> None:
+        """A retained offer or lease message on the server that the book does not know (left by an
+        earlier incarnation) is cleared."""
+        if not retain or not payload:
+            return
+        offers_prefix = f"{self.mqtt.root}/offers/"
+        sites_prefix = f"{self.mqtt.root}/sites/"
+        if topic.startswith(offers_prefix):
+            known = topic[len(offers_prefix) :] in self.book.offers
+        elif topic.startswith(sites_prefix):
+            parts = topic[len(sites_prefix) :].split("/")
+            if len(parts) != 3 or parts[1] != "leases":
+                return
+            known = parts[2] in self.book.leases
+        else:
+            return
+        if not known:
+            log.info("stale_retained_cleared", extra={"topic": topic})
+            await self._publish(topic, b"", retain=True)
+
+    async def _on_own_state(self, payload: bytes) -> None:
+        """A Last Will of an earlier session of this broker that reached the server after the current
+        birth would leave ``broker/state`` saying offline: publish the birth again."""
+        if not payload:
+            return
+        try:
+            st = decode(PeerState, payload)
+        except ValueError:
+            self.tally.reject("malformed_state")
+            return
+        if not st.online and st.seq < self._seq and self._client is not None:
+            log.info("stale_death_replaced", extra={"seq": st.seq, "current_seq": self._seq})
+            await self._publish(self.mqtt.broker_state, self._peer_state(True), retain=True)
+
+    def _on_site_state(self, site: str, payload: bytes) -> None:
+        if not payload:
+            self._sites.pop(site, None)
+            return
+        try:
+            st = decode(PeerState, payload)
+        except ValueError:
+            self.tally.reject("malformed_state")
+            return
+        cur = self._sites.get(site)
+        if cur is not None and st.seq < cur.seq:
+            return  # a late Last Will of an older session
+        self._sites[site] = st
+        log.info("site_state", extra={"site": site, "online": st.online, "seq": st.seq})
+
+    async def _reply(
+        self, site: str, in_reply_to: str, answer: Answer | Malformed, route: tuple[str | None, bytes | None]
+    ) -> None:
+        lease_id = answer.lease_id if isinstance(answer, Answer) else None
+        reply = encode(
+            Reply(
+                in_reply_to=in_reply_to,
+                site=site,
+                code=answer.code,
+                text=answer.text,
+                lease_id=lease_id,
+                ts=self._clock(),
+            )
+        )
+        response_topic, corr = route
+        props = publish_properties(self._protocol, correlation=corr)
+        replies = self.mqtt.replies(site)
+        await self._publish(replies, reply, retain=False, properties=props)
+        own_subtree = f"{self.mqtt.root}/sites/{site}/"
+        if response_topic and response_topic != replies and response_topic.startswith(own_subtree):
+            await self._publish(response_topic, reply, retain=False, properties=props)
+
+    async def _on_claim(self, site: str, payload: bytes, route: tuple[str | None, bytes | None]) -> None:
+        t0 = time.perf_counter()
+        claim = parse_site_message(Claim, payload, "claim_id")
+        if isinstance(claim, Malformed):
+            self.tally.claim(claim.code)
+            log.info("claim_rejected", extra={"site": site, "code": claim.code.value, "text": claim.text})
+            await self._reply(site, claim.in_reply_to, claim, route)
+            return
+        async with self._lock:
+            now = self._clock()
+            step, ch = self.book.begin_claim(site, claim, now)
+            await self._apply(ch, now)
+            if isinstance(step, PendingGrant):
+                answer = await self._isolate_and_grant(step)
+            else:
+                answer = step
+                rec = self.book.leases.get(answer.lease_id or "")
+                if answer.replayed and rec is not None:
+                    await self._publish(
+                        self.mqtt.lease(site, rec.lease_id), encode(lease_message(rec)), retain=True
+                    )
+        self.tally.claim(answer.code)
+        if not answer.ok:
+            log.info(
+                "claim_rejected",
+                extra={
+                    "site": site,
+                    "claim_id": claim.claim_id,
+                    "code": answer.code.value,
+                    "text": answer.text,
+                },
+            )
+        elif not answer.replayed:
+            m.CLAIM_TO_LEASE.observe(time.perf_counter() - t0)
+        await self._reply(site, claim.claim_id, answer, route)
+
+    async def _isolate_and_grant(self, pending: PendingGrant) -> Answer:
+        """Apply fabric isolation to a reserved claim, then grant it, or abort with
+        ``isolation_failed`` (a partition made but not verified is removed again)."""
+        partition = None
+        try:
+            partition = await self.fabric.isolate(pending.record)
+            problem = isolation_problem(self.fabric, partition)
+        except FabricError as e:
+            problem = str(e) or "fabric isolation failed"
+        except Exception as e:  # noqa: BLE001 — a broken manager must not leave the GPUs reserved
+            log.exception("fabric_isolate_error", extra={"claim_id": pending.claim_id})
+            problem = f"fabric manager error: {e!r}"
+        now = self._clock()
+        if problem:
+            if partition is not None:
+                await self._remove_partition(pending.record.model_copy(update={"partition": partition}))
+            log.warning(
+                "isolation_failed",
+                extra={"claim_id": pending.claim_id, "site": pending.site, "error": problem},
+            )
+            answer, ch = self.book.abort(pending, ReasonCode.ISOLATION_FAILED, problem, now)
+        else:
+            answer, ch = self.book.grant(pending, now, partition)
+        await self._apply(ch, now)
+        return answer
+
+    async def _on_lease_request(
+        self,
+        site: str,
+        payload: bytes,
+        route: tuple[str | None, bytes | None],
+        model: type[Renewal] | type[Release],
+    ) -> None:
+        req = parse_site_message(model, payload, "lease_id")
+        if isinstance(req, Malformed):
+            self.tally.reject(req.code.value)
+            await self._reply(site, req.in_reply_to, req, route)
+            return
+        async with self._lock:
+            now = self._clock()
+            if isinstance(req, Renewal):
+                answer, ch = self.book.renew(site, req, now)
+            else:
+                answer, ch = self.book.release(site, req, now)
+            await self._apply(ch, now)
+        if not answer.ok:
+            self.tally.reject(answer.code.value)
+        await self._reply(site, req.lease_id, answer, route)
+
+    # bus --------------------------------------------------------------------------------------------------
+    async def _bus_loop(self) -> None:
+        assert self._consumer is not None
+        backoff = Backoff(self.config.reconnect_min_s, self.config.reconnect_max_s)
+        while True:
+            try:
+                batch = await self._consumer.getmany(timeout_s=1.0, max_records=1000)
+                if batch:
+                    async with self._lock:
+                        now = self._clock()
+                        ch = Changes()
+                        for msg in batch:
+                            ch.extend(self._on_record(msg, now))
+                        await self._apply(ch, now)
+                    await self._consumer.commit()
+                backoff.reset()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 — a bus hiccup must not stop the broker
+                log.exception("bus_batch_failed")
+                await asyncio.sleep(backoff.next())
+
+    def _on_record(self, msg: BusMessage, now: float) -> Changes:
+        m.RECORDS_CONSUMED.labels(topic=msg.topic).inc()
+        if msg.value is None:
+            return Changes()
+        if msg.topic == self.topics.capacity:
+            try:
+                update = decode(CapacityUpdate, msg.value)
+            except ValueError as e:
+                self._bad_record("malformed_capacity", msg, e)
+                return Changes()
+            self.tally.capacity()
+            return self.book.apply_capacity(update, now)
+        if msg.topic == self.topics.pool_demand:
+            try:
+                demand = decode(PoolDemand, msg.value)
+            except ValueError as e:
+                self._bad_record("malformed_demand", msg, e)
+                return Changes()
+            result, ch = self.book.apply_demand(demand, now)
+            self.tally.demand(result)
+            log.info(
+                "pool_demand",
+                extra={"demand_id": demand.demand_id, "result": result, "leases": len(ch.records)},
+            )
+            return ch
+        return Changes()
+
+    def _bad_record(self, reason: str, msg: BusMessage, error: Exception) -> None:
+        self.tally.reject(reason)
+        log.warning(
+            "bus_record_rejected",
+            extra={
+                "reason": reason,
+                "topic": msg.topic,
+                "partition": msg.partition,
+                "offset": msg.offset,
+                "error": str(error)[:300],
+            },
+        )
+
+    # time -------------------------------------------------------------------------------------------------
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.tick_s)
+            try:
+                async with self._lock:
+                    now = self._clock()
+                    await self._apply(self.book.tick(now), now)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 — e.g. the lease log is briefly unreachable: try next tick
+                log.exception("tick_failed")

@@ -1,0 +1,149 @@
+"""MQTT plumbing shared by the broker service and the edge-site client (aiomqtt 2.x / paho 2.x).
+
+* :func:`make_client` — one aiomqtt client per connection attempt (the Last Will carries the
+  attempt's sequence number, and aiomqtt fixes the Will at construction), with an unbounded
+  incoming queue (aiomqtt discards silently when its bound is hit) and a persistent session where
+  asked: MQTT 5 ``clean_start=False`` + session expiry, MQTT 3.1.1 ``clean_session=False``.
+* :func:`publish_properties` / :func:`subscriptions` — MQTT 5 properties when the protocol is 5,
+  nothing on 3.1.1 (every essential field is in the JSON payload anyway).
+* :class:`Backoff` — exponential reconnect delay with jitter.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import aiomqtt
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+from paho.mqtt.subscribeoptions import SubscribeOptions
+
+from contracts import PeerState, encode
+
+
+def protocol_version(protocol: int) -> aiomqtt.ProtocolVersion:
+    """``5`` → MQTT 5, ``4`` (or ``311``) → MQTT 3.1.1. Raises ``ValueError`` otherwise."""
+    if protocol == 5:
+        return aiomqtt.ProtocolVersion.V5
+    if protocol in (4, 311):
+        return aiomqtt.ProtocolVersion.V311
+    raise ValueError(f"MQTT protocol must be 5 or 4 (3.1.1), not {protocol}")
+
+
+def birth_seq() -> int:
+    """A sequence number for a new birth: Unix milliseconds now, so it grows across restarts
+    (a late Last Will of an older session carries a smaller number)."""
+    return time.time_ns() // 1_000_000
+
+
+def make_client(
+    host: str,
+    port: int,
+    *,
+    username: str | None,
+    password: str | None,
+    identifier: str,
+    protocol: int,
+    state_topic: str | None,
+    peer: str,
+    seq: int,
+    persistent: bool,
+    session_expiry_s: int = 3600,
+    keepalive_s: int = 15,
+    timeout_s: float = 10.0,
+) -> aiomqtt.Client:
+    """An aiomqtt client (not yet connected) whose Last Will is the retained
+    ``PeerState(peer, online=False, seq)`` on ``state_topic``, QoS 1 (no Will if ``None``).
+
+    ``persistent``: the server keeps the session (subscriptions, queued QoS 1 messages) across
+    disconnects — MQTT 5 ``clean_start=False`` with ``SessionExpiryInterval = session_expiry_s``
+    seconds, MQTT 3.1.1 ``clean_session=False``; ``identifier`` must then be stable. Raises
+    ``ValueError`` for a bad ``protocol``.
+    """
+    version = protocol_version(protocol)
+    will = None
+    if state_topic is not None:
+        will = aiomqtt.Will(
+            topic=state_topic,
+            payload=encode(PeerState(peer=peer, online=False, seq=seq, ts=time.time())),
+            qos=1,
+            retain=True,
+        )
+    common: dict[str, object] = {
+        "username": username,
+        "password": password,
+        "identifier": identifier,
+        "protocol": version,
+        "will": will,
+        "keepalive": keepalive_s,
+        "timeout": timeout_s,
+        "max_queued_incoming_messages": 0,  # unbounded: never drop a lease or reclaim notice
+    }
+    if version is aiomqtt.ProtocolVersion.V5:
+        props = Properties(PacketTypes.CONNECT)
+        if persistent:
+            props.SessionExpiryInterval = session_expiry_s
+        return aiomqtt.Client(host, port, clean_start=not persistent, properties=props, **common)  # type: ignore[arg-type]
+    return aiomqtt.Client(host, port, clean_session=not persistent, **common)  # type: ignore[arg-type]
+
+
+def publish_properties(
+    protocol: int,
+    *,
+    expiry_s: float | None = None,
+    response_topic: str | None = None,
+    correlation: bytes | None = None,
+) -> Properties | None:
+    """MQTT 5 PUBLISH properties (message expiry rounded up to whole seconds, at least 1; response
+    topic; correlation data), or ``None`` on 3.1.1 or when none is given."""
+    if protocol != 5 or (expiry_s is None and response_topic is None and correlation is None):
+        return None
+    props = Properties(PacketTypes.PUBLISH)
+    if expiry_s is not None:
+        props.MessageExpiryInterval = max(1, int(-(-expiry_s // 1)))
+    if response_topic is not None:
+        props.ResponseTopic = response_topic
+    if correlation is not None:
+        props.CorrelationData = correlation
+    return props
+
+
+def subscriptions(
+    protocol: int, topics: list[str], *, no_local: bool = False
+) -> list[tuple[str, SubscribeOptions]] | list[tuple[str, int]]:
+    """The argument of ``aiomqtt.Client.subscribe`` for ``topics`` at QoS 1 in one SUBSCRIBE
+    packet; on MQTT 5 with ``no_local`` the server does not echo this client's own publishes."""
+    if protocol == 5:
+        return [(t, SubscribeOptions(qos=1, noLocal=no_local)) for t in topics]
+    return [(t, 1) for t in topics]
+
+
+def response_route(message: aiomqtt.Message) -> tuple[str | None, bytes | None]:
+    """``(response_topic, correlation_data)`` of an MQTT 5 request; ``(None, None)`` on 3.1.1."""
+    props = message.properties
+    if props is None:
+        return None, None
+    topic = getattr(props, "ResponseTopic", None)
+    corr = getattr(props, "CorrelationData", None)
+    return (topic or None), (bytes(corr) if corr else None)
+
+
+class Backoff:
+    """Exponential backoff with jitter: ``next()`` gives ``min_s``, then doubles up to ``max_s``,
+    each delay scaled by a random factor in [0.5, 1]; ``reset()`` after a success."""
+
+    def __init__(self, min_s: float, max_s: float, rng: random.Random | None = None) -> None:
+        self.min_s, self.max_s = min_s, max_s
+        self._rng = rng or random.Random()
+        self._next = min_s
+
+    def next(self) -> float:
+        """The delay to sleep now, seconds."""
+        delay = self._next * (0.5 + 0.5 * self._rng.random())
+        self._next = min(self.max_s, self._next * 2)
+        return delay
+
+    def reset(self) -> None:
+        """Start again from ``min_s``."""
+        self._next = self.min_s

@@ -1,0 +1,201 @@
+"""``gpupool edge ...`` and ``gpupool broker demand`` as a user runs them: the commands run in
+this thread (each with its own ``asyncio.run``) against a broker service and an amqtt server
+running on an event loop in a background thread."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Coroutine, Iterator
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from broker.cli import broker_app, edge_app
+from broker.config import BrokerConfig
+from broker.service import BrokerService
+from contracts import (
+    CapacityUpdate,
+    GpuState,
+    KafkaTopics,
+    LeaseState,
+    PoolDemand,
+    ReasonCode,
+    decode,
+    encode,
+)
+from contracts.bus import MemoryBus
+
+runner = CliRunner()
+
+
+class _Live:
+    """amqtt + BrokerService + MemoryBus on a loop in a background thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = int(s.getsockname()[1])
+        self.bus = MemoryBus()
+        self.topics = KafkaTopics()
+        self.svc: BrokerService | None = None
+        self._amqtt: Any = None
+        self._stop: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def call(self, coro: Coroutine[Any, Any, Any], timeout_s: float = 30.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    async def up(self) -> None:
+        from amqtt.broker import Broker
+
+        self._amqtt = Broker(
+            {
+                "listeners": {"default": {"type": "tcp", "bind": f"127.0.0.1:{self.port}"}},
+                "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}},
+            }
+        )
+        await self._amqtt.start()
+        self.svc = BrokerService(
+            bus=self.bus,
+            topics=self.topics,
+            mqtt_host="127.0.0.1",
+            mqtt_port=self.port,
+            protocol=4,
+            config=BrokerConfig(notice_s=5, tick_s=0.05),
+        )
+        await self.svc.start()
+        self._stop = asyncio.Event()
+        self._task = asyncio.create_task(self.svc.run(self._stop))
+        await self.svc.wait_connected(10)
+        now = time.time()
+        for i in range(2):
+            u = CapacityUpdate(
+                ts=now,
+                host="n1",
+                gpu_uuid=f"GPU-{i}",
+                state=GpuState.IDLE,
+                since=now,
+                predicted_idle_until=now + 3600,
+            )
+            await self.bus.producer().send(self.topics.capacity, encode(u), key=u.key)
+        deadline = time.monotonic() + 5
+        while not self.svc.book.offers and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+    async def down(self) -> None:
+        assert self._stop is not None and self._task is not None and self.svc is not None
+        self._stop.set()
+        await self._task
+        await self.svc.stop()
+        await self._amqtt.shutdown()
+
+
+@pytest.fixture
+def live() -> Iterator[_Live]:
+    env = _Live()
+    env.call(env.up())
+    yield env
+    env.call(env.down())
+    env.loop.call_soon_threadsafe(env.loop.stop)
+    env.thread.join(5)
+
+
+def _edge(live: _Live, *args: str) -> Any:
+    return runner.invoke(
+        edge_app, [*args, "--site", "edge-a", "--mqtt", f"127.0.0.1:{live.port}", "--protocol", "4"]
+    )
+
+
+def test_edge_commands_print_json_and_exit_codes(live: _Live) -> None:
+    res = _edge(live, "offers", "--timeout", "1")
+    assert res.exit_code == 0, res.output
+    (offer,) = json.loads(res.stdout)
+    assert offer["host"] == "n1" and len(offer["gpus"]) == 2
+
+    res = _edge(live, "claim", offer["offer_id"], "--count", "2", "--duration", "120")
+    assert res.exit_code == 0, res.output
+    lease = json.loads(res.stdout)
+    assert lease["state"] == "granted" and len(lease["gpus"]) == 2 and lease["site"] == "edge-a"
+
+    res = _edge(live, "claim", offer["offer_id"])
+    assert res.exit_code == 1
+    assert json.loads(res.stdout)["code"] == ReasonCode.GPU_UNAVAILABLE.value
+
+    res = _edge(live, "renew", lease["lease_id"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["code"] == "ok"
+
+    res = _edge(live, "watch", "--limit", "1")
+    assert res.exit_code == 0, res.output
+    (line,) = [json.loads(x) for x in res.stdout.splitlines()]
+    assert line["type"] == "lease" and line["lease_id"] == lease["lease_id"] and line["state"] == "active"
+
+    res = _edge(live, "release", lease["lease_id"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["lease_id"] == lease["lease_id"]
+    assert live.svc is not None
+    assert live.svc.book.leases[lease["lease_id"]].state is LeaseState.RELEASED
+
+    res = _edge(live, "renew", lease["lease_id"])
+    assert res.exit_code == 1 and json.loads(res.stdout)["code"] == ReasonCode.LEASE_NOT_LIVE.value
+
+
+def test_edge_command_without_a_server_exits_2() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    res = runner.invoke(
+        edge_app, ["offers", "--site", "edge-a", "--mqtt", f"127.0.0.1:{port}", "--timeout", "1"]
+    )
+    assert res.exit_code == 2 and "not reachable" in res.output
+    res = runner.invoke(edge_app, ["offers", "--site", "edge-a", "--mqtt", "no-port"])
+    assert res.exit_code == 2 and "host:port" in res.output
+
+
+def test_broker_demand_lands_on_the_real_pool_demand_topic(kafka_bootstrap: str) -> None:
+    from contracts.bus.kafka import KafkaBus
+
+    prefix = f"t{uuid.uuid4().hex}."
+    res = runner.invoke(
+        broker_app,
+        [
+            "demand",
+            "--kafka",
+            kafka_bootstrap,
+            "--topic-prefix",
+            prefix,
+            "--gpu",
+            "n1/GPU-0",
+            "--gpu",
+            "n1/GPU-1",
+            "--reason",
+            "job-42",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    sent = decode(PoolDemand, res.stdout.strip())
+    assert sent.gpus == ["n1/GPU-0", "n1/GPU-1"] and sent.reason == "job-42"
+
+    async def read() -> list[PoolDemand]:
+        bus = KafkaBus(kafka_bootstrap)
+        c = bus.consumer([KafkaTopics(prefix).pool_demand], f"reader-{uuid.uuid4().hex[:8]}")
+        await c.start()
+        try:
+            for _ in range(40):
+                got = await c.getmany(timeout_s=0.5)
+                if got:
+                    assert got[0].key == sent.demand_id
+                    return [decode(PoolDemand, m.value) for m in got if m.value]
+            return []
+        finally:
+            await c.stop()
+            await bus.close()
+
+    assert asyncio.run(read()) == [sent]

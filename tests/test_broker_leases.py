@@ -1,0 +1,377 @@
+"""Unit tests of the lease book (broker/leases.py): offers, claims, renewals, releases, reclaims,
+expiry, idempotency and rebuild, all on an injected clock."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from broker.config import BrokerConfig
+from broker.leases import Answer, LeaseBook, PendingGrant
+from contracts import (
+    CapacityUpdate,
+    Claim,
+    GpuState,
+    IdleGrade,
+    LeaseLogRecord,
+    LeaseState,
+    PoolDemand,
+    ReasonCode,
+    Release,
+    Renewal,
+)
+
+CFG = BrokerConfig(offer_ttl_s=60, notice_s=30, lease_ttl_s=60, retain_terminal_s=600, reclaim_hold_s=120)
+
+
+def _book(cfg: BrokerConfig = CFG) -> LeaseBook:
+    counter = itertools.count(1)
+    return LeaseBook(cfg, new_id=lambda p: f"{p}-{next(counter)}")
+
+
+def _cap(
+    host: str,
+    i: int,
+    state: GpuState = GpuState.IDLE,
+    ts: float = 0.0,
+    until: float | None = 10_000.0,
+    **kw: object,
+) -> CapacityUpdate:
+    return CapacityUpdate(
+        ts=ts,
+        host=host,
+        gpu_uuid=f"GPU-{host}-{i}",
+        state=state,
+        since=ts,
+        grade=IdleGrade.FREE if state is GpuState.IDLE else None,
+        predicted_idle_until=until if state is GpuState.IDLE else None,
+        model_name="NVIDIA H100 80GB HBM3",
+        **kw,
+    )
+
+
+def _claim(offer_id: str, cid: str = "c1", site: str = "edge-a", **kw: object) -> Claim:
+    return Claim(claim_id=cid, site=site, offer_id=offer_id, ts=0.0, **kw)  # type: ignore[arg-type]
+
+
+def _idle_node(book: LeaseBook, host: str = "n1", gpus: int = 4, now: float = 0.0) -> str:
+    for i in range(gpus):
+        book.apply_capacity(_cap(host, i, ts=now), now)
+    (offer,) = [o for o in book.offers.values() if o.host == host]
+    return offer.offer_id
+
+
+def test_idle_gpus_of_a_node_make_one_offer_bounded_by_the_prediction() -> None:
+    book = _book()
+    book.apply_capacity(_cap("n1", 0, until=500.0), 0.0)
+    ch = book.apply_capacity(_cap("n1", 1, until=400.0), 1.0)
+    assert len(ch.withdrawn) == 1 and len(ch.published) == 1  # the 1-GPU offer is replaced
+    (offer,) = book.offers.values()
+    assert [g.gpu for g in offer.gpus] == ["n1/GPU-n1-0", "n1/GPU-n1-1"]
+    assert offer.available_until == 400.0
+    assert offer.expires_at == 1.0 + CFG.offer_ttl_s
+    assert offer.notice_seconds == CFG.notice_s
+    assert offer.gpus[0].model_name == "NVIDIA H100 80GB HBM3" and offer.gpus[0].grade == "free"
+    assert book.violations() == []
+
+
+def test_offer_promises_no_more_than_the_prediction_and_keeps_a_promise_that_holds() -> None:
+    book = _book()
+    book.apply_capacity(_cap("n1", 0, until=20.0), 0.0)
+    (offer,) = book.offers.values()
+    assert offer.available_until == 20.0
+    # a refreshed, longer prediction keeps the offer; a shorter one replaces it
+    assert not book.apply_capacity(_cap("n1", 0, ts=1.0, until=30.0), 1.0)
+    ch = book.apply_capacity(_cap("n1", 0, ts=2.0, until=10.0), 2.0)
+    assert [o.available_until for o in ch.published] == [10.0] and ch.withdrawn == [offer]
+    # past the prediction the GPU is still idle: still offered, promising nothing beyond it
+    assert not book.tick(15.0).published and book.violations() == []
+
+
+def test_busy_or_unknown_gpu_leaves_its_offer_at_once() -> None:
+    book = _book()
+    _idle_node(book, gpus=2)
+    ch = book.apply_capacity(_cap("n1", 0, state=GpuState.BUSY, ts=1.0), 1.0)
+    assert len(ch.withdrawn) == 1
+    (offer,) = book.offers.values()
+    assert [g.gpu for g in offer.gpus] == ["n1/GPU-n1-1"]
+    book.apply_capacity(_cap("n1", 1, state=GpuState.UNKNOWN, ts=2.0), 2.0)
+    assert not book.offers
+    assert book.violations() == []
+
+
+def test_gpu_without_a_recent_capacity_update_is_not_offered() -> None:
+    book = _book(CFG.model_copy(update={"offer_ttl_s": 1000.0}))
+    oid = _idle_node(book, gpus=1)
+    answer, _ = book.claim("edge-a", _claim(oid), CFG.capacity_max_age_s + 1)
+    assert answer.code is ReasonCode.GPU_UNAVAILABLE and "no recent capacity" in answer.text
+    ch = book.tick(CFG.capacity_max_age_s + 1)
+    assert [o.offer_id for o in ch.withdrawn] == [oid] and not book.offers
+    # a replay of old history (a restarted broker) offers nothing either
+    fresh = _book()
+    assert not fresh.apply_capacity(_cap("n1", 0, ts=0.0), 1000.0).published
+
+
+def test_an_older_capacity_update_is_ignored() -> None:
+    book = _book()
+    book.apply_capacity(_cap("n1", 0, state=GpuState.BUSY, ts=10.0), 10.0)
+    ch = book.apply_capacity(_cap("n1", 0, ts=5.0), 11.0)
+    assert not ch and not book.offers
+
+
+def test_claim_grants_a_lease_and_withdraws_the_offer() -> None:
+    book = _book()
+    oid = _idle_node(book, gpus=4)
+    answer, ch = book.claim("edge-a", _claim(oid, count=2, duration_seconds=1000), 5.0)
+    assert answer.ok and answer.lease_id
+    (rec,) = ch.records
+    assert rec.state is LeaseState.GRANTED and rec.seq == 1 and rec.site == "edge-a"
+    assert rec.gpus == ["n1/GPU-n1-0", "n1/GPU-n1-1"]
+    assert rec.expires_at == 5.0 + CFG.lease_ttl_s and rec.ends_at == 1005.0
+    assert [o.offer_id for o in ch.withdrawn] == [oid]
+    (rest,) = ch.published
+    assert [g.gpu for g in rest.gpus] == ["n1/GPU-n1-2", "n1/GPU-n1-3"]
+    assert book.lease_of("n1/GPU-n1-0") == rec.lease_id
+    assert book.violations() == []
+
+
+def test_lease_ends_at_the_claimed_duration() -> None:
+    book = _book()
+    book.apply_capacity(_cap("n1", 0, until=100.0), 0.0)
+    (offer,) = book.offers.values()
+    answer, ch = book.claim("edge-a", _claim(offer.offer_id, duration_seconds=30), 1.0)
+    assert answer.ok
+    assert ch.records[0].ends_at == 31.0 and ch.records[0].expires_at == 31.0
+
+
+@pytest.mark.parametrize(
+    ("claim_kw", "code"),
+    [
+        ({"offer_id": "offer-999"}, ReasonCode.UNKNOWN_OFFER),
+        ({"gpus": ["n9/GPU-x"]}, ReasonCode.GPU_UNAVAILABLE),
+        ({"count": 9}, ReasonCode.GPU_UNAVAILABLE),
+        ({"min_notice_seconds": 31.0}, ReasonCode.NOTICE_TOO_SHORT),
+        ({"site": "edge-b"}, ReasonCode.SITE_MISMATCH),
+    ],
+)
+def test_claim_rejections(claim_kw: dict[str, object], code: ReasonCode) -> None:
+    book = _book()
+    oid = _idle_node(book, gpus=2)
+    claim = Claim(**{"claim_id": "c1", "site": "edge-a", "offer_id": oid, "ts": 0.0, **claim_kw})  # type: ignore[arg-type]
+    answer, ch = book.claim("edge-a", claim, 1.0)
+    assert answer.code is code, answer
+    assert not ch.records and oid in book.offers
+
+
+def test_expired_offer_is_rejected_even_before_the_tick() -> None:
+    book = _book()
+    oid = _idle_node(book)
+    answer, _ = book.claim("edge-a", _claim(oid), CFG.offer_ttl_s + 0.1)
+    assert answer.code is ReasonCode.OFFER_EXPIRED
+    book.tick(CFG.offer_ttl_s + 0.2)
+    assert oid not in book.offers and len(book.offers) == 1  # re-offered under a new id
+    answer, _ = book.claim("edge-a", _claim(oid, cid="c2"), CFG.offer_ttl_s + 0.3)
+    assert answer.code is ReasonCode.OFFER_EXPIRED
+
+
+def test_claim_on_a_leased_gpu_is_gpu_unavailable() -> None:
+    book = _book()
+    oid = _idle_node(book, gpus=2)
+    assert book.claim("edge-a", _claim(oid), 1.0)[0].ok
+    answer, ch = book.claim("edge-b", _claim(oid, cid="c1", site="edge-b"), 2.0)
+    assert answer.code is ReasonCode.GPU_UNAVAILABLE and "leased" in answer.text
+    assert not ch
+
+
+def test_repeated_claim_id_gets_the_same_answer() -> None:
+    book = _book()
+    oid = _idle_node(book, gpus=2)
+    first, _ = book.claim("edge-a", _claim(oid, count=1), 1.0)
+    again, ch = book.claim("edge-a", _claim(oid, count=1), 2.0)
+    assert again.replayed and again.code is first.code and again.lease_id == first.lease_id
+    assert not ch and len(book.live_leases()) == 1
+    bad, _ = book.claim("edge-a", _claim("offer-999", cid="c9"), 3.0)
+    bad_again, _ = book.claim("edge-a", _claim(oid, cid="c9"), 4.0)  # same id, now valid offer: same answer
+    assert bad_again.code is bad.code is ReasonCode.UNKNOWN_OFFER
+
+
+def test_reserved_gpus_are_neither_offered_nor_claimable_until_grant_or_abort() -> None:
+    book = _book()
+    oid = _idle_node(book, gpus=2)
+    step, ch = book.begin_claim("edge-a", _claim(oid, count=1), 1.0)
+    assert isinstance(step, PendingGrant)
+    (rest,) = book.offers.values()
+    assert [g.gpu for g in rest.gpus] == ["n1/GPU-n1-1"]
+    other, _ = book.begin_claim("edge-b", _claim(oid, site="edge-b", gpus=["n1/GPU-n1-0"]), 1.5)
+    assert isinstance(other, Answer) and other.code is ReasonCode.GPU_UNAVAILABLE
+    assert book.violations() == []
+    answer, ch = book.abort(step, ReasonCode.ISOLATION_FAILED, "pkey not verified", 2.0)
+    assert answer.code is ReasonCode.ISOLATION_FAILED and not ch.records
+    (offer,) = book.offers.values()
+    assert len(offer.gpus) == 2  # the GPU is back on offer
+    with pytest.raises(KeyError):
+        book.grant(step, 3.0)
+    again, _ = book.begin_claim("edge-a", _claim(oid, count=1), 4.0)
+    assert isinstance(again, Answer) and again.code is ReasonCode.ISOLATION_FAILED
+
+
+def test_renewal_activates_and_moves_expiry_never_past_the_end() -> None:
+    book = _book()
+    oid = _idle_node(book, gpus=1)
+    answer, _ = book.claim("edge-a", _claim(oid, duration_seconds=100), 0.0)
+    lid = answer.lease_id
+    assert lid is not None
+    ok, ch = book.renew("edge-a", Renewal(lease_id=lid, site="edge-a", ts=50.0), 50.0)
+    assert ok.ok and ch.records[0].state is LeaseState.ACTIVE and ch.records[0].expires_at == 100.0
+    assert ch.records[0].seq == 2
+    expired, _ = book.renew("edge-a", Renewal(lease_id=lid, site="edge-a", ts=0), 100.0)
+    assert expired.code is ReasonCode.LEASE_NOT_LIVE
+    ch = book.tick(100.0)
+    assert ch.records[0].state is LeaseState.EXPIRED and ch.records[0].reason == "ended"
+
+
+@pytest.mark.parametrize(
+    ("site", "payload_site", "lease_id", "code"),
+    [
+        ("edge-b", "edge-b", None, ReasonCode.UNKNOWN_LEASE),  # another site's lease
+        ("edge-a", "edge-b", None, ReasonCode.SITE_MISMATCH),
+        ("edge-a", "edge-a", "lease-999", ReasonCode.UNKNOWN_LEASE),
+    ],
+)
+def test_renew_and_release_rejections(
+    site: str, payload_site: str, lease_id: str | None, code: ReasonCode
+) -> None:
+    book = _book()
+    oid = _idle_node(book, gpus=1)
+    lid = book.claim("edge-a", _claim(oid), 0.0)[0].lease_id
+    target = lease_id or lid
+    assert target is not None
+    a, ch = book.renew(site, Renewal(lease_id=target, site=payload_site, ts=0), 1.0)
+    assert a.code is code and not ch
+    a, ch = book.release(site, Release(lease_id=target, site=payload_site, ts=0), 1.0)
+    assert a.code is code and not ch
+    assert len(book.live_leases()) == 1
+
+
+def test_ttl_expiry_returns_the_gpus_to_the_offers() -> None:
+    book = _book()
+    oid = _idle_node(book, gpus=1)
+    book.claim("edge-a", _claim(oid), 0.0)
+    assert not book.offers
+    ch = book.tick(CFG.lease_ttl_s)
+    assert [r.state for r in ch.records] == [LeaseState.EXPIRED] and ch.records[0].reason == "ttl"
+    assert len(ch.published) == 1 and book.violations() == []
+
+
+def test_demand_reclaims_with_notice_then_release_in_notice_holds_gpus_back() -> None:
+    book = _book()
+    oid = _idle_node(book, gpus=2)
+    lid = book.claim("edge-a", _claim(oid), 0.0)[0].lease_id
+    assert lid is not None
+    demand = PoolDemand(demand_id="d1", ts=10.0, gpus=["n1/GPU-n1-1"], reason="job-7")
+    result, ch = book.apply_demand(demand, 10.0)
+    assert result == "reclaimed"
+    (rec,) = ch.records
+    assert rec.state is LeaseState.RECLAIMING and rec.reclaim_deadline == 10.0 + CFG.notice_s
+    assert rec.reason == "demand:d1"
+    assert book.apply_demand(demand, 11.0)[0] == "duplicate"
+    # renewals keep working while reclaiming; the state stays reclaiming
+    ok, ch = book.renew("edge-a", Renewal(lease_id=lid, site="edge-a", ts=0), 12.0)
+    assert ok.ok and ch.records[0].state is LeaseState.RECLAIMING
+    ok, ch = book.release("edge-a", Release(lease_id=lid, site="edge-a", ts=0), 20.0)
+    assert ch.records[0].state is LeaseState.RELEASED and ch.records[0].reclaim_deadline == 40.0
+    assert not book.offers, "reclaimed GPUs are held for training, not offered again"
+    book.apply_capacity(_cap("n1", 0, state=GpuState.BUSY, ts=21.0), 21.0)
+    book.apply_capacity(_cap("n1", 0, ts=22.0), 22.0)  # training used it and let it go: offer again
+    assert [g.gpu for o in book.offers.values() for g in o.gpus] == ["n1/GPU-n1-0"]
+    book.apply_capacity(_cap("n1", 1, ts=130.0), 130.0)  # analytics' refresh: still idle, still held
+    assert [g.gpu for o in book.offers.values() for g in o.gpus] == ["n1/GPU-n1-0"]
+    book.tick(20.0 + CFG.reclaim_hold_s)
+    assert sorted(g.gpu for o in book.offers.values() for g in o.gpus) == ["n1/GPU-n1-0", "n1/GPU-n1-1"]
+
+
+def test_reclaim_deadline_revokes() -> None:
+    book = _book()
+    oid = _idle_node(book, gpus=1)
+    lid = book.claim("edge-a", _claim(oid), 0.0)[0].lease_id
+    book.reclaim(5.0, count=1, reason="test")
+    book.renew("edge-a", Renewal(lease_id=lid or "", site="edge-a", ts=0), 30.0)
+    assert not book.tick(34.9).records
+    ch = book.tick(35.0)
+    assert [(r.state, r.reason) for r in ch.records] == [(LeaseState.REVOKED, "reclaim_deadline")]
+    assert book.lease_of("n1/GPU-n1-0") is None
+
+
+def test_count_demand_takes_the_newest_leases_and_stale_demands_are_ignored() -> None:
+    book = _book()
+    for h in ("n1", "n2", "n3"):
+        _idle_node(book, host=h, gpus=1)
+    for i, oid in enumerate(sorted(book.offers)):
+        book.claim("edge-a", _claim(oid, cid=f"c{i}"), float(i))
+    result, ch = book.apply_demand(PoolDemand(demand_id="d", ts=10.0, count=2), 10.0)
+    assert result == "reclaimed"
+    assert sorted(r.granted_at for r in ch.records) == [1.0, 2.0]
+    assert book.apply_demand(PoolDemand(demand_id="old", ts=0.0), CFG.demand_max_age_s + 1)[0] == "stale"
+    assert book.apply_demand(PoolDemand(demand_id="x", ts=11.0, gpus=["n1/GPU-n1-0"]), 11.0)[0] == "reclaimed"
+    assert book.apply_demand(PoolDemand(demand_id="y", ts=12.0), 12.0)[0] == "nothing_to_reclaim"
+
+
+def test_terminal_leases_are_forgotten_after_retention() -> None:
+    book = _book()
+    oid = _idle_node(book, gpus=1)
+    lid = book.claim("edge-a", _claim(oid), 0.0)[0].lease_id or ""
+    book.release("edge-a", Release(lease_id=lid, site="edge-a", ts=0), 1.0)
+    assert not book.tick(1.0 + CFG.retain_terminal_s - 1).forgotten
+    ch = book.tick(1.0 + CFG.retain_terminal_s)
+    assert [r.lease_id for r in ch.forgotten] == [lid] and lid not in book.leases
+
+
+def test_rebuild_restores_leases_answers_and_holds() -> None:
+    book = _book()
+    oid = _idle_node(book, gpus=3)
+    log: list[LeaseLogRecord] = []
+    a, ch = book.claim("edge-a", _claim(oid, count=1), 0.0)
+    log += ch.records
+    oid2 = next(iter(book.offers))
+    b, ch = book.claim("edge-b", _claim(oid2, site="edge-b", count=1), 1.0)
+    log += ch.records
+    log += book.reclaim(2.0, gpus=["n1/GPU-n1-1"], reason="r").records
+    _, ch = book.renew("edge-a", Renewal(lease_id=a.lease_id or "", site="edge-a", ts=0), 3.0)
+    log += ch.records
+
+    fresh = _book()
+    for i in range(3):
+        fresh.apply_capacity(_cap("n1", i), 0.0)
+    fresh.rebuild(reversed(log), 4.0)  # order across and within leases does not matter
+    assert {r.lease_id: (r.state, r.seq) for r in fresh.live_leases()} == {
+        r.lease_id: (r.state, r.seq) for r in book.live_leases()
+    }
+    assert fresh.violations() == []
+    assert sorted(g.gpu for o in fresh.offers.values() for g in o.gpus) == ["n1/GPU-n1-2"]
+    again, _ = fresh.claim("edge-a", _claim(oid, count=1), 5.0)
+    assert again.replayed and again.lease_id == a.lease_id
+    # the reclaim still completes by its deadline after the restart
+    ch = fresh.tick(2.0 + CFG.notice_s)
+    assert [(r.lease_id, r.state) for r in ch.records] == [(b.lease_id, LeaseState.REVOKED)]
+
+
+def test_rebuild_revokes_the_later_of_two_live_leases_on_one_gpu() -> None:
+    base = {
+        "site": "edge-a",
+        "offer_id": "o",
+        "gpus": ["n1/GPU-n1-0"],
+        "state": LeaseState.ACTIVE,
+        "expires_at": 100.0,
+        "notice_seconds": 30.0,
+    }
+    recs = [
+        LeaseLogRecord(lease_id="l1", claim_id="c1", ts=1.0, granted_at=1.0, **base),  # type: ignore[arg-type]
+        LeaseLogRecord(lease_id="l2", claim_id="c2", ts=2.0, granted_at=2.0, **base),
+    ]  # type: ignore[arg-type]
+    book = _book()
+    ch = book.rebuild(recs, 3.0)
+    assert [(r.lease_id, r.state, r.reason) for r in ch.records] == [
+        ("l2", LeaseState.REVOKED, "rebuild_conflict")
+    ]
+    assert book.lease_of("n1/GPU-n1-0") == "l1" and book.violations() == []

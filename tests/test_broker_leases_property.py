@@ -1,0 +1,258 @@
+"""Property test of the lease book: random interleavings of capacity updates, claims (one- and
+two-step, with aborts), renewals, releases, reclaims, demands, ticks and broker restarts (rebuild
+from the lease log) never put a GPU in two live leases, never offer a GPU that is leased or not
+idle, and a rebuilt book carries on with exactly the leases the log says are live.
+
+The checks are computed here from the lease log and the capacity updates the test sent, not from
+the book's own bookkeeping (``violations()`` is checked as well).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from broker.config import BrokerConfig
+from broker.leases import LeaseBook, PendingGrant
+from contracts import (
+    CapacityUpdate,
+    Claim,
+    GpuState,
+    LeaseLogRecord,
+    LeaseState,
+    PoolDemand,
+    ReasonCode,
+    Release,
+    Renewal,
+)
+
+HOSTS = ["n1", "n2", "n3"]
+GPUS = [f"{h}/GPU-{h}-{i}" for h in HOSTS for i in range(3)]
+SITES = ["edge-a", "edge-b", "edge-c"]
+CFG = BrokerConfig(
+    offer_ttl_s=20,
+    notice_s=5,
+    lease_ttl_s=15,
+    retain_terminal_s=60,
+    reclaim_hold_s=25,
+    demand_max_age_s=30,
+    capacity_max_age_s=45,
+)
+
+_ids = itertools.count(1)
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{next(_ids)}"
+
+
+class LeaseBookMachine(RuleBasedStateMachine):
+    """Drives a :class:`LeaseBook` with an explicit clock."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.book = LeaseBook(CFG, new_id=_new_id)
+        self.now = 1000.0
+        self.last_tick = self.now
+        self.log: list[LeaseLogRecord] = []
+        self.caps: dict[str, CapacityUpdate] = {}
+        self.seen_offers: list[str] = []
+        self.claims = 0
+
+    # helpers ---------------------------------------------------------------------------------------
+    def _take(self, ch: object) -> None:
+        self.log.extend(ch.records)  # type: ignore[attr-defined]
+        self.seen_offers.extend(o.offer_id for o in ch.published)  # type: ignore[attr-defined]
+
+    def _latest(self) -> dict[str, LeaseLogRecord]:
+        out: dict[str, LeaseLogRecord] = {}
+        for r in self.log:
+            if r.lease_id not in out or r.seq > out[r.lease_id].seq:
+                out[r.lease_id] = r
+        return out
+
+    def _pick_offer(self, data: st.DataObject) -> str:
+        choices = sorted(self.book.offers) + self.seen_offers[-5:] + ["offer-nope"]
+        return data.draw(st.sampled_from(choices), label="offer")
+
+    def _pick_lease(self, data: st.DataObject) -> str:
+        ids = sorted(self._latest()) or ["lease-nope"]
+        return data.draw(st.sampled_from([*ids, "lease-nope"]), label="lease")
+
+    def _claim(self, data: st.DataObject) -> tuple[str, Claim]:
+        site = data.draw(st.sampled_from(SITES), label="site")
+        offer_id = self._pick_offer(data)
+        self.claims += 1
+        cid = data.draw(st.sampled_from([f"c{self.claims}", "c-repeat"]), label="claim_id")
+        gpus = data.draw(st.lists(st.sampled_from(GPUS), max_size=2, unique=True), label="gpus")
+        count = data.draw(st.integers(0, 3), label="count")
+        payload_site = site if data.draw(st.integers(0, 9), label="mismatch") else "edge-z"
+        claim = Claim(
+            claim_id=cid,
+            site=payload_site,
+            offer_id=offer_id,
+            gpus=gpus,
+            count=count,
+            duration_seconds=data.draw(st.floats(1, 100), label="duration"),
+            min_notice_seconds=data.draw(st.sampled_from([0.0, 5.0, 6.0]), label="notice"),
+            ts=self.now,
+        )
+        return site, claim
+
+    # rules -----------------------------------------------------------------------------------------
+    @rule(dt=st.floats(0, 30))
+    def tick(self, dt: float) -> None:
+        self.now += dt
+        self._take(self.book.tick(self.now))
+        self.last_tick = self.now
+
+    @rule(
+        gpu=st.sampled_from(GPUS),
+        state=st.sampled_from(list(GpuState)),
+        idle_for=st.one_of(st.none(), st.floats(0, 120)),
+        age=st.floats(0, 5),
+    )
+    def capacity(self, gpu: str, state: GpuState, idle_for: float | None, age: float) -> None:
+        host, uuid = gpu.split("/")
+        until = None if state is not GpuState.IDLE or idle_for is None else self.now + idle_for
+        u = CapacityUpdate(
+            ts=self.now - age,
+            host=host,
+            gpu_uuid=uuid,
+            state=state,
+            since=self.now - age,
+            predicted_idle_until=until,
+        )
+        old = self.caps.get(gpu)
+        if old is None or u.ts >= old.ts:
+            self.caps[gpu] = u
+        self._take(self.book.apply_capacity(u, self.now))
+
+    @rule(data=st.data())
+    def claim(self, data: st.DataObject) -> None:
+        site, claim = self._claim(data)
+        answer, ch = self.book.claim(site, claim, self.now)
+        self._take(ch)
+        if answer.ok and not answer.replayed:
+            assert len(ch.records) == 1 and ch.records[0].state is LeaseState.GRANTED
+
+    @rule(data=st.data(), grant=st.booleans(), delay=st.floats(0, 3))
+    def claim_two_step(self, data: st.DataObject, grant: bool, delay: float) -> None:
+        site, claim = self._claim(data)
+        step, ch = self.book.begin_claim(site, claim, self.now)
+        self._take(ch)
+        if not isinstance(step, PendingGrant):
+            return
+        # while the fabric works, no offer may hold the reserved GPUs
+        offered = {g.gpu for o in self.book.offers.values() for g in o.gpus}
+        assert not offered & set(step.record.gpus)
+        self.now += delay
+        if grant:
+            _, ch = self.book.grant(step, self.now)
+        else:
+            _, ch = self.book.abort(step, ReasonCode.ISOLATION_FAILED, "test", self.now)
+        self._take(ch)
+
+    @rule(data=st.data(), ext=st.one_of(st.none(), st.floats(1, 100)))
+    def renew(self, data: st.DataObject, ext: float | None) -> None:
+        lid = self._pick_lease(data)
+        site = self._latest()[lid].site if lid in self._latest() else "edge-a"
+        _, ch = self.book.renew(
+            site, Renewal(lease_id=lid, site=site, ts=self.now, extend_seconds=ext), self.now
+        )
+        self._take(ch)
+
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        lid = self._pick_lease(data)
+        site = data.draw(st.sampled_from(SITES), label="releasing site")
+        _, ch = self.book.release(site, Release(lease_id=lid, site=site, ts=self.now), self.now)
+        self._take(ch)
+
+    @rule(gpus=st.lists(st.sampled_from(GPUS), max_size=3, unique=True), count=st.integers(0, 4))
+    def reclaim(self, gpus: list[str], count: int) -> None:
+        self._take(self.book.reclaim(self.now, gpus, count, "test"))
+
+    @rule(
+        did=st.sampled_from(["d1", "d2", "d3", "d4"]),
+        gpus=st.lists(st.sampled_from(GPUS), max_size=2, unique=True),
+        count=st.integers(0, 3),
+        age=st.floats(0, 40),
+    )
+    def demand(self, did: str, gpus: list[str], count: int, age: float) -> None:
+        _, ch = self.book.apply_demand(
+            PoolDemand(demand_id=did, ts=self.now - age, gpus=gpus, count=count), self.now
+        )
+        self._take(ch)
+
+    @rule()
+    def restart(self) -> None:
+        """A new broker: rebuild from the lease log, then capacity is read again from the start."""
+        before = {r.lease_id: r for r in self.book.live_leases()}
+        fresh = LeaseBook(CFG, new_id=_new_id)
+        ch = fresh.rebuild(self.log, self.now)
+        assert not [r for r in ch.records if r.reason == "rebuild_conflict"]
+        self._take(ch)
+        for u in self.caps.values():
+            self._take(fresh.apply_capacity(u, self.now))
+        after = {r.lease_id: r for r in fresh.live_leases()}
+        # same live leases, with the same terms (the tick at rebuild may only end leases that were due)
+        for lid, rec in after.items():
+            assert before[lid] == rec
+        for lid in set(before) - set(after):
+            assert self._latest()[lid].state in (LeaseState.EXPIRED, LeaseState.REVOKED)
+        self.book = fresh
+
+    # invariants ------------------------------------------------------------------------------------
+    @invariant()
+    def no_gpu_in_two_live_leases(self) -> None:
+        holder: dict[str, str] = {}
+        for rec in self._latest().values():
+            if rec.state.live:
+                for g in rec.gpus:
+                    assert g not in holder, f"{g} in {holder[g]} and {rec.lease_id}"
+                    holder[g] = rec.lease_id
+
+    @invariant()
+    def offers_only_idle_unleased_gpus_within_prediction(self) -> None:
+        live = {g for r in self._latest().values() if r.state.live for g in r.gpus}
+        for offer in self.book.offers.values():
+            for og in offer.gpus:
+                cap = self.caps[og.gpu]
+                assert og.gpu not in live, f"offer {offer.offer_id} holds leased {og.gpu}"
+                assert cap.state is GpuState.IDLE, f"offer {offer.offer_id} holds {cap.state} {og.gpu}"
+                # fresh when offered, and withdrawn by the next tick once stale
+                assert offer.ts - cap.ts <= CFG.capacity_max_age_s, (
+                    f"offer {offer.offer_id} made on stale {og.gpu}"
+                )
+                assert self.last_tick - cap.ts <= CFG.capacity_max_age_s, (
+                    f"offer {offer.offer_id} kept stale {og.gpu}"
+                )
+                if cap.predicted_idle_until is not None:
+                    assert (
+                        offer.available_until is not None
+                        and offer.available_until <= cap.predicted_idle_until
+                    )
+
+    @invariant()
+    def log_is_a_valid_history(self) -> None:
+        by_lease: dict[str, list[LeaseLogRecord]] = {}
+        for r in self.log:
+            by_lease.setdefault(r.lease_id, []).append(r)
+        for recs in by_lease.values():
+            assert [r.seq for r in recs] == list(range(1, len(recs) + 1))
+            assert recs[0].state is LeaseState.GRANTED
+            assert all(r.state.live for r in recs[:-1]), "a terminal lease changed again"
+
+    @invariant()
+    def book_agrees(self) -> None:
+        assert self.book.violations() == []
+
+
+TestLeaseBook = LeaseBookMachine.TestCase
+TestLeaseBook.settings = settings(
+    max_examples=300, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)

@@ -1,0 +1,595 @@
+"""The broker service and the edge-site SDK over a real MQTT server: amqtt (MQTT 3.1.1) started
+in-process on a free loopback port, the in-process bus, protocol=4 on both sides.
+
+Assertions read what crosses the boundaries: retained MQTT messages, replies, and the records
+on the lease-log topic — not the service's internals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import aiomqtt
+import pytest
+from prometheus_client import REGISTRY
+
+from broker.config import BrokerConfig
+from broker.edge import ClaimRejected, EdgeClient, LeaseRequestRejected, OfferWithdrawn
+from broker.fabric import FabricError
+from broker.service import BrokerService
+from contracts import (
+    CapacityUpdate,
+    GpuState,
+    KafkaTopics,
+    LeaseLogRecord,
+    LeaseMessage,
+    LeaseState,
+    MqttTopics,
+    Offer,
+    PeerState,
+    PoolDemand,
+    ReasonCode,
+    Reply,
+    decode,
+    encode,
+)
+from contracts.bus import Bus, MemoryBus
+from contracts.leases import Partition
+
+TOPICS = KafkaTopics()
+MT = MqttTopics()
+CFG = BrokerConfig(
+    offer_ttl_s=30, notice_s=1.5, lease_ttl_s=10, tick_s=0.05, reconnect_min_s=0.05, reconnect_max_s=0.5
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Amqtt:
+    """An amqtt server (MQTT 3.1.1, anonymous, in this process) on a fixed loopback port."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self._broker: object | None = None
+
+    async def start(self) -> None:
+        from amqtt.broker import Broker
+
+        for name in ("amqtt", "transitions"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        self._broker = Broker(
+            {
+                "listeners": {"default": {"type": "tcp", "bind": f"127.0.0.1:{self.port}"}},
+                "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}},
+            }
+        )
+        await self._broker.start()  # type: ignore[attr-defined]
+
+    async def stop(self) -> None:
+        if self._broker is not None:
+            broker, self._broker = self._broker, None
+            await broker.shutdown()  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+async def amqtt_server() -> AsyncIterator[_Amqtt]:
+    """A fresh amqtt server on a free loopback port, stopped after the test."""
+    server = _Amqtt(_free_port())
+    await server.start()
+    yield server
+    await server.stop()
+
+
+@pytest.fixture
+def mqtt_port(amqtt_server: _Amqtt) -> int:
+    """The port of :func:`amqtt_server`."""
+    return amqtt_server.port
+
+
+@contextlib.asynccontextmanager
+async def _service(
+    bus: Bus, port: int, config: BrokerConfig = CFG, topics: KafkaTopics = TOPICS
+) -> AsyncIterator[BrokerService]:
+    svc = BrokerService(
+        bus=bus, topics=topics, mqtt_host="127.0.0.1", mqtt_port=port, protocol=4, config=config
+    )
+    await svc.start()
+    stop = asyncio.Event()
+    task = asyncio.create_task(svc.run(stop))
+    try:
+        await svc.wait_connected(10)
+        yield svc
+    finally:
+        stop.set()
+        await task
+        await svc.stop()
+
+
+def _site(port: int, site: str = "edge-a") -> EdgeClient:
+    return EdgeClient(
+        site=site, host="127.0.0.1", port=port, protocol=4, reconnect_min_s=0.05, reconnect_max_s=0.5
+    )
+
+
+async def _idle(
+    bus: Bus, host: str, gpus: int, state: GpuState = GpuState.IDLE, topics: KafkaTopics = TOPICS
+) -> list[str]:
+    producer = bus.producer()
+    await producer.start()
+    now = time.time()
+    keys = []
+    for i in range(gpus):
+        u = CapacityUpdate(
+            ts=now,
+            host=host,
+            gpu_uuid=f"GPU-{host}-{i}",
+            state=state,
+            since=now - 60,
+            predicted_idle_until=now + 3600 if state is GpuState.IDLE else None,
+            model_name="NVIDIA A100-SXM4-80GB",
+        )
+        await producer.send(topics.capacity, encode(u), key=u.key)
+        keys.append(u.key)
+    await producer.flush()
+    await producer.stop()
+    return keys
+
+
+async def _until(pred, timeout_s: float = 5.0):  # noqa: ANN001, ANN202
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+def metric(name: str, **labels: str) -> float:
+    """A sample of the default Prometheus registry (0 if absent)."""
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def _log(bus: MemoryBus) -> list[LeaseLogRecord]:
+    return [decode(LeaseLogRecord, m.value) for m in bus.records(TOPICS.leases_log) if m.value is not None]
+
+
+async def _retained(port: int, topic: str, wait_s: float = 0.5) -> list[tuple[str, bytes]]:
+    """The retained messages a fresh 3.1.1 client gets for ``topic`` (a filter).
+
+    amqtt 0.12 also sends a new client the retained messages matching *other* clients'
+    subscriptions (``Broker.client_connected`` loops over every session's filters), and some
+    twice: keep only what matches ``topic``, once per topic."""
+    out: list[tuple[str, bytes]] = []
+    async with aiomqtt.Client("127.0.0.1", port, identifier=f"probe-{uuid.uuid4().hex[:8]}") as c:
+        await c.subscribe(topic, qos=1)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait_s):
+                async for msg in c.messages:
+                    if msg.retain and msg.topic.matches(topic) and msg.topic.value not in dict(out):
+                        out.append((msg.topic.value, bytes(msg.payload)))  # type: ignore[arg-type]
+    return out
+
+
+async def _offer_on(site: EdgeClient, host: str) -> Offer:
+    return await _until(lambda: next((o for o in site.known_offers.values() if o.host == host), None))
+
+
+async def test_offer_claim_renew_demand_release(mqtt_port: int) -> None:
+    bus = MemoryBus()
+    async with _service(bus, mqtt_port) as svc, _site(mqtt_port) as site:
+        gpus = await _idle(bus, "n1", 4)
+        offer = await _offer_on(site, "n1")
+        assert [g.gpu for g in offer.gpus] == gpus and offer.notice_seconds == CFG.notice_s
+        assert [o.offer_id for o in await site.offers(timeout_s=1.0)] == [offer.offer_id]
+
+        lease = await site.claim(offer.offer_id, count=2, duration_seconds=600)
+        assert lease.state is LeaseState.GRANTED and lease.gpus == gpus[:2] and lease.site == "edge-a"
+        # the rest of the node is offered anew; the claimed offer is withdrawn from the server
+        rest = await _until(lambda: [o for o in site.known_offers.values() if o.offer_id != offer.offer_id])
+        assert [g.gpu for g in rest[0].gpus] == gpus[2:]
+        retained = dict(await _retained(mqtt_port, MT.offers_filter))
+        assert list(retained) == [MT.offer(rest[0].offer_id)]
+        retained = dict(await _retained(mqtt_port, MT.lease("edge-a", lease.lease_id)))
+        assert decode(LeaseMessage, retained[MT.lease("edge-a", lease.lease_id)]).state is LeaseState.GRANTED
+
+        reply = await site.renew(lease.lease_id)
+        assert reply.code is ReasonCode.OK and reply.in_reply_to == lease.lease_id
+        await site.wait_lease(lease.lease_id, lambda m: m.state is LeaseState.ACTIVE, 5)
+
+        demand = PoolDemand(demand_id="job-1", ts=time.time(), gpus=[gpus[1]], reason="training job 1")
+        await bus.producer().send(TOPICS.pool_demand, encode(demand), key=demand.demand_id)
+        notice = await site.wait_lease(lease.lease_id, lambda m: m.state is LeaseState.RECLAIMING, 5)
+        assert notice.reclaim_deadline == pytest.approx(notice.ts + CFG.notice_s)
+        assert notice.reason == "demand:job-1"
+        await site.release(lease.lease_id)
+        final = await site.wait_lease(lease.lease_id, lambda m: not m.state.live, 5)
+        assert final.state is LeaseState.RELEASED and time.time() < notice.reclaim_deadline  # type: ignore[operator]
+
+        states = [r.state for r in _log(bus) if r.lease_id == lease.lease_id]
+        assert states == [LeaseState.GRANTED, LeaseState.ACTIVE, LeaseState.RECLAIMING, LeaseState.RELEASED]
+        assert [r.seq for r in _log(bus)] == [1, 2, 3, 4]
+        st = svc.stats()
+        assert st["leases_granted"] == 1 and st["reclaims_started"] == 1
+        assert st["reclaims"]["released_in_notice"] == 1 and st["reclaims_completed"] == 1
+        assert st["demands"] == {"reclaimed": 1} and st["claims"] == {"ok": 1}
+        # the reclaimed GPUs are held for training: not offered again
+        await asyncio.sleep(0.2)
+        offered = {g.gpu for o in site.known_offers.values() for g in o.gpus}
+        assert offered == set(gpus[2:])
+
+
+async def test_reclaim_deadline_revokes_a_lease_the_site_keeps(mqtt_port: int) -> None:
+    bus = MemoryBus()
+    async with _service(bus, mqtt_port) as svc, _site(mqtt_port) as site:
+        await _idle(bus, "n1", 1)
+        offer = await _offer_on(site, "n1")
+        lease = await site.claim(offer.offer_id)
+        await bus.producer().send(
+            TOPICS.pool_demand, encode(PoolDemand(demand_id="d", ts=time.time(), count=1))
+        )
+        notice = await site.wait_lease(lease.lease_id, lambda m: m.state is LeaseState.RECLAIMING, 5)
+        await site.renew(lease.lease_id)  # renewing does not stop the reclaim
+        final = await site.wait_lease(lease.lease_id, lambda m: not m.state.live, CFG.notice_s + 3)
+        assert final.state is LeaseState.REVOKED and final.reason == "reclaim_deadline"
+        assert notice.reclaim_deadline is not None
+        assert notice.reclaim_deadline <= final.ts <= notice.reclaim_deadline + 0.5
+        assert svc.stats()["reclaims"]["revoked_at_deadline"] == 1
+        with pytest.raises(LeaseRequestRejected) as e:
+            await site.renew(lease.lease_id)
+        assert e.value.code is ReasonCode.LEASE_NOT_LIVE
+
+
+async def _raw_request(port: int, topic: str, payload: bytes, site: str = "edge-a") -> Reply:
+    async with aiomqtt.Client("127.0.0.1", port, identifier=f"raw-{uuid.uuid4().hex[:8]}") as c:
+        await c.subscribe(MT.replies(site), qos=1)
+        await c.publish(topic, payload, qos=1)
+        async with asyncio.timeout(5):
+            async for msg in c.messages:
+                if msg.topic.matches(MT.replies(site)):  # amqtt also sends others' retained messages
+                    return decode(Reply, bytes(msg.payload))  # type: ignore[arg-type]
+    raise AssertionError("no reply")
+
+
+async def test_malformed_claims_get_a_reason_code_and_change_nothing(mqtt_port: int) -> None:
+    bus = MemoryBus()
+    async with _service(bus, mqtt_port) as svc, _site(mqtt_port) as site:
+        await _idle(bus, "n1", 2)
+        offer = await _offer_on(site, "n1")
+        claims = MT.claims("edge-a")
+        malformed_before = metric("gpupool_broker_rejected_messages_total", reason="malformed")
+        good = {"claim_id": "k", "site": "edge-a", "offer_id": offer.offer_id, "ts": time.time()}
+        cases = [
+            (b"{not json", ReasonCode.MALFORMED, ""),
+            (b"[1, 2]", ReasonCode.MALFORMED, ""),
+            (json.dumps({"claim_id": "k1", "site": "edge-a"}).encode(), ReasonCode.MALFORMED, "k1"),
+            (json.dumps({**good, "claim_id": "k2", "count": -1}).encode(), ReasonCode.MALFORMED, "k2"),
+            (json.dumps({**good, "claim_id": "k3", "extra": 1}).encode(), ReasonCode.MALFORMED, "k3"),
+            (
+                json.dumps({**good, "claim_id": "k4", "schema_version": 2}).encode(),
+                ReasonCode.UNSUPPORTED_VERSION,
+                "k4",
+            ),
+            (
+                json.dumps({**good, "claim_id": "k5", "site": "edge-b"}).encode(),
+                ReasonCode.SITE_MISMATCH,
+                "k5",
+            ),
+            (b"\xff\xfe", ReasonCode.MALFORMED, ""),
+        ]
+        for payload, code, in_reply_to in cases:
+            reply = await _raw_request(mqtt_port, claims, payload)
+            assert (reply.code, reply.in_reply_to, reply.site) == (code, in_reply_to, "edge-a"), payload
+            assert reply.text
+        bad_renewal = await _raw_request(mqtt_port, MT.renewals("edge-a"), b'{"lease_id": "x"}')
+        assert (bad_renewal.code, bad_renewal.in_reply_to) == (ReasonCode.MALFORMED, "x")
+        # nothing changed: no lease, the same offer still retained, the broker still serves
+        assert _log(bus) == []
+        assert [t for t, _ in await _retained(mqtt_port, MT.offers_filter)] == [MT.offer(offer.offer_id)]
+        st = svc.stats()
+        assert metric("gpupool_broker_rejected_messages_total", reason="malformed") == malformed_before + 7
+        assert st["rejected_messages"] == {"malformed": 7, "unsupported_version": 1, "site_mismatch": 1}
+        assert st["claims"] == {"malformed": 6, "unsupported_version": 1, "site_mismatch": 1}
+        assert st["leases_granted"] == 0
+        lease = await site.claim(offer.offer_id)
+        assert lease.state is LeaseState.GRANTED
+
+
+async def test_claim_on_a_leased_gpu_is_gpu_unavailable_and_claims_are_idempotent(mqtt_port: int) -> None:
+    bus = MemoryBus()
+    async with _service(bus, mqtt_port) as svc, _site(mqtt_port) as a, _site(mqtt_port, "edge-b") as b:
+        gpus = await _idle(bus, "n1", 2)
+        offer = await _offer_on(b, "n1")
+        lease = await a.claim(offer.offer_id, gpus=[gpus[0]], claim_id="a-1")
+        with pytest.raises(ClaimRejected) as e:
+            await b.claim(offer.offer_id, gpus=[gpus[0]])
+        assert e.value.code is ReasonCode.GPU_UNAVAILABLE and "leased" in e.value.reply.text
+        with pytest.raises(ClaimRejected) as e:
+            await b.claim("offer-that-never-was")
+        assert e.value.code is ReasonCode.UNKNOWN_OFFER
+        with pytest.raises(ClaimRejected) as e:
+            await b.claim((await _offer_on(b, "n1")).offer_id, min_notice_seconds=CFG.notice_s + 1)
+        assert e.value.code is ReasonCode.NOTICE_TOO_SHORT
+        again = await a.claim(offer.offer_id, gpus=[gpus[0]], claim_id="a-1")
+        assert again.lease_id == lease.lease_id
+        assert len([r for r in _log(bus) if r.state is LeaseState.GRANTED]) == 1
+        assert svc.stats()["rejections"] == {"gpu_unavailable": 1, "unknown_offer": 1, "notice_too_short": 1}
+
+
+async def test_gpu_turning_busy_withdraws_its_offer(mqtt_port: int) -> None:
+    bus = MemoryBus()
+    async with _service(bus, mqtt_port), _site(mqtt_port) as site:
+        await _idle(bus, "n1", 1)
+        offer = await _offer_on(site, "n1")
+        events: list[object] = []
+
+        async def follow() -> None:
+            async with contextlib.aclosing(site.watch()) as stream:
+                async for ev in stream:
+                    events.append(ev)
+
+        watcher = asyncio.create_task(follow())
+        await _idle(bus, "n1", 1, state=GpuState.BUSY)
+        await _until(lambda: OfferWithdrawn(offer.offer_id) in events)
+        watcher.cancel()
+        assert not site.known_offers
+        assert await _retained(mqtt_port, MT.offers_filter) == []
+
+
+async def test_restart_rebuilds_from_the_lease_log_and_the_reclaim_completes(mqtt_port: int) -> None:
+    bus = MemoryBus()
+    cfg = CFG.model_copy(update={"notice_s": 2.0})
+    async with _site(mqtt_port) as site:
+        async with _service(bus, mqtt_port, cfg):
+            await _idle(bus, "n1", 2)
+            offer = await _offer_on(site, "n1")
+            lease = await site.claim(offer.offer_id, count=1, claim_id="c-1")
+            await bus.producer().send(
+                TOPICS.pool_demand, encode(PoolDemand(demand_id="d1", ts=time.time(), count=1))
+            )
+            notice = await site.wait_lease(lease.lease_id, lambda m: m.state is LeaseState.RECLAIMING, 5)
+        # the old broker is gone; a stale offer of an earlier incarnation lingers on the server
+        async with aiomqtt.Client("127.0.0.1", mqtt_port, identifier="stale-writer") as c:
+            await c.publish(MT.offer("offer-stale"), b'{"stale": true}', qos=1, retain=True)
+        async with _service(bus, mqtt_port, cfg) as svc2:
+            assert [r.lease_id for r in svc2.book.live_leases()] == [lease.lease_id]
+            again = await site.claim(offer.offer_id, count=1, claim_id="c-1")  # idempotent across the restart
+            assert again.lease_id == lease.lease_id
+            final = await site.wait_lease(lease.lease_id, lambda m: not m.state.live, cfg.notice_s + 3)
+            assert final.state is LeaseState.REVOKED
+            assert notice.reclaim_deadline is not None and final.ts <= notice.reclaim_deadline + 0.5
+            await _until(lambda: [o for o in site.known_offers.values() if o.host == "n1"])
+            topics = [t for t, _ in await _retained(mqtt_port, MT.offers_filter)]
+            assert MT.offer("offer-stale") not in topics and len(topics) == 1
+        states = [r.state for r in _log(bus) if r.lease_id == lease.lease_id]
+        assert states == [LeaseState.GRANTED, LeaseState.RECLAIMING, LeaseState.REVOKED]
+
+
+async def test_service_and_site_reconnect_after_the_mqtt_server_restarts(amqtt_server: _Amqtt) -> None:
+    bus = MemoryBus()
+    port = amqtt_server.port
+    async with _service(bus, port) as svc, _site(port) as site:
+        await _idle(bus, "n1", 2)
+        offer = await _offer_on(site, "n1")
+        lease = await site.claim(offer.offer_id, count=1)
+        await amqtt_server.stop()  # amqtt keeps nothing: every retained message is gone
+        await _until(lambda: not site.connected and not svc.stats()["mqtt_connected"])
+        await amqtt_server.start()
+        await svc.wait_connected(10)
+        await _until(lambda: site.connected, 10)
+        assert site.reconnects >= 1
+        reply = await site.renew(lease.lease_id)
+        assert reply.code is ReasonCode.OK
+        retained = dict(await _retained(port, f"{MT.root}/#", 1.0))
+        assert MT.lease("edge-a", lease.lease_id) in retained, "lease republished after the outage"
+        assert [t for t in retained if t.startswith(f"{MT.root}/offers/")], "offers republished"
+
+
+async def test_restart_over_kafka_rebuilds_from_the_real_lease_log(
+    kafka_bus: Bus, kafka_topics: KafkaTopics, mqtt_port: int
+) -> None:
+    """Same as the restart test, on real Kafka with a 4-partition compacted lease log: the new
+    broker finds the log's end with its per-partition markers and carries on."""
+    await kafka_bus.create_topics(kafka_topics.all(), partitions=4, compacted=[kafka_topics.leases_log])
+    cfg = CFG.model_copy(update={"notice_s": 3.0, "group_id": f"broker-{uuid.uuid4().hex[:8]}"})
+    async with _site(mqtt_port) as site:
+        async with _service(kafka_bus, mqtt_port, cfg, kafka_topics):
+            for host in ("n1", "n2", "n3"):
+                await _idle(kafka_bus, host, 1, topics=kafka_topics)
+            leases = []
+            for host in ("n1", "n2", "n3"):
+                leases.append(await site.claim((await _offer_on(site, host)).offer_id))
+            await site.release(leases[2].lease_id)
+            producer = kafka_bus.producer()
+            await producer.start()
+            demand = PoolDemand(demand_id="d1", ts=time.time(), gpus=leases[0].gpus)
+            await producer.send(kafka_topics.pool_demand, encode(demand), key="d1")
+            await producer.stop()
+            notice = await site.wait_lease(leases[0].lease_id, lambda m: m.state is LeaseState.RECLAIMING, 15)
+        async with _service(kafka_bus, mqtt_port, cfg, kafka_topics) as svc2:
+            live = {r.lease_id: r.state for r in svc2.book.live_leases()}
+            assert live == {leases[0].lease_id: LeaseState.RECLAIMING, leases[1].lease_id: LeaseState.GRANTED}
+            assert svc2.book.leases[leases[2].lease_id].state is LeaseState.RELEASED
+            await site.renew(leases[1].lease_id)
+            final = await site.wait_lease(leases[0].lease_id, lambda m: not m.state.live, cfg.notice_s + 5)
+            assert final.state is LeaseState.REVOKED
+            assert notice.reclaim_deadline is not None and final.ts <= notice.reclaim_deadline + 0.5
+            assert svc2.stats()["demands"] == {}, (
+                "the demand was committed by the first broker: not applied twice"
+            )
+
+
+async def test_simulated_sites_claim_renew_and_answer_reclaims(mqtt_port: int) -> None:
+    from simulator.sites import SimulatedSite
+
+    bus = MemoryBus()
+    cfg = CFG.model_copy(update={"notice_s": 1.0, "lease_ttl_s": 1.0})
+    common = {
+        "host": "127.0.0.1",
+        "port": mqtt_port,
+        "protocol": 4,
+        "claim_every_s": 0.1,
+        "claim_probability": 1.0,
+        "max_live_leases": 1,
+        "renew_every_s": 0.25,
+    }
+    keeper = SimulatedSite(name="edge-a", seed=1, release_on_reclaim=1.0, **common)  # type: ignore[arg-type]
+    holder = SimulatedSite(name="edge-b", seed=2, release_on_reclaim=0.0, **common)  # type: ignore[arg-type]
+    stop = asyncio.Event()
+    async with _service(bus, mqtt_port, cfg) as svc:
+        for host in ("n1", "n2"):
+            await _idle(bus, host, 2)
+        tasks = [asyncio.create_task(s.run(stop)) for s in (keeper, holder)]
+        try:
+            await _until(lambda: keeper.counts["leases_granted"] and holder.counts["leases_granted"], 10)
+            await asyncio.sleep(2 * cfg.lease_ttl_s)  # outlive the TTL: renewals must keep the leases
+            assert len(svc.book.live_leases()) == 2
+            assert keeper.counts["renewals"] >= 2 and holder.counts["renewals"] >= 2
+            await bus.producer().send(TOPICS.pool_demand, encode(PoolDemand(demand_id="all", ts=time.time())))
+            await _until(lambda: keeper.counts["released_in_notice"] and holder.counts["revoked"], 10)
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+    assert keeper.counts["reclaims_seen"] == 1 and holder.counts["let_revoke"] == 1
+    st = svc.stats()
+    assert st["reclaims"] == {"started": 2, "released_in_notice": 1, "revoked_at_deadline": 1}
+    assert st["expired"] == 0
+
+
+class _Fabric:
+    """A fabric manager double that enforces isolation; ``mode`` says what ``isolate`` does."""
+
+    enforced = True
+
+    def __init__(self) -> None:
+        self.mode = "verified"
+        self.removed: list[str] = []
+
+    async def isolate(self, lease: LeaseLogRecord) -> Partition | None:
+        if self.mode == "raise":
+            raise FabricError("smpquery pkeys: port 1 of node 0x0002c9 did not answer")
+        return Partition(
+            pkey=0x12, sl=1, limited_members=["0x0002c90300a0b1c1"], verified=self.mode == "verified"
+        )
+
+    async def remove(self, lease: LeaseLogRecord) -> None:
+        self.removed.append(lease.lease_id)
+
+
+async def test_grant_waits_for_a_verified_partition(mqtt_port: int) -> None:
+    bus = MemoryBus()
+    fabric = _Fabric()
+    svc = BrokerService(
+        bus=bus,
+        topics=TOPICS,
+        mqtt_host="127.0.0.1",
+        mqtt_port=mqtt_port,
+        protocol=4,
+        config=CFG,
+        fabric=fabric,
+    )
+    await svc.start()
+    stop = asyncio.Event()
+    task = asyncio.create_task(svc.run(stop))
+    try:
+        await svc.wait_connected(10)
+        async with _site(mqtt_port) as site:
+            await _idle(bus, "n1", 1)
+            for mode in ("unverified", "raise"):
+                fabric.mode = mode
+                with pytest.raises(ClaimRejected) as e:
+                    await site.claim((await _offer_on(site, "n1")).offer_id)
+                assert e.value.code is ReasonCode.ISOLATION_FAILED
+            assert len(fabric.removed) == 1, "the partition made but not verified is taken off again"
+            assert _log(bus) == []
+            fabric.mode = "verified"
+            lease = await site.claim((await _offer_on(site, "n1")).offer_id)  # the GPU was offered again
+            assert lease.partition is not None and lease.partition.verified and lease.partition.pkey == 0x12
+            await site.release(lease.lease_id)
+            await _until(lambda: lease.lease_id in fabric.removed)
+            assert "pkey=0x0012 sl=1 verified" in svc.stats()["partitions"][0]
+    finally:
+        stop.set()
+        await task
+        await svc.stop()
+
+
+class _Proxy:
+    """A TCP proxy in front of the MQTT server whose connections can be cut: a network failure
+    that neither side announces (the server then publishes the client's Last Will)."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._conns: list[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = []
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        self._conns.append((writer, up_writer))
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(ConnectionError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    def cut(self) -> None:
+        for a, b in self._conns:
+            a.transport.abort()
+            b.transport.abort()
+        self._conns.clear()
+
+    async def stop(self) -> None:
+        self.cut()
+        if self._server is not None:
+            self._server.close()
+
+
+async def test_last_will_marks_a_cut_site_offline_and_it_comes_back_with_a_higher_seq(mqtt_port: int) -> None:
+    proxy = _Proxy(mqtt_port)
+    await proxy.start()
+    bus = MemoryBus()
+    site = EdgeClient(
+        site="edge-a", host="127.0.0.1", port=proxy.port, protocol=4, reconnect_min_s=1.0, reconnect_max_s=1.0
+    )
+    state_topic = MT.site_state("edge-a")
+
+    async def state() -> PeerState:
+        ((_, payload),) = await _retained(mqtt_port, state_topic, 0.3)
+        return decode(PeerState, payload)
+
+    try:
+        async with _service(bus, mqtt_port) as svc, site:
+            await _until(lambda: svc.stats()["sites_online"] == ["edge-a"])
+            born = await state()
+            assert born.online and born.peer == "edge-a"
+            proxy.cut()
+            await _until(lambda: svc.stats()["sites_online"] == [])  # the Will reached the broker
+            dead = await state()
+            assert (dead.online, dead.seq) == (False, born.seq)
+            await _until(lambda: svc.stats()["sites_online"] == ["edge-a"], 5)
+            reborn = await state()
+            assert reborn.online and reborn.seq > born.seq and site.reconnects == 1
+        gone = await state()  # a clean exit says goodbye
+        assert (gone.online, gone.seq) == (False, reborn.seq)
+    finally:
+        await proxy.stop()
