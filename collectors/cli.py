@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import shlex
 import signal
 import time
 from pathlib import Path
@@ -18,6 +19,14 @@ from contracts.bus import make_bus
 log = logging.getLogger(__name__)
 
 app = typer.Typer(no_args_is_help=True, help="Collectors: GPU and InfiniBand telemetry → Kafka.")
+
+
+def _nvsmi_command(spec: str) -> tuple[str, list[str]]:
+    host, sep, command = spec.partition("=")
+    argv = shlex.split(command) if sep else []
+    if not host or not argv:
+        raise typer.BadParameter(f"expected HOST=COMMAND, got {spec!r}")
+    return host, argv
 
 
 def _sysfs_root(spec: str) -> tuple[str, Path]:
@@ -40,6 +49,41 @@ def run(
             help="HOST=PATH of a folder holding class/infiniband, e.g. node-1=/sys (repeatable).",
         ),
     ] = None,
+    nvidia_smi: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--nvidia-smi",
+            help='HOST=COMMAND printing nvidia-smi -q -x XML, e.g. node-1="nvidia-smi -q -x" (repeatable).',
+        ),
+    ] = None,
+    nvml_host: Annotated[
+        str | None, typer.Option(help="Read this machine's GPUs through NVML under this host name.")
+    ] = None,
+    file_sd: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--file-sd",
+            help="Prometheus file_sd JSON file of dcgm-exporter targets, re-read when it changes; "
+            "the last component may be a glob, e.g. targets/*.json (repeatable).",
+        ),
+    ] = None,
+    file_sd_refresh: Annotated[
+        float, typer.Option(help="Seconds between two checks of the --file-sd files for changes.")
+    ] = 5.0,
+    spool_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Spool records here (after --spool-memory-records in memory) while Kafka is "
+            "unreachable, and resume them after a restart; without it records wait for Kafka only "
+            "inside aiokafka's buffer."
+        ),
+    ] = None,
+    spool_memory_records: Annotated[
+        int, typer.Option(help="Records the spool holds in memory before it writes to --spool-dir.")
+    ] = 100_000,
+    spool_disk_bytes: Annotated[
+        int, typer.Option(help="Bytes the spool may take in --spool-dir.")
+    ] = 1 << 30,
     interval: Annotated[float, typer.Option(help="Seconds between the starts of two cycles.")] = 5.0,
     timeout: Annotated[float, typer.Option(help="Deadline of one scrape, seconds.")] = 2.0,
     concurrency: Annotated[int, typer.Option(help="Scrapes in flight at most.")] = 64,
@@ -47,17 +91,26 @@ def run(
     metrics_port: Annotated[int, typer.Option(help="Serve Prometheus /metrics on this port (0: off).")] = 0,
     metrics_addr: Annotated[str, typer.Option(help="Address the /metrics server binds to.")] = "127.0.0.1",
 ) -> None:
-    """Scrape every --dcgm-target and read every --sysfs-root each --interval seconds and produce
-    GpuSample / IbPortSample records to Kafka until SIGINT or SIGTERM.
+    """Scrape every --dcgm-target, read every --sysfs-root, run every --nvidia-smi command and read
+    NVML (--nvml-host) each --interval seconds and produce GpuSample / IbPortSample records to
+    Kafka until SIGINT or SIGTERM.
 
-    Exits with status 2 when neither a target nor a root is given, 1 when Kafka is unreachable.
+    Every --file-sd target is scraped at its own __scrape_interval__ and __scrape_timeout__
+    (default --interval / --timeout) and its labels go into GpuSample.attributes as target_<name>.
+
+    Exits with status 2 when no source is given, 1 when Kafka is unreachable (with --spool-dir
+    records wait for Kafka instead), 1 when the --spool-dir folder is unusable.
     """
     from collectors.service import CollectorService
 
     targets = list(dcgm_target or [])
     roots = [_sysfs_root(s) for s in sysfs_root or []]
-    if not targets and not roots:
-        raise typer.BadParameter("give at least one --dcgm-target or --sysfs-root")
+    commands = [_nvsmi_command(s) for s in nvidia_smi or []]
+    sd_files = list(file_sd or [])
+    if not targets and not roots and not commands and not nvml_host and not sd_files:
+        raise typer.BadParameter(
+            "give at least one --dcgm-target, --file-sd, --sysfs-root, --nvidia-smi or --nvml-host"
+        )
     if metrics_port:
         from prometheus_client import start_http_server
 
@@ -73,6 +126,13 @@ def run(
             interval_s=interval,
             timeout_s=timeout,
             concurrency=concurrency,
+            nvsmi_commands=commands,
+            nvml_host=nvml_host,
+            file_sd=sd_files,
+            file_sd_refresh_s=file_sd_refresh,
+            spool_dir=spool_dir,
+            spool_memory_records=spool_memory_records,
+            spool_disk_bytes=spool_disk_bytes,
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -84,7 +144,14 @@ def run(
             log.error("bus_unreachable", extra={"bootstrap": kafka, "error": repr(e)})
             await bus.close()
             raise typer.Exit(1) from e
-        log.info("collector_started", extra={"targets": len(targets), "sysfs_roots": len(roots)})
+        log.info(
+            "collector_started",
+            extra={
+                "targets": len(service.targets.targets),
+                "sysfs_roots": len(roots),
+                "spool_dir": str(spool_dir) if spool_dir else None,
+            },
+        )
         try:
             await service.run(stop)
         finally:

@@ -2,7 +2,9 @@
 
 Each cycle scrapes every target concurrently (bounded, a deadline per target), parses each body
 as it arrives (:func:`collectors.dcgm.parse_dcgm_exporter`), reads every sysfs root in a worker
-thread (:func:`collectors.sysfs_ib.read_sysfs_infiniband`) and produces
+thread (:func:`collectors.sysfs_ib.read_sysfs_infiniband`), runs each optional ``nvidia-smi -q -x``
+command (:func:`collectors.nvsmi.read_nvidia_smi`) and the optional local NVML reader
+(:class:`collectors.nvml.NvmlReader`, in a worker thread) and produces
 
 * :class:`contracts.GpuSample` to ``topics.telemetry_gpu`` keyed ``host/uuid[/gpu_instance]``,
 * :class:`contracts.IbPortSample` to ``topics.telemetry_ib_port`` keyed ``node_guid/port``,
@@ -11,24 +13,35 @@ JSON-encoded with :func:`contracts.encode`, each with the next value of one per-
 sequence number. A failed target, a bad line, an unreadable file or a refused record is counted
 (:mod:`collectors.metrics`) and never stops the cycle; :meth:`CollectorService.run` survives any
 exception of a cycle.
+
+Targets come from a static list and Prometheus file_sd files (:mod:`collectors.targets`: hot
+reload, per-target interval and deadline, target labels as ``target_<name>`` attributes). With a
+``spool_dir`` records go through :class:`collectors.spool.SpoolingProducer`, which keeps them
+(memory, then disk) while Kafka is unreachable and delivers them in order once it is back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import shlex
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
 from collectors import metrics
 from collectors.dcgm import DcgmParseResult, parse_dcgm_exporter
+from collectors.nvml import NvmlReader, NvmlUnavailableError
+from collectors.nvsmi import DEFAULT_COMMAND, read_nvidia_smi
 from collectors.scrape import DEFAULT_MAX_BODY_BYTES, Scraper, ScrapeResult
+from collectors.spool import GIB, RecordDroppedError, SpoolingProducer
 from collectors.sysfs_ib import SysfsReadResult, read_sysfs_infiniband
+from collectors.targets import Target, TargetSet
 from collectors.xid import XidTracker
 from contracts import GpuSample, IbPortSample, KafkaTopics, encode
 from contracts.bus import Bus, Producer
@@ -41,12 +54,15 @@ class CollectStats:
     """What one :meth:`CollectorService.collect_once` did.
 
     Attributes:
-        targets: dcgm-exporter targets scraped.
-        targets_ok: targets whose body arrived and was usable.
+        targets: dcgm-exporter targets scraped, plus nvidia-smi commands run and the NVML reader.
+        targets_ok: targets whose body (command output, NVML read) arrived and was usable.
         failures: failed targets by reason: the :class:`collectors.scrape.ScrapeResult` reasons
             (``timeout``, ``connect_error``, ``http_500``, ``truncated``...), ``truncated`` for a
             body without its final line feed, ``empty_body``, and ``garbage`` for a body of which
-            no line gave a sample.
+            no line gave a sample; for nvidia-smi the :class:`collectors.nvsmi.NvsmiReadResult`
+            reasons (``binary_not_found``, ``timeout``, ``exit_status``, ``malformed_xml``...);
+            for NVML the :class:`collectors.nvml.NvmlUnavailableError` reasons
+            (``library_not_found``, ``driver_not_loaded``...).
         gpu_samples / ib_ports: records built.
         rejected: parser rejections by reason (lines and values).
         sysfs_roots: roots read; sysfs_errors: files that could not be used.
@@ -74,6 +90,15 @@ class CollectStats:
         return sum(self.failures.values())
 
 
+class _GpuRead(NamedTuple):
+    """One nvidia-smi or NVML read: its target label, ``ok`` or why not, samples, rejections."""
+
+    target: str
+    reason: str
+    samples: list[GpuSample]
+    rejected: Counter[str]
+
+
 def _default_host(target: str) -> str | None:
     """The host part of a target URL, for series without a host label."""
     try:
@@ -96,6 +121,22 @@ class CollectorService:
         client_id: the producer's client id.
         max_body_bytes: largest accepted ``/metrics`` body.
         http_client: an httpx client to scrape with (tests inject transports); not closed here.
+        nvsmi_commands: ``(host, argv)`` pairs, each run every cycle as ``nvidia-smi -q -x``
+            (argv may wrap it, e.g. ``["ssh", "node-1", "nvidia-smi", "-q", "-x"]``); its GPUs get
+            ``host``; deadline ``timeout_s``. A missing binary is counted as a failure, never raised.
+        nvml_host: read this machine's GPUs through NVML every cycle under this host name;
+            ``None``: off. Where NVML is unavailable each cycle counts a failure.
+        file_sd: Prometheus file_sd JSON files (the last path component may be a glob) whose
+            targets are scraped besides ``dcgm_targets``, re-read when they change
+            (:mod:`collectors.targets`). A target with its own ``__scrape_interval__`` is scraped
+            by :meth:`run` on its own schedule; each target has its own deadline
+            (``__scrape_timeout__``); its labels go into ``GpuSample.attributes`` as
+            ``target_<name>``.
+        file_sd_refresh_s: seconds between two checks of the file_sd files for changes.
+        spool_dir: when given, records go through a :class:`collectors.spool.SpoolingProducer`
+            (memory, then segment files in this folder): nothing is lost while the bus is
+            unreachable, and a restart resumes what is on disk. ``None``: straight to the bus.
+        spool_memory_records / spool_disk_bytes: the spool's memory and disk bounds.
 
     Raises:
         ValueError: ``interval_s``, ``timeout_s`` or ``concurrency`` not positive.
@@ -114,6 +155,13 @@ class CollectorService:
         client_id: str = "gpupool-collector",
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         http_client: httpx.AsyncClient | None = None,
+        nvsmi_commands: Sequence[tuple[str, Sequence[str]]] = (),
+        nvml_host: str | None = None,
+        file_sd: Sequence[Path | str] = (),
+        file_sd_refresh_s: float = 5.0,
+        spool_dir: Path | None = None,
+        spool_memory_records: int = 100_000,
+        spool_disk_bytes: int = GIB,
     ) -> None:
         if interval_s <= 0 or timeout_s <= 0 or concurrency < 1:
             raise ValueError("interval_s and timeout_s must be > 0 and concurrency >= 1")
@@ -127,6 +175,21 @@ class CollectorService:
         self.client_id = client_id
         self.max_body_bytes = max_body_bytes
         self._http_client = http_client
+        self.nvsmi_commands = [(h, tuple(cmd) or DEFAULT_COMMAND) for h, cmd in nvsmi_commands]
+        self.nvml_host = nvml_host
+        self._nvml: NvmlReader | None = None
+        self.targets = TargetSet(
+            self.dcgm_targets,
+            file_sd,
+            default_interval_s=interval_s,
+            default_timeout_s=timeout_s,
+            refresh_s=file_sd_refresh_s,
+        )
+        self.spool_dir = Path(spool_dir) if spool_dir is not None else None
+        self.spool_memory_records = spool_memory_records
+        self.spool_disk_bytes = spool_disk_bytes
+        self._scrapers: dict[float, Scraper] = {}
+        self._scrape_slots = asyncio.Semaphore(concurrency)
         self._producer: Producer | None = None
         self._scraper: Scraper | None = None
         self._seq = 0
@@ -142,33 +205,42 @@ class CollectorService:
 
     async def start(self) -> None:
         """Start the bus producer and the HTTP client. Raises what the producer's ``start``
-        raises when the bus is unreachable."""
+        raises when the bus is unreachable — except with a spool (``spool_dir``), where records
+        wait for the bus instead; then ``OSError`` if the spool folder is unusable."""
         if self._producer is not None:
             return
-        producer = self.bus.producer(client_id=self.client_id)
+        producer: Producer = self.bus.producer(client_id=self.client_id)
+        if self.spool_dir is not None:
+            producer = SpoolingProducer(
+                producer,
+                memory_records=self.spool_memory_records,
+                disk_dir=self.spool_dir,
+                disk_bytes=self.spool_disk_bytes,
+            )
         await producer.start()
         self._producer = producer
-        self._scraper = Scraper(
-            timeout_s=self.timeout_s,
-            concurrency=self.concurrency,
-            max_body_bytes=self.max_body_bytes,
-            client=self._http_client,
-        )
+        self._scraper = self._scraper_for(self.timeout_s)
 
     async def stop(self) -> None:
         """Flush and stop the producer, close the HTTP client. Safe to call twice."""
         producer, self._producer = self._producer, None
         scraper, self._scraper = self._scraper, None
-        if scraper is not None:
-            await scraper.aclose()
+        nvml, self._nvml = self._nvml, None
+        if nvml is not None:
+            await asyncio.to_thread(nvml.close)
+        scrapers, self._scrapers = list(self._scrapers.values()), {}
+        for s in [*scrapers, *([scraper] if scraper is not None and scraper not in scrapers else [])]:
+            await s.aclose()
         if producer is not None:
             try:
-                await producer.flush()
+                await self._flush(producer)  # a spool delivers what it can in its own stop
             finally:
                 await producer.stop()
 
     async def collect_once(self) -> CollectStats:
-        """Run one cycle over every target and root; return what it did.
+        """Run one cycle over every target whose interval is the service's ``interval_s``
+        (targets with an interval of their own are scraped by :meth:`run`) and every root, and
+        return what it did.
 
         Raises:
             RuntimeError: :meth:`start` was not called.
@@ -176,18 +248,22 @@ class CollectorService:
         if self._producer is None or self._scraper is None:
             raise RuntimeError("CollectorService.start() must be awaited before collect_once()")
         t0 = time.monotonic()
-        stats = CollectStats(targets=len(self.dcgm_targets), sysfs_roots=len(self.sysfs_roots))
+        targets = [t for t in self.targets.targets if t.interval_s == self.interval_s]
+        stats = CollectStats(targets=len(targets), sysfs_roots=len(self.sysfs_roots))
         reads = [asyncio.create_task(self._read_root(host, root)) for host, root in self.sysfs_roots]
+        gpu_reads = self._start_gpu_reads(stats)
         try:
-            async for res in self._scraper.scrape_many(self.dcgm_targets):
+            async for res in self._scrape(targets):
                 await self._handle_scrape(res, stats)
             for read in asyncio.as_completed(reads):
                 await self._handle_sysfs(await read, stats)
+            for gpu_read in asyncio.as_completed(gpu_reads):
+                await self._handle_gpu_read(await gpu_read, stats)
         finally:
-            for r in reads:
+            for r in [*reads, *gpu_reads]:
                 r.cancel()
         try:
-            await self._producer.flush()
+            await self._flush(self._producer)
         except Exception as e:  # noqa: BLE001 — counted; the next cycle tries again
             metrics.PRODUCE_ERRORS.labels("*", type(e).__name__).inc()
             log.warning("producer_flush_failed", extra={"error": repr(e)})
@@ -209,8 +285,22 @@ class CollectorService:
         return stats
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Call :meth:`collect_once` every ``interval_s`` until ``stop`` is set. An exception of a
-        cycle is logged and counted (``gpupool_collector_loop_errors_total``), never raised."""
+        """Call :meth:`collect_once` every ``interval_s`` until ``stop`` is set; meanwhile re-read
+        the file_sd files every ``file_sd_refresh_s`` and scrape the targets that have an
+        interval of their own on their own schedule. An exception of a cycle is logged and
+        counted (``gpupool_collector_loop_errors_total``), never raised."""
+        loops: dict[float, asyncio.Task[None]] = {}
+        watcher = asyncio.create_task(self._watch_targets(stop, loops))
+        try:
+            await self._run_cycles(stop)
+        finally:
+            tasks = [watcher, *loops.values()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run_cycles(self, stop: asyncio.Event) -> None:
+        """The :meth:`collect_once` loop of :meth:`run`."""
         while not stop.is_set():
             started = time.monotonic()
             try:
@@ -230,6 +320,112 @@ class CollectorService:
                 await asyncio.wait_for(stop.wait(), max(0.0, self.interval_s - elapsed))
             except TimeoutError:
                 pass
+
+    # --- targets --------------------------------------------------------------------------------
+    def _scraper_for(self, timeout_s: float) -> Scraper:
+        """The scraper of the targets whose deadline is ``timeout_s`` (one per distinct deadline;
+        :attr:`_scrape_slots` bounds the scrapes in flight over all of them)."""
+        scraper = self._scrapers.get(timeout_s)
+        if scraper is None:
+            scraper = Scraper(
+                timeout_s=timeout_s,
+                concurrency=self.concurrency,
+                max_body_bytes=self.max_body_bytes,
+                client=self._http_client,
+            )
+            self._scrapers[timeout_s] = scraper
+        return scraper
+
+    async def _scrape(self, targets: Sequence[Target]) -> AsyncIterator[ScrapeResult]:
+        """Scrape ``targets`` concurrently, each with its own deadline; yield each result as soon
+        as it is complete."""
+
+        async def one(target: Target) -> ScrapeResult:
+            async with self._scrape_slots:
+                return await self._scraper_for(target.timeout_s).scrape(target.url)
+
+        tasks = [asyncio.create_task(one(t)) for t in targets]
+        try:
+            for fut in asyncio.as_completed(tasks):
+                yield await fut
+        finally:  # the consumer stopped early: cancel and reap what is still running
+            for task in tasks:
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _with_target_labels(self, url: str, samples: list[GpuSample]) -> list[GpuSample]:
+        """``samples`` with the labels of the target at ``url`` added to their attributes as
+        ``target_<name>`` (the target's value wins over an exporter label of the same name)."""
+        target = self.targets.get(url)
+        if target is None or not target.attributes:
+            return samples
+        return [s.model_copy(update={"attributes": {**s.attributes, **target.attributes}}) for s in samples]
+
+    @staticmethod
+    async def _flush(producer: Producer) -> None:
+        """Wait until the bus acknowledged what was sent — unless ``producer`` is a spool, which
+        delivers in the background (waiting on it would stall collection while Kafka is down)."""
+        if not isinstance(producer, SpoolingProducer):
+            await producer.flush()
+
+    async def _watch_targets(self, stop: asyncio.Event, loops: dict[float, asyncio.Task[None]]) -> None:
+        """Re-read changed file_sd files every ``file_sd_refresh_s`` and keep one
+        :meth:`_interval_loop` per target interval other than ``interval_s`` in ``loops``."""
+        while not stop.is_set():
+            self.targets.refresh()
+            wanted = {t.interval_s for t in self.targets.targets} - {self.interval_s}
+            for interval in set(loops):
+                if interval not in wanted or loops[interval].done():
+                    loops.pop(interval).cancel()
+            for interval in wanted - set(loops):
+                loops[interval] = asyncio.create_task(self._interval_loop(interval, stop))
+            try:
+                await asyncio.wait_for(stop.wait(), self.targets.refresh_s)
+            except TimeoutError:
+                pass
+
+    async def _interval_loop(self, interval_s: float, stop: asyncio.Event) -> None:
+        """Scrape the targets whose interval is ``interval_s`` every ``interval_s`` seconds."""
+        while not stop.is_set():
+            started = time.monotonic()
+            targets = [t for t in self.targets.targets if t.interval_s == interval_s]
+            try:
+                await self._collect_targets(targets)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the loop must outlive any one round (logged with its traceback)
+                metrics.LOOP_ERRORS.labels(type(e).__name__).inc()
+                log.exception("collect_targets_failed", extra={"interval_s": interval_s})
+            try:
+                await asyncio.wait_for(stop.wait(), max(0.0, interval_s - (time.monotonic() - started)))
+            except TimeoutError:
+                pass
+
+    async def _collect_targets(self, targets: Sequence[Target]) -> CollectStats:
+        """Scrape ``targets`` only (no sysfs, nvidia-smi or NVML) and produce what they yield.
+        Raises ``RuntimeError`` if :meth:`start` was not called."""
+        if self._producer is None:
+            raise RuntimeError("CollectorService.start() must be awaited first")
+        t0 = time.monotonic()
+        stats = CollectStats(targets=len(targets))
+        async for res in self._scrape(targets):
+            await self._handle_scrape(res, stats)
+        try:
+            await self._flush(self._producer)
+        except Exception as e:  # noqa: BLE001 — counted; the next round tries again
+            metrics.PRODUCE_ERRORS.labels("*", type(e).__name__).inc()
+            log.warning("producer_flush_failed", extra={"error": repr(e)})
+        stats.duration_s = time.monotonic() - t0
+        log.debug(
+            "collect_targets",
+            extra={
+                "targets": stats.targets,
+                "gpu_samples": stats.gpu_samples,
+                "duration_s": round(stats.duration_s, 4),
+            },
+        )
+        return stats
 
     # --- dcgm-exporter -------------------------------------------------------------------------
     async def _handle_scrape(self, res: ScrapeResult, stats: CollectStats) -> None:
@@ -286,7 +482,8 @@ class CollectorService:
                     "xid_source": event.source,
                 },
             )
-        await self._produce(self.topics.telemetry_gpu, parsed.samples, stats)
+        samples = self._with_target_labels(res.target, parsed.samples)
+        await self._produce(self.topics.telemetry_gpu, samples, stats)
 
     def _note_target(self, res: ScrapeResult, reason: str) -> None:
         """Log a target's failures when they start or change reason, and its recovery."""
@@ -307,6 +504,50 @@ class CollectorService:
                     "detail": res.detail[:200],
                 },
             )
+
+    # --- nvidia-smi and NVML ----------------------------------------------------------------------
+    def _start_gpu_reads(self, stats: CollectStats) -> list[asyncio.Task[_GpuRead]]:
+        """One task per nvidia-smi command and one for NVML (the runners count their own metrics)."""
+        stats.targets += len(self.nvsmi_commands) + (self.nvml_host is not None)
+        tasks = [asyncio.create_task(self._read_nvsmi(h, cmd)) for h, cmd in self.nvsmi_commands]
+        if self.nvml_host is not None:
+            tasks.append(asyncio.create_task(asyncio.to_thread(self._read_nvml, self.nvml_host)))
+        return tasks
+
+    async def _read_nvsmi(self, host: str, cmd: Sequence[str]) -> _GpuRead:
+        res = await read_nvidia_smi(cmd, self.timeout_s, host=host)
+        rejected = Counter(r.reason for r in res.parsed.rejected) if res.parsed is not None else Counter()
+        return _GpuRead(shlex.join(cmd), res.reason, res.samples, rejected)
+
+    def _read_nvml(self, host: str) -> _GpuRead:
+        """Open NVML on first use (again after a failure) and read every GPU; blocking (a thread)."""
+        if self._nvml is None:
+            reader = NvmlReader()
+            try:
+                reader.open()
+            except NvmlUnavailableError as e:
+                metrics.SCRAPES.labels("nvml", "failure").inc()
+                metrics.SCRAPE_ERRORS.labels("nvml", e.reason).inc()
+                return _GpuRead("nvml", e.reason, [], Counter())
+            self._nvml = reader
+        samples = self._nvml.read(host, time.time())
+        return _GpuRead("nvml", "ok", samples, self._nvml.last_errors)
+
+    async def _handle_gpu_read(self, read: _GpuRead, stats: CollectStats) -> None:
+        stats.rejected.update(read.rejected)
+        if read.reason != "ok":
+            stats.failures[read.reason] += 1
+            if self._failing.get(read.target) != read.reason:
+                self._failing[read.target] = read.reason
+                log.warning("gpu_source_failed", extra={"target": read.target, "reason": read.reason})
+            return
+        if self._failing.pop(read.target, None) is not None:
+            log.info("gpu_source_recovered", extra={"target": read.target})
+        stats.targets_ok += 1
+        records = [smp.model_copy(update={"seq": self._seq + i}) for i, smp in enumerate(read.samples)]
+        self._seq += len(records)
+        stats.gpu_samples += len(records)
+        await self._produce(self.topics.telemetry_gpu, records, stats)
 
     # --- sysfs ----------------------------------------------------------------------------------
     async def _read_root(self, host: str, root: Path) -> tuple[SysfsReadResult, float]:
@@ -332,14 +573,21 @@ class CollectorService:
     ) -> None:
         assert self._producer is not None
         produced = 0
+        dropped: Counter[str] = Counter()
         for rec in records:
             try:
                 await self._producer.send(topic, encode(rec), key=rec.key)
                 produced += 1
+            except RecordDroppedError as e:  # the spool counted it; one log line per batch here
+                dropped[e.reason] += 1
             except Exception as e:  # noqa: BLE001 — one refused record must not stop the cycle
                 stats.produce_errors += 1
                 metrics.PRODUCE_ERRORS.labels(topic, type(e).__name__).inc()
                 log.warning("produce_failed", extra={"topic": topic, "key": rec.key, "error": repr(e)})
+        if dropped:
+            stats.produce_errors += dropped.total()
+            metrics.PRODUCE_ERRORS.labels(topic, "RecordDroppedError").inc(dropped.total())
+            log.warning("produce_dropped", extra={"topic": topic, "records": dict(dropped)})
         if produced:
             stats.produced += produced
             metrics.RECORDS_PRODUCED.labels(topic).inc(produced)
