@@ -81,6 +81,7 @@ def demo(
             live.update(_progress_table(snap, duration), refresh=True)
 
         summary = asyncio.run(run_demo(cfg, progress))
+    console.print()
     s = summary.as_dict()
     if json_summary:
         console.print_json(json.dumps(s))
@@ -90,7 +91,7 @@ def demo(
         t.add_column("value", justify="right")
         rows = [
             ("simulated GPUs", s["gpus"]),
-            ("idle share of the replayed trace", f"{100 * float(s['trace_idle_share']):.1f} %"),
+            ("idle share of the replayed trace window", f"{100 * float(s['trace_idle_share']):.1f} %"),
             ("samples ingested into DuckDB", s["samples_ingested"]),
             ("GPUs found idle", s["gpus_seen_idle"]),
             ("offers published (GPUs offered)", f"{s['offers']} ({s['gpus_offered']})"),

@@ -58,6 +58,9 @@ class DemoConfig:
     trace_dir: Path | None = None
     topic_prefix: str | None = None
     """Kafka topic prefix; ``None``: a fresh ``demo-<run id>.`` on Kafka, none on the in-process bus."""
+    fabric_state: Path | None = None
+    """fabric.json of an OpenSM fabric (deploy/local/fabric.sh): each lease gets a partition verified
+    on it (:class:`broker.fabric_opensm.OpenSmFabric`); ``None``: fabric isolation disabled."""
 
 
 @dataclass
@@ -87,6 +90,7 @@ class OfferAudit:
                     log.error("offer_for_busy_gpu", extra={"offer_id": offer.offer_id, "gpu": g.gpu})
                 else:
                     self.races += 1
+                    log.warning("offer_race", extra={"offer_id": offer.offer_id, "gpu": g.gpu, "offer_ts": offer.ts})
 
 
 @dataclass
@@ -148,6 +152,7 @@ async def run_demo(cfg: DemoConfig, progress=None) -> DemoSummary:  # noqa: ANN0
     """
     from analytics.classify import IdleConfig
     from analytics.service import AnalyticsService
+    from broker.fabric_opensm import OpenSmFabric
     from broker.service import BrokerConfig, BrokerService
     from collectors.service import CollectorService
     from gpupool.embedded_mqtt import EmbeddedMqttBroker
@@ -208,6 +213,7 @@ async def run_demo(cfg: DemoConfig, progress=None) -> DemoSummary:  # noqa: ANN0
     bu, bp = creds("gpupool-broker")
     broker = BrokerService(bus=bus, topics=topics, mqtt_host=mhost, mqtt_port=port, mqtt_username=bu,
                            mqtt_password=bp, root=root, protocol=protocol,
+                           fabric=OpenSmFabric(cfg.fabric_state) if cfg.fabric_state else None,
                            config=BrokerConfig(offer_ttl_s=cfg.offer_ttl_s, notice_s=cfg.notice_s,
                                                lease_ttl_s=cfg.lease_ttl_s))
     sites = [SimulatedSite(name=s, host=mhost, port=port, username=creds(s)[0], password=creds(s)[1],
@@ -263,10 +269,15 @@ async def run_demo(cfg: DemoConfig, progress=None) -> DemoSummary:  # noqa: ANN0
             await embedded.stop()
 
     st = broker.stats()
+    # idle share of the (GPU, step) pairs this run replayed, not of the whole trace
+    steps = range(cfg.start_step, fleet.step_at() + 1)
+    keys = fleet.gpu_keys()
+    pairs = [(k, s) for k in keys for s in steps]
+    window_idle = sum(1 for k, s in pairs if not fleet.is_busy_step(k, s)) / max(1, len(pairs))
     return DemoSummary(
         duration_s=cfg.duration_s,
         gpus=len(fleet.gpu_keys()),
-        trace_idle_share=fleet.idle_share(),
+        trace_idle_share=window_idle,
         samples_ingested=analytics.rows_ingested(),
         gpus_seen_idle=analytics.gpus_seen_idle(),
         offers=audit.offers,
