@@ -17,12 +17,16 @@ def test_survival_without_censoring_is_the_empirical_tail() -> None:
     assert curve.survival(100) == pytest.approx(0.0)
     # P(T >= 20) = 0.9; P(T > 20) = 0.8 < 0.9.
     assert curve.remaining(0, 0.9) == pytest.approx(20.0)
-    # Given 50 s survived (5 of 10 runs left): 60 keeps 4/5 = 0.8 < 0.9 → 10 s more.
-    assert curve.remaining(50, 0.9) == pytest.approx(10.0)
+    # Given at least 50 s (6 of 10 runs lasted that long): the 50 s run may end now, 5/6 < 0.9 →
+    # nothing to promise; at 0.5: 70 s keeps 3/6 = 0.5, 80 s keeps 2/6 → 30 s more.
+    assert curve.remaining(50, 0.9) == pytest.approx(0.0)
     assert curve.remaining(50, 0.5) == pytest.approx(30.0)
     assert curve.mean_remaining(0) == pytest.approx(55.0)
-    assert curve.at_risk(50) == 5
-    assert curve.remaining(100, 0.9) is None
+    assert curve.mean_remaining(50) == pytest.approx(25.0)  # (0+10+...+50)/6
+    assert curve.at_risk(50) == 6
+    assert curve.survival_from(50) == pytest.approx(0.6)
+    assert curve.remaining(100, 0.9) == pytest.approx(0.0)
+    assert curve.remaining(101, 0.9) is None
 
 
 def test_censored_runs_follow_kaplan_meier() -> None:
@@ -104,3 +108,21 @@ def test_promises_hold_at_the_stated_confidence_on_fresh_runs(age: float) -> Non
     kept = sum(d >= promise for d in fresh) / len(fresh)
     assert kept >= 0.9 - 0.02
     assert promise > age  # and it promises something
+
+
+def test_a_run_that_reached_an_age_is_a_peer_of_runs_that_ended_at_it() -> None:
+    """Durations on a 60 s sampling grid; at an idle sample of age 120 s the runs that ended at
+    exactly 120 s are peers (the current run may end at this sample too)."""
+    # 100 runs: 10 end at 120 s, 90 last 600 s.
+    curve = SurvivalCurve([120.0] * 10 + [600.0] * 90, [True] * 100)
+    assert curve.at_risk(120.0) == 100
+    # P(run >= 180 | run >= 120) = 0.9: a 95 % promise is impossible, a 90 % one reaches 600 s.
+    assert curve.remaining(120.0, 0.95) == pytest.approx(0.0)
+    assert curve.remaining(120.0, 0.9) == pytest.approx(480.0)
+    # One sample later only the long runs remain: promised to their end.
+    assert curve.remaining(180.0, 0.95) == pytest.approx(420.0)
+    p = IdlePredictor(PredictorConfig(confidence=0.95, min_at_risk=5))
+    for d in [120.0] * 10 + [600.0] * 90:
+        p.observe("g", d)
+    pred = p.predict("g", since=1000.0, now=1120.0)
+    assert pred.basis == "gpu" and pred.idle_until == pytest.approx(1120.0)  # nothing promised
