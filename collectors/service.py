@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+import aiohttp
 import httpx
 
 from collectors import metrics
@@ -43,10 +44,11 @@ from collectors.spool import GIB, RecordDroppedError, SpoolingProducer
 from collectors.sysfs_ib import SysfsReadResult, read_sysfs_infiniband
 from collectors.targets import Target, TargetSet
 from collectors.xid import XidTracker
-from contracts import GpuSample, IbPortSample, KafkaTopics, encode
+from contracts import GpuSample, IbPortSample, KafkaTopics, encode, tracing
 from contracts.bus import Bus, Producer
 
 log = logging.getLogger(__name__)
+_TRACER = tracing.tracer(__name__)
 
 
 @dataclass(slots=True)
@@ -120,7 +122,8 @@ class CollectorService:
         concurrency: scrapes in flight at most.
         client_id: the producer's client id.
         max_body_bytes: largest accepted ``/metrics`` body.
-        http_client: an httpx client to scrape with (tests inject transports); not closed here.
+        http_session: an aiohttp session every scraper shares instead of opening its own (its
+            connection pool then bounds the connections); not closed here.
         nvsmi_commands: ``(host, argv)`` pairs, each run every cycle as ``nvidia-smi -q -x``
             (argv may wrap it, e.g. ``["ssh", "node-1", "nvidia-smi", "-q", "-x"]``); its GPUs get
             ``host``; deadline ``timeout_s``. A missing binary is counted as a failure, never raised.
@@ -154,7 +157,7 @@ class CollectorService:
         concurrency: int = 64,
         client_id: str = "gpupool-collector",
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-        http_client: httpx.AsyncClient | None = None,
+        http_session: aiohttp.ClientSession | None = None,
         nvsmi_commands: Sequence[tuple[str, Sequence[str]]] = (),
         nvml_host: str | None = None,
         file_sd: Sequence[Path | str] = (),
@@ -174,7 +177,7 @@ class CollectorService:
         self.concurrency = concurrency
         self.client_id = client_id
         self.max_body_bytes = max_body_bytes
-        self._http_client = http_client
+        self._http_session = http_session
         self.nvsmi_commands = [(h, tuple(cmd) or DEFAULT_COMMAND) for h, cmd in nvsmi_commands]
         self.nvml_host = nvml_host
         self._nvml: NvmlReader | None = None
@@ -331,7 +334,7 @@ class CollectorService:
                 timeout_s=timeout_s,
                 concurrency=self.concurrency,
                 max_body_bytes=self.max_body_bytes,
-                client=self._http_client,
+                session=self._http_session,
             )
             self._scrapers[timeout_s] = scraper
         return scraper
@@ -429,6 +432,23 @@ class CollectorService:
 
     # --- dcgm-exporter -------------------------------------------------------------------------
     async def _handle_scrape(self, res: ScrapeResult, stats: CollectStats) -> None:
+        """Use one scrape's result inside a ``scrape dcgm-exporter`` span (CLIENT, from the scrape's
+        start; semconv ``url.full``, ``http.response.status_code``, ``error.type`` = the failure
+        reason): the records it yields carry its context (:meth:`_produce`)."""
+        with _TRACER.start_as_current_span(
+            "scrape dcgm-exporter",
+            kind=tracing.SpanKind.CLIENT,
+            start_time=int(res.ts * 1e9),
+            attributes={"url.full": res.target} if "@" not in res.target else None,
+        ) as span:
+            reason = await self._use_scrape(res, stats)
+            if res.status is not None and span.is_recording():
+                span.set_attribute("http.response.status_code", res.status)
+            if reason != "ok":
+                tracing.mark_error(span, reason, res.detail[:200])
+
+    async def _use_scrape(self, res: ScrapeResult, stats: CollectStats) -> str:
+        """Parse, count and produce one scrape's result; returns ``ok`` or the failure reason."""
         parsed: DcgmParseResult | None = None
         t0 = time.monotonic()
         reason = res.reason
@@ -462,11 +482,11 @@ class CollectorService:
             stats.failures[reason] += 1
             metrics.SCRAPES.labels(res.target, "failure").inc()
             metrics.SCRAPE_ERRORS.labels(res.target, reason).inc()
-            return
+            return reason
         stats.targets_ok += 1
         metrics.SCRAPES.labels(res.target, "success").inc()
         if parsed is None:
-            return
+            return reason
         stats.gpu_samples += len(parsed.samples)
         for event in self._xid.observe(parsed.xid):
             stats.xid_events += 1
@@ -484,6 +504,7 @@ class CollectorService:
             )
         samples = self._with_target_labels(res.target, parsed.samples)
         await self._produce(self.topics.telemetry_gpu, samples, stats)
+        return reason
 
     def _note_target(self, res: ScrapeResult, reason: str) -> None:
         """Log a target's failures when they start or change reason, and its recovery."""
@@ -571,12 +592,36 @@ class CollectorService:
     async def _produce(
         self, topic: str, records: Sequence[GpuSample | IbPortSample], stats: CollectStats
     ) -> None:
+        """Send ``records`` to ``topic`` inside one ``send <topic>`` span (PRODUCER, child of the
+        current span, semconv messaging attributes); every record carries that span's
+        ``traceparent`` header (none when tracing is off)."""
+        if not records:
+            return
+        errors_before = stats.produce_errors
+        with _TRACER.start_as_current_span(
+            f"send {topic}",
+            kind=tracing.SpanKind.PRODUCER,
+            attributes=tracing.messaging_attributes(
+                tracing.KAFKA, "send", topic, client_id=self.client_id, batch_count=len(records)
+            ),
+        ) as span:
+            await self._send_records(topic, records, stats, tracing.inject_headers(span))
+            if stats.produce_errors > errors_before:
+                tracing.mark_error(span, "produce_failed", f"{stats.produce_errors - errors_before} refused")
+
+    async def _send_records(
+        self,
+        topic: str,
+        records: Sequence[GpuSample | IbPortSample],
+        stats: CollectStats,
+        headers: Sequence[tuple[str, bytes]],
+    ) -> None:
         assert self._producer is not None
         produced = 0
         dropped: Counter[str] = Counter()
         for rec in records:
             try:
-                await self._producer.send(topic, encode(rec), key=rec.key)
+                await self._producer.send(topic, encode(rec), key=rec.key, headers=headers)
                 produced += 1
             except RecordDroppedError as e:  # the spool counted it; one log line per batch here
                 dropped[e.reason] += 1

@@ -4,11 +4,13 @@ exporter does: each bad target fails alone with its reason, the good ones arrive
 from __future__ import annotations
 
 import asyncio
+import gzip
 import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -25,6 +27,8 @@ class FakeExporters:
 
     def __init__(self) -> None:
         self.hits: dict[str, int] = {}
+        self.accept: list[str] = []
+        self.peers: list[tuple[str, int]] = []  # client (address, port) of each request
         self.in_flight = 0
         self.max_in_flight = 0
         app = web.Application()
@@ -38,6 +42,8 @@ class FakeExporters:
         app.router.add_get("/cut", self._cut)
         app.router.add_get("/badgzip", self._bad_gzip)
         app.router.add_get("/gated/{n}", self._gated)
+        app.router.add_get("/gzip", self._gzip)
+        app.router.add_get("/slowbody", self._slow_body)
         self._runner = web.AppRunner(app, shutdown_timeout=1.0)
         self._junk_server: asyncio.Server | None = None
         self.base = ""
@@ -75,6 +81,9 @@ class FakeExporters:
 
     def _count(self, request: web.Request) -> None:
         self.hits[request.path] = self.hits.get(request.path, 0) + 1
+        self.accept.append(request.headers.get("Accept", ""))
+        assert request.transport is not None
+        self.peers.append(request.transport.get_extra_info("peername")[:2])
 
     async def _ok(self, request: web.Request) -> web.Response:
         self._count(request)
@@ -119,6 +128,27 @@ class FakeExporters:
     async def _bad_gzip(self, request: web.Request) -> web.Response:
         self._count(request)
         return web.Response(body=b"this is not gzip", headers={"Content-Encoding": "gzip"})
+
+    async def _gzip(self, request: web.Request) -> web.Response:
+        self._count(request)
+        return web.Response(
+            body=gzip.compress(GOOD_BODY.encode()),
+            headers={"Content-Encoding": "gzip", "Content-Type": "text/plain"},
+        )
+
+    async def _slow_body(self, request: web.Request) -> web.StreamResponse:
+        """Headers and the first part of the body at once, the rest only when the gate opens."""
+        self._count(request)
+        resp = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await resp.prepare(request)
+        await resp.write(GOOD_BODY[:100].encode())
+        try:
+            await asyncio.wait_for(self.gate.wait(), 30)  # released by stop()
+        except TimeoutError:
+            pass
+        await resp.write(GOOD_BODY[100:].encode())
+        await resp.write_eof()
+        return resp
 
     async def _empty(self, request: web.Request) -> web.Response:
         self._count(request)
@@ -212,3 +242,48 @@ def test_bad_settings() -> None:
         Scraper(timeout_s=0)
     with pytest.raises(ValueError):
         Scraper(concurrency=0)
+
+
+async def test_deadline_covers_the_body(exporters: FakeExporters) -> None:
+    async with Scraper(timeout_s=0.3) as scraper:
+        res = await scraper.scrape(exporters.url("/slowbody"))
+    assert res.reason == "timeout" and res.status == 200 and res.body is None
+    assert res.duration_s < 1.0
+
+
+async def test_gzip_body_is_decoded_and_the_limit_counts_decoded_bytes(exporters: FakeExporters) -> None:
+    compressed = len(gzip.compress(GOOD_BODY.encode()))
+    assert compressed < len(GOOD_BODY.encode())
+    async with Scraper(timeout_s=2.0) as scraper:
+        res = await scraper.scrape(exporters.url("/gzip"))
+    assert res.ok and res.body == GOOD_BODY
+    async with Scraper(timeout_s=2.0, max_body_bytes=compressed + 1) as scraper:
+        res = await scraper.scrape(exporters.url("/gzip"))
+    assert res.reason == "too_large" and res.body is None
+
+
+async def test_prometheus_accept_header_and_keep_alive(exporters: FakeExporters) -> None:
+    async with Scraper(timeout_s=2.0, concurrency=4) as scraper:
+        for _ in range(5):
+            assert (await scraper.scrape(exporters.url("/ok"))).ok
+    assert exporters.accept == ["text/plain;version=0.0.4;q=1,*/*;q=0.1"] * 5
+    assert len(set(exporters.peers)) == 1  # one connection, reused by every scrape
+
+
+async def test_per_host_connection_limit(exporters: FakeExporters) -> None:
+    async with Scraper(timeout_s=5.0, concurrency=32) as scraper:
+        results = await scraper.scrape_all([exporters.url(f"/gated/{i}") for i in range(12)])
+    assert all(r.ok for r in results)
+    assert exporters.max_in_flight == 8  # PER_HOST_CONNECTIONS: all 12 targets share one host:port
+
+
+async def test_injected_session_is_used_with_scrape_settings_and_left_open(exporters: FakeExporters) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with Scraper(timeout_s=0.3, session=session) as scraper:
+            ok = await scraper.scrape(exporters.url("/ok"))
+            slow = await scraper.scrape(exporters.url("/slow"))
+        assert ok.ok and slow.reason == "timeout"  # the scraper's deadline, not the session's 5 min
+        assert exporters.accept[0] == "text/plain;version=0.0.4;q=1,*/*;q=0.1"
+        assert not session.closed
+    with pytest.raises(RuntimeError):
+        await scraper.scrape(exporters.url("/ok"))
