@@ -19,13 +19,17 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Coroutine
-from typing import Annotated, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from broker.edge import BrokerRejected, EdgeClient, OfferWithdrawn
 from contracts import KafkaTopics, LeaseMessage, Offer, PoolDemand, Record, Reply, encode
 from contracts.bus import Bus
+
+if TYPE_CHECKING:
+    from broker.fabric_opensm import OpenSmFabric
 
 broker_app = typer.Typer(
     no_args_is_help=True, help="Broker: capacity → MQTT offers → leases; training demand."
@@ -75,6 +79,12 @@ def run(
     protocol: _Protocol = 5,
     root: _Root = "gpupool/v1",
     topic_prefix: _Prefix = "",
+    group_id: Annotated[
+        str, typer.Option(help="Kafka consumer group of capacity and demand (one per deployment).")
+    ] = "gpupool-broker",
+    client_id: Annotated[
+        str, typer.Option(help="MQTT client id; the broker's persistent session is kept under it.")
+    ] = "gpupool-broker",
     metrics_port: Annotated[
         int, typer.Option(help="Serve Prometheus /metrics on this port (0: off).")
     ] = 9403,
@@ -82,12 +92,42 @@ def run(
     offer_ttl: Annotated[float, typer.Option(help="Offer lifetime, seconds.")] = 60.0,
     notice: Annotated[float, typer.Option(help="Reclaim notice of each lease, seconds.")] = 30.0,
     lease_ttl: Annotated[float, typer.Option(help="Lease TTL between renewals, seconds.")] = 60.0,
+    fabric_state: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="GPUPOOL_FABRIC_STATE",
+            help="fabric.json of an OpenSM fabric (deploy/local/fabric.sh): isolate every lease in a "
+            "partition verified on the fabric. Without it, fabric isolation is disabled.",
+        ),
+    ] = None,
+    fabric_gateway: Annotated[
+        str, typer.Option(help="Node id or port GUID of the edge gateway's HCA (full member).")
+    ] = "edge-gw",
+    fabric_hosts: Annotated[
+        Path | None,
+        typer.Option(
+            help='JSON file {"<gpu host>": ["<HCA node id or port GUID>", ...]}; default: hosts '
+            "ending in N map to the Nth compute HCA."
+        ),
+    ] = None,
+    fabric_sl: Annotated[int, typer.Option(help="Service level of inference traffic (0..15).")] = 1,
+    fabric_timeout: Annotated[
+        float, typer.Option(help="Seconds to wait for the fabric to show a partition change.")
+    ] = 20.0,
+    fabric_dry_run: Annotated[
+        bool,
+        typer.Option(
+            help="Print the partitions.conf/qos-policy.conf diff of each lease on stderr and change "
+            "nothing (leases are then refused: isolation_failed)."
+        ),
+    ] = False,
 ) -> None:
     """Run the broker stage until SIGINT/SIGTERM.
 
     Reads capacity and pool demand from Kafka, offers idle GPUs over MQTT, turns claims into leases
-    (each transition logged to the leases.log topic), reclaims on demand. Fabric isolation is
-    disabled in this build: leases carry "partition": null.
+    (each transition logged to the leases.log topic), reclaims on demand. With --fabric-state, each
+    lease gets an OpenSM partition verified on the fabric before it is granted; without it, fabric
+    isolation is disabled and leases carry "partition": null.
     """
     from prometheus_client import start_http_server
 
@@ -96,12 +136,17 @@ def run(
     from contracts.bus import make_bus
 
     host, port = _host_port(mqtt)
-    config = BrokerConfig(offer_ttl_s=offer_ttl, notice_s=notice, lease_ttl_s=lease_ttl)
+    config = BrokerConfig(offer_ttl_s=offer_ttl, notice_s=notice, lease_ttl_s=lease_ttl, group_id=group_id)
+    fabric = None
+    if fabric_state is not None:
+        fabric = opensm_fabric(
+            fabric_state, fabric_gateway, fabric_hosts, fabric_sl, fabric_timeout, fabric_dry_run
+        )
     if metrics_port:
         start_http_server(metrics_port, addr=metrics_addr)
 
     async def _main() -> None:
-        bus = make_bus(kafka, client_id="gpupool-broker")
+        bus = make_bus(kafka, client_id=client_id)
         service = BrokerService(
             bus=bus,
             topics=KafkaTopics(prefix=topic_prefix),
@@ -112,6 +157,8 @@ def run(
             root=root,
             protocol=protocol,
             config=config,
+            fabric=fabric,
+            client_id=client_id,
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -125,6 +172,41 @@ def run(
             await bus.close()
 
     asyncio.run(_main())
+
+
+def opensm_fabric(
+    state: Path, gateway: str, hosts: Path | None, sl: int, timeout_s: float, dry_run: bool
+) -> OpenSmFabric:
+    """The OpenSM fabric manager for ``gpupool broker run`` (dry-run diffs go to stderr).
+
+    ``hosts`` is a JSON object host → list of HCA node ids / port GUIDs. Raises
+    ``typer.BadParameter`` when ``state`` or ``hosts`` cannot be read or the gateway is not an HCA.
+    """
+    from broker.fabric_opensm import OpenSmFabric
+
+    host_ports: dict[str, list[str]] | None = None
+    if hosts is not None:
+        try:
+            data = json.loads(hosts.read_text())
+        except (OSError, ValueError) as e:
+            raise typer.BadParameter(f"--fabric-hosts {hosts}: {e}") from None
+        if not isinstance(data, dict) or not all(
+            isinstance(v, list) and all(isinstance(x, str) for x in v) for v in data.values()
+        ):
+            raise typer.BadParameter(f"--fabric-hosts {hosts}: expected {{host: [port, ...]}}")
+        host_ports = {str(k): list(v) for k, v in data.items()}
+    try:
+        return OpenSmFabric(
+            state,
+            gateway=gateway,
+            host_ports=host_ports,
+            sl=sl,
+            verify_timeout_s=timeout_s,
+            dry_run=dry_run,
+            on_diff=lambda diff: typer.echo(diff, err=True),
+        )
+    except (OSError, ValueError) as e:
+        raise typer.BadParameter(f"--fabric-state {state}: {e}") from None
 
 
 @broker_app.command("demand")

@@ -45,3 +45,21 @@ MQTT_CONNECTIONS = Counter(
     "MQTT connection attempts and ends, by result: connected, failed (never connected), lost.",
     ["result"],
 )
+FABRIC_APPLY_SECONDS = Histogram(
+    "gpupool_broker_fabric_apply_seconds",
+    "From a partition change being asked for (isolate or remove) to it being verified on the fabric.",
+    ["op"],
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0),
+)
+FABRIC_VERIFY_FAILURES = Counter(
+    "gpupool_broker_fabric_verify_failures_total",
+    "Partition changes that could not be applied or verified, by reason (unmapped_host, unknown_port, "
+    "config_error, write_failed, opensm_down, pkey_missing, wrong_membership, unreachable, sl_mismatch, "
+    "not_removed).",
+    ["reason"],
+)
+FABRIC_RELOADS = Counter(
+    "gpupool_broker_fabric_reloads_total",
+    "Partition files rewritten and OpenSM told to re-read them (SIGHUP), by result: ok, failed.",
+    ["result"],
+)
