@@ -16,7 +16,10 @@ the CA behind it sends through that port.
 Legacy counters: when ``perfquery -x`` shows no ``PortXmitWait`` (the PMA lacks the additional
 extended counters, e.g. ibsim), ``legacy_counters="auto"`` also runs legacy ``perfquery`` for the
 same ports and adds the counters the extended read lacked (error counters, ``PortXmitWait``) with
-their legacy widths; 64-bit values always win.
+their legacy widths; 64-bit values always win. That second process per device doubles a sweep's
+cost, so ``legacy_every=N`` runs it on every Nth sweep only (the first sweep, then sweeps N, 2N...):
+the 64-bit data counters are read every sweep, and the samples of a sweep without the legacy read
+carry only what was read (the legacy-only counters are absent, never 0 and never a stale copy).
 
 Failures never escape a sweep: each is logged (``fabric_device_error``) and counted in
 ``gpupool_collector_fabric_errors_total{reason}`` (see :mod:`collectors.fabric_metrics`), and
@@ -24,6 +27,11 @@ the other devices are still read.
 
 Running against ibsim: pass ``env`` with ``IBSIM_SOCKNAME`` and ``LD_PRELOAD`` (the ``env`` of the
 fabric's ``fabric.json``) and keep ``concurrency`` below ibsim's 10 client slots minus OpenSM's.
+libumad2sim builds a fake sysfs tree ``sys-<pid>/`` in each client's working directory and removes it
+at exit; on a disk file system that costs more CPU than the rest of the run, so the private work
+directory goes to ``/dev/shm`` (tmpfs) when it is writable (measured on a 100-switch fabric with
+``bench/fabric_sweep.py``, extended + legacy reads: 2.2-7.3 s of perfquery CPU per sweep on ext4,
+0.85 s on tmpfs).
 """
 
 from __future__ import annotations
@@ -61,7 +69,19 @@ __all__ = ["DiagResult", "FabricCollector"]
 
 log = logging.getLogger(__name__)
 
-_TRANSPORT_MARKERS = ("mad_rpc_open_port", "sim_init", "connect failed", "can't open UMAD", "umad_open_port")
+# Local transport failures, retried (``retries``): no UMAD device, no ibsim client slot, or an ibsim
+# client slot taken away while the run used it ("sim_attach: can't connect to sim socket ...",
+# "_do_madrpc: send failed": seen on a 100-switch ibsim fabric when the slot reaper's ``X <n>``
+# meets a slot just reused by a new client).
+_TRANSPORT_MARKERS = (
+    "mad_rpc_open_port",
+    "sim_init",
+    "sim_attach",
+    "connect failed",
+    "can't open UMAD",
+    "umad_open_port",
+    "_do_madrpc: send failed",
+)
 _UNREACHABLE_MARKERS = (
     "_do_madrpc failed",
     "failed: classportinfo",
@@ -93,6 +113,12 @@ class DiagResult:
 _Target = tuple[TopologyNode, list[int]]
 
 
+def _tmpfs_dir() -> str | None:
+    """``/dev/shm`` when it is a writable directory (a tmpfs on Linux), else ``None`` (default temp dir)."""
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
+
+
 def _classify(returncode: int, stderr: str) -> str | None:
     if returncode == 0:
         return None
@@ -114,13 +140,16 @@ class FabricCollector:
         env: variables added to this process's environment for the commands (e.g.
             ``IBSIM_SOCKNAME`` and ``LD_PRELOAD`` for ibsim).
         workdir: working directory of the commands (libumad2sim writes ``sys-<pid>/`` there);
-            default: a private temporary directory removed by :meth:`stop`.
+            default: a private temporary directory, under ``/dev/shm`` when writable, removed by
+            :meth:`stop`.
         concurrency: perfquery processes at once (>= 1).
         timeout_s: per perfquery run, seconds; the process group is killed after it.
         discover_timeout_s: per ibnetdiscover run, seconds.
         include_cas: also read CA (HCA) ports, after the switches.
         legacy_counters: run legacy ``perfquery`` after ``-x`` when the extended output lacks
             ``PortXmitWait`` (``auto``), every time (``always``) or never (``never``).
+        legacy_every: do that legacy run on every Nth sweep only (>= 1; sweeps counted from 0 by
+            this collector, legacy on sweep 0, N, 2N...); the extended run happens every sweep.
         retries: extra attempts of a run that failed with ``transport`` (a busy ibsim slot).
         perfquery / ibnetdiscover: the commands' names or paths.
         clock: wall clock for sample timestamps (Unix seconds).
@@ -139,6 +168,7 @@ class FabricCollector:
         discover_timeout_s: float = 60.0,
         include_cas: bool = True,
         legacy_counters: Literal["auto", "always", "never"] = "auto",
+        legacy_every: int = 1,
         retries: int = 1,
         perfquery: str = "perfquery",
         ibnetdiscover: str = "ibnetdiscover",
@@ -149,6 +179,8 @@ class FabricCollector:
             raise ValueError("concurrency must be >= 1")
         if timeout_s <= 0 or discover_timeout_s <= 0:
             raise ValueError("timeouts must be > 0")
+        if legacy_every < 1:
+            raise ValueError("legacy_every must be >= 1")
         self._bus = bus
         self._topics = topics
         self._run_prefix = list(run_prefix)
@@ -160,6 +192,8 @@ class FabricCollector:
         self._discover_timeout_s = discover_timeout_s
         self._include_cas = include_cas
         self._legacy = legacy_counters
+        self._legacy_every = legacy_every
+        self._sweeps = 0
         self._retries = max(0, retries)
         self._perfquery = perfquery
         self._ibnetdiscover = ibnetdiscover
@@ -174,7 +208,7 @@ class FabricCollector:
     async def start(self) -> None:
         """Create the work directory (if private) and start the producer."""
         if self._workdir is None:
-            self._workdir = Path(tempfile.mkdtemp(prefix="gpupool-fabric-"))
+            self._workdir = Path(tempfile.mkdtemp(prefix="gpupool-fabric-", dir=_tmpfs_dir()))
         self._workdir.mkdir(parents=True, exist_ok=True)
         if self._producer is None:
             producer = self._bus.producer(self._client_id)
@@ -322,8 +356,9 @@ class FabricCollector:
             (switches if node.node_type == "SW" else cas).append((node, sorted(ports)))
         return switches, cas
 
-    async def _read_device(self, node: TopologyNode, ports: list[int]) -> list[IbPortSample]:
-        """perfquery one device (extended, then legacy if needed); samples for the ports it answered."""
+    async def _read_device(self, node: TopologyNode, ports: list[int], legacy: bool) -> list[IbPortSample]:
+        """perfquery one device (extended, then legacy if ``legacy`` and needed); samples for the ports it
+        answered."""
         if node.lid <= 0:
             self._error("no_lid", guid=node.guid, node_name=node.name)
             return []
@@ -344,6 +379,7 @@ class FabricCollector:
                     lid=node.lid,
                     node_name=node.name,
                     kind=kind,
+                    returncode=res.returncode,
                     stderr=res.stderr[-300:],
                 )
                 failed = True
@@ -358,9 +394,11 @@ class FabricCollector:
             for b in parsed.blocks:
                 if b.port is not None:
                     blocks.setdefault(b.port, []).append(b)
-            if kind == "extended" and (
-                self._legacy == "always"
-                or (self._legacy == "auto" and any("PortXmitWait" not in b.counters for b in parsed.blocks))
+            lacks_wait = any("PortXmitWait" not in b.counters for b in parsed.blocks)
+            if (
+                kind == "extended"
+                and legacy
+                and (self._legacy == "always" or (self._legacy == "auto" and lacks_wait))
             ):
                 runs.append(("legacy", [self._perfquery, str(node.lid), port_arg]))
         m.DEVICE_DURATION.labels(node_type=node.node_type).observe(time.perf_counter() - t0)
@@ -375,11 +413,17 @@ class FabricCollector:
             samples.append(port_sample(node, port, got, ts=ts, seq=self._next_seq()))
         return samples
 
+    @property
+    def legacy_due(self) -> bool:
+        """Whether the next :meth:`sweep` includes the legacy ``perfquery`` run (see ``legacy_every``)."""
+        return self._legacy != "never" and self._sweeps % self._legacy_every == 0
+
     async def sweep(self) -> list[IbPortSample]:
         """Read every target port's counters (switches, then CAs) and publish the samples.
 
         Discovers first if nothing was discovered yet. Returns the samples produced (a device that
-        failed contributes none; its failure is counted).
+        failed contributes none; its failure is counted). The legacy counters are read only when
+        :attr:`legacy_due`; a sweep that found no topology does not count towards ``legacy_every``.
 
         Raises:
             RuntimeError: the collector is not started.
@@ -392,12 +436,14 @@ class FabricCollector:
             if topo.error is not None:
                 return []
         t0 = time.perf_counter()
+        legacy = self.legacy_due
+        self._sweeps += 1
         switches, cas = self._targets(topo)
         sem = asyncio.Semaphore(self._concurrency)
 
         async def one(node: TopologyNode, ports: list[int]) -> list[IbPortSample]:
             async with sem:
-                return await self._read_device(node, ports)
+                return await self._read_device(node, ports, legacy)
 
         samples: list[IbPortSample] = []
         for group in (switches, cas if self._include_cas else []):

@@ -8,7 +8,9 @@ nothing) depending on the LID asked; no fabric is needed. The real thing is test
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,13 +38,15 @@ this line is garbage
 """
 
 PERFQUERY = r"""
-import sys, time
+import os, sys, time
 args = [a for a in sys.argv[1:]]
 extended = "-x" in args
 args = [a for a in args if a != "-x"]
 lid, ports = int(args[0]), [int(p) for p in args[1].split(",")]
 with open(sys.argv[0] + ".log", "a") as log:
     log.write(f"{'x' if extended else 'legacy'} {lid} {args[1]}\n")
+with open(sys.argv[0] + ".cwd", "a") as log:
+    log.write(os.getcwd() + "\n")
 if lid == 11:
     time.sleep(30)
 if lid == 12:
@@ -223,3 +227,154 @@ async def test_run_loop_stops_and_survives_a_failing_bus(tools: tuple[Path, Path
         stop.set()
         await asyncio.wait_for(task, 5)
     assert _err("publish") - before >= 2
+
+
+async def test_legacy_every_nth_sweep_reads_error_counters_only_then(
+    tools: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """``legacy_every=3``: legacy perfquery on sweeps 0 and 3 only; the other sweeps' samples have the
+    extended counters and lack the legacy-only ones (absent, not 0, not copied from sweep 0)."""
+    ibnet, perf = tools
+    async with FabricCollector(
+        MemoryBus(),
+        KafkaTopics(),
+        perfquery=str(perf),
+        ibnetdiscover=str(ibnet),
+        timeout_s=5.0,
+        include_cas=False,
+        legacy_counters="always",
+        legacy_every=3,
+        workdir=tmp_path / "work",
+    ) as fc:
+        await fc.discover()
+        sweeps = []
+        due = []
+        for _ in range(5):
+            due.append(fc.legacy_due)
+            sweeps.append({(s.node_guid, s.port): s for s in await fc.sweep()})
+    assert due == [True, False, False, True, False]
+    calls = [c for c in (perf.parent / "perfquery.log").read_text().split("\n") if c]
+    # 2 switches: an extended run every sweep, a legacy run on sweeps 0 and 3
+    assert sum(c.startswith("x ") for c in calls) == 10
+    assert sorted(c for c in calls if c.startswith("legacy")) == ["legacy 10 1,2"] * 2 + ["legacy 20 1,2"] * 2
+    for i, got in enumerate(sweeps):
+        s = got[("0x0000000000000a10", 2)]
+        assert s.counters["PortXmitData"] == 2**60 + 1002 and s.counter_bits["PortXmitData"] == 64
+        assert s.counters["PortXmitWait"] == 3  # in this PMA's extended output: every sweep
+        if due[i]:
+            assert s.counters["SymbolErrorCounter"] == 65535 and s.saturated == ["SymbolErrorCounter"]
+        else:
+            assert "SymbolErrorCounter" not in s.counters and "SymbolErrorCounter" not in s.counter_bits
+            assert s.saturated == []
+
+
+async def test_legacy_every_in_auto_mode_and_never(tools: tuple[Path, Path], tmp_path: Path) -> None:
+    """auto: the CA whose extended output lacks PortXmitWait gets it on legacy sweeps only; never:
+    no legacy run at all, whatever legacy_every says."""
+    ibnet, perf = tools
+    h14 = ("0x0000000000000b14", 1)
+    async with FabricCollector(
+        MemoryBus(),
+        KafkaTopics(),
+        perfquery=str(perf),
+        ibnetdiscover=str(ibnet),
+        timeout_s=0.3,  # lid 11 hangs
+        legacy_every=2,
+        workdir=tmp_path / "work",
+    ) as fc:
+        await fc.discover()
+        first = {(s.node_guid, s.port): s for s in await fc.sweep()}
+        second = {(s.node_guid, s.port): s for s in await fc.sweep()}
+        third = {(s.node_guid, s.port): s for s in await fc.sweep()}
+    assert first[h14].counters["PortXmitWait"] == 65535 == third[h14].counters["PortXmitWait"]
+    assert "PortXmitWait" not in second[h14].counters and second[h14].saturated == []
+    assert second[h14].counters["PortXmitData"] == 2**60 + 1401
+    calls = (perf.parent / "perfquery.log").read_text().split("\n")
+    assert calls.count("legacy 14 1") == 2
+    (perf.parent / "perfquery.log").unlink()
+    async with FabricCollector(
+        MemoryBus(),
+        KafkaTopics(),
+        perfquery=str(perf),
+        ibnetdiscover=str(ibnet),
+        timeout_s=0.3,
+        include_cas=False,
+        legacy_counters="never",
+        legacy_every=1,
+        workdir=tmp_path / "work",
+    ) as fc:
+        assert not fc.legacy_due
+        await fc.sweep()
+    assert not any(c.startswith("legacy") for c in (perf.parent / "perfquery.log").read_text().split("\n"))
+    with pytest.raises(ValueError):
+        FabricCollector(MemoryBus(), KafkaTopics(), legacy_every=0)
+
+
+async def test_private_workdir_is_on_tmpfs_and_removed(tools: tuple[Path, Path]) -> None:
+    """Without ``workdir`` the commands run in a private directory, under /dev/shm when writable
+    (libumad2sim's per-process sysfs tree is cheaper there), removed by stop()."""
+    ibnet, perf = tools
+    async with FabricCollector(
+        MemoryBus(), KafkaTopics(), perfquery=str(perf), ibnetdiscover=str(ibnet), include_cas=False
+    ) as fc:
+        await fc.sweep()
+    cwds = set((perf.parent / "perfquery.cwd").read_text().split())
+    assert len(cwds) == 1
+    cwd = Path(cwds.pop())
+    assert cwd.name.startswith("gpupool-fabric-") and not cwd.exists()
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK):
+        assert cwd.parent == shm
+    else:
+        assert cwd.parent == Path(tempfile.gettempdir())
+
+
+@pytest.mark.parametrize(
+    "stderr",
+    [
+        "ibpanic: [17624] sim_attach: can't connect to sim socket gpupool-1:out1: Operation not permitted",
+        "ibwarn: [10754] _do_madrpc: send failed; Operation not permitted\n"
+        "ibwarn: [10754] mad_rpc: _do_madrpc failed; dport (Lid 10)",
+    ],
+)
+async def test_a_lost_ibsim_client_slot_is_retried_as_transport(tmp_path: Path, stderr: str) -> None:
+    """The first run of each device fails as ibsim does when its client slot is taken away; the retry
+    succeeds, so every port is read and nothing is counted as an error."""
+    ibnet = tmp_path / "ibnetdiscover"
+    ibnet.write_text(f"#!{sys.executable}\nprint({TOPOLOGY!r}, end='')\n")
+    perf = tmp_path / "perfquery"
+    perf.write_text(
+        f"#!{sys.executable}\n"
+        "import pathlib, sys\n"
+        "lid, port = sys.argv[-2], sys.argv[-1]\n"
+        "mark = pathlib.Path(sys.argv[0] + '.' + lid)\n"
+        "if not mark.exists():\n"
+        "    mark.touch()\n"
+        f"    sys.stderr.write({stderr!r})\n"
+        "    sys.exit(255)\n"
+        "for p in port.split(','):\n"
+        "    print(f'# Port extended counters: Lid {lid} port {p} (CapMask: 0x5300)')\n"
+        "    print(f'PortSelect:......................{p}')\n"
+        "    print('PortXmitData:....................9')\n"
+        "    print('PortXmitWait:....................0')\n"
+    )
+    for t in (ibnet, perf):
+        t.chmod(0o755)
+    before = {r: _err(r) for r in ("transport", "unreachable", "exit_status")}
+    async with FabricCollector(
+        MemoryBus(),
+        KafkaTopics(),
+        perfquery=str(perf),
+        ibnetdiscover=str(ibnet),
+        include_cas=False,
+        retries=1,
+    ) as fc:
+        samples = await fc.sweep()
+    assert sorted((s.node_guid, s.port) for s in samples) == [
+        ("0x0000000000000a10", 1),
+        ("0x0000000000000a10", 2),
+        ("0x0000000000000a20", 1),
+        ("0x0000000000000a20", 2),
+    ]
+    assert all(s.counters["PortXmitData"] == 9 for s in samples)
+    assert {r: _err(r) - v for r, v in before.items()} == {"transport": 0, "unreachable": 0, "exit_status": 0}
