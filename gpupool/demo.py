@@ -16,13 +16,19 @@ import logging
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiomqtt
 
 from contracts import KafkaTopics, MqttTopics, Offer, decode
 from contracts.bus import make_bus
+
+if TYPE_CHECKING:
+    from simulator.dcgm_http import FleetServer
+    from simulator.sysfs import SysfsTree
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +67,11 @@ class DemoConfig:
     fabric_state: Path | None = None
     """fabric.json of an OpenSM fabric (deploy/local/fabric.sh): each lease gets a partition verified
     on it (:class:`broker.fabric_opensm.OpenSmFabric`); ``None``: fabric isolation disabled."""
+    on_started: Callable[[FleetServer, SysfsTree], object] | None = None
+    """Called once, when every stage has started, with the simulated nodes' dcgm-exporter endpoints
+    (``FleetServer.urls()``, ``fail_mode``) and InfiniBand sysfs trees (``SysfsTree.roots()``): lets a
+    test point a real Prometheus or node_exporter at them, or inject faults. An exception it raises
+    stops the demo (everything started is closed) and propagates."""
 
 
 @dataclass
@@ -239,6 +250,8 @@ async def run_demo(cfg: DemoConfig, progress=None) -> DemoSummary:  # noqa: ANN0
                 pass
 
     try:
+        if cfg.on_started is not None:
+            cfg.on_started(server, sysfs)
         tasks = [asyncio.create_task(c, name=n) for n, c in [
             ("collector", collector.run(stop)), ("analytics", analytics.run(stop)),
             ("broker", broker.run(stop)), ("demand", demand.run(stop)), ("sysfs", _sysfs_loop()),
