@@ -136,8 +136,13 @@ GPU_STATE_COLUMNS: tuple[Column, ...] = (
     Column("predicted_idle_until", "TIMESTAMP", _TS),
     Column("confidence", "DOUBLE", pa.float64()),
     Column("reason", "VARCHAR", pa.string()),
+    Column("transition", "BOOLEAN", pa.bool_()),
 )
-"""``gpu_states``: every capacity update decided (state changes and periodic refreshes)."""
+"""``gpu_states``: every capacity update decided (state changes and periodic refreshes).
+
+``transition`` is true when the row's ``(state, since, grade)`` differs from the previous row stored
+for the GPU by this process (the first row after a start is always a transition); refreshes are
+false. Views read transitions; retention drops old refreshes (:mod:`analytics.retention`)."""
 
 IDLE_RUN_COLUMNS: tuple[Column, ...] = (
     Column("gpu_key", "VARCHAR", pa.string()),
@@ -149,6 +154,51 @@ IDLE_RUN_COLUMNS: tuple[Column, ...] = (
     Column("censored", "BOOLEAN", pa.bool_()),
 )
 """``idle_runs``: ended idle runs (the predictor's history, reloaded at start)."""
+
+GPU_ROLLUP_COLUMNS: tuple[Column, ...] = (
+    Column("minute", "TIMESTAMP", _TS),
+    Column("gpu_key", "VARCHAR", pa.string()),
+    Column("host", "VARCHAR", pa.string()),
+    Column("gpu_uuid", "VARCHAR", pa.string()),
+    Column("gpu_instance_id", "INTEGER", pa.int32()),
+    Column("model_name", "VARCHAR", pa.string()),
+    Column("samples", "BIGINT", pa.int64()),
+    Column("activity_samples", "BIGINT", pa.int64()),
+    Column("activity_mean", "DOUBLE", pa.float64()),
+    Column("activity_max", "DOUBLE", pa.float64()),
+    Column("fb_used_mib_mean", "DOUBLE", pa.float64()),
+    Column("fb_used_mib_max", "BIGINT", pa.int64()),
+    Column("power_w_mean", "DOUBLE", pa.float64()),
+)
+"""``gpu_rollup_1m``: per GPU key and UTC minute (``minute`` = start of the minute): raw samples,
+samples with an activity, mean/max activity ratio (0..1: the larger of GR_ENGINE_ACTIVE and
+SM_ACTIVE, else GPU_UTIL / 100), mean/max FB_USED (MiB), mean power (W). Written by
+:mod:`analytics.retention`."""
+
+IB_PORT_ROLLUP_COLUMNS: tuple[Column, ...] = (
+    Column("minute", "TIMESTAMP", _TS),
+    Column("port_key", "VARCHAR", pa.string()),
+    Column("host", "VARCHAR", pa.string()),
+    Column("device", "VARCHAR", pa.string()),
+    Column("node_guid", "VARCHAR", pa.string()),
+    Column("port", "INTEGER", pa.int32()),
+    Column("samples", "BIGINT", pa.int64()),
+    Column("intervals", "BIGINT", pa.int64()),
+    Column("interval_s", "DOUBLE", pa.float64()),
+    Column("rate_bytes_per_second", "BIGINT", pa.int64()),
+    Column("xmit_data_words", "HUGEINT", pa.uint64()),
+    Column("rcv_data_words", "HUGEINT", pa.uint64()),
+    Column("xmit_wait_ticks", "HUGEINT", pa.uint64()),
+    Column("xmit_wait_ticks_max", "HUGEINT", pa.uint64()),
+    Column("utilisation_mean", "DOUBLE", pa.float64()),
+    Column("utilisation_max", "DOUBLE", pa.float64()),
+)
+"""``ib_port_rollup_1m``: per port key and UTC minute, over the intervals (consecutive reads, view
+``ib_port_intervals``) that END in the minute: raw samples, intervals with a valid PortXmitData
+delta and their summed length (s), the latest link rate (bytes/s), summed deltas of PortXmitData
+and PortRcvData (4-octet words) and of PortXmitWait (ticks), the largest single PortXmitWait
+delta, time-weighted mean utilisation ``4·words / (interval_s·rate)`` and the largest interval's
+utilisation. Written by :mod:`analytics.retention`."""
 
 
 def arrow_schema(columns: Sequence[Column]) -> pa.Schema:
@@ -242,9 +292,18 @@ def ib_port_samples_table(
     return _table(IB_PORT_SAMPLE_COLUMNS, cols)
 
 
-def gpu_states_table(updates: Iterable[CapacityUpdate]) -> pa.Table:
-    """Rows of ``gpu_states`` for capacity updates."""
+def gpu_states_table(
+    updates: Sequence[CapacityUpdate], transitions: Sequence[bool] | None = None
+) -> pa.Table:
+    """Rows of ``gpu_states`` for capacity updates; ``transitions[i]`` flags update ``i`` as a
+    change of state, ``since`` or grade (all true when ``None``). Raises ``ValueError`` if the
+    two sequences differ in length."""
+    if transitions is None:
+        transitions = [True] * len(updates)
+    if len(transitions) != len(updates):
+        raise ValueError("updates and transitions differ in length")
     cols: dict[str, list[Any]] = {c.name: [] for c in GPU_STATE_COLUMNS}
+    cols["transition"] = list(transitions)
     for u in updates:
         cols["ts"].append(_micros(u.ts))
         cols["gpu_key"].append(u.key)

@@ -12,7 +12,23 @@ One :meth:`AnalyticsService.step`:
 5. commits the consumer (secondary: DuckDB's offsets are authoritative, and the consumer resumes
    from them through ``on_assign``);
 6. publishes a :class:`contracts.CapacityUpdate` to ``capacity`` (keyed by GPU) for every GPU
-   whose state or grade changed, and re-publishes every GPU at least every ``refresh_s``.
+   whose state or grade changed, and re-publishes every GPU at least every ``refresh_s``;
+7. every ``publish_interval_s``, sets ``gpupool_analytics_consumer_lag_records`` (end offsets of
+   the owned partitions minus the offsets stored in DuckDB); every ``retention.interval_s``, runs
+   the store's maintenance (1-minute rollups, then expiry: :mod:`analytics.retention`);
+8. publishes its capacity snapshot to the gauges of :data:`analytics.metrics.CAPACITY`.
+
+Scale-out: instances of one consumer group split the partitions; each owns the GPUs of its
+partitions. When a rebalance takes a partition away, the instance forgets that partition's GPUs
+(no stale decision, refresh or gauge for a GPU another instance now owns); their rows stay in its
+DuckDB file. The new owner resumes from its own stored offset for the partition, else from the
+group's committed offset.
+
+Tracing (:mod:`contracts.tracing`, when on): an update that changes a GPU's state or grade is sent
+inside a ``process telemetry.gpu`` span (CONSUMER), child of the trace context carried by the
+newest sample of that GPU — the sample whose state the update reports — with a ``send capacity``
+span (PRODUCER) whose context travels in the capacity record's headers. Periodic refreshes and
+stale decisions are not traced, so the trace volume follows state changes, not fleet size.
 
 If the DuckDB write fails, nothing of the batch is stored or published; the consumer is rebuilt so
 it resumes from the stored offsets and the batch is read again (the classifier ignores samples it
@@ -28,22 +44,35 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pyarrow as pa
+from opentelemetry.context import Context
 
 from analytics import metrics
 from analytics.classify import GpuStatus, IdleClassifier, IdleConfig, IdleRun
 from analytics.decode import RejectedRecord, decode_telemetry
 from analytics.predict import IdlePredictor, PredictorConfig
+from analytics.retention import RetentionConfig
 from analytics.rows import gpu_samples_table, gpu_states_table, ib_port_samples_table, idle_runs_table
 from analytics.store import AnalyticsStore, StoreBatch
-from contracts import CapacityUpdate, GpuSample, GpuState, IbPortSample, KafkaTopics, encode
+from contracts import (
+    CapacityUpdate,
+    GpuSample,
+    GpuState,
+    IbPortSample,
+    IdleGrade,
+    KafkaTopics,
+    encode,
+    tracing,
+)
 from contracts.bus import Bus, BusMessage, Consumer, Producer, TopicPartition
 
 log = logging.getLogger(__name__)
+_TRACER = tracing.tracer(__name__)
 
 _R = TypeVar("_R", GpuSample, IbPortSample)
+_T = TypeVar("_T")
 
 
 @dataclass(slots=True)
@@ -74,6 +103,7 @@ class AnalyticsService:
         max_records: int = 5000,
         client_id: str = "gpupool-analytics",
         memory_limit: str | None = None,
+        retention: RetentionConfig | None = None,
     ) -> None:
         """Configure; nothing is opened before :meth:`start`.
 
@@ -92,6 +122,8 @@ class AnalyticsService:
             max_records: most records per step.
             client_id: bus client id.
             memory_limit: DuckDB ``memory_limit`` (e.g. ``"2GB"``).
+            retention: raw/rollup retention and the maintenance period (:class:`RetentionConfig`
+                defaults if ``None``: raw 24 h, rollups 30 days, every 60 s).
 
         Raises:
             ValueError: a non-positive interval or ``max_records``.
@@ -110,6 +142,7 @@ class AnalyticsService:
         self._clock = clock
         self._max_records = max_records
         self._memory_limit = memory_limit
+        self.retention = retention if retention is not None else RetentionConfig()
         self._classifier = IdleClassifier(self.idle)
         self._predictor = IdlePredictor(
             predictor if predictor is not None else PredictorConfig(default_remaining_s=self.idle.min_idle_s)
@@ -124,7 +157,14 @@ class AnalyticsService:
         self._last_tick = float("-inf")
         self._rows_ingested = 0
         self._seen_idle: set[str] = set()
-        self._inflight: asyncio.Future[dict[str, int]] | None = None
+        self._inflight: asyncio.Future[Any] | None = None
+        self._trace_headers: dict[str, tuple[tuple[str, bytes], ...]] = {}
+        self._step_started_ns = 0
+        self._partition_of: dict[str, TopicPartition] = {}
+        self._stored_state: dict[str, tuple[GpuState, float, IdleGrade | None]] = {}
+        self._lag_labels: set[TopicPartition] = set()
+        self._lag_values: dict[TopicPartition, int] = {}
+        self._last_maintenance = float("-inf")
 
     # lifecycle -------------------------------------------------------------------------------
     @property
@@ -172,6 +212,8 @@ class AnalyticsService:
         if self._store is not None:
             self._store.close()
             self._store = None
+        metrics.CAPACITY.withdraw(self)
+        self._set_lag({})
         log.info("analytics_stopped", extra={"db": self._db_path})
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -199,50 +241,53 @@ class AnalyticsService:
         if consumer is None or producer is None or self._store is None:
             raise RuntimeError("AnalyticsService not started")
         msgs = await consumer.getmany(timeout_s=timeout_s, max_records=self._max_records)
+        self._step_started_ns = time.time_ns()
         decoded = self._decode(msgs)
         gpu_table = _safe_table(gpu_samples_table, decoded.gpu, decoded.gpu_pos)
         ib_table = _safe_table(ib_port_samples_table, decoded.ib, decoded.ib_pos)
         for sample in decoded.gpu:
             self._classifier.observe(sample)
         now = self._clock()
-        if now - self._last_tick >= self._publish_interval_s:
+        ticked = now - self._last_tick >= self._publish_interval_s
+        if ticked:
             self._classifier.tick(now)
             self._last_tick = now
         for run in self._classifier.drain_runs():
             self._predictor.observe(run.key, run.duration_s, censored=run.censored, pool=self.pool)
             self._pending_runs.append(run)
         due = self._due_updates(now)
+        transitions = [self._stored_state.get(u.key) != (u.state, u.since, u.grade) for u in due]
         batch = StoreBatch(
             gpu_samples=gpu_table,
             ib_port_samples=ib_table,
-            gpu_states=gpu_states_table(due) if due else None,
+            gpu_states=gpu_states_table(due, transitions) if due else None,
             idle_runs=idle_runs_table((r, self.pool) for r in self._pending_runs)
             if self._pending_runs
             else None,
             offsets=decoded.offsets,
         )
-        if batch.empty():  # nothing read (or only duplicates) and nothing due
-            self._update_gauges()
-            return len(msgs)
-        try:
-            # Shielded: if the step is cancelled the write still completes, and stop() waits for it
-            # before closing the connection.
-            self._inflight = asyncio.ensure_future(asyncio.to_thread(self._store.write, batch))
-            await asyncio.shield(self._inflight)
-        except Exception as exc:
-            metrics.INGEST_FAILURES.inc()
-            log.error("analytics_ingest_failed", extra={"error": repr(exc), "records": len(msgs)})
-            await self._reset_consumer()
-            return len(msgs)
-        self._pending_runs.clear()
-        self._next_offsets.update(decoded.offsets)
-        self._rows_ingested += sum(t.num_rows for t in (gpu_table, ib_table) if t is not None)
-        if msgs:
+        if not batch.empty():  # else nothing read (or only duplicates) and nothing due
             try:
-                await consumer.commit()
-            except Exception as exc:  # DuckDB holds the offsets; the group offset is a fallback
-                log.warning("analytics_commit_failed", extra={"error": repr(exc)})
-        await self._publish(producer, due, now)
+                await self._in_thread(self._store.write, batch)
+            except Exception as exc:
+                metrics.INGEST_FAILURES.inc()
+                log.error("analytics_ingest_failed", extra={"error": repr(exc), "records": len(msgs)})
+                await self._reset_consumer()
+                return len(msgs)
+            self._pending_runs.clear()
+            self._next_offsets.update(decoded.offsets)
+            self._stored_state.update((u.key, (u.state, u.since, u.grade)) for u in due)
+            self._rows_ingested += sum(t.num_rows for t in (gpu_table, ib_table) if t is not None)
+            if msgs:
+                try:
+                    await consumer.commit()
+                except Exception as exc:  # DuckDB holds the offsets; the group offset is a fallback
+                    log.warning("analytics_commit_failed", extra={"error": repr(exc)})
+            await self._publish(producer, due, now)
+        if ticked:
+            await self._refresh_lag()
+        if now - self._last_maintenance >= self.retention.interval_s:
+            await self._maintain(now)
         self._update_gauges()
         return len(msgs)
 
@@ -250,6 +295,15 @@ class AnalyticsService:
         """The current capacity update of every GPU known, by GPU key (predictions as of each
         GPU's latest sample) — the live view of the demo."""
         return {key: self._update(st) for key, st in self._classifier.statuses().items()}
+
+    def partitions(self) -> set[TopicPartition]:
+        """The telemetry partitions this instance owns now (empty before :meth:`start`)."""
+        return set() if self._consumer is None else self._consumer.assignment()
+
+    def stored_offsets(self) -> dict[TopicPartition, int]:
+        """Next offset to read per partition, as committed to DuckDB with the rows by this
+        instance (a copy; loaded from the file at :meth:`start`)."""
+        return dict(self._next_offsets)
 
     def rows_ingested(self) -> int:
         """Telemetry rows (GPU and IB port samples) this instance committed to DuckDB since it was
@@ -271,14 +325,85 @@ class AnalyticsService:
         )
 
     async def _on_assign(self, assigned: set[TopicPartition]) -> dict[TopicPartition, int]:
-        """Resume each assigned partition from the offset stored with the rows (cached copy of
-        DuckDB's ``consumer_offsets``, updated after every committed write)."""
+        """Forget the GPUs of partitions no longer owned, and resume each assigned partition from
+        the offset stored with the rows (cached copy of DuckDB's ``consumer_offsets``, updated
+        after every committed write)."""
+        gone = [key for key, tp in self._partition_of.items() if tp not in assigned]
+        for key in gone:
+            self._forget(key)
+        self._set_lag({tp: n for tp, n in self._lag_values.items() if tp in assigned})
         start = {tp: self._next_offsets[tp] for tp in assigned if tp in self._next_offsets}
         log.info(
             "analytics_partitions_assigned",
-            extra={"partitions": sorted(f"{t}:{p}" for t, p in assigned), "resumed": len(start)},
+            extra={
+                "partitions": sorted(f"{t}:{p}" for t, p in assigned),
+                "resumed": len(start),
+                "gpus_forgotten": len(gone),
+            },
         )
         return start
+
+    def _forget(self, key: str) -> None:
+        """Drop everything this instance holds about GPU ``key`` but its prediction history."""
+        self._classifier.forget(key)
+        self._partition_of.pop(key, None)
+        self._published.pop(key, None)
+        self._published_at.pop(key, None)
+        self._trace_headers.pop(key, None)
+        self._stored_state.pop(key, None)
+
+    async def _in_thread(self, fn: Callable[..., _T], *args: object) -> _T:
+        """Run a store call in a worker thread. Shielded: if the step is cancelled the call still
+        completes, and :meth:`stop` waits for it before closing the connection."""
+        fut: asyncio.Future[_T] = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        self._inflight = fut
+        return await asyncio.shield(fut)
+
+    async def _refresh_lag(self) -> None:
+        """Set the lag gauge of every owned partition; a failure to ask the bus is logged and
+        leaves the previous values."""
+        consumer = self._consumer
+        if consumer is None:
+            return
+        try:
+            ends = await consumer.end_offsets()
+        except Exception as exc:
+            log.warning("analytics_lag_unavailable", extra={"error": repr(exc)})
+            return
+        self._set_lag({tp: max(0, end - self._next_offsets.get(tp, 0)) for tp, end in ends.items()})
+
+    def _set_lag(self, lag: dict[TopicPartition, int]) -> None:
+        """Make the lag gauge show exactly ``lag`` (labels of partitions not in it are removed)."""
+        for tp in self._lag_labels - lag.keys():
+            with contextlib.suppress(KeyError):
+                metrics.CONSUMER_LAG.remove(tp.topic, str(tp.partition))
+        for tp, n in lag.items():
+            metrics.CONSUMER_LAG.labels(topic=tp.topic, partition=str(tp.partition)).set(n)
+        self._lag_labels = set(lag)
+        self._lag_values = dict(lag)
+
+    async def _maintain(self, now: float) -> None:
+        """Run the store's maintenance (rollups, expiry); a failure is logged and retried at the
+        next interval, never raised."""
+        store = self._store
+        if store is None:
+            return
+        self._last_maintenance = now
+        try:
+            result = await self._in_thread(store.maintain, self.retention, now)
+        except Exception as exc:
+            log.error("analytics_maintenance_failed", extra={"error": repr(exc)})
+            return
+        if result.rolled_to is not None or any(result.expired_rows.values()):
+            log.info(
+                "analytics_maintained",
+                extra={
+                    "rolled_from": result.rolled_from,
+                    "rolled_to": result.rolled_to,
+                    "rollup_rows": result.rollup_rows,
+                    "expired_rows": result.expired_rows,
+                },
+            )
 
     async def _reset_consumer(self) -> None:
         """Rebuild the consumer so it re-reads from the stored offsets."""
@@ -292,6 +417,7 @@ class AnalyticsService:
 
     def _decode(self, msgs: Sequence[BusMessage]) -> _Decoded:
         out = _Decoded()
+        traced = tracing.enabled()
         for msg in msgs:
             tp = TopicPartition(msg.topic, msg.partition)
             metrics.RECORDS_CONSUMED.labels(topic=msg.topic).inc()
@@ -317,6 +443,12 @@ class AnalyticsService:
             if isinstance(record, GpuSample):
                 out.gpu.append(record)
                 out.gpu_pos.append((msg.partition, msg.offset))
+                self._partition_of[record.key] = tp
+                if traced:  # the newest sample's context (none if it carried none)
+                    if msg.headers:
+                        self._trace_headers[record.key] = msg.headers
+                    else:
+                        self._trace_headers.pop(record.key, None)
             else:
                 out.ib.append(record)
                 out.ib_pos.append((msg.partition, msg.offset))
@@ -363,7 +495,7 @@ class AnalyticsService:
             return
         try:
             for update in updates:
-                await producer.send(self.topics.capacity, encode(update), key=update.key)
+                await self._send_update(producer, update)
             await producer.flush()
         except Exception as exc:
             metrics.PUBLISH_FAILURES.inc()
@@ -374,19 +506,71 @@ class AnalyticsService:
             self._published_at[update.key] = now
             metrics.CAPACITY_UPDATES.labels(state=update.state.value).inc()
 
-    def _update_gauges(self) -> None:
-        statuses = self._classifier.statuses().values()
-        counts = Counter(st.state for st in statuses)
-        for state in GpuState:
-            metrics.GPUS.labels(state=state.value).set(counts.get(state, 0))
-        idle = Counter(
-            (st.model_name or "unknown", st.grade.value if st.grade else "unknown")
-            for st in statuses
-            if st.state is GpuState.IDLE
+    async def _send_update(self, producer: Producer, update: CapacityUpdate) -> None:
+        """Send one update to ``capacity``; traced as the module docstring says when it changes
+        the GPU's state or grade and the GPU's newest sample carried a trace context."""
+        parent = self._decided_by(update)
+        if parent is None:
+            await producer.send(self.topics.capacity, encode(update), key=update.key)
+            return
+        attrs = tracing.messaging_attributes(
+            tracing.KAFKA, "process", self.topics.telemetry_gpu, key=update.key, consumer_group=self._group_id
         )
-        metrics.IDLE_GPUS.clear()
-        for (model, grade), n in idle.items():
-            metrics.IDLE_GPUS.labels(pool=self.pool, model=model, grade=grade).set(n)
+        attrs.update({"hw.id": update.gpu_uuid, "hw.type": "gpu", "host.name": update.host})
+        attrs.update({"gpupool.gpu.state": update.state.value, "gpupool.gpu.reason": update.reason})
+        if update.model_name:
+            attrs["hw.model"] = update.model_name
+        with _TRACER.start_as_current_span(
+            f"process {self.topics.telemetry_gpu}",
+            context=parent,
+            kind=tracing.SpanKind.CONSUMER,
+            start_time=self._step_started_ns or None,
+            attributes=attrs,
+        ), _TRACER.start_as_current_span(
+            f"send {self.topics.capacity}",
+            kind=tracing.SpanKind.PRODUCER,
+            attributes=tracing.messaging_attributes(
+                tracing.KAFKA, "send", self.topics.capacity, key=update.key, client_id=self._client_id
+            ),
+        ) as send:
+            await producer.send(
+                self.topics.capacity, encode(update), key=update.key, headers=tracing.inject_headers(send)
+            )
+
+    def _decided_by(self, update: CapacityUpdate) -> Context | None:
+        """The trace context of the sample that decided ``update``, or ``None`` when tracing is off,
+        the update is a refresh (same state and grade as last published) or a stale decision, or
+        the GPU's newest sample carried no valid context."""
+        if not tracing.enabled() or update.reason == "stale":
+            return None
+        headers = self._trace_headers.get(update.key)
+        last = self._published.get(update.key)
+        if headers is None:
+            return None
+        if last is not None and last.state is update.state and last.grade == update.grade:
+            return None  # a refresh
+        return tracing.extract_context(headers)
+
+    def _update_gauges(self) -> None:
+        """Publish this instance's capacity snapshot to :data:`analytics.metrics.CAPACITY`."""
+        statuses = self._classifier.statuses().values()
+        idle: Counter[tuple[str, str]] = Counter()
+        memory: Counter[tuple[str, str]] = Counter()
+        for st in statuses:
+            if st.state is GpuState.IDLE:
+                label = (st.model_name or "unknown", st.grade.value if st.grade else "unknown")
+                idle[label] += 1
+                memory[label] += (st.fb_total_mib or 0) * 1024 * 1024
+        metrics.CAPACITY.publish(
+            self,
+            metrics.CapacitySnapshot(
+                pool=self.pool,
+                states=Counter(st.state.value for st in statuses),
+                models=frozenset(st.model_name or "unknown" for st in statuses),
+                idle=idle,
+                idle_memory_bytes=memory,
+            ),
+        )
 
 
 def _safe_table(

@@ -9,8 +9,11 @@ DuckDB allows one writer process per database file; inside the process this clas
 connection, used by one thread at a time. Another thread reads through :meth:`cursor`.
 
 Tables (columns in :mod:`analytics.rows`): ``gpu_samples``, ``ib_port_samples``, ``gpu_states``,
-``idle_runs``, ``consumer_offsets(topic, partition, next_offset)``, ``analytics_meta``.
-Views: ``gpu_state_now`` — per GPU key, the latest sample joined with the latest decided state.
+``idle_runs``, ``gpu_rollup_1m``, ``ib_port_rollup_1m``,
+``consumer_offsets(topic, partition, next_offset)``, ``analytics_meta``. Views and table macros:
+:data:`analytics.views.VIEWS` (``gpu_state_now``, ``idle_windows``, ``ib_port_intervals``,
+``fabric_headroom`` ...). Rollups and retention: :meth:`AnalyticsStore.maintain`
+(:mod:`analytics.retention`).
 """
 
 from __future__ import annotations
@@ -23,52 +26,49 @@ from typing import Any
 
 import duckdb
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from analytics import metrics
+from analytics.retention import MaintenanceResult, RetentionConfig, maintain, read_watermark
 from analytics.rows import (
+    GPU_ROLLUP_COLUMNS,
     GPU_SAMPLE_COLUMNS,
     GPU_STATE_COLUMNS,
+    IB_PORT_ROLLUP_COLUMNS,
     IB_PORT_SAMPLE_COLUMNS,
     IDLE_RUN_COLUMNS,
     create_table_sql,
 )
+from analytics.views import VIEWS
 from contracts.bus import TopicPartition
 
 log = logging.getLogger(__name__)
 
-STORE_SCHEMA_VERSION = 1
-"""Layout version of the database; a file written with another version is refused."""
+STORE_SCHEMA_VERSION = 2
+"""Layout version of the database. A file of an older version listed in :data:`_MIGRATIONS` is
+migrated in place when opened for writing; any other version is refused."""
 
-_DDL: tuple[str, ...] = (
+_TABLES: tuple[str, ...] = (
     "CREATE TABLE IF NOT EXISTS analytics_meta (key VARCHAR PRIMARY KEY, value VARCHAR NOT NULL)",
     create_table_sql("gpu_samples", GPU_SAMPLE_COLUMNS),
     create_table_sql("ib_port_samples", IB_PORT_SAMPLE_COLUMNS),
     create_table_sql("gpu_states", GPU_STATE_COLUMNS),
     create_table_sql("idle_runs", IDLE_RUN_COLUMNS),
-    "CREATE TABLE IF NOT EXISTS consumer_offsets ("
-    " topic VARCHAR NOT NULL, partition INTEGER NOT NULL,"
-    " next_offset BIGINT NOT NULL CHECK (next_offset >= 0), PRIMARY KEY (topic, partition))",
-    # Latest sample per GPU (ties on ts broken by the later Kafka position), with the latest decision.
-    # max(ts) per GPU joined back, then a window over the few rows left: a row_number() window or
-    # max_by(row) over the whole table is several times slower on millions of rows.
-    """CREATE OR REPLACE VIEW gpu_state_now AS
-    WITH latest AS (SELECT gpu_key, max(ts) AS ts FROM gpu_samples GROUP BY gpu_key),
-    s AS (
-        SELECT g.* FROM gpu_samples AS g JOIN latest USING (gpu_key, ts)
-        QUALIFY row_number() OVER (PARTITION BY gpu_key ORDER BY kafka_partition DESC, kafka_offset DESC) = 1
+    create_table_sql("gpu_rollup_1m", GPU_ROLLUP_COLUMNS),
+    create_table_sql("ib_port_rollup_1m", IB_PORT_ROLLUP_COLUMNS),
+    (
+        "CREATE TABLE IF NOT EXISTS consumer_offsets ("
+        " topic VARCHAR NOT NULL, partition INTEGER NOT NULL,"
+        " next_offset BIGINT NOT NULL CHECK (next_offset >= 0), PRIMARY KEY (topic, partition))"
     ),
-    latest_state AS (SELECT gpu_key, max(ts) AS ts FROM gpu_states GROUP BY gpu_key),
-    d AS (
-        SELECT x.* FROM gpu_states AS x JOIN latest_state USING (gpu_key, ts)
-        QUALIFY row_number() OVER (PARTITION BY gpu_key ORDER BY x.since DESC) = 1
-    )
-    SELECT s.gpu_key, s.host, s.gpu_uuid, s.gpu_instance_id, s.gpu_instance_profile, s.model_name,
-           s.ts AS sample_ts, s.gpu_util, s.gr_engine_active, s.sm_active, s.fb_used_mib,
-           s.fb_free_mib, s.power_w, s.invalid,
-           d.state, d.since, d.grade, d.predicted_idle_until, d.confidence, d.reason, d.pool,
-           d.ts AS state_ts
-    FROM s LEFT JOIN d USING (gpu_key)""",
 )
+
+_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    # 1 → 2: state rows say whether they are transitions (old rows: yes, the conservative answer);
+    # the rollup tables are new (created above).
+    1: ("ALTER TABLE gpu_states ADD COLUMN IF NOT EXISTS transition BOOLEAN DEFAULT true",),
+}
+"""Statements that bring a file of version ``k`` to ``k + 1``."""
 
 _BATCH_TABLES: tuple[str, ...] = ("gpu_samples", "ib_port_samples", "gpu_states", "idle_runs")
 
@@ -135,21 +135,48 @@ class AnalyticsStore:
             config["threads"] = threads
         self.path = path
         self._con = duckdb.connect(path, read_only=read_only, config=config)
+        self._watermark: float | None = None  # rollup watermark (Unix s), for counting late rows
         if not read_only:
-            self._create()
+            try:
+                self._create()
+            except BaseException:
+                self._con.close()
+                raise
 
     def _create(self) -> None:
-        for stmt in _DDL:
-            self._con.execute(stmt)
-        row = self._con.execute("SELECT value FROM analytics_meta WHERE key = 'schema_version'").fetchone()
+        con = self._con
+        for stmt in _TABLES:
+            con.execute(stmt)
+        row = con.execute("SELECT value FROM analytics_meta WHERE key = 'schema_version'").fetchone()
         if row is None:
-            self._con.execute(
-                "INSERT INTO analytics_meta VALUES ('schema_version', ?)", [str(STORE_SCHEMA_VERSION)]
-            )
+            con.execute("INSERT INTO analytics_meta VALUES ('schema_version', ?)", [str(STORE_SCHEMA_VERSION)])
         elif row[0] != str(STORE_SCHEMA_VERSION):
-            raise StoreSchemaError(
-                f"{self.path}: store layout {row[0]}, this code needs {STORE_SCHEMA_VERSION}"
+            self._migrate(str(row[0]))
+        for view in VIEWS:
+            con.execute(view.sql)
+        self._watermark = read_watermark(con)
+
+    def _migrate(self, found: str) -> None:
+        """Bring a file of layout ``found`` to :data:`STORE_SCHEMA_VERSION` in one transaction.
+        Raises :class:`StoreSchemaError` if there is no way from ``found``."""
+        version = int(found) if found.isdigit() else -1
+        path = range(version, STORE_SCHEMA_VERSION)
+        if not 1 <= version < STORE_SCHEMA_VERSION or not all(v in _MIGRATIONS for v in path):
+            raise StoreSchemaError(f"{self.path}: store layout {found}, this code needs {STORE_SCHEMA_VERSION}")
+        con = self._con
+        con.begin()
+        try:
+            for v in path:
+                for stmt in _MIGRATIONS[v]:
+                    con.execute(stmt)
+            con.execute(
+                "UPDATE analytics_meta SET value = ? WHERE key = 'schema_version'", [str(STORE_SCHEMA_VERSION)]
             )
+            con.commit()
+        except BaseException:
+            con.rollback()
+            raise
+        log.info("store_migrated", extra={"path": self.path, "from": found, "to": STORE_SCHEMA_VERSION})
 
     # writing ---------------------------------------------------------------------------------
     def write(self, batch: StoreBatch) -> dict[str, int]:
@@ -197,7 +224,50 @@ class AnalyticsStore:
         written = {name: t.num_rows for name, t in views.items() if name != "consumer_offsets"}
         for name, n in written.items():
             metrics.INGEST_ROWS.labels(table=name).inc(n)
+        self._count_late(views)
         return written
+
+    def _count_late(self, tables: Mapping[str, pa.Table]) -> None:
+        """Count raw rows older than the rollup watermark (they will miss the rollups)."""
+        if self._watermark is None:
+            return
+        cut = pa.scalar(round(self._watermark * 1e6), pa.timestamp("us"))
+        for name in ("gpu_samples", "ib_port_samples"):
+            table = tables.get(name)
+            if table is not None:
+                late = pc.sum(pc.less(table.column("ts"), cut)).as_py() or 0
+                if late:
+                    metrics.ROLLUP_LATE_ROWS.labels(table=name).inc(late)
+
+    # maintenance -----------------------------------------------------------------------------
+    def maintain(self, config: RetentionConfig, now: float) -> MaintenanceResult:
+        """Roll up complete minutes and expire old rows in one transaction
+        (:func:`analytics.retention.maintain`); counts rows and time in the
+        ``gpupool_analytics_rollup_rows_total`` / ``_expired_rows_total`` /
+        ``_maintenance_seconds`` metrics.
+
+        Args:
+            config: retention settings.
+            now: current time, Unix s.
+
+        Raises:
+            ValueError: ``now`` is not finite.
+            duckdb.Error: the transaction failed and was rolled back (counted in
+                ``gpupool_analytics_maintenance_failures_total``).
+        """
+        started = time.perf_counter()
+        try:
+            result = maintain(self._con, config, now)
+        except duckdb.Error:
+            metrics.MAINTENANCE_FAILURES.inc()
+            raise
+        metrics.MAINTENANCE_SECONDS.observe(time.perf_counter() - started)
+        for table, n in result.rollup_rows.items():
+            metrics.ROLLUP_ROWS.labels(table=table).inc(n)
+        for table, n in result.expired_rows.items():
+            metrics.EXPIRED_ROWS.labels(table=table).inc(n)
+        self._watermark = result.watermark
+        return result
 
     # reading ---------------------------------------------------------------------------------
     def stored_offsets(self, topics: Sequence[str] | None = None) -> dict[TopicPartition, int]:

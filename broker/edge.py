@@ -20,6 +20,11 @@ messages — a reclaim notice above all — queue while the site is briefly offl
 expiry; MQTT 3.1.1 ``clean_session=False``). The incoming queue is unbounded: aiomqtt would drop
 messages silently past its bound. A site announces itself with a retained birth on
 ``sites/{site}/state`` and leaves a retained Last Will (death), each with a growing ``seq``.
+
+Tracing (:mod:`contracts.tracing`, when on, MQTT 5): :meth:`EdgeClient.claim` runs in a ``claim``
+span (CLIENT) — child of the caller's current span if there is one, else of the offer's
+``traceparent`` user property — and sends its own ``traceparent`` as a user property of the claim,
+so the broker's grant joins the trace that found the idle GPU.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 import aiomqtt
+from opentelemetry import trace
 
 from broker.transport import (
     Backoff,
@@ -42,6 +48,7 @@ from broker.transport import (
     protocol_version,
     publish_properties,
     subscriptions,
+    user_properties,
 )
 from broker.wire import payload_bytes
 from contracts import (
@@ -57,9 +64,11 @@ from contracts import (
     Reply,
     decode,
     encode,
+    tracing,
 )
 
 log = logging.getLogger(__name__)
+_TRACER = tracing.tracer(__name__)
 
 
 class BrokerRejected(Exception):
@@ -161,7 +170,8 @@ class EdgeClient:
         self._last_offer_msg = 0.0
         self._subscribed_at = 0.0
         self._waiters: dict[str, list[asyncio.Future[Reply]]] = {}
-        self._inflight: dict[str, tuple[str, bytes, str]] = {}
+        self._inflight: dict[str, tuple[str, bytes, str, tuple[tuple[str, str], ...]]] = {}
+        self._offer_trace: dict[str, list[tuple[str, str]]] = {}
         self._watchers: set[asyncio.Queue[WatchEvent]] = set()
         self.reconnects = 0
         """Connections made after the first one."""
@@ -273,10 +283,35 @@ class EdgeClient:
             min_notice_seconds=min_notice_seconds,
             ts=time.time(),
         )
-        reply = await self._request(self.topics.claims(self.site), claim.claim_id, encode(claim), timeout_s)
-        if reply.code is not ReasonCode.OK or reply.lease_id is None:
-            raise ClaimRejected(reply)
-        return await self.wait_lease(reply.lease_id, lambda _: True, max(0.0, deadline - time.monotonic()))
+        topic = self.topics.claims(self.site)
+        offer_ctx = tracing.extract_mqtt_context(self._offer_trace.get(offer_id))
+        own = trace.get_current_span().get_span_context().is_valid
+        attrs = tracing.messaging_attributes(
+            tracing.MQTT,
+            "send",
+            topic,
+            operation_name="publish",
+            template=self.topics.claims("{site}"),
+            message_id=claim.claim_id,
+            client_id=self._client_id,
+        )
+        attrs["gpupool.offer.id"] = offer_id
+        with _TRACER.start_as_current_span(
+            "claim",
+            context=None if own else offer_ctx,
+            kind=tracing.SpanKind.CLIENT,
+            links=tracing.link(offer_ctx) if own else None,
+            attributes=attrs,
+        ) as span:
+            props = tuple(tracing.mqtt_user_properties(span))
+            reply = await self._request(topic, claim.claim_id, encode(claim), timeout_s, props)
+            if reply.code is not ReasonCode.OK or reply.lease_id is None:
+                tracing.mark_error(span, reply.code.value, reply.text)
+                raise ClaimRejected(reply)
+            if span.is_recording():
+                span.set_attribute("gpupool.lease.id", reply.lease_id)
+            left = max(0.0, deadline - time.monotonic())
+            return await self.wait_lease(reply.lease_id, lambda _: True, left)
 
     async def renew(
         self, lease_id: str, extend_seconds: float | None = None, timeout_s: float = 5.0
@@ -340,15 +375,18 @@ class EdgeClient:
         finally:
             self._watchers.discard(queue)
 
-    async def _request(self, topic: str, key: str, payload: bytes, timeout_s: float) -> Reply:
-        """Publish a request answered by a :class:`Reply` for ``key`` and wait for it; resent
-        after a reconnect while unanswered. Raises ``TimeoutError``."""
+    async def _request(
+        self, topic: str, key: str, payload: bytes, timeout_s: float, props: tuple[tuple[str, str], ...] = ()
+    ) -> Reply:
+        """Publish a request (with MQTT 5 user properties ``props``) answered by a :class:`Reply`
+        for ``key`` and wait for it; resent after a reconnect while unanswered. Raises
+        ``TimeoutError``."""
         token = uuid.uuid4().hex
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(key, []).append(fut)
-        self._inflight[token] = (topic, payload, key)
+        self._inflight[token] = (topic, payload, key, props)
         try:
-            await self._send(topic, payload, key)
+            await self._send(topic, payload, key, props)
             return await asyncio.wait_for(fut, timeout_s)
         finally:
             self._inflight.pop(token, None)
@@ -358,12 +396,17 @@ class EdgeClient:
             if not waiting:
                 self._waiters.pop(key, None)
 
-    async def _send(self, topic: str, payload: bytes, key: str) -> None:
+    async def _send(
+        self, topic: str, payload: bytes, key: str, user_props: tuple[tuple[str, str], ...] = ()
+    ) -> None:
         client = self._client
         if client is None:
             return  # resent by the reconnect
         props = publish_properties(
-            self.protocol, response_topic=self.topics.replies(self.site), correlation=key.encode()
+            self.protocol,
+            response_topic=self.topics.replies(self.site),
+            correlation=key.encode(),
+            user_properties=user_props,
         )
         try:
             await client.publish(topic, payload, qos=1, properties=props)
@@ -415,6 +458,7 @@ class EdgeClient:
     async def _on_connect(self, client: aiomqtt.Client) -> None:
         # withdrawals published while away are not retained: forget every offer, the retained
         # burst after subscribing brings back those still standing
+        self._offer_trace.clear()
         for offer_id in list(self._offers):
             del self._offers[offer_id]
             await self._emit(OfferWithdrawn(offer_id))
@@ -433,8 +477,8 @@ class EdgeClient:
         await client.subscribe(subscriptions(self.protocol, wanted))
         self._subscribed_at = time.monotonic()
         self._connected.set()
-        for topic, payload, key in list(self._inflight.values()):
-            await self._send(topic, payload, key)
+        for topic, payload, key, props in list(self._inflight.values()):
+            await self._send(topic, payload, key, props)
         log.info("edge_connected", extra={"site": self.site, "seq": self._seq})
 
     async def _dispatch(self, msg: aiomqtt.Message) -> None:
@@ -486,9 +530,12 @@ class EdgeClient:
             self._last_offer_msg = time.monotonic()
             offer_id = topic[len(offers_prefix) :]
             if not payload:
+                self._offer_trace.pop(offer_id, None)
                 return OfferWithdrawn(offer_id) if self._offers.pop(offer_id, None) is not None else None
             offer = decode(Offer, payload)
             self._offers[offer.offer_id] = offer
+            if tracing.enabled():  # the trace the offer belongs to, for the claim's span
+                self._offer_trace[offer.offer_id] = user_properties(msg)
             return offer
         leases_prefix = f"{self.topics.root}/sites/{self.site}/leases/"
         if topic.startswith(leases_prefix):

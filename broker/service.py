@@ -19,17 +19,29 @@ messages it does not know (left by an earlier incarnation), so MQTT converges to
 
 Everything runs on one event loop; handlers of MQTT messages, bus batches and ticks take turns
 under one lock, so the book sees one change at a time.
+
+Tracing (:mod:`contracts.tracing`, when on): a capacity or demand record that carries a trace
+context is handled in a ``process <topic>`` span (CONSUMER, its child); each offer it publishes
+gets a ``publish <root>/offers/{offer_id}`` span (PRODUCER) whose ``traceparent`` goes out as an
+MQTT 5 user property (kept for the offer's republishes). A claim is handled in a
+``process <root>/sites/{site}/claims`` span (child of the site's ``traceparent`` user property
+when it sent one) with a ``grant lease`` span around isolation and grant; lease messages and
+replies published meanwhile carry that context, and so do the lease-log records.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import aiomqtt
+from opentelemetry import trace
+from opentelemetry.context import Context
 
 from broker import metrics as m
 from broker.config import BrokerConfig
@@ -45,6 +57,7 @@ from broker.transport import (
     publish_properties,
     response_route,
     subscriptions,
+    user_properties,
 )
 from broker.wire import Malformed, parse_site_message, payload_bytes
 from contracts import (
@@ -52,6 +65,7 @@ from contracts import (
     Claim,
     KafkaTopics,
     LeaseLogRecord,
+    LeaseState,
     MqttTopics,
     Offer,
     PeerState,
@@ -62,12 +76,24 @@ from contracts import (
     Reply,
     decode,
     encode,
+    tracing,
 )
 from contracts.bus import Bus, BusMessage, Consumer, Producer, TopicPartition
 
 __all__ = ["BrokerConfig", "BrokerService"]
 
 log = logging.getLogger(__name__)
+_TRACER = tracing.tracer(__name__)
+
+_PUBLISH_TIMEOUT_S = 1.0
+"""How long a QoS 1 publish waits for its PUBACK, seconds. aiomqtt does not fail a publish
+pending when the connection drops: it would wait its whole client timeout (10 s), and a stop
+waits for pending publishes. On a live connection a timed-out message is still delivered; after
+a drop the resync republishes state."""
+
+_PENDING_PUBLISHES_WARN = 1000
+"""aiomqtt logs a warning per publish while more than this many await their PUBACK (its default,
+10, is reached by any claim burst now that publishes are not awaited one by one)."""
 
 
 class BrokerService:
@@ -125,16 +151,20 @@ class BrokerService:
         self._producer: Producer | None = None
         self._consumer: Consumer | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._publishing: set[asyncio.Task[None]] = set()
         self._seq = 0
         self._sites: dict[str, PeerState] = {}
+        self._offer_trace: dict[str, Context] = {}
         self.tally = Tally()
         """Counts since start (see :meth:`stats`)."""
 
     # lifecycle ----------------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Create the topics, rebuild the lease book from ``leases.log``, start consuming capacity
-        and demand, and start the MQTT connection (retried with backoff in the background) and the
-        tick loop.
+        """Create the topics, rebuild the lease book from ``leases.log``, start the tick loop and
+        the MQTT connection (retried with backoff in the background), then join the consumer group
+        of capacity and demand. The tick (reclaim deadlines, TTLs) and MQTT (renewals, releases)
+        do not wait for the group: after a crash the dead member holds it until its session times
+        out (10 s), longer than what is left of a reclaim notice.
 
         Raises ``RuntimeError`` if already started, ``TimeoutError`` if the lease log cannot be
         read to its end within ``config.rebuild_timeout_s``, and the bus's connection errors.
@@ -176,19 +206,26 @@ class BrokerService:
         log.info(
             "lease_book_rebuilt", extra={"records": len(records), "live_leases": len(self.book.live_leases())}
         )
+        self._tasks = [
+            asyncio.create_task(self._mqtt_loop(), name="broker-mqtt"),
+            asyncio.create_task(self._tick_loop(), name="broker-tick"),
+        ]
         consumer = self.bus.consumer(
             [self.topics.capacity, self.topics.pool_demand],
             self.config.group_id,
             client_id=self._client_id,
             on_assign=self._capacity_from_start,
         )
-        await consumer.start()
+        try:
+            await consumer.start()
+        except BaseException:
+            tasks, self._tasks = self._tasks, []
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         self._consumer = consumer
-        self._tasks = [
-            asyncio.create_task(self._mqtt_loop(), name="broker-mqtt"),
-            asyncio.create_task(self._bus_loop(), name="broker-bus"),
-            asyncio.create_task(self._tick_loop(), name="broker-tick"),
-        ]
+        self._tasks.append(asyncio.create_task(self._bus_loop(), name="broker-bus"))
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` is set (call :meth:`start` first, :meth:`stop` after).
@@ -221,6 +258,8 @@ class BrokerService:
                     await client.publish(self.mqtt.broker_state, self._peer_state(False), qos=1, retain=True)
             except aiomqtt.MqttError as e:
                 log.warning("mqtt_goodbye_failed", extra={"error": str(e)})
+        # publishes still waiting for their PUBACK (each gives up after _PUBLISH_TIMEOUT_S)
+        await asyncio.gather(*list(self._publishing), return_exceptions=True)
         tasks, self._tasks = self._tasks, []
         for t in tasks:
             t.cancel()
@@ -266,14 +305,25 @@ class BrokerService:
         """Log lease transitions (flushed), then publish them and the offer changes on MQTT."""
         if ch.records:
             assert self._producer is not None
+            headers = tracing.inject_headers()
             for rec in ch.records:
-                await self._producer.send(self.topics.leases_log, encode(rec), key=rec.lease_id)
+                await self._producer.send(
+                    self.topics.leases_log, encode(rec), key=rec.lease_id, headers=headers
+                )
             await self._producer.flush()
             m.RECORDS_PRODUCED.labels(topic=self.topics.leases_log).inc(len(ch.records))
+        traced = (
+            publish_properties(self._protocol, user_properties=tracing.mqtt_user_properties())
+            if ch.records
+            else None
+        )
         for rec in ch.records:
             self._count_transition(rec)
             await self._publish(
-                self.mqtt.lease(rec.site, rec.lease_id), encode(lease_message(rec)), retain=True
+                self.mqtt.lease(rec.site, rec.lease_id),
+                encode(lease_message(rec)),
+                retain=True,
+                properties=traced,
             )
             if not rec.state.live:
                 await self._remove_partition(rec)
@@ -281,6 +331,7 @@ class BrokerService:
         born = {o.offer_id for o in ch.published}
         died = {o.offer_id for o in ch.withdrawn}
         for offer in ch.withdrawn:
+            self._offer_trace.pop(offer.offer_id, None)
             if offer.offer_id in born:
                 continue
             self.tally.offer_withdrawn()
@@ -316,21 +367,63 @@ class BrokerService:
             log.error("fabric_remove_failed", extra={"lease_id": rec.lease_id, "error": str(e)})
 
     async def _publish_offer(self, offer: Offer, now: float) -> None:
-        props = publish_properties(self._protocol, expiry_s=max(1.0, offer.expires_at - now))
-        await self._publish(self.mqtt.offer(offer.offer_id), encode(offer), retain=True, properties=props)
+        topic = self.mqtt.offer(offer.offer_id)
+        with self._offer_span(offer, topic) as span:
+            props = publish_properties(
+                self._protocol,
+                expiry_s=max(1.0, offer.expires_at - now),
+                user_properties=tracing.mqtt_user_properties(span) if span is not None else (),
+            )
+            await self._publish(topic, encode(offer), retain=True, properties=props)
+
+    @contextlib.contextmanager
+    def _offer_span(self, offer: Offer, topic: str) -> Iterator[trace.Span | None]:
+        """A ``publish <root>/offers/{offer_id}`` span (PRODUCER) when the offer came from a traced
+        capacity record, else nothing (``None``): untraced offers start no trace of their own."""
+        parent = self._offer_trace.get(offer.offer_id)
+        if parent is None:
+            yield None
+            return
+        attrs = tracing.messaging_attributes(
+            tracing.MQTT,
+            "send",
+            topic,
+            operation_name="publish",
+            template=self.mqtt.offer("{offer_id}"),
+            message_id=offer.offer_id,
+            client_id=self._client_id,
+        )
+        attrs.update({"host.name": offer.host, "gpupool.offer.gpus": [g.gpu for g in offer.gpus]})
+        with _TRACER.start_as_current_span(
+            f"publish {self.mqtt.offer('{offer_id}')}", context=parent, kind=tracing.SpanKind.PRODUCER,
+            attributes=attrs,
+        ) as span:
+            yield span
 
     async def _publish(self, topic: str, payload: bytes, *, retain: bool, properties: Any = None) -> bool:
-        """QoS 1 publish; ``False`` if not connected or it failed (the reconnect resync republishes
-        retained state, so a lost retained publish heals itself)."""
+        """QoS 1 publish, sent in call order without waiting here for its PUBACK: the book's lock
+        is not held across MQTT round trips, so a claim's offer changes, lease message and reply
+        go out back to back (awaiting each PUBACK in turn made a claim cost four round trips).
+        ``False`` if not connected. A publish that fails later is logged (``mqtt_publish_failed``);
+        the reconnect resync republishes retained state, so a lost retained publish heals itself."""
         client = self._client
         if client is None:
             return False
+        # tasks take their first step in creation order, and that step hands the packet to paho
+        task = asyncio.create_task(self._publish_now(client, topic, payload, retain, properties))
+        self._publishing.add(task)
+        task.add_done_callback(self._publishing.discard)
+        return True
+
+    async def _publish_now(
+        self, client: aiomqtt.Client, topic: str, payload: bytes, retain: bool, properties: Any
+    ) -> None:
         try:
-            await client.publish(topic, payload, qos=1, retain=retain, properties=properties)
+            await client.publish(
+                topic, payload, qos=1, retain=retain, properties=properties, timeout=_PUBLISH_TIMEOUT_S
+            )
         except aiomqtt.MqttError as e:
             log.warning("mqtt_publish_failed", extra={"topic": topic, "error": str(e)})
-            return False
-        return True
 
     def _peer_state(self, online: bool) -> bytes:
         return encode(PeerState(peer=self._client_id, online=online, seq=self._seq, ts=self._clock()))
@@ -352,6 +445,7 @@ class BrokerService:
                 seq=self._seq,
                 persistent=True,
             )
+            client.pending_calls_threshold = _PENDING_PUBLISHES_WARN
             connected = False
             try:
                 async with client:
@@ -407,7 +501,7 @@ class BrokerService:
                 return
             site, kind = site_kind
             if kind == "claims":
-                await self._on_claim(site, payload, response_route(msg))
+                await self._on_claim(site, payload, response_route(msg), user_properties(msg))
             elif kind == "renewals":
                 await self._on_lease_request(site, payload, response_route(msg), Renewal)
             elif kind == "releases":
@@ -482,27 +576,67 @@ class BrokerService:
             )
         )
         response_topic, corr = route
-        props = publish_properties(self._protocol, correlation=corr)
+        props = publish_properties(
+            self._protocol, correlation=corr, user_properties=tracing.mqtt_user_properties()
+        )
         replies = self.mqtt.replies(site)
         await self._publish(replies, reply, retain=False, properties=props)
         own_subtree = f"{self.mqtt.root}/sites/{site}/"
         if response_topic and response_topic != replies and response_topic.startswith(own_subtree):
             await self._publish(response_topic, reply, retain=False, properties=props)
 
-    async def _on_claim(self, site: str, payload: bytes, route: tuple[str | None, bytes | None]) -> None:
+    async def _on_claim(
+        self,
+        site: str,
+        payload: bytes,
+        route: tuple[str | None, bytes | None],
+        props: Sequence[tuple[str, str]] = (),
+    ) -> None:
+        """Handle a claim inside a ``process <root>/sites/{site}/claims`` span (CONSUMER), child of
+        the trace context in the claim's MQTT 5 user properties ``props`` when there is one."""
+        topic = self.mqtt.claims(site)
+        attrs = tracing.messaging_attributes(
+            tracing.MQTT, "process", topic, template=self.mqtt.claims("{site}"), client_id=self._client_id
+        )
+        with _TRACER.start_as_current_span(
+            f"process {self.mqtt.claims('{site}')}",
+            context=tracing.extract_mqtt_context(props),
+            kind=tracing.SpanKind.CONSUMER,
+            attributes=attrs,
+        ) as span:
+            code = await self._handle_claim(site, payload, route, span)
+            if code is not ReasonCode.OK:
+                tracing.mark_error(span, code.value)
+
+    async def _handle_claim(
+        self, site: str, payload: bytes, route: tuple[str | None, bytes | None], span: trace.Span
+    ) -> ReasonCode:
+        """Validate, isolate, grant (or refuse) one claim and reply; returns the reply's code."""
         t0 = time.perf_counter()
         claim = parse_site_message(Claim, payload, "claim_id")
         if isinstance(claim, Malformed):
             self.tally.claim(claim.code)
             log.info("claim_rejected", extra={"site": site, "code": claim.code.value, "text": claim.text})
             await self._reply(site, claim.in_reply_to, claim, route)
-            return
+            return claim.code
+        if span.is_recording():
+            span.set_attributes({"messaging.message.id": claim.claim_id, "gpupool.offer.id": claim.offer_id})
         async with self._lock:
             now = self._clock()
             step, ch = self.book.begin_claim(site, claim, now)
             await self._apply(ch, now)
             if isinstance(step, PendingGrant):
-                answer = await self._isolate_and_grant(step)
+                with _TRACER.start_as_current_span(
+                    "grant lease",
+                    attributes={
+                        "gpupool.lease.id": step.record.lease_id,
+                        "gpupool.site": site,
+                        "gpupool.lease.gpus": list(step.record.gpus),
+                    },
+                ) as grant:
+                    answer = await self._isolate_and_grant(step)
+                    if not answer.ok:
+                        tracing.mark_error(grant, answer.code.value, answer.text)
             else:
                 answer = step
                 rec = self.book.leases.get(answer.lease_id or "")
@@ -524,6 +658,7 @@ class BrokerService:
         elif not answer.replayed:
             m.CLAIM_TO_LEASE.observe(time.perf_counter() - t0)
         await self._reply(site, claim.claim_id, answer, route)
+        return answer.code
 
     async def _isolate_and_grant(self, pending: PendingGrant) -> Answer:
         """Apply fabric isolation to a reserved claim, then grant it, or abort with
@@ -586,7 +721,7 @@ class BrokerService:
                         now = self._clock()
                         ch = Changes()
                         for msg in batch:
-                            ch.extend(self._on_record(msg, now))
+                            ch.extend(self._on_traced_record(msg, now))
                         await self._apply(ch, now)
                     await self._consumer.commit()
                 backoff.reset()
@@ -595,6 +730,31 @@ class BrokerService:
             except Exception:  # noqa: BLE001 — a bus hiccup must not stop the broker
                 log.exception("bus_batch_failed")
                 await asyncio.sleep(backoff.next())
+
+    def _on_traced_record(self, msg: BusMessage, now: float) -> Changes:
+        """:meth:`_on_record` inside a ``process <topic>`` span (CONSUMER) when the record carries a
+        trace context (see the module docstring); the offers it publishes remember that span."""
+        parent = tracing.extract_context(msg.headers) if msg.headers else None
+        if parent is None:
+            return self._on_record(msg, now)
+        attrs = tracing.messaging_attributes(
+            tracing.KAFKA,
+            "process",
+            msg.topic,
+            key=msg.key,
+            consumer_group=self.config.group_id,
+            partition=msg.partition,
+            offset=msg.offset,
+        )
+        with _TRACER.start_as_current_span(
+            f"process {msg.topic}", context=parent, kind=tracing.SpanKind.CONSUMER, attributes=attrs
+        ) as span:
+            ch = self._on_record(msg, now)
+            if ch.published:
+                ctx = trace.set_span_in_context(trace.NonRecordingSpan(span.get_span_context()))
+                for offer in ch.published:
+                    self._offer_trace[offer.offer_id] = ctx
+            return ch
 
     def _on_record(self, msg: BusMessage, now: float) -> Changes:
         m.RECORDS_CONSUMED.labels(topic=msg.topic).inc()
@@ -638,8 +798,10 @@ class BrokerService:
 
     # time -------------------------------------------------------------------------------------------------
     async def _tick_loop(self) -> None:
+        failed = False
         while True:
-            await asyncio.sleep(self.config.tick_s)
+            await asyncio.sleep(self.config.tick_s if failed else self._until_next_tick())
+            failed = False
             try:
                 async with self._lock:
                     now = self._clock()
@@ -647,4 +809,19 @@ class BrokerService:
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 — e.g. the lease log is briefly unreachable: try next tick
+                failed = True
                 log.exception("tick_failed")
+
+    def _until_next_tick(self) -> float:
+        """Seconds to the next tick: ``tick_s``, or less when a reclaim deadline comes sooner, so
+        a lease is revoked at its deadline (its GPUs back within the notice), not up to a tick
+        after it."""
+        soonest = min(
+            (
+                r.reclaim_deadline
+                for r in self.book.leases.values()
+                if r.state is LeaseState.RECLAIMING and r.reclaim_deadline is not None
+            ),
+            default=math.inf,
+        )
+        return min(self.config.tick_s, max(0.0, soonest - self._clock()))

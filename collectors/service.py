@@ -18,6 +18,10 @@ Targets come from a static list and Prometheus file_sd files (:mod:`collectors.t
 reload, per-target interval and deadline, target labels as ``target_<name>`` attributes). With a
 ``spool_dir`` records go through :class:`collectors.spool.SpoolingProducer`, which keeps them
 (memory, then disk) while Kafka is unreachable and delivers them in order once it is back.
+
+Tracing (:mod:`contracts.tracing`, when on): each dcgm-exporter scrape is a ``scrape
+dcgm-exporter`` span, and each batch sent a ``send <topic>`` span (PRODUCER) whose ``traceparent``
+every record of the batch carries as a Kafka header — the start of the trace that ends at a lease.
 """
 
 from __future__ import annotations
@@ -44,10 +48,11 @@ from collectors.spool import GIB, RecordDroppedError, SpoolingProducer
 from collectors.sysfs_ib import SysfsReadResult, read_sysfs_infiniband
 from collectors.targets import Target, TargetSet
 from collectors.xid import XidTracker
-from contracts import GpuSample, IbPortSample, KafkaTopics, encode
+from contracts import GpuSample, IbPortSample, KafkaTopics, encode, tracing
 from contracts.bus import Bus, Producer
 
 log = logging.getLogger(__name__)
+_TRACER = tracing.tracer(__name__)
 
 
 @dataclass(slots=True)
@@ -431,6 +436,23 @@ class CollectorService:
 
     # --- dcgm-exporter -------------------------------------------------------------------------
     async def _handle_scrape(self, res: ScrapeResult, stats: CollectStats) -> None:
+        """Use one scrape's result inside a ``scrape dcgm-exporter`` span (CLIENT, from the scrape's
+        start; semconv ``url.full``, ``http.response.status_code``, ``error.type`` = the failure
+        reason): the records it yields carry its context (:meth:`_produce`)."""
+        with _TRACER.start_as_current_span(
+            "scrape dcgm-exporter",
+            kind=tracing.SpanKind.CLIENT,
+            start_time=int(res.ts * 1e9),
+            attributes={"url.full": res.target} if "@" not in res.target else None,
+        ) as span:
+            reason = await self._use_scrape(res, stats)
+            if res.status is not None and span.is_recording():
+                span.set_attribute("http.response.status_code", res.status)
+            if reason != "ok":
+                tracing.mark_error(span, reason, res.detail[:200])
+
+    async def _use_scrape(self, res: ScrapeResult, stats: CollectStats) -> str:
+        """Parse, count and produce one scrape's result; returns ``ok`` or the failure reason."""
         parsed: DcgmParseResult | None = None
         t0 = time.monotonic()
         reason = res.reason
@@ -464,11 +486,11 @@ class CollectorService:
             stats.failures[reason] += 1
             metrics.SCRAPES.labels(res.target, "failure").inc()
             metrics.SCRAPE_ERRORS.labels(res.target, reason).inc()
-            return
+            return reason
         stats.targets_ok += 1
         metrics.SCRAPES.labels(res.target, "success").inc()
         if parsed is None:
-            return
+            return reason
         stats.gpu_samples += len(parsed.samples)
         for event in self._xid.observe(parsed.xid):
             stats.xid_events += 1
@@ -486,6 +508,7 @@ class CollectorService:
             )
         samples = self._with_target_labels(res.target, parsed.samples)
         await self._produce(self.topics.telemetry_gpu, samples, stats)
+        return reason
 
     def _note_target(self, res: ScrapeResult, reason: str) -> None:
         """Log a target's failures when they start or change reason, and its recovery."""
@@ -573,12 +596,36 @@ class CollectorService:
     async def _produce(
         self, topic: str, records: Sequence[GpuSample | IbPortSample], stats: CollectStats
     ) -> None:
+        """Send ``records`` to ``topic`` inside one ``send <topic>`` span (PRODUCER, child of the
+        current span, semconv messaging attributes); every record carries that span's
+        ``traceparent`` header (none when tracing is off)."""
+        if not records:
+            return
+        errors_before = stats.produce_errors
+        with _TRACER.start_as_current_span(
+            f"send {topic}",
+            kind=tracing.SpanKind.PRODUCER,
+            attributes=tracing.messaging_attributes(
+                tracing.KAFKA, "send", topic, client_id=self.client_id, batch_count=len(records)
+            ),
+        ) as span:
+            await self._send_records(topic, records, stats, tracing.inject_headers(span))
+            if stats.produce_errors > errors_before:
+                tracing.mark_error(span, "produce_failed", f"{stats.produce_errors - errors_before} refused")
+
+    async def _send_records(
+        self,
+        topic: str,
+        records: Sequence[GpuSample | IbPortSample],
+        stats: CollectStats,
+        headers: Sequence[tuple[str, bytes]],
+    ) -> None:
         assert self._producer is not None
         produced = 0
         dropped: Counter[str] = Counter()
         for rec in records:
             try:
-                await self._producer.send(topic, encode(rec), key=rec.key)
+                await self._producer.send(topic, encode(rec), key=rec.key, headers=headers)
                 produced += 1
             except RecordDroppedError as e:  # the spool counted it; one log line per batch here
                 dropped[e.reason] += 1

@@ -132,8 +132,10 @@ class DemoSummary:
 async def _audit_offers(
     host: str, port: int, creds: tuple[str | None, str | None], protocol: int, root: str,
     audit: OfferAudit, is_busy_at, allowance_s: float, stop: asyncio.Event,  # noqa: ANN001
+    fleet_keys: frozenset[str], started_at: float,
 ) -> None:
-    """Subscribe to every offer and audit each new one (retained replays are skipped)."""
+    """Subscribe to every offer and audit each new one about ``fleet_keys`` published since
+    ``started_at`` (offers retained from other runs are skipped)."""
     topics = MqttTopics(root)
     proto = aiomqtt.ProtocolVersion.V5 if protocol == 5 else aiomqtt.ProtocolVersion.V311
     seen: set[str] = set()
@@ -152,6 +154,9 @@ async def _audit_offers(
             if offer.offer_id in seen:
                 continue
             seen.add(offer.offer_id)
+            # a shared MQTT server may retain offers of other runs: audit only this run's GPUs
+            if offer.ts < started_at or not all(g.gpu in fleet_keys for g in offer.gpus):
+                continue
             audit.check(offer, is_busy_at, allowance_s)
 
 
@@ -256,7 +261,8 @@ async def run_demo(cfg: DemoConfig, progress=None) -> DemoSummary:  # noqa: ANN0
             ("collector", collector.run(stop)), ("analytics", analytics.run(stop)),
             ("broker", broker.run(stop)), ("demand", demand.run(stop)), ("sysfs", _sysfs_loop()),
             ("audit", _audit_offers(mhost, port, audit_creds, protocol, root, audit, fleet.is_busy_at,
-                                    cfg.scrape_interval_s + 0.25, stop)),
+                                    cfg.scrape_interval_s + 0.25, stop, frozenset(fleet.gpu_keys()),
+                                    time.time())),
             *[(f"site-{s.name}", s.run(stop)) for s in sites],
         ]]
         t0 = time.monotonic()
@@ -273,7 +279,14 @@ async def run_demo(cfg: DemoConfig, progress=None) -> DemoSummary:  # noqa: ANN0
             if not t.done():
                 t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for closer in (broker.stop, analytics.stop, collector.stop, server.stop, bus.close):
+
+        async def _dump_leases() -> None:  # the lease log as a file, for `gpupool report --leases`
+            from gpupool.report.leases import dump_lease_log
+
+            path = cfg.state_dir / f"leases-{run_id}.jsonl"
+            await dump_lease_log(bus, topics.leases_log, path, timeout_s=10.0)
+
+        for closer in (broker.stop, _dump_leases, analytics.stop, collector.stop, server.stop, bus.close):
             try:
                 await closer()
             except Exception:  # noqa: BLE001 — shutting down: log and go on closing the rest

@@ -113,6 +113,11 @@ class Consumer(Protocol):
     def assignment(self) -> set[TopicPartition]:
         """The partitions this member owns now."""
 
+    async def end_offsets(self) -> dict[TopicPartition, int]:
+        """For each partition owned now, the offset the next record written to it will get (the
+        high watermark on Kafka): ``end - next offset to read`` is the consumer lag. Raises the
+        bus's error if it cannot be asked (Kafka: ``aiokafka.errors.KafkaError``)."""
+
 
 class Bus(Protocol):
     """Factory of producers and consumers on one cluster (or one process)."""

@@ -407,6 +407,18 @@ class KafkaBusConsumer:
             return set()
         return {_bus_tp(tp) for tp in self._consumer.assignment()}
 
+    async def end_offsets(self) -> dict[TopicPartition, int]:
+        """The high watermark of each partition owned now (one ListOffsets request; empty when
+        nothing is owned). Raises ``RuntimeError`` if not started, and
+        ``aiokafka.errors.KafkaError`` (e.g. ``KafkaTimeoutError``) if the brokers do not answer."""
+        if self._consumer is None:
+            raise RuntimeError("consumer not started")
+        owned = list(self._consumer.assignment())
+        if not owned:
+            return {}
+        ends = await self._consumer.end_offsets(owned)
+        return {_bus_tp(tp): int(off) for tp, off in ends.items()}
+
     async def stop(self) -> None:
         """Leave the group without committing."""
         if self._consumer is not None:

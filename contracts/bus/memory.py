@@ -156,6 +156,10 @@ class MemoryConsumer:
         """Partitions owned now."""
         return set(self._assigned)
 
+    async def end_offsets(self) -> dict[TopicPartition, int]:
+        """Length of each owned partition's log."""
+        return {tp: len(self._bus.topic(tp.topic).logs[tp.partition]) for tp in self._assigned}
+
     async def _refresh_positions(self) -> None:
         self._needs_positions = False
         self._positions = {tp: self._bus.committed(self.group, tp) for tp in self._assigned}

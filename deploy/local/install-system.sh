@@ -7,6 +7,8 @@
 #   opensm, infiniband-diags          the subnet manager, perfquery / ibnetdiscover / smpquery
 #   default-jre-headless              Java 17+ for Kafka (skipped when a java >= 17 is on PATH)
 #   maven                             fetches the Kafka jars (deploy/local/kafka-fetch.sh)
+#   chromium                          headless browser: renders `gpupool report` in its tests
+#   prometheus-node-exporter          node_exporter on the simulated sysfs (live dashboard test)
 #
 # Idempotent: packages are checked with one `dpkg-query` call and `command -v java`; when nothing is
 # missing the script prints nothing and exits 0 at once. Otherwise it runs `apt-get update` and
@@ -14,7 +16,7 @@
 # non-zero with apt's output when that fails.
 set -euo pipefail
 
-packages=(mosquitto mosquitto-clients prometheus ibsim-utils libumad2sim0 opensm infiniband-diags maven)
+packages=(mosquitto mosquitto-clients prometheus ibsim-utils libumad2sim0 opensm infiniband-diags maven chromium prometheus-node-exporter)
 
 _java_major() {
     # Major version of the java on PATH ("17" from 'openjdk version "17.0.15"'), or 0 if none.

@@ -1,0 +1,200 @@
+"""gpupool settings (:mod:`gpupool.settings`) and ``gpupool config show``: environment variables,
+the TOML file, precedence, validation and secret masking."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+from typer.testing import CliRunner
+
+from analytics.classify import IdleConfig
+from broker.config import BrokerConfig
+from gpupool.cli import app
+from gpupool.settings import MASK, GpupoolSettings, effective_config, load_settings, to_toml
+
+SECRET = "hunter2-do-not-print"
+
+
+@pytest.fixture(autouse=True)
+def _detach_cli_log_handler() -> Iterator[None]:
+    """``gpupool``'s callback logs to the stderr CliRunner lends it, closed after ``invoke``:
+    detach that handler so later log records do not hit a closed file."""
+    yield
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if getattr(handler, "_gpupool", False):
+            root.removeHandler(handler)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No GPUPOOL_* variable of the caller's environment (the Makefile exports some) leaks in."""
+    for name in list(os.environ):
+        if name.upper().startswith("GPUPOOL_"):
+            monkeypatch.delenv(name)
+
+
+def _toml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "gpupool.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_defaults_match_the_stage_clis() -> None:
+    s = load_settings()
+    assert s.config is None and s.kafka is None and s.topic_prefix == ""
+    assert s.mqtt == "127.0.0.1:1883" and s.mqtt_username == "gpupool-broker" and s.mqtt_password is None
+    assert (s.metrics.collectors, s.metrics.analytics, s.metrics.broker) == (9410, 9411, 9412)
+    assert s.idle.to_idle_config() == IdleConfig()
+    assert s.broker.to_broker_config() == BrokerConfig()
+
+
+def test_environment_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUPOOL_KAFKA", "k1:9092, k2:9093")
+    monkeypatch.setenv("GPUPOOL_MQTT_PASSWORD", SECRET)
+    monkeypatch.setenv("GPUPOOL_IDLE__MIN_IDLE_S", "120")
+    monkeypatch.setenv("GPUPOOL_BROKER__NOTICE_S", "45")
+    monkeypatch.setenv("GPUPOOL_METRICS__BROKER", "9500")
+    monkeypatch.setenv("gpupool_topic_prefix", "prod.")  # names are case-insensitive
+    monkeypatch.setenv("GPUPOOL_SITE", "edge-a")  # another command's variable: ignored
+    monkeypatch.setenv("GPUPOOL_STATE", "/somewhere")  # the Makefile's: ignored
+    s = load_settings()
+    assert s.kafka == "k1:9092,k2:9093"
+    assert s.mqtt_password is not None and s.mqtt_password.get_secret_value() == SECRET
+    assert s.idle.min_idle_s == 120.0 and s.idle.idle_threshold == 0.05
+    assert s.broker.to_broker_config().notice_s == 45.0
+    assert s.metrics.broker == 9500 and s.topic_prefix == "prod."
+
+
+def test_a_group_as_json_in_one_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUPOOL_IDLE", '{"min_idle_s": 10, "pool": "train-a"}')
+    s = load_settings()
+    assert (s.idle.min_idle_s, s.idle.pool, s.idle.busy_threshold) == (10.0, "train-a", 0.10)
+
+
+def test_toml_file_and_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _toml(
+        tmp_path,
+        """
+kafka = "kafka-1:9092"
+mqtt = "mqtt.example.internal:8883"
+mqtt_password = "from-file"
+state_dir = "/var/lib/gpupool"
+
+[idle]
+min_idle_s = 300
+pool = "train-a"
+
+[broker]
+lease_ttl_s = 90
+""",
+    )
+    from_file = load_settings(path)
+    assert from_file.config == path and from_file.kafka == "kafka-1:9092"
+    assert from_file.mqtt == "mqtt.example.internal:8883" and from_file.state_dir == Path("/var/lib/gpupool")
+    assert (from_file.idle.min_idle_s, from_file.idle.pool, from_file.broker.lease_ttl_s) == (
+        300.0,
+        "train-a",
+        90.0,
+    )
+
+    monkeypatch.setenv("GPUPOOL_CONFIG", str(path))
+    monkeypatch.setenv("GPUPOOL_IDLE__MIN_IDLE_S", "30")  # env beats the file, key by key
+    monkeypatch.setenv("GPUPOOL_KAFKA", "env-kafka:9092")
+    s = load_settings()
+    assert s.config == path
+    assert s.kafka == "env-kafka:9092" and s.idle.min_idle_s == 30.0 and s.idle.pool == "train-a"
+    assert load_settings(kafka="flag:9092").kafka == "flag:9092"  # flags beat both
+
+
+@pytest.mark.parametrize(
+    ("env", "field"),
+    [
+        ({"GPUPOOL_IDLE__IDLE_THRESHOLD": "0.5", "GPUPOOL_IDLE__BUSY_THRESHOLD": "0.2"}, "idle"),
+        ({"GPUPOOL_MQTT": "no-port"}, "mqtt"),
+        ({"GPUPOOL_KAFKA": "k1:9092,k2"}, "kafka"),
+        ({"GPUPOOL_MQTT_PROTOCOL": "3"}, "mqtt_protocol"),
+        ({"GPUPOOL_BROKER__LEASE_TTL_S": "0"}, "lease_ttl_s"),
+        ({"GPUPOOL_METRICS__ANALYTICS": "70000"}, "analytics"),
+    ],
+)
+def test_invalid_values_are_refused(env: dict[str, str], field: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValidationError, match=field):
+        load_settings()
+
+
+def test_toml_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match="kafak"):
+        load_settings(_toml(tmp_path, 'kafak = "typo:9092"\n'))
+    with pytest.raises(ValidationError, match="min_idle"):
+        load_settings(_toml(tmp_path, "[idle]\nmin_idle = 3\n"))
+    with pytest.raises(tomllib.TOMLDecodeError):
+        load_settings(_toml(tmp_path, "kafka = \n"))
+    with pytest.raises(FileNotFoundError, match=r"missing\.toml"):
+        load_settings(tmp_path / "missing.toml")
+
+
+def test_secrets_are_masked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUPOOL_MQTT_PASSWORD", SECRET)
+    s = load_settings()
+    shown = effective_config(s)
+    assert shown["mqtt_password"] == MASK
+    assert SECRET not in json.dumps(shown) and SECRET not in to_toml(shown) and SECRET not in repr(s)
+    monkeypatch.delenv("GPUPOOL_MQTT_PASSWORD")
+    assert effective_config(GpupoolSettings())["mqtt_password"] is None  # unset is not masked
+
+
+def test_config_show_json_and_toml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUPOOL_MQTT_PASSWORD", SECRET)
+    monkeypatch.setenv("GPUPOOL_BROKER__NOTICE_S", "12.5")
+    path = _toml(tmp_path, 'topic_prefix = "t."\n[idle]\npool = "p"\n')
+    runner = CliRunner()
+
+    res = runner.invoke(app, ["config", "show", "--format", "json", "--config", str(path)])
+    assert res.exit_code == 0, res.output
+    shown = json.loads(res.stdout)
+    assert shown["mqtt_password"] == MASK and SECRET not in res.output
+    assert (
+        shown["broker"]["notice_s"] == 12.5 and shown["topic_prefix"] == "t." and shown["idle"]["pool"] == "p"
+    )
+    assert shown["config"] == str(path) and shown["kafka"] is None
+
+    monkeypatch.setenv("GPUPOOL_CONFIG", str(path))
+    res = runner.invoke(app, ["config", "show"])
+    assert res.exit_code == 0, res.output
+    assert SECRET not in res.output and f'mqtt_password = "{MASK}"' in res.stdout
+    parsed = tomllib.loads(res.stdout)
+    assert parsed["broker"]["notice_s"] == 12.5 and "kafka" not in parsed
+    assert "# not set: kafka" in res.stdout
+
+    # the TOML printed is a settings file giving the same settings (password aside: it is masked)
+    monkeypatch.delenv("GPUPOOL_CONFIG")
+    monkeypatch.delenv("GPUPOOL_MQTT_PASSWORD")
+    monkeypatch.delenv("GPUPOOL_BROKER__NOTICE_S")
+    again = tmp_path / "again.toml"
+    again.write_text(
+        res.stdout.replace(f'mqtt_password = "{MASK}"\n', "").replace(f'config = "{path}"\n', "")
+    )
+    reloaded = effective_config(load_settings(again))
+    expected = {**shown, "config": str(again), "mqtt_password": None}
+    assert reloaded == expected
+
+
+def test_config_show_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = CliRunner()
+    res = runner.invoke(app, ["config", "show", "--config", str(tmp_path / "nope.toml")])
+    assert res.exit_code == 1 and "does not exist" in res.output
+    res = runner.invoke(app, ["config", "show", "--config", str(_toml(tmp_path, "kafka = = 1\n"))])
+    assert res.exit_code == 1 and "does not parse" in res.output
+    monkeypatch.setenv("GPUPOOL_IDLE__MIN_IDLE_S", "-1")
+    res = runner.invoke(app, ["config", "show"])
+    assert res.exit_code == 1 and "invalid settings" in res.output
