@@ -1,7 +1,8 @@
 """Command line of the broker stage and of the edge-site client (typer).
 
 * ``broker_app`` — mounted as ``gpupool broker``: ``run`` (the stage), ``demand`` (training wants
-  GPUs back: a :class:`contracts.PoolDemand` on the ``pool.demand`` topic);
+  GPUs back: a :class:`contracts.PoolDemand` on the ``pool.demand`` topic), ``acl`` (Mosquitto
+  password file and ACL, one credential per site: :mod:`broker.acl`);
 * ``edge_app`` — mounted as ``gpupool edge``: ``offers``, ``claim``, ``renew``, ``release``,
   ``watch``; each prints JSON on stdout (models as in :mod:`contracts.mqtt`).
 
@@ -258,6 +259,42 @@ async def publish_demand(bus: Bus, topics: KafkaTopics, record: PoolDemand) -> N
         await producer.flush()
     finally:
         await producer.stop()
+
+
+@broker_app.command("acl")
+def acl(
+    directory: Annotated[
+        Path, typer.Option("--dir", help="Mosquitto state directory to write (created, mode 0700).")
+    ],
+    sites: Annotated[str, typer.Option(envvar="GPUPOOL_SITES", help="Comma-separated site names.")],
+    root: _Root = "gpupool/v1",
+    broker_user: Annotated[str, typer.Option(help="MQTT user of the gpupool broker.")] = "gpupool-broker",
+    port: Annotated[int, typer.Option(help="Loopback port of the listener in mosquitto.conf.")] = 1883,
+    show_passwords: Annotated[
+        bool, typer.Option(help="Also print the credentials JSON (with passwords) on stdout.")
+    ] = False,
+) -> None:
+    """Write the Mosquitto password file and ACL: one credential per site, each site confined to
+    its own sites/SITE/ subtree plus reading offers and broker state (broker/acl.py).
+
+    Writes passwd (mosquitto_passwd hashes), acl, mosquitto.conf and credentials.json into --dir;
+    passwords already in credentials.json are kept. Prints the credentials.json path (and, with
+    --show-passwords, its content). Exit 2 on a bad name, root or port; 1 if mosquitto_passwd is
+    missing or fails.
+    """
+    from broker.acl import CREDENTIALS_FILE, write_mosquitto_files
+
+    names = [s.strip() for s in sites.split(",") if s.strip()]
+    try:
+        creds = write_mosquitto_files(directory, root, names, broker_user, port)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    except (FileNotFoundError, RuntimeError) as e:
+        typer.echo(f"gpupool broker acl: {e}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(str(directory / CREDENTIALS_FILE))
+    if show_passwords:
+        _print(creds)
 
 
 # edge ------------------------------------------------------------------------------------------------------

@@ -1,0 +1,71 @@
+"""``gpupool broker acl`` writes the Mosquitto files of broker/acl.py: the ACL is render_acl's
+text, the password file holds one mosquitto_passwd hash per site plus the broker user, and
+passwords reach stdout only with --show-passwords."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from broker.acl import render_acl
+from gpupool.cli import app
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("mosquitto_passwd") is None, reason="mosquitto_passwd (Debian mosquitto) not installed"
+)
+
+SITES = ["edge-a", "edge-b", "edge-c"]
+
+
+def _run(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(app, ["broker", "acl", *args], env={"COLUMNS": "200"})
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_writes_acl_and_hashed_passwords(tmp_path: Path) -> None:
+    out = tmp_path / "mq"
+    code, stdout, stderr = _run("--dir", str(out), "--sites", ",".join(SITES), "--port", "18883")
+    assert code == 0, stderr
+    assert stdout.strip() == str(out / "credentials.json")
+    assert (out / "acl").read_text() == render_acl("gpupool/v1", SITES, "gpupool-broker")
+
+    creds = json.loads((out / "credentials.json").read_text())
+    assert set(creds["users"]) == {*SITES, "gpupool-broker"}
+    for password in creds["users"].values():
+        assert password not in stdout
+
+    entries = [line.split(":", 1) for line in (out / "passwd").read_text().splitlines() if line]
+    assert sorted(user for user, _ in entries) == sorted([*SITES, "gpupool-broker"])
+    for user, hashed in entries:
+        assert hashed.startswith("$7$") or hashed.startswith("$6$"), (user, hashed)
+        assert creds["users"][user] not in hashed
+    for name in ("passwd", "acl", "credentials.json"):
+        assert stat.S_IMODE((out / name).stat().st_mode) == 0o600
+    assert "listener 18883 127.0.0.1" in (out / "mosquitto.conf").read_text()
+
+
+def test_show_passwords_and_rerun_keeps_them(tmp_path: Path) -> None:
+    out = tmp_path / "mq"
+    code, first, _ = _run("--dir", str(out), "--sites", "a,b", "--root", "lab/v1")
+    assert code == 0
+    before = json.loads((out / "credentials.json").read_text())["users"]
+    code, stdout, _ = _run("--dir", str(out), "--sites", "a,b", "--root", "lab/v1", "--show-passwords")
+    assert code == 0
+    lines = stdout.splitlines()
+    assert lines[0] == first.strip()
+    shown = json.loads("\n".join(lines[1:]))
+    assert shown["users"] == before  # kept across runs, and printed only when asked
+    assert (out / "acl").read_text() == render_acl("lab/v1", ["a", "b"], "gpupool-broker")
+
+
+@pytest.mark.parametrize("sites", ["edge/a", "a,a", "", "gpupool-broker"])
+def test_bad_sites_are_refused_and_nothing_written(tmp_path: Path, sites: str) -> None:
+    out = tmp_path / "mq"
+    code, _, stderr = _run("--dir", str(out), "--sites", sites)
+    assert code == 2
+    assert not (out / "passwd").exists() and not (out / "acl").exists()
