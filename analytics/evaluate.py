@@ -50,10 +50,11 @@ but ``u`` is past the pod's last sample (the trace ends or the pod goes away fir
 * mean promised window = mean of ``u − t`` over all promises (s).
 
 **History variants** (which runs a prediction learns from; all use the same predictor code):
-``gpu+pool`` (the service: the GPU's own runs, else the pool's), ``pool`` (every GPU's runs in one
-history, optionally only the most recent N), ``gpu`` (the GPU's own runs only), ``hour+pool``
-(runs that began in the same hour of day of the *shifted* clock, else the pool's; the trace spans
-22.8 h, so an hour's history holds only runs of that hour earlier the same day). A *hindsight*
+``gpu+pool`` (the GPU's own runs, else the pool's), ``pool`` (every GPU's runs in one history,
+optionally only the most recent N; the service's default, :data:`RECOMMENDED`, is built from
+:class:`~analytics.predict.PredictorConfig`'s defaults by :func:`service_variant`), ``gpu``
+(the GPU's own runs only), ``hour+pool`` (runs that began in the same hour of day of the
+*shifted* clock, else the pool's; the trace spans 22.8 h, so an hour's history holds only runs of that hour earlier the same day). A *hindsight*
 variant is given every run before the replay starts: a ceiling, not a forecast.
 """
 
@@ -94,7 +95,6 @@ log = logging.getLogger(__name__)
 _COLUMNS = ("value", "timestamp_anon", "container_ip")
 _MIB = float(1 << 20)
 _POOL = "pool"
-_NO_GPU = ""
 
 
 class TraceReadError(ValueError):
@@ -267,20 +267,35 @@ class Variant:
             raise ValueError("pool_runs must be >= 1")
 
 
-RECOMMENDED = Variant("pool, last 512 runs", "pool", "renew_each_sample", pool_runs=512)
-"""The variant the targets are checked on: the pool's recent history, renewed every sample."""
+def service_variant(config: PredictorConfig | None = None) -> Variant:
+    """The variant the service runs with predictor settings ``config`` (default: the service's
+    default :class:`~analytics.predict.PredictorConfig`): its history levels and pool history
+    size, promises renewed at every sample (each capacity update carries a fresh prediction)."""
+    cfg = config if config is not None else PredictorConfig()
+    label = "pool" if cfg.history == "pool" else "gpu+pool"
+    return Variant(
+        f"{label}, last {cfg.max_runs_per_pool} runs (service default)",
+        cfg.history,
+        "renew_each_sample",
+        pool_runs=cfg.max_runs_per_pool,
+    )
+
+
+RECOMMENDED = service_variant()
+"""The variant the targets are checked on: what the service runs by default (the pool's recent
+history, renewed every sample); follows :class:`~analytics.predict.PredictorConfig`."""
 
 DEFAULT_VARIANTS: tuple[Variant, ...] = (
     RECOMMENDED,
-    Variant("gpu+pool (service default)", "gpu+pool"),
-    Variant("pool, last 4096 runs", "pool"),
+    Variant("gpu+pool (service default before issue 4)", "gpu+pool"),
+    Variant("pool, last 4096 runs", "pool", pool_runs=4096),
     Variant("gpu only", "gpu"),
     Variant("hour-of-day+pool", "hour+pool"),
     Variant("pool, last 512, renew at expiry", "pool", "renew_at_expiry", pool_runs=512),
     Variant("hindsight: pool, all runs known", "pool", hindsight=True),
 )
-"""The rows of ``gpupool analytics evaluate``: :data:`RECOMMENDED` first, then the service's
-current configuration, other histories, the other offer policy and a hindsight ceiling."""
+"""The rows of ``gpupool analytics evaluate``: :data:`RECOMMENDED` (the service default) first, then
+the service's former configuration, other histories, the other offer policy and a hindsight ceiling."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,7 +345,8 @@ class EvaluationConfig:
 
     def predictor_config(self) -> PredictorConfig:
         """The predictor's configuration, the service's defaults otherwise (no-history default:
-        ``min_idle_s`` at 50 %, never offered at a higher target)."""
+        ``min_idle_s`` at 50 %, never offered at a higher target). Its ``history`` is the
+        service's; each variant sets its own (:func:`_score`)."""
         return PredictorConfig(
             confidence=self.confidence,
             min_at_risk=self.min_at_risk,
@@ -554,8 +570,8 @@ def _history(variant: Variant) -> tuple[_FileRun, _Lookup]:
     h = variant.history
     if h == "gpu+pool":
         return (lambda r: (r.key, _POOL)), (lambda k, s: (k, _POOL))
-    if h == "pool":  # no GPU is ever filed under _NO_GPU: the GPU level is skipped
-        return (lambda r: (r.key, _POOL)), (lambda k, s: (_NO_GPU, _POOL))
+    if h == "pool":  # the predictor skips the GPU level (PredictorConfig.history == "pool")
+        return (lambda r: (r.key, _POOL)), (lambda k, s: (k, _POOL))
     if h == "gpu":
         return (lambda r: (r.key, r.key)), (lambda k, s: (k, k))
     if h == "hour+pool":
@@ -577,7 +593,8 @@ def _score(
     cfg: EvaluationConfig,
 ) -> VariantResult:
     file_run, lookup = _history(variant)
-    pcfg = cfg.predictor_config()
+    # gpu / hour+pool file their own keys at the GPU level and read it first.
+    pcfg = replace(cfg.predictor_config(), history="pool" if variant.history == "pool" else "gpu+pool")
     if variant.hindsight:
         everything = max(1, classified.runs)
         pcfg = replace(pcfg, max_runs_per_pool=everything, max_runs_per_gpu=everything)

@@ -18,6 +18,20 @@ One :meth:`AnalyticsService.step`:
    the store's maintenance (1-minute rollups, then expiry: :mod:`analytics.retention`);
 8. publishes its capacity snapshot to the gauges of :data:`analytics.metrics.CAPACITY`.
 
+Fabric headroom: every ``headroom_refresh_s`` (and at the first step) one query over the store,
+``node_headroom_over(headroom_window_s)`` (:mod:`analytics.views`), gives every host's headroom:
+1 − the p95 utilisation of its busiest InfiniBand port in its busier direction (PortXmitData or
+PortRcvData) over the window. Every capacity update carries its host's value in ``headroom``
+(``None`` when unknown: no IB reads of that host, or none with a valid interval yet). A GPU whose
+state does not change carries a new value with its next periodic re-publication (``refresh_s``).
+
+A node whose known headroom is below ``min_headroom`` is not offerable. This is decided here, not
+in the broker (which stays simple: it never offers ``unknown``): the host's idle GPUs are published
+as ``unknown`` with reason ``fabric_headroom`` (``since`` = when the block began, no grade, no
+prediction) and go back to ``idle`` when the headroom recovers. Unknown headroom (hosts without
+IB, or no interval yet) never blocks an offer. The classifier is not affected: a blocked GPU's
+idle run goes on and is learned from as usual.
+
 Scale-out: instances of one consumer group split the partitions; each owns the GPUs of its
 partitions. When a rebalance takes a partition away, the instance forgets that partition's GPUs
 (no stale decision, refresh or gauge for a GPU another instance now owns); their rows stay in its
@@ -56,6 +70,7 @@ from analytics.predict import IdlePredictor, PredictorConfig
 from analytics.retention import RetentionConfig
 from analytics.rows import gpu_samples_table, gpu_states_table, ib_port_samples_table, idle_runs_table
 from analytics.store import AnalyticsStore, StoreBatch
+from analytics.views import HEADROOM_WINDOW_S
 from contracts import (
     CapacityUpdate,
     GpuSample,
@@ -104,6 +119,9 @@ class AnalyticsService:
         client_id: str = "gpupool-analytics",
         memory_limit: str | None = None,
         retention: RetentionConfig | None = None,
+        min_headroom: float = 0.2,
+        headroom_refresh_s: float = 30.0,
+        headroom_window_s: float = HEADROOM_WINDOW_S,
     ) -> None:
         """Configure; nothing is opened before :meth:`start`.
 
@@ -116,20 +134,35 @@ class AnalyticsService:
             publish_interval_s: period (s) of the stale check and of the refresh scan.
             refresh_s: every GPU's update is re-published at least this often (s).
             pool: pool name put on every update.
-            predictor: prediction settings; default: 90 % confidence and, with no history,
-                ``min_idle_s`` seconds at 50 %.
+            predictor: prediction settings; default: :class:`PredictorConfig` (the pool's
+                recent runs, 90 % confidence) and, with no history, ``min_idle_s`` seconds at 50 %.
             clock: wall clock (Unix s) for stale checks and refresh timing; injectable for tests.
             max_records: most records per step.
             client_id: bus client id.
             memory_limit: DuckDB ``memory_limit`` (e.g. ``"2GB"``).
             retention: raw/rollup retention and the maintenance period (:class:`RetentionConfig`
                 defaults if ``None``: raw 24 h, rollups 30 days, every 60 s).
+            min_headroom: a host whose known fabric headroom (0..1) is below this is not
+                offerable (module docstring); 0 turns the check off.
+            headroom_refresh_s: period (s) of the headroom query.
+            headroom_window_s: window (s) of the p95, per port, back from its latest read.
 
         Raises:
-            ValueError: a non-positive interval or ``max_records``.
+            ValueError: a non-positive interval, window or ``max_records``, or ``min_headroom``
+                outside 0..1.
         """
         if publish_interval_s <= 0 or refresh_s <= 0 or max_records <= 0:
             raise ValueError("publish_interval_s, refresh_s and max_records must be > 0")
+        if headroom_refresh_s <= 0 or headroom_window_s <= 0:
+            raise ValueError("headroom_refresh_s and headroom_window_s must be > 0")
+        if not 0.0 <= min_headroom <= 1.0:
+            raise ValueError("min_headroom must be in 0..1")
+        self.min_headroom = min_headroom
+        self._headroom_refresh_s = headroom_refresh_s
+        self._headroom_window_s = headroom_window_s
+        self._headroom: dict[str, float] = {}
+        self._last_headroom = float("-inf")
+        self._blocked_since: dict[str, float] = {}
         self.idle = idle if idle is not None else IdleConfig()
         self.topics = topics
         self.pool = pool
@@ -179,7 +212,10 @@ class AnalyticsService:
         consumer group. Raises what the bus or DuckDB raise (connection, lock, schema errors)."""
         self._store = AnalyticsStore(self._db_path, memory_limit=self._memory_limit)
         self._next_offsets = self._store.stored_offsets(self._telemetry_topics())
-        for key, pool, duration, censored in self._store.idle_runs(self._predictor.config.max_runs_per_gpu):
+        pcfg = self._predictor.config
+        # Every GPU's latest max(per-GPU, per-pool) runs hold the pool's latest max_runs_per_pool.
+        per_gpu = max(pcfg.max_runs_per_gpu, pcfg.max_runs_per_pool)
+        for key, pool, duration, censored in self._store.idle_runs(per_gpu):
             self._predictor.observe(key, duration, censored=censored, pool=pool)
         self._producer = self._bus.producer(self._client_id)
         await self._producer.start()
@@ -248,6 +284,8 @@ class AnalyticsService:
         for sample in decoded.gpu:
             self._classifier.observe(sample)
         now = self._clock()
+        if now - self._last_headroom >= self._headroom_refresh_s:
+            await self._refresh_headroom(now)
         ticked = now - self._last_tick >= self._publish_interval_s
         if ticked:
             self._classifier.tick(now)
@@ -295,6 +333,11 @@ class AnalyticsService:
         """The current capacity update of every GPU known, by GPU key (predictions as of each
         GPU's latest sample) — the live view of the demo."""
         return {key: self._update(st) for key, st in self._classifier.statuses().items()}
+
+    def headroom(self) -> dict[str, float]:
+        """The fabric headroom (0..1, not clamped) per host, as of the latest refresh (a copy;
+        hosts of unknown headroom are absent)."""
+        return dict(self._headroom)
 
     def partitions(self) -> set[TopicPartition]:
         """The telemetry partitions this instance owns now (empty before :meth:`start`)."""
@@ -351,6 +394,36 @@ class AnalyticsService:
         self._published_at.pop(key, None)
         self._trace_headers.pop(key, None)
         self._stored_state.pop(key, None)
+        self._blocked_since.pop(key, None)
+
+    async def _refresh_headroom(self, now: float) -> None:
+        """Reload every host's headroom with one query (``node_headroom_over``); a failure is
+        logged and keeps the previous values until the next period."""
+        store = self._store
+        if store is None:
+            return
+        self._last_headroom = now
+        try:
+            _, rows = await self._in_thread(
+                store.sql,
+                "SELECT host, headroom FROM node_headroom_over(?) WHERE headroom IS NOT NULL",
+                [self._headroom_window_s],
+            )
+        except Exception as exc:
+            log.error("analytics_headroom_failed", extra={"error": repr(exc)})
+            return
+        self._headroom = {str(host): float(h) for host, h in rows}
+        low = sorted(h for h, v in self._headroom.items() if v < self.min_headroom)
+        if low:
+            log.info("analytics_headroom_low", extra={"hosts": low, "min_headroom": self.min_headroom})
+
+    def _blocked(self, st: GpuStatus) -> bool:
+        """True when idle GPU ``st`` is held back because its host's known headroom is below
+        ``min_headroom`` (unknown headroom never blocks)."""
+        if st.state is not GpuState.IDLE:
+            return False
+        h = self._headroom.get(st.host)
+        return h is not None and h < self.min_headroom
 
     async def _in_thread(self, fn: Callable[..., _T], *args: object) -> _T:
         """Run a store call in a worker thread. Shielded: if the step is cancelled the call still
@@ -455,6 +528,21 @@ class AnalyticsService:
         return out
 
     def _update(self, st: GpuStatus) -> CapacityUpdate:
+        headroom = self._headroom.get(st.host)
+        if self._blocked(st):
+            return CapacityUpdate(
+                ts=st.ts,
+                host=st.host,
+                gpu_uuid=st.gpu_uuid,
+                gpu_instance_id=st.gpu_instance_id,
+                model_name=st.model_name,
+                state=GpuState.UNKNOWN,
+                since=self._blocked_since.get(st.key, st.ts),
+                reason="fabric_headroom",
+                fb_total_mib=st.fb_total_mib,
+                headroom=headroom,
+                pool=self.pool,
+            )
         until = confidence = None
         if st.state is GpuState.IDLE:
             pred = self._predictor.predict(st.key, st.since, st.ts, pool=self.pool)
@@ -472,6 +560,7 @@ class AnalyticsService:
             confidence=confidence,
             reason=st.reason,
             fb_total_mib=st.fb_total_mib,
+            headroom=headroom,
             pool=self.pool,
         )
 
@@ -480,11 +569,17 @@ class AnalyticsService:
         for key, st in self._classifier.statuses().items():
             if st.state is GpuState.IDLE:
                 self._seen_idle.add(key)
+            blocked = self._blocked(st)
+            if blocked:
+                self._blocked_since.setdefault(key, st.ts)
+            else:
+                self._blocked_since.pop(key, None)
+            state, grade = (GpuState.UNKNOWN, None) if blocked else (st.state, st.grade)
             last = self._published.get(key)
             if (
                 last is None
-                or last.state is not st.state
-                or last.grade != st.grade
+                or last.state is not state
+                or last.grade != grade
                 or now - self._published_at.get(key, float("-inf")) >= self._refresh_s
             ):
                 due.append(self._update(st))

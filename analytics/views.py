@@ -76,7 +76,11 @@ def _intervals_select(source: str) -> str:
            port_xmit_wait_delta AS xmit_wait_ticks,
            CASE WHEN port_xmit_data_delta IS NOT NULL AND rate_bytes_per_second > 0
                 THEN (4 * port_xmit_data_delta)::DOUBLE / (port_xmit_data_dt_s * rate_bytes_per_second)
-           END AS utilisation
+           END AS utilisation,
+           port_rcv_data_dt_s AS rcv_dt_s,
+           CASE WHEN port_rcv_data_delta IS NOT NULL AND rate_bytes_per_second > 0
+                THEN (4 * port_rcv_data_delta)::DOUBLE / (port_rcv_data_dt_s * rate_bytes_per_second)
+           END AS rcv_utilisation
     FROM (
         SELECT *,{_counter_interval("port_xmit_data", "PortXmitData")},
                {_counter_interval("port_rcv_data", "PortRcvData")},
@@ -210,6 +214,8 @@ IB_PORT_INTERVALS = View(
         ("dt_s", "seconds since the previous read that had PortXmitData"),
         ("xmit_wait_ticks", "ΔPortXmitWait, ticks (HUGEINT)"),
         ("utilisation", "4·xmit_data_words / (dt_s·rate_bytes_per_second), 0..1 (not clamped)"),
+        ("rcv_dt_s", "seconds since the previous read that had PortRcvData"),
+        ("rcv_utilisation", "4·rcv_data_words / (rcv_dt_s·rate_bytes_per_second), 0..1 (not clamped)"),
     ),
     sql=f"CREATE OR REPLACE VIEW ib_port_intervals AS {_intervals_select('ib_port_samples')}",
 )
@@ -250,7 +256,11 @@ _HEADROOM_BODY = f"""
            sum(xmit_wait_ticks) FILTER (WHERE xmit_data_words IS NOT NULL) AS xmit_wait_ticks,
            sum(xmit_data_words) FILTER (WHERE xmit_wait_ticks IS NOT NULL) AS xmit_data_words,
            (sum(xmit_wait_ticks) FILTER (WHERE xmit_data_words IS NOT NULL))::DOUBLE
-             / nullif(sum(xmit_wait_ticks + xmit_data_words), 0) AS xmit_wait_fraction
+             / nullif(sum(xmit_wait_ticks + xmit_data_words), 0) AS xmit_wait_fraction,
+           count(rcv_utilisation) AS rcv_intervals,
+           quantile_cont(rcv_utilisation, 0.95) AS rcv_utilisation_p95,
+           1 - greatest(quantile_cont(utilisation, 0.95), quantile_cont(rcv_utilisation, 0.95))
+             AS port_headroom
     FROM iv GROUP BY port_key"""
 
 FABRIC_HEADROOM = View(
@@ -277,6 +287,13 @@ FABRIC_HEADROOM = View(
             "ΣΔPortXmitWait and ΣΔPortXmitData (HUGEINT) of the intervals where both are valid",
         ),
         ("xmit_wait_fraction", "xmit_wait_ticks / (xmit_wait_ticks + xmit_data_words), 0..1"),
+        ("rcv_intervals", "intervals with a receive utilisation in the window"),
+        ("rcv_utilisation_p95", "95th percentile (continuous) of `rcv_utilisation`, 0..1"),
+        (
+            "port_headroom",
+            "1 − the larger of utilisation_p95 and rcv_utilisation_p95 (either alone when the "
+            "other is NULL): the port's headroom in its busier direction",
+        ),
     ),
     sql=f"CREATE OR REPLACE VIEW fabric_headroom AS SELECT * FROM fabric_headroom_over({HEADROOM_WINDOW_S})",
 )
@@ -288,6 +305,28 @@ FABRIC_HEADROOM_OVER = View(
     sql=f"CREATE OR REPLACE MACRO fabric_headroom_over(window_s) AS TABLE {_HEADROOM_BODY}",
 )
 
+NODE_HEADROOM_OVER = View(
+    name="node_headroom_over(window_s)",
+    summary=(
+        "Table macro: one row per host with InfiniBand reads, the headroom of its busiest port in "
+        "its busier direction over the last `window_s` seconds of each port "
+        "(`fabric_headroom_over(window_s)`): what `analytics.service` puts on every capacity "
+        "update of the host's GPUs. A host whose ports have no valid interval yet has NULL "
+        "headroom (unknown). Switch ports read from the fabric carry the switch's description as "
+        "`host` and so match no GPU host."
+    ),
+    columns=(
+        ("host", "host name, as on `ib_port_samples` (and on the GPU samples of that host)"),
+        ("ports", "ports of the host in the window"),
+        ("busiest_port_key", "port_key of the port with the least headroom (NULL if unknown)"),
+        ("headroom", "min over the host's ports of `port_headroom`, 0..1 (not clamped); NULL if unknown"),
+    ),
+    sql="""CREATE OR REPLACE MACRO node_headroom_over(window_s) AS TABLE
+    SELECT host, count(*) AS ports, arg_min(port_key, port_headroom) AS busiest_port_key,
+           min(port_headroom) AS headroom
+    FROM fabric_headroom_over(window_s) GROUP BY host""",
+)
+
 VIEWS: tuple[View, ...] = (
     GPU_STATE_NOW,
     IDLE_WINDOWS,
@@ -295,6 +334,7 @@ VIEWS: tuple[View, ...] = (
     IB_PORT_INTERVALS_BETWEEN,
     FABRIC_HEADROOM_OVER,
     FABRIC_HEADROOM,
+    NODE_HEADROOM_OVER,
 )
 """Every view and macro, in creation order (a view after the macros it uses)."""
 

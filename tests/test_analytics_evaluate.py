@@ -23,7 +23,9 @@ from analytics.evaluate import (
     VariantResult,
     evaluate,
     read_trace,
+    service_variant,
 )
+from analytics.predict import PredictorConfig
 
 TRACE_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "traces" / "alibaba_genai_2026"
 STEP = 57.0
@@ -109,6 +111,29 @@ def test_history_variants_differ_only_in_what_they_learn_from() -> None:
     """``gpu`` only: b and c never have history of their own, so only a is promised."""
     (r,) = evaluate(_three_pods(), CFG, [Variant("gpu", "gpu")]).results
     assert (r.promises, r.broken, r.offerable_samples) == (4, 0, 4)
+
+
+def test_the_service_row_follows_the_predictor_default() -> None:
+    """:data:`RECOMMENDED` is what the service runs: built from :class:`PredictorConfig`'s
+    defaults, and it moves with them."""
+    d = PredictorConfig()
+    assert (RECOMMENDED.history, RECOMMENDED.pool_runs, RECOMMENDED.policy) == (
+        d.history,
+        d.max_runs_per_pool,
+        "renew_each_sample",
+    )
+    assert RECOMMENDED == service_variant(d)
+    other = service_variant(PredictorConfig(history="gpu+pool", max_runs_per_pool=64))
+    assert (other.history, other.pool_runs) == ("gpu+pool", 64) and other.name != RECOMMENDED.name
+
+
+def test_pool_history_reads_the_pool_level_only() -> None:
+    """Every run of the 3-pod trace lasts 171 s, so reading the pool only gives exactly the
+    hand-worked promises of ``gpu+pool`` (a's runs are in the pool as well), while ``gpu`` alone
+    promises only for a (b and c have no run of their own)."""
+    pool, gpu = evaluate(_three_pods(), CFG, [Variant("pool", "pool"), Variant("gpu", "gpu")]).results
+    assert (pool.promises, pool.broken, pool.unverifiable, pool.offerable_samples) == (8, 1, 2, 6)
+    assert (gpu.promises, gpu.broken, gpu.offerable_samples) == (4, 0, 4)
 
 
 def test_evaluate_rejects_bad_input() -> None:

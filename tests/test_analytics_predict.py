@@ -56,7 +56,13 @@ def test_curve_rejects_bad_input() -> None:
 
 def test_predictor_falls_back_from_gpu_to_pool_to_default() -> None:
     p = IdlePredictor(
-        PredictorConfig(confidence=0.9, min_at_risk=5, default_remaining_s=60.0, default_confidence=0.5)
+        PredictorConfig(
+            confidence=0.9,
+            min_at_risk=5,
+            default_remaining_s=60.0,
+            default_confidence=0.5,
+            history="gpu+pool",
+        )
     )
     pred = p.predict("g1", since=1000.0, now=1100.0)
     assert (pred.basis, pred.idle_until, pred.confidence, pred.runs) == ("default", 1160.0, 0.5, 0)
@@ -98,7 +104,7 @@ def test_promises_hold_at_the_stated_confidence_on_fresh_runs(age: float) -> Non
     outlasted ``age``, the share still idle at the promised time is at least the confidence
     (less a sampling margin)."""
     rng = random.Random(7)
-    p = IdlePredictor(PredictorConfig(confidence=0.9, max_runs_per_gpu=5000))
+    p = IdlePredictor(PredictorConfig(confidence=0.9, max_runs_per_gpu=5000, history="gpu+pool"))
     for _ in range(3000):
         p.observe("g", rng.lognormvariate(5.7, 1.2))
     pred = p.predict("g", since=0.0, now=age)
@@ -121,8 +127,31 @@ def test_a_run_that_reached_an_age_is_a_peer_of_runs_that_ended_at_it() -> None:
     assert curve.remaining(120.0, 0.9) == pytest.approx(480.0)
     # One sample later only the long runs remain: promised to their end.
     assert curve.remaining(180.0, 0.95) == pytest.approx(420.0)
-    p = IdlePredictor(PredictorConfig(confidence=0.95, min_at_risk=5))
+    p = IdlePredictor(PredictorConfig(confidence=0.95, min_at_risk=5, history="gpu+pool"))
     for d in [120.0] * 10 + [600.0] * 90:
         p.observe("g", d)
     pred = p.predict("g", since=1000.0, now=1120.0)
     assert pred.basis == "gpu" and pred.idle_until == pytest.approx(1120.0)  # nothing promised
+
+
+def test_default_reads_only_the_pools_recent_runs() -> None:
+    """The default (``history="pool"``, 512 runs): a GPU's own long history is ignored, and only
+    the pool's latest 512 runs count."""
+    cfg = PredictorConfig(min_at_risk=5)
+    assert (cfg.history, cfg.max_runs_per_pool) == ("pool", 512)
+    p = IdlePredictor(cfg)
+    for _ in range(10):
+        p.observe("g1", 1000.0)  # g1's own runs: long
+    pred = p.predict("g1", since=0.0, now=100.0)
+    assert pred.basis == "pool" and pred.runs == 10
+    for i in range(512):
+        p.observe(f"other{i}", 50.0)  # the pool's newest 512 runs: all shorter than age 100
+    assert p.history_size("g1") == 10  # per-GPU runs are still kept
+    # The ten 1000 s runs left the pool's window: no history outlasts age 100.
+    assert p.predict("g1", since=0.0, now=100.0).basis == "default"
+    gp = IdlePredictor(PredictorConfig(min_at_risk=5, history="gpu+pool"))
+    for _ in range(10):
+        gp.observe("g1", 1000.0)
+    assert gp.predict("g1", since=0.0, now=100.0).basis == "gpu"
+    with pytest.raises(ValueError):
+        PredictorConfig(history="gpu")  # type: ignore[arg-type]
