@@ -46,30 +46,18 @@ pidfile="$state/kafka.pid"
 portsfile="$state/ports"
 bootstrapfile="$state/bootstrap"
 
-_die() {
-    echo "kafka: $*" >&2
-    exit 1
-}
+svc=kafka
+# shellcheck source=deploy/local/service-lib.sh
+. "$here/service-lib.sh"
 
-_log_tail() {
+_log_tails() {
     # The end of the broker's logs, for a failure message.
-    local f
-    for f in "$logs/server.log" "$logs/stdout.log" "$state/format.log"; do
-        if [ -s "$f" ]; then
-            echo "---- tail of $f" >&2
-            tail -n 30 "$f" >&2
-        fi
-    done
+    _log_tail "$logs/server.log" "$logs/stdout.log" "$state/format.log"
 }
 
 _pid() {
-    # Print the pid of *this state dir's* broker if it runs (a stale or reused pid is not it).
-    local pid
-    [ -f "$pidfile" ] || return 1
-    pid="$(cat "$pidfile")"
-    [ -n "$pid" ] && [ -r "/proc/$pid/cmdline" ] || return 1
-    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -qF "kafka.Kafka $conf" || return 1
-    echo "$pid"
+    # The pid of *this state dir's* broker, if it runs.
+    _pid_matching "kafka.Kafka $conf"
 }
 
 _ready() {
@@ -77,13 +65,6 @@ _ready() {
     local args=("$(cat "$bootstrapfile")" --timeout "$1")
     [ -n "${2:-}" ] && args+=(--pid "$2")
     "$py" "$here/kafka_ready.py" "${args[@]}"
-}
-
-_lock() {
-    # Serialise start/stop of one state dir (two test sessions, or a script and a test).
-    mkdir -p "$state"
-    exec 9>"$state/.lock"
-    flock -w 180 9 || _die "another kafka.sh holds $state/.lock"
 }
 
 _write_config() {
@@ -148,10 +129,10 @@ while True:
 }
 
 cmd_start() {
-    _lock
+    _lock 180
     local pid
     if pid="$(_pid)"; then
-        _ready "$start_timeout" "$pid" >/dev/null 2>&1 || { _log_tail; _die "running (pid $pid) but not answering on $(cat "$bootstrapfile")"; }
+        _ready "$start_timeout" "$pid" >/dev/null 2>&1 || { _log_tails; _die "running (pid $pid) but not answering on $(cat "$bootstrapfile")"; }
         cat "$bootstrapfile"
         return 0
     fi
@@ -173,7 +154,7 @@ cmd_start() {
     if [ ! -f "$data/meta.properties" ]; then
         if ! java -Xmx256m -XX:TieredStopAtLevel=1 "${java_opts[@]}" -cp "$libs/*" kafka.tools.StorageTool format --standalone \
                 -t "$(_cluster_id)" -c "$conf" >"$state/format.log" 2>&1; then
-            _log_tail
+            _log_tails
             _die "StorageTool format failed"
         fi
     fi
@@ -188,7 +169,7 @@ cmd_start() {
     _ready "$start_timeout" "$pid" 2>"$state/ready.err" || rc=$?
     if [ "$rc" -ne 0 ]; then
         cat "$state/ready.err" >&2
-        _log_tail
+        _log_tails
         kill -KILL "$pid" 2>/dev/null || true
         rm -f "$pidfile"
         [ "$rc" -eq 3 ] && _die "the broker JVM exited during start (see the logs above)"
@@ -198,25 +179,8 @@ cmd_start() {
 }
 
 cmd_stop() {
-    _lock
-    local pid i
-    if ! pid="$(_pid)"; then
-        rm -f "$pidfile"
-        echo "kafka: not running" >&2
-        return 0
-    fi
-    kill -TERM "$pid" 2>/dev/null || true
-    for ((i = 0; i < stop_timeout * 10; i++)); do
-        kill -0 "$pid" 2>/dev/null || break
-        sleep 0.1
-    done
-    if kill -0 "$pid" 2>/dev/null; then
-        echo "kafka: pid $pid still running after ${stop_timeout} s; SIGKILL" >&2
-        kill -KILL "$pid" 2>/dev/null || true
-        while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
-    fi
-    rm -f "$pidfile"
-    echo "kafka: stopped" >&2
+    _lock 180
+    _stop "$stop_timeout"
 }
 
 cmd_status() {

@@ -31,29 +31,17 @@ creds="$state/credentials.json"
 pidfile="$state/mosquitto.pid"
 portfile="$state/port"
 
-_die() {
-    echo "mosquitto: $*" >&2
-    exit 1
-}
+svc=mosquitto
+# shellcheck source=deploy/local/service-lib.sh
+. "$here/service-lib.sh"
 
-_log_tail() {
-    local f
-    for f in "$state/mosquitto.log" "$state/stdout.log"; do
-        if [ -s "$f" ]; then
-            echo "---- tail of $f" >&2
-            tail -n 30 "$f" >&2
-        fi
-    done
+_log_tails() {
+    _log_tail "$state/mosquitto.log" "$state/stdout.log"
 }
 
 _pid() {
-    # Print the pid of *this state dir's* mosquitto if it runs.
-    local pid
-    [ -f "$pidfile" ] || return 1
-    pid="$(cat "$pidfile")"
-    [ -n "$pid" ] && [ -r "/proc/$pid/cmdline" ] || return 1
-    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -qF -- "-c $conf" || return 1
-    echo "$pid"
+    # The pid of *this state dir's* mosquitto, if it runs.
+    _pid_matching "-c $conf"
 }
 
 _ready() {
@@ -67,18 +55,12 @@ _address() {
     echo "127.0.0.1:$(cat "$portfile")"
 }
 
-_lock() {
-    mkdir -p "$state"
-    chmod 700 "$state"
-    exec 9>"$state/.lock"
-    flock -w 60 9 || _die "another mosquitto.sh holds $state/.lock"
-}
-
 cmd_start() {
-    _lock
+    _lock 60
+    chmod 700 "$state"
     local pid port
     if pid="$(_pid)"; then
-        _ready "$start_timeout" "$pid" >/dev/null 2>&1 || { _log_tail; _die "running (pid $pid) but refusing logins"; }
+        _ready "$start_timeout" "$pid" >/dev/null 2>&1 || { _log_tails; _die "running (pid $pid) but refusing logins"; }
         _address
         return 0
     fi
@@ -99,7 +81,7 @@ cmd_start() {
     _ready "$start_timeout" "$pid" 2>"$state/ready.err" || rc=$?
     if [ "$rc" -ne 0 ]; then
         cat "$state/ready.err" >&2
-        _log_tail
+        _log_tails
         kill -KILL "$pid" 2>/dev/null || true
         rm -f "$pidfile"
         [ "$rc" -eq 3 ] && _die "mosquitto exited during start (see the logs above)"
@@ -109,25 +91,9 @@ cmd_start() {
 }
 
 cmd_stop() {
-    _lock
-    local pid i
-    if ! pid="$(_pid)"; then
-        rm -f "$pidfile"
-        echo "mosquitto: not running" >&2
-        return 0
-    fi
-    kill -TERM "$pid" 2>/dev/null || true
-    for ((i = 0; i < 100; i++)); do
-        kill -0 "$pid" 2>/dev/null || break
-        sleep 0.1
-    done
-    if kill -0 "$pid" 2>/dev/null; then
-        echo "mosquitto: pid $pid still running after 10 s; SIGKILL" >&2
-        kill -KILL "$pid" 2>/dev/null || true
-        while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
-    fi
-    rm -f "$pidfile"
-    echo "mosquitto: stopped" >&2
+    _lock 60
+    chmod 700 "$state"
+    _stop 10
 }
 
 cmd_status() {

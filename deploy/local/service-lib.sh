@@ -1,0 +1,61 @@
+# Shared by deploy/local/kafka.sh and deploy/local/mosquitto.sh (sourced, not run).
+#
+# Each script sets `svc` (its name, for messages), `state` (its state dir) and `pidfile`, then uses:
+#   _die MESSAGE...                 print "<svc>: MESSAGE" on stderr and exit 1
+#   _log_tail FILE...               print the last 30 lines of each non-empty FILE on stderr
+#   _pid_matching PATTERN           print the pid in $pidfile if that process runs and its command
+#                                   line contains PATTERN (a stale or reused pid is not ours)
+#   _lock SECONDS                   serialise start/stop of one state dir (flock on fd 9)
+#   _stop SECONDS                   SIGTERM the pid from _pid, SIGKILL after SECONDS, remove $pidfile
+# Scripts define `_pid` themselves (with their own PATTERN) before calling _stop.
+
+_die() {
+    echo "$svc: $*" >&2
+    exit 1
+}
+
+_log_tail() {
+    local f
+    for f in "$@"; do
+        if [ -s "$f" ]; then
+            echo "---- tail of $f" >&2
+            tail -n 30 "$f" >&2
+        fi
+    done
+}
+
+_pid_matching() {
+    local pid
+    [ -f "$pidfile" ] || return 1
+    pid="$(cat "$pidfile")"
+    [ -n "$pid" ] && [ -r "/proc/$pid/cmdline" ] || return 1
+    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -qF -- "$1" || return 1
+    echo "$pid"
+}
+
+_lock() {
+    mkdir -p "$state"
+    exec 9>"$state/.lock"
+    flock -w "$1" 9 || _die "another $svc script holds $state/.lock"
+}
+
+_stop() {
+    local timeout="$1" pid i
+    if ! pid="$(_pid)"; then
+        rm -f "$pidfile"
+        echo "$svc: not running" >&2
+        return 0
+    fi
+    kill -TERM "$pid" 2>/dev/null || true
+    for ((i = 0; i < timeout * 10; i++)); do
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.1
+    done
+    if kill -0 "$pid" 2>/dev/null; then
+        echo "$svc: pid $pid still running after ${timeout} s; SIGKILL" >&2
+        kill -KILL "$pid" 2>/dev/null || true
+        while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
+    fi
+    rm -f "$pidfile"
+    echo "$svc: stopped" >&2
+}
