@@ -58,7 +58,12 @@ _RATIO_TOLERANCE = 1e-3
 
 
 class SampleLike(Protocol):
-    """What the classifier reads from a sample; :class:`contracts.GpuSample` satisfies it."""
+    """What the classifier reads from a sample; :class:`contracts.GpuSample` satisfies it.
+
+    Each member has the meaning and units of the :class:`contracts.GpuSample` field of the same
+    name (``ts`` Unix seconds; ``fields`` valid values by DCGM field name; ``invalid`` rejected
+    field → reason; ``key`` the :func:`contracts.topics.gpu_key` identity).
+    """
 
     @property
     def ts(self) -> float: ...

@@ -17,18 +17,15 @@ messages); Kafka is the session's node (``kafka_bootstrap``) with a fresh topic 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-import aiomqtt
 import pytest
 
 from broker.edge import EdgeClient
@@ -38,48 +35,25 @@ from contracts import (
     GpuState,
     KafkaTopics,
     LeaseLogRecord,
-    LeaseMessage,
     LeaseState,
-    MqttTopics,
     Offer,
     PoolDemand,
-    decode,
     encode,
 )
 from contracts.bus.kafka import KafkaBus
+
+from tests.mqtt_support import retained_leases, until
 
 pytestmark = pytest.mark.integration
 
 T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parents[1]
-MOSQUITTO_SH = REPO / "deploy" / "local" / "mosquitto.sh"
 NOTICE_S = 8.0
 """Reclaim notice of every lease, seconds: the kill and the restart happen inside it."""
 LEASE_TTL_S = 30.0
 TICK_SLACK_S = 1.0
 """A deadline is enforced by the broker's tick (every 0.5 s): revoked within this of it."""
-
-
-def _mosquitto(state: Path, action: str) -> subprocess.CompletedProcess[str]:
-    """``deploy/local/mosquitto.sh <action>`` on the private state dir ``state``."""
-    env = {**os.environ, "GPUPOOL_STATE": str(state)}
-    return subprocess.run(
-        ["bash", str(MOSQUITTO_SH), action], env=env, capture_output=True, text=True, timeout=90, check=False
-    )
-
-
-@pytest.fixture
-def private_mosquitto(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    """A Mosquitto of this test only (ACL, per-site users, persistence); credentials as in
-    ``credentials.json``. Stopped (by the script, by its pid) after the test."""
-    state = tmp_path / "state"
-    done = _mosquitto(state, "start")
-    if done.returncode != 0:
-        pytest.fail(f"mosquitto.sh start failed:\n{done.stdout}\n{done.stderr}", pytrace=False)
-    creds: dict[str, Any] = json.loads((state / "mosquitto" / "credentials.json").read_text())
-    yield creds
-    _mosquitto(state, "stop")
 
 
 class _BrokerProcess:
@@ -126,41 +100,6 @@ class _BrokerProcess:
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-
-async def _until(pred: Callable[[], T | None], timeout_s: float, what: str) -> T:
-    """Poll ``pred`` every 20 ms until it returns something truthy; return that."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"{what}: not within {timeout_s} s")
-
-
-async def _retained_leases(creds: dict[str, Any], site: str, root: str) -> dict[str, LeaseMessage]:
-    """The retained lease messages of ``site`` on the server, read by a fresh client of that site."""
-    mt = MqttTopics(root)
-    found: dict[str, LeaseMessage] = {}
-    async with aiomqtt.Client(
-        creds["host"],
-        creds["port"],
-        username=site,
-        password=creds["users"][site],
-        identifier=f"probe-{uuid.uuid4().hex[:10]}",
-        protocol=aiomqtt.ProtocolVersion.V5,
-    ) as c:
-        await c.subscribe(mt.leases_filter(site), qos=1)
-        try:
-            async with asyncio.timeout(1.0):
-                async for msg in c.messages:
-                    if msg.retain and msg.payload:
-                        lease = decode(LeaseMessage, bytes(msg.payload))  # type: ignore[arg-type]
-                        found[lease.lease_id] = lease
-        except TimeoutError:
-            pass
-    return found
 
 
 async def _lease_log(bootstrap: str, topics: KafkaTopics) -> list[LeaseLogRecord]:
@@ -266,7 +205,7 @@ async def test_sigkill_during_a_reclaim_keeps_leases_and_the_deadline(
     try:
         async with site:
             # two leases, one GPU each, both renewed (active)
-            offers: dict[str, Offer] = await _until(
+            offers: dict[str, Offer] = await until(
                 lambda: (
                     {o.host: o for o in site.known_offers.values() if o.host in hosts}
                     if {o.host for o in site.known_offers.values()} >= set(hosts)
@@ -294,9 +233,9 @@ async def test_sigkill_during_a_reclaim_keeps_leases_and_the_deadline(
             assert broker.alive(), broker.log_tail()
             assert broker.kill() == -signal.SIGKILL
             killed_at = time.time()
-            await _until(lambda: site.broker_online is False, 10, "the broker's Last Will (offline)")
+            await until(lambda: site.broker_online is False, 10, "the broker's Last Will (offline)")
             broker.start()
-            await _until(lambda: site.broker_online is True, 30, "the restarted broker's birth")
+            await until(lambda: site.broker_online is True, 30, "the restarted broker's birth")
             up_at = time.time()
             assert up_at < deadline - 1.0, (
                 f"the restarted broker took {up_at - killed_at:.1f} s to come back: the reclaim "
@@ -305,7 +244,7 @@ async def test_sigkill_during_a_reclaim_keeps_leases_and_the_deadline(
             )
 
             # both leases intact on MQTT: one active, one reclaiming with the same deadline
-            retained = await _retained_leases(creds, "edge-a", root)
+            retained = await retained_leases(creds, "edge-a", root)
             assert retained[keep.lease_id].state is LeaseState.ACTIVE
             assert retained[take.lease_id].state is LeaseState.RECLAIMING
             assert retained[take.lease_id].reclaim_deadline == deadline
@@ -322,7 +261,7 @@ async def test_sigkill_during_a_reclaim_keeps_leases_and_the_deadline(
             assert deadline <= final.ts <= deadline + TICK_SLACK_S
             assert time.time() <= deadline + TICK_SLACK_S + 0.5, "the revocation reached the site late"
             await site.renew(keep.lease_id)  # still live after the revocation
-            retained = await _retained_leases(creds, "edge-a", root)
+            retained = await retained_leases(creds, "edge-a", root)
             assert retained[take.lease_id].state is LeaseState.REVOKED
             assert retained[keep.lease_id].state is LeaseState.ACTIVE
             # the reclaimed GPU is held for training: not offered again

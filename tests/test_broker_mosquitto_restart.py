@@ -17,17 +17,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
-import os
-import subprocess
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import aiomqtt
 import pytest
 
 from broker.config import BrokerConfig
@@ -40,7 +36,6 @@ from contracts import (
     LeaseLogRecord,
     LeaseMessage,
     LeaseState,
-    MqttTopics,
     Offer,
     PoolDemand,
     decode,
@@ -48,12 +43,13 @@ from contracts import (
 )
 from contracts.bus import MemoryBus
 
+from tests.mqtt_support import mosquitto_script_async, retained_leases, until
+
 pytestmark = pytest.mark.integration
 
 T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parents[1]
-MOSQUITTO_SH = REPO / "deploy" / "local" / "mosquitto.sh"
 TOPICS = KafkaTopics()
 CFG = BrokerConfig(
     offer_ttl_s=60,
@@ -65,54 +61,6 @@ CFG = BrokerConfig(
 )
 RENEW_EVERY_S = 1.0
 DOWN_S = 3.0
-
-
-def _mosquitto(state: Path, action: str) -> subprocess.CompletedProcess[str]:
-    """``deploy/local/mosquitto.sh <action>`` on the private state dir ``state``."""
-    env = {**os.environ, "GPUPOOL_STATE": str(state)}
-    return subprocess.run(
-        ["bash", str(MOSQUITTO_SH), action], env=env, capture_output=True, text=True, timeout=90, check=False
-    )
-
-
-async def _mosquitto_async(state: Path, action: str) -> tuple[int, str, str]:
-    """:func:`_mosquitto` without blocking the event loop (the clients keep running meanwhile);
-    returns ``(exit status, stdout, stderr)``."""
-    proc = await asyncio.create_subprocess_exec(
-        "bash",
-        str(MOSQUITTO_SH),
-        action,
-        env={**os.environ, "GPUPOOL_STATE": str(state)},
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 90)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
-
-
-@pytest.fixture
-def private_mosquitto(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    """A Mosquitto of this test only; its credentials plus ``"state"`` (the GPUPOOL_STATE dir)."""
-    state = tmp_path / "state"
-    done = _mosquitto(state, "start")
-    if done.returncode != 0:
-        pytest.fail(f"mosquitto.sh start failed:\n{done.stdout}\n{done.stderr}", pytrace=False)
-    creds: dict[str, Any] = json.loads((state / "mosquitto" / "credentials.json").read_text())
-    creds["state"] = state
-    yield creds
-    _mosquitto(state, "stop")
-
-
-async def _until(pred: Callable[[], T | None], timeout_s: float, what: str) -> T:
-    """Poll ``pred`` every 20 ms until it returns something truthy; return that."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"{what}: not within {timeout_s} s")
 
 
 @dataclass
@@ -217,27 +165,6 @@ def _site(creds: dict[str, Any], name: str, run_id: str) -> EdgeClient:
     )
 
 
-async def _retained_leases(creds: dict[str, Any], site: str) -> dict[str, LeaseMessage]:
-    """The retained lease messages of ``site`` on the server, read by a fresh client of that site."""
-    found: dict[str, LeaseMessage] = {}
-    async with aiomqtt.Client(
-        creds["host"],
-        creds["port"],
-        username=site,
-        password=creds["users"][site],
-        identifier=f"probe-{uuid.uuid4().hex[:10]}",
-        protocol=aiomqtt.ProtocolVersion.V5,
-    ) as c:
-        await c.subscribe(MqttTopics(creds["root"]).leases_filter(site), qos=1)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(1.0):
-                async for msg in c.messages:
-                    if msg.retain and msg.payload:
-                        lease = decode(LeaseMessage, bytes(msg.payload))  # type: ignore[arg-type]
-                        found[lease.lease_id] = lease
-    return found
-
-
 def _offer_on(client: EdgeClient, host: str) -> Offer | None:
     return next((o for o in client.known_offers.values() if o.host == host), None)
 
@@ -245,13 +172,13 @@ def _offer_on(client: EdgeClient, host: str) -> Offer | None:
 async def _claim_two(run: _SiteRun, hosts: list[str]) -> list[LeaseMessage]:
     leases = []
     for host in hosts:
-        offer: Offer = await _until(functools.partial(_offer_on, run.client, host), 10, f"offer of {host}")
+        offer: Offer = await until(functools.partial(_offer_on, run.client, host), 10, f"offer of {host}")
         leases.append(await run.client.claim(offer.offer_id, duration_seconds=600))
     return leases
 
 
 async def _reclaiming_logged(bus: MemoryBus, lease_id: str) -> LeaseLogRecord:
-    return await _until(
+    return await until(
         lambda: next(
             (r for r in _log(bus) if r.lease_id == lease_id and r.state is LeaseState.RECLAIMING), None
         ),
@@ -299,10 +226,10 @@ async def test_mosquitto_restart_mid_run_loses_no_lease_and_no_notice(
                 encode(PoolDemand(demand_id=f"before-{run_id}", ts=time.time(), gpus=b_take.gpus)),
             )
             b_reclaim = await _reclaiming_logged(bus, b_take.lease_id)
-            rc, _, err = await _mosquitto_async(creds["state"], "stop")
+            rc, _, err = await mosquitto_script_async(creds["state"], "stop")
             assert rc == 0, err
             down_at = time.time()
-            await _until(
+            await until(
                 lambda: not (a.client.connected or b.client.connected or svc.stats()["mqtt_connected"]),
                 5,
                 f"everyone notices the outage (a {a.client.connected}, b {b.client.connected}, "
@@ -315,13 +242,13 @@ async def test_mosquitto_restart_mid_run_loses_no_lease_and_no_notice(
             )
             a_reclaim = await _reclaiming_logged(bus, a_take.lease_id)
             await asyncio.sleep(max(0.0, down_at + DOWN_S - time.time()))
-            rc, out, err = await _mosquitto_async(creds["state"], "start")
+            rc, out, err = await mosquitto_script_async(creds["state"], "start")
             assert rc == 0, err
             assert out.strip().splitlines()[-1] == f"{creds['host']}:{creds['port']}", "the same port"
             up_at = time.time()
 
             # everyone comes back by themselves
-            await _until(
+            await until(
                 lambda: (
                     all(s.connected and s.reconnects >= 1 for s in (a.client, b.client))
                     and svc.stats()["mqtt_connected"]
@@ -332,9 +259,9 @@ async def test_mosquitto_restart_mid_run_loses_no_lease_and_no_notice(
 
             # both notices arrive, with the deadlines the broker logged; the sites release in time
             for run, rec in ((a, a_reclaim), (b, b_reclaim)):
-                seen = await _until(functools.partial(run.first_reclaim, rec.lease_id), 10, "notice")
+                seen = await until(functools.partial(run.first_reclaim, rec.lease_id), 10, "notice")
                 assert seen[1].reclaim_deadline == rec.reclaim_deadline
-                await _until(functools.partial(run.released.get, rec.lease_id), 10, "release")
+                await until(functools.partial(run.released.get, rec.lease_id), 10, "release")
                 assert rec.reclaim_deadline is not None and run.released[rec.lease_id] < rec.reclaim_deadline
             # (made while everyone was cut off: it can only have come through after the restart)
             a_seen = a.first_reclaim(a_take.lease_id)
@@ -360,7 +287,7 @@ async def test_mosquitto_restart_mid_run_loses_no_lease_and_no_notice(
             assert st["reclaims"].get("released_in_notice") == 2 and st["expired"] == 0
             # the server's retained state agrees with the book
             for site, keep, take in (("edge-a", a_keep, a_take), ("edge-b", b_keep, b_take)):
-                retained = await _retained_leases(creds, site)
+                retained = await retained_leases(creds, site)
                 assert retained[keep.lease_id].state is LeaseState.ACTIVE
                 assert retained[keep.lease_id].expires_at > time.time()
                 assert retained[take.lease_id].state is LeaseState.RELEASED

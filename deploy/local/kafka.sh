@@ -183,18 +183,12 @@ cmd_stop() {
     _stop "$stop_timeout"
 }
 
+_address() {
+    cat "$bootstrapfile"
+}
+
 cmd_status() {
-    local pid
-    if ! pid="$(_pid)"; then
-        echo "kafka: not running" >&2
-        return 1
-    fi
-    if _ready 5 "$pid" >/dev/null 2>&1; then
-        cat "$bootstrapfile"
-        return 0
-    fi
-    echo "kafka: running (pid $pid) but not answering on $(cat "$bootstrapfile")" >&2
-    return 2
+    _status 5
 }
 
 case "${1:-}" in

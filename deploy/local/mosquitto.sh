@@ -97,17 +97,7 @@ cmd_stop() {
 }
 
 cmd_status() {
-    local pid
-    if ! pid="$(_pid)"; then
-        echo "mosquitto: not running" >&2
-        return 1
-    fi
-    if _ready 3 "$pid" >/dev/null 2>&1; then
-        _address
-        return 0
-    fi
-    echo "mosquitto: running (pid $pid) but refusing logins on $(_address)" >&2
-    return 2
+    _status 3
 }
 
 case "${1:-}" in

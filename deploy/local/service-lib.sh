@@ -7,7 +7,8 @@
 #                                   line contains PATTERN (a stale or reused pid is not ours)
 #   _lock SECONDS                   serialise start/stop of one state dir (flock on fd 9)
 #   _stop SECONDS                   SIGTERM the pid from _pid, SIGKILL after SECONDS, remove $pidfile
-# Scripts define `_pid` themselves (with their own PATTERN) before calling _stop.
+#   _status SECONDS                 exit-code status (0 answering, 1 not running, 2 not answering)
+# Scripts define `_pid`, `_ready TIMEOUT PID` and `_address` themselves.
 
 _die() {
     echo "$svc: $*" >&2
@@ -58,4 +59,20 @@ _stop() {
     fi
     rm -f "$pidfile"
     echo "$svc: stopped" >&2
+}
+
+_status() {
+    # _status SECONDS: print the address (from the script's _address) and return 0 if the service
+    # runs and answers _ready within SECONDS; 1 if it does not run; 2 if it runs but does not answer.
+    local pid
+    if ! pid="$(_pid)"; then
+        echo "$svc: not running" >&2
+        return 1
+    fi
+    if _ready "$1" "$pid" >/dev/null 2>&1; then
+        _address
+        return 0
+    fi
+    echo "$svc: running (pid $pid) but not answering on $(_address)" >&2
+    return 2
 }
