@@ -75,7 +75,7 @@ async def _pipeline(bodies: list[str], producer: Producer, min_cpu_s: float) -> 
         for body in bodies:
             parsed = parse_dcgm_exporter(body, ts=time.time(), target="bench", seq_start=seq)
             for s in parsed.samples:
-                await producer.send(topic, encode(s), key=s.key)
+                await producer.send(topic, encode(s), key=s.partition_key)
             seq += len(parsed.samples)
             samples += len(parsed.samples)
         await producer.flush()

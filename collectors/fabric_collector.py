@@ -450,7 +450,7 @@ class FabricCollector:
             for part in await asyncio.gather(*(one(n, p) for n, p in group)):
                 samples.extend(part)
         for s in samples:
-            await self._publish(self._topics.telemetry_ib_port, s.key, encode(s))
+            await self._publish(self._topics.telemetry_ib_port, s.partition_key, encode(s))
         m.SAMPLES.inc(len(samples))
         m.SWEEP_DURATION.observe(time.perf_counter() - t0)
         return samples

@@ -4,6 +4,19 @@ Port state comes from discovery (``ibnetdiscover -p``): a listed port with a pee
 physical link up (``phys_state`` 5 ``LinkUp``; the logical state, INIT..ACTIVE, is not in that
 output and stays ``None``); a port without a peer, or one seen connected before and missing now,
 is down (``state`` 1 ``DOWN``; its physical state, Polling/Disabled/Sleep, is unknown).
+
+Host of a fabric-read port (:func:`split_description`), which is also its Kafka key on
+``telemetry.ib_port`` (:attr:`contracts.telemetry.IbPortSample.partition_key`): an HCA's host is
+the first word of its node description, the host name its GPU samples carry (when rdma-ndd's
+``%h`` and dcgm-exporter's ``Hostname`` agree, as node headroom needs anyway), so its ports
+land on the partition of that host's GPUs and count in the host's node headroom (analytics view
+``node_headroom_over``: the least headroom among the ports whose ``host`` is the GPU's host) as
+if read from sysfs. A switch's ports carry the switch's whole description as host: they stay
+together on one partition, match no GPU host and so never enter a node's headroom. Node headroom
+is about the host's own links, and the leaf port facing a host reads the same link from the other
+end: the HCA port's PortXmitData and PortRcvData already give both directions (the view takes the
+busier). Attributing switch ports to hosts would need the topology (peer GUIDs) at the producer
+and would put a switch's uplinks nowhere; they stay in ``fabric_headroom`` for the fabric view.
 """
 
 from __future__ import annotations
@@ -24,7 +37,8 @@ def split_description(node_type: str, description: str) -> tuple[str, str]:
     """``(host, device)`` of a node description.
 
     CA descriptions are ``"<host> <device>"`` by default (rdma-ndd's ``%h %d``): split at the first
-    space. A switch, router or one-word CA description is both host and device.
+    space. A switch, router or one-word CA description is both host and device. The host is the
+    port's Kafka key on ``telemetry.ib_port`` (module docstring).
     """
     if node_type == "CA":
         host, sep, device = description.partition(" ")

@@ -6,8 +6,10 @@ thread (:func:`collectors.sysfs_ib.read_sysfs_infiniband`), runs each optional `
 command (:func:`collectors.nvsmi.read_nvidia_smi`) and the optional local NVML reader
 (:class:`collectors.nvml.NvmlReader`, in a worker thread) and produces
 
-* :class:`contracts.GpuSample` to ``topics.telemetry_gpu`` keyed ``host/uuid[/gpu_instance]``,
-* :class:`contracts.IbPortSample` to ``topics.telemetry_ib_port`` keyed ``node_guid/port``,
+* :class:`contracts.GpuSample` to ``topics.telemetry_gpu`` and
+* :class:`contracts.IbPortSample` to ``topics.telemetry_ib_port``, both with the host as Kafka key
+  (``partition_key``, :func:`contracts.topics.telemetry_partition_key`: a host's GPUs and ports
+  share a partition number, so one analytics instance sees the whole node),
 
 JSON-encoded with :func:`contracts.encode`, each with the next value of one per-producer
 sequence number. A failed target, a bad line, an unreadable file or a refused record is counted
@@ -625,7 +627,7 @@ class CollectorService:
         dropped: Counter[str] = Counter()
         for rec in records:
             try:
-                await self._producer.send(topic, encode(rec), key=rec.key, headers=headers)
+                await self._producer.send(topic, encode(rec), key=rec.partition_key, headers=headers)
                 produced += 1
             except RecordDroppedError as e:  # the spool counted it; one log line per batch here
                 dropped[e.reason] += 1

@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import Field
 
 from contracts.base import Record
-from contracts.topics import gpu_key, ib_port_key
+from contracts.topics import gpu_key, ib_port_key, telemetry_partition_key
 
 
 class GpuSample(Record):
@@ -57,8 +57,16 @@ class GpuSample(Record):
 
     @property
     def key(self) -> str:
-        """Kafka key and GPU identity: :func:`contracts.topics.gpu_key`."""
+        """GPU identity: :func:`contracts.topics.gpu_key` (``host/uuid[/gi]``). Not the Kafka key:
+        that is :attr:`partition_key`."""
         return gpu_key(self.host, self.gpu_uuid, self.gpu_instance_id)
+
+    @property
+    def partition_key(self) -> str:
+        """Kafka record key on ``telemetry.gpu``: the host
+        (:func:`contracts.topics.telemetry_partition_key`), so that a host's GPUs and InfiniBand
+        ports share a partition number (:mod:`contracts.topics`)."""
+        return telemetry_partition_key(self.host)
 
 
 class IbPortSample(Record):
@@ -66,7 +74,9 @@ class IbPortSample(Record):
 
     Attributes:
         ts: read time, Unix epoch seconds.
-        host: host the port is on (sysfs source) or the node description (fabric source).
+        host: host the port is on (sysfs source); from the fabric (perfquery source) the first
+            word of an HCA's node description (rdma-ndd's ``%h %d``), a switch's whole
+            description. Also the Kafka key (:attr:`partition_key`).
         device: HCA name (``mlx5_0``) or switch description.
         node_guid: ``0x`` + 16 lowercase hex digits, or ``None`` where the device exposes none.
         port: port number.
@@ -105,8 +115,18 @@ class IbPortSample(Record):
 
     @property
     def key(self) -> str:
-        """Kafka key: ``node_guid/port`` (``host:device/port`` when the GUID is unknown)."""
+        """Port identity: ``node_guid/port`` (``host:device/port`` when the GUID is unknown), as in
+        :func:`contracts.topics.ib_port_key`. Not the Kafka key: that is :attr:`partition_key`."""
         return ib_port_key(self.node_guid or f"{self.host}:{self.device}", self.port)
+
+    @property
+    def partition_key(self) -> str:
+        """Kafka record key on ``telemetry.ib_port``: the host
+        (:func:`contracts.topics.telemetry_partition_key`), the same as the host's GPU samples on
+        ``telemetry.gpu``. For a port read from the fabric, ``host`` is the HCA's host name (first
+        word of its node description) or, for a switch port, the switch's description: a switch's
+        ports stay together and match no GPU host (no node headroom uses them)."""
+        return telemetry_partition_key(self.host)
 
     def data_bytes(self, counter: str) -> int | None:
         """Bytes for a data counter (``PortXmitData`` / ``PortRcvData``): 4 × raw words, or ``None``."""

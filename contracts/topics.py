@@ -1,8 +1,22 @@
 """Names of every Kafka and MQTT topic, in one place.
 
-Kafka keys (DESIGN.md "The bus"): ``telemetry.gpu`` is keyed by :func:`gpu_key`,
-``telemetry.ib_port`` by ``node_guid/port``, ``capacity`` by :func:`gpu_key`, ``leases.log`` by
-``lease_id`` (a compacted topic), ``pool.demand`` by ``demand_id``.
+Kafka record keys (what the partition is chosen from: murmur2 of the key bytes modulo the partition
+count, :func:`contracts.bus.partition_for`): ``telemetry.gpu`` and ``telemetry.ib_port`` are both
+keyed by the **host** (:func:`telemetry_partition_key`), ``capacity`` by :func:`gpu_key`,
+``leases.log`` by ``lease_id`` (a compacted topic), ``pool.demand`` by ``demand_id``.
+
+Why the host, for both telemetry topics: the two topics are created with the same partition count,
+so a host's GPU samples and its InfiniBand port samples land on the same partition number, and a
+co-partitioning assignor (Kafka's range assignor; the in-process bus does the same) gives partition
+``p`` of both topics to the same consumer of a group. One analytics instance then holds every GPU
+*and* every port of a host, which node headroom (the analytics view ``node_headroom_over``: the
+least headroom among a host's ports) needs. Records of one host stay in order; so do records of
+one GPU or one port, which is all a consumer relies on.
+
+The Kafka key is not the record's identity: a GPU is still :func:`gpu_key` (``host/uuid[/gi]``),
+a port :func:`ib_port_key` (``node_guid/port``); the records expose both (``key`` for identity,
+``partition_key`` for the Kafka key: :class:`contracts.telemetry.GpuSample`,
+:class:`contracts.telemetry.IbPortSample`).
 """
 
 from __future__ import annotations
@@ -24,6 +38,19 @@ def ib_port_key(node_guid: str, port: int) -> str:
     return f"{node_guid}/{port}"
 
 
+def telemetry_partition_key(host: str) -> str:
+    """Kafka record key of ``telemetry.gpu`` and ``telemetry.ib_port``: the host name, as is.
+
+    ``host`` is the record's ``host`` field: the normalised host name of a GPU sample, the host of
+    a port read from sysfs, and for a port read from the fabric (perfquery) the first word of its
+    node description for an HCA (rdma-ndd's ``%h %d``: the same host name) or the whole description
+    for a switch. It must be spelled the same on both topics for a host's records to meet: that is
+    also what joins GPUs to their ports in ``node_headroom_over``. Keying by a function (rather
+    than using the field at each producer) keeps one definition for both topics.
+    """
+    return host
+
+
 @dataclass(frozen=True)
 class KafkaTopics:
     """Kafka topic names; ``prefix`` lets several deployments (or tests) share one cluster."""
@@ -32,12 +59,14 @@ class KafkaTopics:
 
     @property
     def telemetry_gpu(self) -> str:
-        """GPU samples (:class:`contracts.telemetry.GpuSample`)."""
+        """GPU samples (:class:`contracts.telemetry.GpuSample`), keyed by host
+        (:func:`telemetry_partition_key`); same partition count as :attr:`telemetry_ib_port`."""
         return f"{self.prefix}telemetry.gpu"
 
     @property
     def telemetry_ib_port(self) -> str:
-        """InfiniBand port samples (:class:`contracts.telemetry.IbPortSample`)."""
+        """InfiniBand port samples (:class:`contracts.telemetry.IbPortSample`), keyed by host
+        (:func:`telemetry_partition_key`); same partition count as :attr:`telemetry_gpu`."""
         return f"{self.prefix}telemetry.ib_port"
 
     @property

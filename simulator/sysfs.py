@@ -126,7 +126,8 @@ class Hca:
 
     @property
     def guid_hex(self) -> str:
-        """The GUID as ``0x`` + 16 lowercase hex digits (the Kafka key convention)."""
+        """The GUID as ``0x`` + 16 lowercase hex digits (the port identity convention,
+        :func:`contracts.topics.ib_port_key`)."""
         return f"0x{self.guid:016x}"
 
 

@@ -1,6 +1,11 @@
-"""Scale-out over real Kafka: two analytics instances in one consumer group split a 4-partition
-telemetry topic, each with its own DuckDB file, and together publish the same final capacity
-state for every GPU as one instance does on the same input.
+"""Scale-out over real Kafka: two analytics instances in one consumer group split the 4-partition
+telemetry topics, each with its own DuckDB file, and together publish the same final capacity
+state for every GPU as one instance does on the same input — node headroom included: both topics
+are keyed by host (``partition_key``) and co-partitioned, so each instance holds every GPU and
+every InfiniBand port of its hosts. One port (``BUSY_PORT``, of a host with idle GPUs) runs near
+line rate, so that host's idle GPUs are held back (``fabric_headroom``); were ports keyed by their
+identity (``node_guid/port``, the former key) that port would be read by the other instance, and
+the pair would offer GPUs the single instance holds back.
 
 The input is written twice, byte for byte, under two topic prefixes (4 partitions each, so every
 key lands on the same partition number): one for the pair, one for the single instance. The
@@ -10,7 +15,7 @@ refresh). The last update published per GPU then reports the same state, ``since
 the pair as from the single instance (its ``ts`` and ``reason`` are those of the newest sample of
 the batch that changed the state, which depends on batching). The clock then moves 20 s past the last sample: the
 periodic refresh re-publishes every GPU as of its newest sample, and those updates are equal in
-every field, predictions included.
+every field, predictions and headroom included (the headroom refresh runs at that step too).
 """
 
 from __future__ import annotations
@@ -27,13 +32,16 @@ import duckdb
 from analytics.classify import FB_USED, GPU_UTIL, GR_ENGINE_ACTIVE, SM_ACTIVE, IdleConfig
 from analytics.service import AnalyticsService
 from contracts import CapacityUpdate, GpuSample, IbPortSample, KafkaTopics, decode, encode
-from contracts.bus import TopicPartition
+from contracts.bus import TopicPartition, partition_for
 from contracts.bus.kafka import KafkaBus
 
 T0 = 1_700_000_000.0
 PARTITIONS = 4
 STEPS = 40  # samples per GPU and port, 10 s apart
 IDLE = IdleConfig(min_idle_s=30.0, stale_after_s=25.0)
+RATE = 50_000_000_000  # bytes/s
+BUSY_PORT = 3  # node-1's mlx5_1: sends at 90 % of its rate (node-1 has idle GPUs)
+SWITCH_GUID = "0x00000000000000f0"  # a switch port read from the fabric: keyed by the switch
 
 
 def _activity(pattern: str, i: int, rng: random.Random) -> float | None:
@@ -83,20 +91,23 @@ def _inputs() -> tuple[list[GpuSample], list[IbPortSample]]:
                 )
             )
     ports: list[IbPortSample] = []
-    xmit = [rng.randrange(2**60) for _ in range(16)]
+    xmit = [rng.randrange(2**60) for _ in range(17)]
     for i in range(STEPS):
-        for p in range(16):
-            xmit[p] += rng.randrange(10**10)
+        for p in range(17):
+            busy = p == BUSY_PORT
+            xmit[p] += int(0.9 * RATE * 10 / 4) if busy else rng.randrange(10**10)
+            switch = p == 16
             ports.append(
                 IbPortSample(
                     ts=T0 + 10 * i,
-                    host=f"node-{p // 2}",
-                    device=f"mlx5_{p % 2}",
-                    node_guid=f"0x{p + 1:016x}",
-                    port=1,
-                    rate_bytes_per_second=50_000_000_000,
+                    host="ib-leaf-1" if switch else f"node-{p // 2}",
+                    device="ib-leaf-1" if switch else f"mlx5_{p % 2}",
+                    node_guid=SWITCH_GUID if switch else f"0x{p + 1:016x}",
+                    port=7 if switch else 1,
+                    rate_bytes_per_second=RATE,
                     counters={"PortXmitData": xmit[p], "PortXmitWait": i * p},
                     counter_bits={"PortXmitData": 64, "PortXmitWait": 32},
+                    source="perfquery" if switch else "sysfs",
                     seq=i,
                 )
             )
@@ -110,9 +121,9 @@ async def _produce(
     await producer.start()
     try:
         for s in gpus:
-            await producer.send(topics.telemetry_gpu, encode(s), key=s.key)
+            await producer.send(topics.telemetry_gpu, encode(s), key=s.partition_key)
         for p in ports:
-            await producer.send(topics.telemetry_ib_port, encode(p), key=p.key)
+            await producer.send(topics.telemetry_ib_port, encode(p), key=p.partition_key)
         await producer.flush()
     finally:
         await producer.stop()
@@ -259,6 +270,15 @@ async def test_two_instances_split_the_partitions_and_publish_what_one_does(
         )
         owned = {name: r.service.partitions() for name, r in (("a", a), ("b", b))}
         assert all(any(tp.topic == pair_topics.telemetry_gpu for tp in tps) for tps in owned.values())
+        # Co-partitioned: each owns partition p of both topics.
+        for tps in owned.values():
+            assert {tp.partition for tp in tps if tp.topic == pair_topics.telemetry_gpu} == {
+                tp.partition for tp in tps if tp.topic == pair_topics.telemetry_ib_port
+            }
+        # The test can tell: keyed by identity, the busy port would go to the other instance.
+        busy = next(p for p in ports if p.node_guid == f"0x{BUSY_PORT + 1:016x}")
+        owner = {tp.partition: name for name, tps in owned.items() for tp in tps}
+        assert owner[partition_for(busy.key, PARTITIONS)] != owner[partition_for(busy.host, PARTITIONS)]
 
         await asyncio.gather(
             _produce(kafka_bus, pair_topics, gpus, ports), _produce(kafka_bus, one_topics, gpus, ports)
@@ -312,14 +332,17 @@ async def test_two_instances_split_the_partitions_and_publish_what_one_does(
 
     pair_all = await _read_all(kafka_bootstrap, pair_topics.capacity)
     single_all = await _read_all(kafka_bootstrap, one_topics.capacity)
-    # Every field but `headroom`: IB samples are keyed by node_guid/port, so one host's ports may
-    # be split between the two instances, each seeing part of the host (a known limitation until
-    # telemetry is keyed by host). Headroom per port is compared below, over both files.
-    def _sans_headroom(d: dict[str, CapacityUpdate]) -> dict[str, CapacityUpdate]:
-        return {k: u.model_copy(update={"headroom": None}) for k, u in d.items()}
-
-    assert _sans_headroom(_final(pair_all)) == _sans_headroom(_final(single_all))
-    assert {u.ts for u in _final(single_all).values()} == {T0 + 10 * (STEPS - 1)}
+    # Every field, headroom included: each instance saw every port of its hosts.
+    final = _final(single_all)
+    assert _final(pair_all) == final
+    assert {u.ts for u in final.values()} == {T0 + 10 * (STEPS - 1)}
+    # Headroom is known on every GPU (all its hosts have ports) and node-1's busy port holds back
+    # exactly its idle GPUs.
+    assert all(u.headroom is not None for u in final.values())
+    assert {u.host for u in final.values() if u.headroom is not None and u.headroom < 0.2} == {"node-1"}
+    held = {k for k, u in final.items() if u.reason == "fabric_headroom"}
+    assert held and {final[k].host for k in held} == {"node-1"}
+    assert all(final[k].state.value == "unknown" for k in held)
 
     # Each file holds only its own partitions, and together every sample exactly once.
     rows: dict[str, set[tuple[str, int]]] = {}
@@ -343,4 +366,4 @@ async def test_two_instances_split_the_partitions_and_publish_what_one_does(
     assert rows["a"].isdisjoint(rows["b"]) and rows["a"] | rows["b"] == rows["one"]
     assert len(rows["one"]) == len(gpus)
     assert headroom["a"].isdisjoint(headroom["b"]) and headroom["a"] | headroom["b"] == headroom["one"]
-    assert len(headroom["one"]) == 16
+    assert len(headroom["one"]) == 17  # 16 HCA ports and the switch port

@@ -113,7 +113,7 @@ async def test_kafka_down_30s_nothing_lost_nothing_twice_in_order(
         assert m.value is not None and m.key is not None
         assert REDELIVERY_HEADER not in dict(m.headers)  # no delivery of unknown outcome happened
         rec = decode(GpuSample if m.topic == kafka_topics.telemetry_gpu else IbPortSample, m.value)  # type: ignore[arg-type]
-        assert rec.key == m.key
+        assert rec.partition_key == m.key == rec.host
         seqs.append(rec.seq)
         by_partition[(m.topic, m.partition)].append((m.offset, m.key, rec.seq))
     lost = sorted(set(range(total)) - set(seqs))

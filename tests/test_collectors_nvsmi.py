@@ -462,10 +462,10 @@ async def test_collector_service_produces_nvsmi_gpus_and_counts_missing_sources(
         == before + 2
     )
     got = [(m.key, decode(GpuSample, m.value)) for m in bus.records(topics.telemetry_gpu) if m.value]
-    assert [k for k, _ in got[:4]] == [
+    assert [s.key for _, s in got[:4]] == [
         f"dgx-1/GPU-513536b6-7d19-9063-b049-1e69664bb298/{gi}" for gi in (3, 4, 5, 6)
     ]
-    assert all(k == s.key and s.source == "nvidia-smi" for k, s in got)
+    assert all(k == s.partition_key == s.host and s.source == "nvidia-smi" for k, s in got)
     assert [s.seq for _, s in got] == list(range(8)) and svc.seq == 8
 
 

@@ -85,10 +85,10 @@ async def test_collect_once_produces_to_topics_and_counts_failures(exporters: Fa
 
     gpu = [(m.key, decode(GpuSample, m.value)) for m in bus.records(TOPICS.telemetry_gpu) if m.value]
     assert len(gpu) == 4
-    assert all(key == s.key and s.host == "gpu-node-7" and s.target == good for key, s in gpu)
+    assert all(key == s.partition_key == s.host == "gpu-node-7" and s.target == good for key, s in gpu)
     ib = [(m.key, decode(IbPortSample, m.value)) for m in bus.records(TOPICS.telemetry_ib_port) if m.value]
-    assert sorted(k for k, _ in ib) == ["0x0000000000000001/1", "0x0000000000000001/1", "ib-host-1:i40iw0/1"]
-    assert all(key == s.key for key, s in ib)
+    assert sorted(s.key for _, s in ib) == ["0x0000000000000001/1", "0x0000000000000001/1", "ib-host-1:i40iw0/1"]
+    assert all(key == s.partition_key == s.host for key, s in ib)  # Kafka key: the host
     roce = next(s for _, s in ib if s.host == "ib-host-3")
     assert roce.link_layer == "Ethernet" and roce.data_bytes("PortXmitData") == 4000
     seqs = sorted(s.seq for _, s in gpu + ib)  # type: ignore[operator]

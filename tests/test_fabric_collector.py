@@ -141,13 +141,13 @@ async def test_sweep_counts_every_failure_and_keeps_going(tools: tuple[Path, Pat
     calls = (perf.parent / "perfquery.log").read_text().split("\n")
     assert calls[:2] == ["x 10 1,2", "x 20 1,2"] or calls[:2] == ["x 20 1,2", "x 10 1,2"]
     assert sum(c.startswith("legacy") for c in calls) == 1 and "legacy 14 1" in calls
-    # records on the bus: one topology under the compaction key, the samples under node_guid/port
+    # records on the bus: one topology under the compaction key, the samples under their host
     topo_recs = bus.records(topics.fabric_topology)
     assert [r.key for r in topo_recs] == ["topology"]
     rec = decode(FabricTopology, topo_recs[0].value or b"")
     assert len(rec.nodes) == 6 and len(rec.links) == 4 and rec.problems == 1
     ib = bus.records(topics.telemetry_ib_port)
-    assert sorted(r.key or "" for r in ib) == sorted(s.key for s in samples)
+    assert sorted(r.key or "" for r in ib) == sorted(s.partition_key for s in samples)
     assert decode(IbPortSample, ib[0].value or b"") in samples
     assert not list((tmp_path / "work").glob("sys-*"))
 
