@@ -9,13 +9,25 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import signal
+import sys
+import time
 from pathlib import Path
+from types import TracebackType
 from typing import Annotated, Any
 
 import duckdb
 import typer
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
 from analytics.classify import IdleConfig
@@ -27,10 +39,12 @@ from analytics.evaluate import (
     evaluate,
     read_trace,
 )
+from analytics.retention import RetentionConfig, read_watermark
 from analytics.service import AnalyticsService
 from analytics.store import AnalyticsStore
 from contracts import KafkaTopics
 from contracts.bus import make_bus
+from contracts.settings import DeploymentSettings, SettingsError, load_settings
 
 log = logging.getLogger(__name__)
 
@@ -39,51 +53,181 @@ app = typer.Typer(
 )
 
 
+RUN_SETTINGS: dict[str, str] = {
+    "kafka": "kafka",
+    "db": "analytics_db",
+    "metrics_port": "metrics.analytics",
+    "metrics_addr": "metrics.addr",
+    "topic_prefix": "topic_prefix",
+    "group_id": "analytics.group_id",
+    "pool": "idle.pool",
+    "min_idle_s": "idle.min_idle_s",
+    "idle_threshold": "idle.idle_threshold",
+    "busy_threshold": "idle.busy_threshold",
+    "stale_after_s": "idle.stale_after_s",
+    "refresh_s": "idle.refresh_s",
+    "memory_limit": "analytics.memory_limit",
+}
+"""Parameter of ``run`` → the :class:`contracts.settings.DeploymentSettings` field it sets."""
+
+
+def run_settings(config: Path | None = None, **flags: Any) -> DeploymentSettings:
+    """The settings ``gpupool analytics run`` runs with: ``flags`` (its parameters by name;
+    ``None`` = not given) over ``GPUPOOL_*`` over the TOML file ``config`` (else
+    ``$GPUPOOL_CONFIG``) over the defaults. Raises :class:`contracts.settings.SettingsError` on a
+    missing or unparsable file or an invalid value, ``KeyError`` on a parameter ``run`` lacks."""
+    return load_settings(config, {RUN_SETTINGS[name]: value for name, value in flags.items()})
+
+
+def _setting(name: str) -> str:
+    return f" (setting {RUN_SETTINGS[name]})"
+
+
 @app.command("run")
 def run(
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            help="TOML settings file of the deployment (default: $GPUPOOL_CONFIG); every option not "
+            "given takes its value from GPUPOOL_* variables, then this file, then the defaults.",
+        ),
+    ] = None,
     kafka: Annotated[
-        str, typer.Option(envvar="GPUPOOL_KAFKA", help="Kafka bootstrap servers host:port[,...].")
-    ],
-    db: Annotated[str, typer.Option(envvar="GPUPOOL_ANALYTICS_DB", help="DuckDB file (created if new).")] = (
-        "gpupool-analytics.duckdb"
-    ),
-    metrics_port: Annotated[int, typer.Option(help="Serve Prometheus /metrics on this port (0: off).")] = 0,
-    metrics_addr: Annotated[str, typer.Option(help="Address of the /metrics server.")] = "127.0.0.1",
-    topic_prefix: Annotated[str, typer.Option(help="Prefix of every Kafka topic name.")] = "",
-    group_id: Annotated[str, typer.Option(help="Kafka consumer group.")] = "gpupool-analytics",
-    pool: Annotated[str, typer.Option(help="Pool name put on capacity updates.")] = "default",
-    min_idle_s: Annotated[float, typer.Option(help="Seconds of idle samples before a GPU is idle.")] = 60.0,
+        str | None,
+        typer.Option(help="Kafka bootstrap servers host:port[,...]; required." + _setting("kafka")),
+    ] = None,
+    db: Annotated[
+        str | None,
+        typer.Option(
+            help="DuckDB file, created if new (default gpupool-analytics.duckdb)." + _setting("db")
+        ),
+    ] = None,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            help="Serve Prometheus /metrics on this port (0: off; default 9411)." + _setting("metrics_port")
+        ),
+    ] = None,
+    metrics_addr: Annotated[
+        str | None,
+        typer.Option(help="Address of the /metrics server (default 127.0.0.1)." + _setting("metrics_addr")),
+    ] = None,
+    topic_prefix: Annotated[
+        str | None,
+        typer.Option(help="Prefix of every Kafka topic name (default none)." + _setting("topic_prefix")),
+    ] = None,
+    group_id: Annotated[
+        str | None,
+        typer.Option(help="Kafka consumer group (default gpupool-analytics)." + _setting("group_id")),
+    ] = None,
+    pool: Annotated[
+        str | None,
+        typer.Option(help="Pool name put on capacity updates (default default)." + _setting("pool")),
+    ] = None,
+    min_idle_s: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds of idle samples before a GPU is idle (default 60)." + _setting("min_idle_s")
+        ),
+    ] = None,
     idle_threshold: Annotated[
-        float, typer.Option(help="Activity ratio at or below which a sample is idle.")
-    ] = 0.05,
+        float | None,
+        typer.Option(
+            help="Activity ratio at or below which a sample is idle (default 0.05)."
+            + _setting("idle_threshold")
+        ),
+    ] = None,
     busy_threshold: Annotated[
-        float, typer.Option(help="Activity ratio at or above which a GPU is busy.")
-    ] = 0.10,
-    stale_after_s: Annotated[float, typer.Option(help="A GPU not sampled this long is unknown.")] = 30.0,
+        float | None,
+        typer.Option(
+            help="Activity ratio at or above which a GPU is busy (default 0.10)." + _setting("busy_threshold")
+        ),
+    ] = None,
+    stale_after_s: Annotated[
+        float | None,
+        typer.Option(
+            help="A GPU not sampled this long is unknown, seconds (default 30)." + _setting("stale_after_s")
+        ),
+    ] = None,
     refresh_s: Annotated[
-        float, typer.Option(help="Re-publish every GPU's update at least this often.")
-    ] = 30.0,
-    memory_limit: Annotated[str | None, typer.Option(help="DuckDB memory_limit, e.g. 2GB.")] = None,
+        float | None,
+        typer.Option(
+            help="Re-publish every GPU's update at least this often, seconds (default 30)."
+            + _setting("refresh_s")
+        ),
+    ] = None,
+    memory_limit: Annotated[
+        str | None,
+        typer.Option(help="DuckDB memory_limit, e.g. 2GB (default DuckDB's)." + _setting("memory_limit")),
+    ] = None,
 ) -> None:
     """Run the analytics stage against Kafka until SIGINT/SIGTERM.
 
-    Exit code 2 on a bad threshold (``IdleConfig`` raises ``ValueError``); the error of the bus or
-    of DuckDB (locked or incompatible file) otherwise.
+    Every option can also come from the deployment's settings (contracts/settings.py): a flag
+    wins over its GPUPOOL_* variable (e.g. GPUPOOL_KAFKA, GPUPOOL_ANALYTICS_DB,
+    GPUPOOL_IDLE__MIN_IDLE_S), which wins over the --config TOML file (kafka, analytics_db,
+    the idle, analytics and metrics tables), which wins over the defaults.
+
+    Exit code 2 on invalid settings, no Kafka configured, or a bad threshold (``IdleConfig``
+    raises ``ValueError``); 1 when the /metrics port cannot be bound; the error of the bus or of
+    DuckDB (locked or incompatible file) otherwise.
     """
     try:
-        idle = IdleConfig(
+        settings = run_settings(
+            config,
+            kafka=kafka,
+            db=db,
+            metrics_port=metrics_port,
+            metrics_addr=metrics_addr,
+            topic_prefix=topic_prefix,
+            group_id=group_id,
+            pool=pool,
+            min_idle_s=min_idle_s,
             idle_threshold=idle_threshold,
             busy_threshold=busy_threshold,
-            min_idle_s=min_idle_s,
             stale_after_s=stale_after_s,
+            refresh_s=refresh_s,
+            memory_limit=memory_limit,
+        )
+    except SettingsError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--config / GPUPOOL_* / options") from None
+    if settings.kafka is None:
+        raise typer.BadParameter(
+            "no Kafka bootstrap servers: give --kafka, GPUPOOL_KAFKA or kafka in the settings file",
+            param_hint="--kafka",
+        )
+    s_idle = settings.idle
+    try:
+        idle = IdleConfig(
+            idle_threshold=s_idle.idle_threshold,
+            busy_threshold=s_idle.busy_threshold,
+            min_idle_s=s_idle.min_idle_s,
+            stale_after_s=s_idle.stale_after_s,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    if metrics_port:
+    port, addr = settings.metrics.analytics, settings.metrics.addr
+    if port:
         from prometheus_client import start_http_server
 
-        start_http_server(metrics_port, addr=metrics_addr)
-    asyncio.run(_run(kafka, db, idle, KafkaTopics(topic_prefix), group_id, pool, refresh_s, memory_limit))
+        try:
+            start_http_server(port, addr=addr)
+        except OSError as exc:
+            typer.echo(f"gpupool analytics run: cannot serve /metrics on {addr}:{port}: {exc}", err=True)
+            raise typer.Exit(1) from None
+    asyncio.run(
+        _run(
+            settings.kafka,
+            str(settings.analytics_db),
+            idle,
+            KafkaTopics(settings.topic_prefix),
+            settings.analytics.group_id,
+            s_idle.pool,
+            s_idle.refresh_s,
+            settings.analytics.memory_limit,
+        )
+    )
 
 
 async def _run(
@@ -157,6 +301,177 @@ def _cell(value: Any) -> str:
     return "NULL" if value is None else str(value)
 
 
+_RETENTION = RetentionConfig()
+
+
+@app.command("maintain")
+def maintain_store(
+    db: Annotated[str, typer.Option(envvar="GPUPOOL_ANALYTICS_DB", help="DuckDB file.")] = (
+        "gpupool-analytics.duckdb"
+    ),
+    raw_retention_s: Annotated[
+        float, typer.Option(help="Keep raw samples this long, seconds (0: forever).")
+    ] = _RETENTION.raw_retention_s or 0.0,
+    rollup_retention_s: Annotated[
+        float,
+        typer.Option(help="Keep 1-minute rollups, transitions and idle runs this long, s (0: forever)."),
+    ] = _RETENTION.rollup_retention_s or 0.0,
+    delay_s: Annotated[
+        float, typer.Option(help="Roll up a minute once it ended this long ago (allowed lateness), s.")
+    ] = _RETENTION.delay_s,
+    step_s: Annotated[
+        float, typer.Option(help="Data time rolled up per transaction, seconds (>= 60).")
+    ] = _RETENTION.max_rollup_s,
+    now: Annotated[
+        float | None, typer.Option(help="The current time, Unix s (default: the clock); for replays.")
+    ] = None,
+    progress: _Progress = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+) -> None:
+    """Catch up the retention of an analytics store by hand: roll up every complete minute into
+    gpu_rollup_1m / ib_port_rollup_1m and delete expired rows (analytics/retention.py), one
+    transaction per --step-s of data, until nothing is left to roll up.
+
+    The service does the same every minute, a step at a time; this command is for a big store
+    (a first start on a full file, a replay, a long stop), with progress in minutes rolled up.
+    DuckDB lets one process write a file: stop `analytics run` on it first, or this fails with
+    DuckDB's lock error. Prints rows rolled up and expired per table. Exit code 2 on a bad option
+    (RetentionConfig refuses it), 1 when the file cannot be opened or a transaction fails
+    (that step is rolled back; the ones before it stay).
+    """
+    try:
+        config = RetentionConfig(
+            raw_retention_s=raw_retention_s or None,
+            rollup_retention_s=rollup_retention_s or None,
+            delay_s=delay_s,
+            max_rollup_s=step_s,
+        )
+        if now is not None and not math.isfinite(now):
+            raise ValueError("--now must be a finite Unix time")
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    at = time.time() if now is None else now
+    err = Console(stderr=True)
+    try:
+        store = AnalyticsStore(db)
+    except duckdb.Error as exc:
+        err.print(f"[red]cannot open {db}:[/red] {exc}")
+        raise typer.Exit(1) from exc
+    rolled: dict[str, int] = {}
+    expired: dict[str, int] = {}
+    steps = 0
+    try:
+        start, end = _rollup_span(store, at - delay_s)
+        total = max(0, round((end - start) / 60)) if start is not None else 0
+        with _ProgressReport("maintain", progress) as report:
+            report("roll up minutes", 0, total)
+            while True:
+                result = store.maintain(config, at)
+                steps += 1
+                for table, n in result.rollup_rows.items():
+                    rolled[table] = rolled.get(table, 0) + n
+                for table, n in result.expired_rows.items():
+                    expired[table] = expired.get(table, 0) + n
+                if result.rolled_to is None or start is None:
+                    break
+                report("roll up minutes", min(total, round((result.rolled_to - start) / 60)), total)
+            report("roll up minutes", total, total)
+    except duckdb.Error as exc:
+        err.print(f"[red]maintenance failed (step {steps + 1} rolled back):[/red] {exc}")
+        raise typer.Exit(1) from exc
+    finally:
+        store.close()
+    summary = {"transactions": steps, "minutes": total, "rollup_rows": rolled, "expired_rows": expired}
+    log.info("store_maintained", extra=summary)
+    if json_output:
+        typer.echo(json.dumps(summary, indent=2))
+        return
+    table = Table("table", "rows rolled up", "rows expired", title=f"{total} minutes in {steps} transactions")
+    for name in sorted(set(rolled) | set(expired)):
+        table.add_row(name, str(rolled.get(name, 0)), str(expired.get(name, 0)))
+    Console().print(table)
+
+
+def _rollup_span(store: AnalyticsStore, until: float) -> tuple[float | None, float]:
+    """``(first, last)`` Unix s of what is left to roll up: the first minute holding a raw row at
+    or after the rollup watermark (``None``: nothing), and the last complete minute before
+    ``until``. Raises ``duckdb.Error``."""
+    watermark = read_watermark(store.cursor())
+    _, rows = store.sql(
+        "SELECT epoch(least((SELECT min(ts) FROM gpu_samples WHERE ts >= make_timestamp($1)), "
+        "(SELECT min(ts) FROM ib_port_samples WHERE ts >= make_timestamp($1))))",
+        [round((watermark or 0.0) * 1e6)],
+    )
+    first = rows[0][0] if rows and rows[0][0] is not None else None
+    end = math.floor(until / 60) * 60.0
+    if first is None or first >= end:
+        return None, end
+    return math.floor(float(first) / 60) * 60.0, end
+
+
+_Progress = Annotated[
+    bool | None,
+    typer.Option(
+        "--progress/--no-progress",
+        help="Show a progress bar on stderr (default: when stderr is a terminal); otherwise "
+        "progress goes to the JSON log, event 'progress' at INFO (gpupool --log-level INFO).",
+    ),
+]
+
+
+class _ProgressReport:
+    """Progress of long work, shown as a rich progress bar on stderr when ``show`` (``None``:
+    when stderr is a terminal), else logged as JSON lines (event ``progress``, fields ``work``,
+    ``step``, ``done``, ``total``) at each step's start, every 10 % and its end.
+
+    Use as a context manager; call it as a ``(step, done, total)`` progress callback
+    (:data:`analytics.evaluate.ProgressFn`): a new ``step`` starts a new bar."""
+
+    def __init__(self, work: str, show: bool | None) -> None:
+        self.work = work
+        self.console = Console(stderr=True)
+        self.show = self.console.is_terminal if show is None else show
+        self._bar: Progress | None = None
+        self._task: TaskID | None = None
+        self._step: str | None = None
+        self._logged_tenth = -1
+
+    def __enter__(self) -> _ProgressReport:
+        if self.show:
+            self._bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=self.console,
+                transient=True,
+            )
+            self._bar.__enter__()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(exc_type, exc, tb)
+
+    def __call__(self, step: str, done: int, total: int) -> None:
+        """Record that ``done`` of ``total`` units of ``step`` are done."""
+        if step != self._step:
+            self._step, self._logged_tenth = step, -1
+            if self._bar is not None:
+                if self._task is not None:
+                    self._bar.update(self._task, visible=False)
+                self._task = self._bar.add_task(step, total=total)
+        if self._bar is not None and self._task is not None:
+            self._bar.update(self._task, completed=done, total=total)
+            return
+        tenth = 10 if total <= 0 else (10 * done) // total
+        if tenth > self._logged_tenth or done == 0:
+            self._logged_tenth = tenth
+            log.info("progress", extra={"work": self.work, "step": step, "done": done, "total": total})
+
+
 _OFFERABLE_TARGET = 0.60
 _BROKEN_TARGET = 0.05
 
@@ -179,10 +494,14 @@ def evaluate_trace(
         int | None, typer.Option(help="Replay only the first N pods (by id); default: all.")
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    progress: _Progress = None,
 ) -> None:
     """Replay a GPU trace through the idle classifier and predictor and print, per variant, the
     share of real idle GPU-time that was offerable and the share of promised windows broken early
     (definitions: :mod:`analytics.evaluate`; targets >= 60 % offerable, <= 5 % broken).
+
+    Reading the trace, classifying and scoring take about a minute on the full trace: progress
+    shows on stderr (--progress), or goes to the JSON log.
 
     Exit code 2 on a bad option (``EvaluationConfig`` raises ``ValueError``), 1 when the trace is
     missing or unreadable (``FileNotFoundError``, ``TraceReadError``).
@@ -194,12 +513,13 @@ def evaluate_trace(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     console = Console()
-    try:
-        replay = read_trace(trace, slice_pods=slice_pods)
-    except (FileNotFoundError, TraceReadError) as exc:
-        console.print(f"[red]cannot read the trace:[/red] {exc}")
-        raise typer.Exit(1) from exc
-    result = evaluate(replay.pods, config)
+    with _ProgressReport("evaluate", progress) as report:
+        try:
+            replay = read_trace(trace, slice_pods=slice_pods, on_progress=report)
+        except (FileNotFoundError, TraceReadError) as exc:
+            report.console.print(f"[red]cannot read the trace:[/red] {exc}")
+            raise typer.Exit(1) from exc
+        result = evaluate(replay.pods, config, on_progress=report)
     if json_output:
         typer.echo(json.dumps(_evaluation_json(result, replay.pods_in_trace, replay.dropped_rows), indent=2))
         return

@@ -77,6 +77,11 @@ from analytics.classify import FB_USED, GPU_UTIL, IdleClassifier, IdleConfig, Id
 from analytics.predict import IdlePredictor, PredictorConfig
 from contracts import GpuState, gpu_key
 
+ProgressFn = Callable[[str, int, int], None]
+"""Progress callback of :func:`read_trace` and :func:`evaluate`: ``(step, done, total)``, called
+when a step starts (``done`` 0), as it advances, and when it ends (``done == total``); steps come
+one after the other, each with its own ``total`` (files, time instants, variants)."""
+
 DUTY_CYCLE_FILE = "pod_gpu_duty_cycle_anon.tar.gz"
 """Tarball holding the duty-cycle CSV (PROVENANCE.md)."""
 MEMORY_FILE = "pod_gpu_memory_used_bytes_anon.tar.gz"
@@ -144,13 +149,17 @@ class ReplayTrace:
     dropped_rows: dict[str, int] = field(default_factory=dict)
 
 
-def read_trace(trace_dir: Path | str, *, slice_pods: int | None = None) -> ReplayTrace:
+def read_trace(
+    trace_dir: Path | str, *, slice_pods: int | None = None, on_progress: ProgressFn | None = None
+) -> ReplayTrace:
     """Read the duty-cycle and memory tarballs of ``trace_dir`` into per-pod series.
 
     Args:
         trace_dir: folder holding :data:`DUTY_CYCLE_FILE` and :data:`MEMORY_FILE`.
         slice_pods: keep only the first N pods in id order (ids are hashes: an unbiased slice);
             ``None`` keeps all.
+        on_progress: told of the step ``"read trace"``, one unit per tarball read and one for
+            building the series (:data:`ProgressFn`).
 
     Raises:
         FileNotFoundError: a tarball is missing.
@@ -159,10 +168,14 @@ def read_trace(trace_dir: Path | str, *, slice_pods: int | None = None) -> Repla
     """
     if slice_pods is not None and slice_pods < 1:
         raise ValueError("slice_pods must be >= 1")
+    report = on_progress or _no_progress
     d = Path(trace_dir)
     dropped: Counter[str] = Counter()
+    report("read trace", 0, 3)
     util = _rows_by_pod(_read_csv_member(d / DUTY_CYCLE_FILE), dropped, count_duplicates=True)
+    report("read trace", 1, 3)
     mem = _rows_by_pod(_read_csv_member(d / MEMORY_FILE), Counter(), count_duplicates=False)
+    report("read trace", 2, 3)
     names = sorted(util)
     chosen = names if slice_pods is None else names[:slice_pods]
     pods = []
@@ -179,7 +192,12 @@ def read_trace(trace_dir: Path | str, *, slice_pods: int | None = None) -> Repla
                 ),
             )
         )
+    report("read trace", 3, 3)
     return ReplayTrace(pods=tuple(pods), pods_in_trace=len(names), dropped_rows=dict(dropped))
+
+
+def _no_progress(step: str, done: int, total: int) -> None:
+    """The :data:`ProgressFn` used when none is given."""
 
 
 def _read_csv_member(path: Path) -> pa.Table:
@@ -484,20 +502,31 @@ def evaluate(
     pods: Sequence[PodSeries],
     config: EvaluationConfig | None = None,
     variants: Sequence[Variant] = DEFAULT_VARIANTS,
+    *,
+    on_progress: ProgressFn | None = None,
 ) -> Evaluation:
     """Replay ``pods`` once through the classifier and, per variant, through a fresh predictor;
     score the promises (module docstring).
 
+    ``on_progress`` (:data:`ProgressFn`) is told of the step ``"classify"`` (one unit per time
+    instant of the merged trace, reported every 1 %) and then ``"score"`` (one unit per variant).
+
     Raises:
         ValueError: two pods share an id.
     """
+    report = on_progress or _no_progress
     cfg = config if config is not None else EvaluationConfig()
     if len({p.pod for p in pods}) != len(pods):
         raise ValueError("pod ids must be unique")
-    classified = _classify(pods, cfg)
+    classified = _classify(pods, cfg, report)
     keys = [gpu_key(TRACE_HOST, p.pod) for p in pods]
     truth = [_truth(p, cfg.idle_threshold) for p in pods]
-    results = tuple(_score(v, pods, keys, truth, classified, cfg) for v in variants)
+    report("score", 0, len(variants))
+    scored: list[VariantResult] = []
+    for v in variants:
+        scored.append(_score(v, pods, keys, truth, classified, cfg))
+        report("score", len(scored), len(variants))
+    results = tuple(scored)
     log.info(
         "trace_evaluated",
         extra={
@@ -516,8 +545,11 @@ def evaluate(
     )
 
 
-def _classify(pods: Sequence[PodSeries], cfg: EvaluationConfig) -> _Classified:
-    """Run the classifier over all pods merged in time order (ties: pod order)."""
+def _classify(
+    pods: Sequence[PodSeries], cfg: EvaluationConfig, report: ProgressFn = _no_progress
+) -> _Classified:
+    """Run the classifier over all pods merged in time order (ties: pod order); ``report`` gets
+    the step ``"classify"`` every 1 % of the time instants."""
     classifier = IdleClassifier(cfg.idle_config())
     out = _Classified(
         idle_since=[[None] * len(p.ts) for p in pods], factor=[[1.0] * len(p.ts) for p in pods]
@@ -526,7 +558,10 @@ def _classify(pods: Sequence[PodSeries], cfg: EvaluationConfig) -> _Classified:
     for i, pod in enumerate(pods):
         for j, t in enumerate(pod.ts):
             by_time[t].append((i, j))
-    for t in sorted(by_time):
+    instants = sorted(by_time)
+    every = max(1, len(instants) // 100)
+    report("classify", 0, len(instants))
+    for n, t in enumerate(instants, 1):
         at = by_time[t]
         for i, j in at:
             pod = pods[i]
@@ -544,6 +579,8 @@ def _classify(pods: Sequence[PodSeries], cfg: EvaluationConfig) -> _Classified:
         out.times.append(t)
         out.runs_at.append(runs)
         out.samples_at.append(at)
+        if n % every == 0 or n == len(instants):
+            report("classify", n, len(instants))
     return out
 
 

@@ -9,12 +9,13 @@ import shlex
 import signal
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from contracts import KafkaTopics
 from contracts.bus import make_bus
+from contracts.settings import DeploymentSettings, SettingsError, load_settings
 
 log = logging.getLogger(__name__)
 
@@ -36,103 +37,220 @@ def _sysfs_root(spec: str) -> tuple[str, Path]:
     return host, Path(path)
 
 
+RUN_SETTINGS: dict[str, str] = {
+    "kafka": "kafka",
+    "topic_prefix": "topic_prefix",
+    "dcgm_target": "collectors.dcgm_targets",
+    "sysfs_root": "collectors.sysfs_roots",
+    "nvidia_smi": "collectors.nvidia_smi",
+    "nvml_host": "collectors.nvml_host",
+    "file_sd": "collectors.file_sd",
+    "file_sd_refresh": "collectors.file_sd_refresh_s",
+    "spool_dir": "collectors.spool_dir",
+    "spool_memory_records": "collectors.spool_memory_records",
+    "spool_disk_bytes": "collectors.spool_disk_bytes",
+    "interval": "collectors.interval_s",
+    "timeout": "collectors.timeout_s",
+    "concurrency": "collectors.concurrency",
+    "metrics_port": "metrics.collectors",
+    "metrics_addr": "metrics.addr",
+}
+"""Parameter of ``run`` → the :class:`contracts.settings.DeploymentSettings` field it sets."""
+
+
+def run_settings(config: Path | None = None, **flags: Any) -> DeploymentSettings:
+    """The settings ``gpupool collect run`` runs with: ``flags`` (its parameters by name; ``None``
+    = not given) over ``GPUPOOL_*`` over the TOML file ``config`` (else ``$GPUPOOL_CONFIG``) over
+    the defaults. Raises :class:`contracts.settings.SettingsError` on a missing or unparsable file
+    or an invalid value, ``KeyError`` on a parameter ``run`` does not have."""
+    return load_settings(config, {RUN_SETTINGS[name]: value for name, value in flags.items()})
+
+
+def _setting(name: str) -> str:
+    """The help suffix naming the setting a flag overrides."""
+    return f" (setting {RUN_SETTINGS[name]})"
+
+
 @app.command("run")
 def run(
-    kafka: Annotated[str, typer.Option(help="Kafka bootstrap servers, host:port[,host:port].")],
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            help="TOML settings file of the deployment (default: $GPUPOOL_CONFIG); every option not "
+            "given takes its value from GPUPOOL_* variables, then this file, then the defaults.",
+        ),
+    ] = None,
+    kafka: Annotated[
+        str | None,
+        typer.Option(help="Kafka bootstrap servers, host:port[,host:port]; required." + _setting("kafka")),
+    ] = None,
     dcgm_target: Annotated[
-        list[str] | None, typer.Option("--dcgm-target", help="dcgm-exporter /metrics URL (repeatable).")
+        list[str] | None,
+        typer.Option(
+            "--dcgm-target", help="dcgm-exporter /metrics URL (repeatable)." + _setting("dcgm_target")
+        ),
     ] = None,
     sysfs_root: Annotated[
         list[str] | None,
         typer.Option(
             "--sysfs-root",
-            help="HOST=PATH of a folder holding class/infiniband, e.g. node-1=/sys (repeatable).",
+            help="HOST=PATH of a folder holding class/infiniband, e.g. node-1=/sys (repeatable)."
+            + _setting("sysfs_root"),
         ),
     ] = None,
     nvidia_smi: Annotated[
         list[str] | None,
         typer.Option(
             "--nvidia-smi",
-            help='HOST=COMMAND printing nvidia-smi -q -x XML, e.g. node-1="nvidia-smi -q -x" (repeatable).',
+            help='HOST=COMMAND printing nvidia-smi -q -x XML, e.g. node-1="nvidia-smi -q -x" (repeatable).'
+            + _setting("nvidia_smi"),
         ),
     ] = None,
     nvml_host: Annotated[
-        str | None, typer.Option(help="Read this machine's GPUs through NVML under this host name.")
+        str | None,
+        typer.Option(
+            help="Read this machine's GPUs through NVML under this host name." + _setting("nvml_host")
+        ),
     ] = None,
     file_sd: Annotated[
         list[Path] | None,
         typer.Option(
             "--file-sd",
             help="Prometheus file_sd JSON file of dcgm-exporter targets, re-read when it changes; "
-            "the last component may be a glob, e.g. targets/*.json (repeatable).",
+            "the last component may be a glob, e.g. targets/*.json (repeatable)." + _setting("file_sd"),
         ),
     ] = None,
     file_sd_refresh: Annotated[
-        float, typer.Option(help="Seconds between two checks of the --file-sd files for changes.")
-    ] = 5.0,
+        float | None,
+        typer.Option(
+            help="Seconds between two checks of the --file-sd files for changes (default 5)."
+            + _setting("file_sd_refresh")
+        ),
+    ] = None,
     spool_dir: Annotated[
         Path | None,
         typer.Option(
             help="Spool records here (after --spool-memory-records in memory) while Kafka is "
             "unreachable, and resume them after a restart; without it records wait for Kafka only "
-            "inside aiokafka's buffer."
+            "inside aiokafka's buffer." + _setting("spool_dir")
         ),
     ] = None,
     spool_memory_records: Annotated[
-        int, typer.Option(help="Records the spool holds in memory before it writes to --spool-dir.")
-    ] = 100_000,
+        int | None,
+        typer.Option(
+            help="Records the spool holds in memory before it writes to --spool-dir (default 100000)."
+            + _setting("spool_memory_records")
+        ),
+    ] = None,
     spool_disk_bytes: Annotated[
-        int, typer.Option(help="Bytes the spool may take in --spool-dir.")
-    ] = 1 << 30,
-    interval: Annotated[float, typer.Option(help="Seconds between the starts of two cycles.")] = 5.0,
-    timeout: Annotated[float, typer.Option(help="Deadline of one scrape, seconds.")] = 2.0,
-    concurrency: Annotated[int, typer.Option(help="Scrapes in flight at most.")] = 64,
-    topic_prefix: Annotated[str, typer.Option(help="Prefix of every Kafka topic name.")] = "",
-    metrics_port: Annotated[int, typer.Option(help="Serve Prometheus /metrics on this port (0: off).")] = 0,
-    metrics_addr: Annotated[str, typer.Option(help="Address the /metrics server binds to.")] = "127.0.0.1",
+        int | None,
+        typer.Option(
+            help="Bytes the spool may take in --spool-dir (default 1 GiB)." + _setting("spool_disk_bytes")
+        ),
+    ] = None,
+    interval: Annotated[
+        float | None,
+        typer.Option(help="Seconds between the starts of two cycles (default 5)." + _setting("interval")),
+    ] = None,
+    timeout: Annotated[
+        float | None, typer.Option(help="Deadline of one scrape, seconds (default 2)." + _setting("timeout"))
+    ] = None,
+    concurrency: Annotated[
+        int | None, typer.Option(help="Scrapes in flight at most (default 64)." + _setting("concurrency"))
+    ] = None,
+    topic_prefix: Annotated[
+        str | None,
+        typer.Option(help="Prefix of every Kafka topic name (default none)." + _setting("topic_prefix")),
+    ] = None,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            help="Serve Prometheus /metrics on this port (0: off; default 9410)." + _setting("metrics_port")
+        ),
+    ] = None,
+    metrics_addr: Annotated[
+        str | None,
+        typer.Option(
+            help="Address the /metrics server binds to (default 127.0.0.1)." + _setting("metrics_addr")
+        ),
+    ] = None,
 ) -> None:
-    """Scrape every --dcgm-target, read every --sysfs-root, run every --nvidia-smi command and read
-    NVML (--nvml-host) each --interval seconds and produce GpuSample / IbPortSample records to
-    Kafka until SIGINT or SIGTERM.
+    """Scrape every dcgm-exporter target, read every sysfs root, run every nvidia-smi command and
+    read NVML each interval and produce GpuSample / IbPortSample records to Kafka until SIGINT or
+    SIGTERM.
+
+    Every option can also come from the deployment's settings (contracts/settings.py): a flag
+    wins over its GPUPOOL_* variable (e.g. GPUPOOL_KAFKA, GPUPOOL_COLLECTORS__INTERVAL_S), which
+    wins over the --config TOML file (the collectors table, kafka, topic_prefix, metrics), which
+    wins over the defaults.
 
     Every --file-sd target is scraped at its own __scrape_interval__ and __scrape_timeout__
     (default --interval / --timeout) and its labels go into GpuSample.attributes as target_<name>.
 
-    Exits with status 2 when no source is given, 1 when Kafka is unreachable (with --spool-dir
-    records wait for Kafka instead), 1 when the --spool-dir folder is unusable.
+    Exits with status 2 when the settings are invalid, Kafka is not configured or no source is
+    given; 1 when Kafka is unreachable (with --spool-dir records wait for Kafka instead), when the
+    --spool-dir folder is unusable, or when the /metrics port cannot be bound.
     """
     from collectors.service import CollectorService
 
-    targets = list(dcgm_target or [])
-    roots = [_sysfs_root(s) for s in sysfs_root or []]
-    commands = [_nvsmi_command(s) for s in nvidia_smi or []]
-    sd_files = list(file_sd or [])
-    if not targets and not roots and not commands and not nvml_host and not sd_files:
-        raise typer.BadParameter(
-            "give at least one --dcgm-target, --file-sd, --sysfs-root, --nvidia-smi or --nvml-host"
-        )
-    if metrics_port:
-        from prometheus_client import start_http_server
-
-        start_http_server(metrics_port, addr=metrics_addr)
-
-    async def _main() -> None:
-        bus = make_bus(kafka, client_id="gpupool-collector")
-        service = CollectorService(
-            bus=bus,
-            topics=KafkaTopics(prefix=topic_prefix),
-            dcgm_targets=targets,
-            sysfs_roots=roots,
-            interval_s=interval,
-            timeout_s=timeout,
-            concurrency=concurrency,
-            nvsmi_commands=commands,
+    try:
+        settings = run_settings(
+            config,
+            kafka=kafka,
+            topic_prefix=topic_prefix,
+            dcgm_target=dcgm_target,
+            sysfs_root=sysfs_root,
+            nvidia_smi=nvidia_smi,
             nvml_host=nvml_host,
-            file_sd=sd_files,
-            file_sd_refresh_s=file_sd_refresh,
+            file_sd=file_sd,
+            file_sd_refresh=file_sd_refresh,
             spool_dir=spool_dir,
             spool_memory_records=spool_memory_records,
             spool_disk_bytes=spool_disk_bytes,
+            interval=interval,
+            timeout=timeout,
+            concurrency=concurrency,
+            metrics_port=metrics_port,
+            metrics_addr=metrics_addr,
+        )
+    except SettingsError as e:
+        raise typer.BadParameter(str(e), param_hint="--config / GPUPOOL_* / options") from None
+    if settings.kafka is None:
+        raise typer.BadParameter(
+            "no Kafka bootstrap servers: give --kafka, GPUPOOL_KAFKA or kafka in the settings file",
+            param_hint="--kafka",
+        )
+    bootstrap = settings.kafka
+    cs = settings.collectors
+    targets = list(cs.dcgm_targets)
+    roots = [_sysfs_root(s) for s in cs.sysfs_roots]
+    commands = [_nvsmi_command(s) for s in cs.nvidia_smi]
+    sd_files = list(cs.file_sd)
+    if not targets and not roots and not commands and not cs.nvml_host and not sd_files:
+        raise typer.BadParameter(
+            "give at least one --dcgm-target, --file-sd, --sysfs-root, --nvidia-smi or --nvml-host "
+            "(or [collectors] dcgm_targets, file_sd, sysfs_roots, nvidia_smi, nvml_host in the settings)"
+        )
+    _serve_metrics(settings.metrics.collectors, settings.metrics.addr)
+
+    async def _main() -> None:
+        bus = make_bus(bootstrap, client_id="gpupool-collector")
+        service = CollectorService(
+            bus=bus,
+            topics=KafkaTopics(prefix=settings.topic_prefix),
+            dcgm_targets=targets,
+            sysfs_roots=roots,
+            interval_s=cs.interval_s,
+            timeout_s=cs.timeout_s,
+            concurrency=cs.concurrency,
+            nvsmi_commands=commands,
+            nvml_host=cs.nvml_host,
+            file_sd=sd_files,
+            file_sd_refresh_s=cs.file_sd_refresh_s,
+            spool_dir=cs.spool_dir,
+            spool_memory_records=cs.spool_memory_records,
+            spool_disk_bytes=cs.spool_disk_bytes,
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -141,7 +259,7 @@ def run(
         try:
             await service.start()
         except Exception as e:
-            log.error("bus_unreachable", extra={"bootstrap": kafka, "error": repr(e)})
+            log.error("bus_unreachable", extra={"bootstrap": bootstrap, "error": repr(e)})
             await bus.close()
             raise typer.Exit(1) from e
         log.info(
@@ -149,7 +267,8 @@ def run(
             extra={
                 "targets": len(service.targets.targets),
                 "sysfs_roots": len(roots),
-                "spool_dir": str(spool_dir) if spool_dir else None,
+                "spool_dir": str(cs.spool_dir) if cs.spool_dir else None,
+                "config": str(settings.config) if settings.config else None,
             },
         )
         try:
@@ -159,6 +278,20 @@ def run(
             await bus.close()
 
     asyncio.run(_main())
+
+
+def _serve_metrics(port: int, addr: str) -> None:
+    """Start the Prometheus /metrics server (port 0: none). Exit 1 with a message when the port
+    cannot be bound (in use, or an address this host does not have)."""
+    if not port:
+        return
+    from prometheus_client import start_http_server
+
+    try:
+        start_http_server(port, addr=addr)
+    except OSError as e:
+        typer.echo(f"gpupool collect run: cannot serve /metrics on {addr}:{port}: {e}", err=True)
+        raise typer.Exit(1) from None
 
 
 @app.command("parse-dcgm")

@@ -1,8 +1,6 @@
 """The Pipeline health dashboard: scrape targets, collectors (scrape errors and times), Kafka
-(throughput per topic and backlog growth), analytics (DuckDB ingest) and broker (latency, MQTT).
-
-gpupool exports no Kafka consumer-lag metric yet: the backlog panels show produced minus
-consumed records per second per topic, the lag's rate of change.
+(throughput per topic, the analytics consumer lag, backlog growth), analytics (DuckDB ingest) and
+broker (latency, MQTT, edge sites online).
 """
 
 from __future__ import annotations
@@ -148,8 +146,19 @@ def dashboard() -> dashboard_b.Dashboard:
                 "Telemetry backlog growth by topic",
                 [Query(f"{_PRODUCED} - ({_CONSUMED} or {_PRODUCED} * 0)", "{{topic}}")],
                 description="Produced minus consumed records per second: above 0 the consumer lag grows. "
-                "(gpupool exports no lag metric yet.) Alert GpupoolTelemetryBacklogGrowing.",
+                "Alert GpupoolTelemetryBacklogGrowing (topics without a reported lag).",
                 unit="ops",
+            )
+        )
+        .with_panel(
+            panels.timeseries(
+                "Analytics consumer lag by topic",
+                [Query("sum by (topic) (gpupool_analytics_consumer_lag_records)", "{{topic}}")],
+                description="Records of the owned partitions not yet committed to DuckDB (end offset minus the "
+                "offset stored with the rows), summed over partitions and analytics instances. Alert "
+                "GpupoolKafkaConsumerLagGrowing when above 1000 and growing for 10 minutes.",
+                unit="short",
+                min_value=0,
             )
         )
         .with_panel(
@@ -235,6 +244,15 @@ def dashboard() -> dashboard_b.Dashboard:
             )
         )
         .with_row(panels.row("Broker"))
+        .with_panel(
+            panels.state_timeline(
+                "Edge sites online",
+                Query("max by (site) (gpupool_broker_site_up)", "{{site}}"),
+                description="Each edge site's retained birth or Last Will on sites/{site}/state as the broker "
+                "reads it: 1 online, 0 offline. Alert GpupoolEdgeSiteOffline after 5 minutes offline.",
+                states={0: ("offline", "red"), 1: ("online", "green")},
+            )
+        )
         .with_panel(
             panels.timeseries(
                 "Claim to lease latency",

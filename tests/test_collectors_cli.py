@@ -1,13 +1,16 @@
-"""``gpupool collect`` sub-commands through typer's test runner."""
+"""``gpupool collect`` sub-commands through typer's test runner; ``collect run`` taking its
+settings from flags, ``GPUPOOL_*`` and the ``--config`` TOML file."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
-from collectors.cli import app
+from collectors.cli import app, run_settings
 from contracts import GpuSample, IbPortSample
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
@@ -47,3 +50,29 @@ def test_run_needs_kafka_and_something_to_collect() -> None:
     assert res.exit_code == 2 and "--dcgm-target" in res.output
     res = runner.invoke(app, ["run", "--kafka", "127.0.0.1:1", "--sysfs-root", "no-equals-sign"])
     assert res.exit_code == 2 and "HOST=PATH" in res.output
+
+
+def test_run_takes_what_no_flag_gives_from_the_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in [k for k in os.environ if k.upper().startswith("GPUPOOL_")]:
+        monkeypatch.delenv(name)
+    toml = tmp_path / "gpupool.toml"
+    toml.write_text(
+        'kafka = "127.0.0.1:1"\n[metrics]\ncollectors = 0\n'
+        '[collectors]\ndcgm_targets = ["http://127.0.0.1:9/metrics"]\ninterval_s = 7\ntimeout_s = 3\n'
+    )
+    monkeypatch.setenv("GPUPOOL_COLLECTORS__TIMEOUT_S", "1.5")
+    s = run_settings(toml, interval=None, sysfs_root=["n1=/sys"], dcgm_target=[], concurrency=8)
+    assert s.collectors.dcgm_targets == ["http://127.0.0.1:9/metrics"]  # no --dcgm-target: the file's
+    assert (s.collectors.interval_s, s.collectors.timeout_s, s.collectors.concurrency) == (7.0, 1.5, 8)
+    assert s.collectors.sysfs_roots == ["n1=/sys"] and s.metrics.collectors == 0
+    # the file names Kafka and a target: the command gets as far as Kafka (unreachable: exit 1)
+    res = runner.invoke(app, ["run", "--config", str(toml)])
+    assert res.exit_code == 1, res.output
+    monkeypatch.setenv("GPUPOOL_CONFIG", str(toml))  # the same through the environment
+    assert runner.invoke(app, ["run"]).exit_code == 1
+    toml.write_text('kafka = "127.0.0.1:1"\n[collectors]\ninterval_s = 0\n')
+    res = runner.invoke(app, ["run"])
+    assert res.exit_code == 2 and "interval_s" in res.output
+

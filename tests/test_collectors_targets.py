@@ -279,7 +279,7 @@ def test_cli_counts_file_sd_as_a_source(tmp_path: Path) -> None:
     _write(sd, [{"targets": ["127.0.0.1:9"]}])
     runner = CliRunner()
     # A file_sd file alone is something to collect: the command gets as far as Kafka (unreachable).
-    res = runner.invoke(app, ["run", "--kafka", "127.0.0.1:1", "--file-sd", str(sd)])
+    res = runner.invoke(app, ["run", "--kafka", "127.0.0.1:1", "--metrics-port", "0", "--file-sd", str(sd)])
     assert res.exit_code == 1, res.output
-    res = runner.invoke(app, ["run", "--kafka", "127.0.0.1:1"])
+    res = runner.invoke(app, ["run", "--kafka", "127.0.0.1:1", "--metrics-port", "0"])
     assert res.exit_code == 2 and "--file-sd" in res.output

@@ -15,9 +15,11 @@ that defines its format, then against the code it deploys:
   since /usr/local/bin/gpupool is the install target) and ``systemd-analyze security --offline``;
 * every ``gpupool`` command line (compose command, Kubernetes args after ``$(VAR)`` expansion,
   systemd ExecStart after ``${VAR}``/specifier expansion) is parsed by the real Typer app with the
-  stage callbacks replaced by recorders: sub-command path, option names, value types and required
-  options are the CLI's own; the parsed values are then checked (metrics ports 9410/9411/9412 as in
-  deploy/prometheus/prometheus.yml, 0.0.0.0 in containers, Kafka and MQTT addresses);
+  stage callbacks replaced by recorders: sub-command path, option names and value types are the
+  CLI's own; the settings the stage would run with are then resolved as the stage does it
+  (``<stage>.cli.run_settings``: flags > GPUPOOL_* environment > the deployment's one
+  ``gpupool.toml`` given with ``--config`` > defaults) and checked (metrics ports 9410/9411/9412
+  as in deploy/prometheus/prometheus.yml, 0.0.0.0 in containers, Kafka and MQTT addresses);
 * mosquitto-init.sh runs against Debian's mosquitto_passwd.
 
 Go (for the two validators), promtool, mosquitto_passwd and systemd-analyze are needed: a missing
@@ -44,8 +46,13 @@ import pytest
 import typer
 import yaml
 
+import analytics.cli
+import broker.cli
+import collectors.cli
 from broker.acl import BROKER_USER, DEFAULT_ROOT, render_acl
+from contracts.settings import DeploymentSettings
 from gpupool.cli import app
+from gpupool.settings import load_settings
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -66,6 +73,29 @@ STAGE_JOBS: dict[tuple[str, ...], str] = {
     ("broker", "run"): "gpupool-broker",
 }
 PLACEHOLDER = "REPLACE-ME"
+CONFIG_PATH = "/etc/gpupool/gpupool.toml"
+"""Where every deployment puts its one settings file (the stages' --config)."""
+RUN_SETTINGS: dict[tuple[str, ...], Any] = {
+    ("collect", "run"): collectors.cli.run_settings,
+    ("analytics", "run"): analytics.cli.run_settings,
+    ("broker", "run"): broker.cli.run_settings,
+}
+"""Sub-command of each stage → how it resolves its settings from its parsed parameters."""
+SETTINGS_FILES = [
+    COMPOSE / "gpupool.toml",
+    SYSTEMD / "gpupool.toml",
+    K8S / "base" / "config" / "gpupool.toml",
+    K8S / "overlays" / "example" / "gpupool.toml",
+]
+"""The one settings file each deployment ships."""
+
+
+def _metrics_port(leaf: tuple[str, ...], settings: DeploymentSettings) -> int:
+    return {
+        ("collect", "run"): settings.metrics.collectors,
+        ("analytics", "run"): settings.metrics.analytics,
+        ("broker", "run"): settings.metrics.broker,
+    }[leaf]
 
 
 # helpers ----------------------------------------------------------------------------------------
@@ -88,12 +118,18 @@ def _run_tool(cmd: list[str], *, timeout: float = 600, **kw: Any) -> subprocess.
 
 
 def _parse_gpupool(
-    argv: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch, where: str
-) -> tuple[tuple[str, ...], dict[str, Any]]:
+    argv: list[str],
+    env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    where: str,
+    files: dict[str, Path] | None = None,
+) -> tuple[tuple[str, ...], dict[str, Any], DeploymentSettings]:
     """Parse ``gpupool ARGV`` with the real CLI (env as the process would have it), the command
-    callbacks replaced by recorders. Returns the leaf sub-command path and its converted params;
-    fails the test with the CLI's own error (unknown command or option, bad value, missing
-    required option)."""
+    callbacks replaced by recorders, then resolve the settings the stage would run with
+    (``files`` maps a --config path inside the deployment to the repository's file). Returns the
+    leaf sub-command path, its converted params and those settings; fails the test with the CLI's
+    own error (unknown command or option, bad value) or the settings' (missing file, invalid
+    value, no Kafka)."""
     group = typer.main.get_command(app)
     seen: dict[tuple[str, ...], dict[str, Any]] = {}
 
@@ -112,9 +148,14 @@ def _parse_gpupool(
             group.main(list(argv), prog_name="gpupool", standalone_mode=False)
         except Exception as exc:  # the CLI's usage errors
             pytest.fail(f"{where}: `gpupool {shlex.join(argv)}` does not parse: {type(exc).__name__}: {exc}")
-    leaf = max(seen, key=len)
-    assert leaf in STAGE_PORTS, f"{where}: `gpupool {shlex.join(argv)}` runs {leaf}, not a stage"
-    return leaf, seen[leaf]
+        leaf = max(seen, key=len)
+        assert leaf in STAGE_PORTS, f"{where}: `gpupool {shlex.join(argv)}` runs {leaf}, not a stage"
+        params = dict(seen[leaf])
+        config = params.pop("config")
+        assert config is not None and str(config) in (files or {}), f"{where}: --config {config}?"
+        settings = RUN_SETTINGS[leaf]((files or {})[str(config)], **params)
+    assert settings.kafka, f"{where}: no Kafka configured"
+    return leaf, params, settings
 
 
 def _yaml_files() -> list[Path]:
@@ -220,40 +261,45 @@ def test_compose_stage_commands_parse(compose_model: dict[str, Any], monkeypatch
     for name in ("collectors", "analytics", "broker"):
         svc = services[name]
         env = {k: v for k, v in (svc.get("environment") or {}).items() if v is not None}
-        leaf, params = _parse_gpupool(svc["command"], env, monkeypatch, f"compose service {name}")
+        files = {
+            ref["target"]: Path(compose_model["configs"][ref["source"]]["file"])
+            for ref in svc.get("configs", [])
+        }
+        assert files == {CONFIG_PATH: COMPOSE / "gpupool.toml"}, f"{name}: configs {files}"
+        leaf, _, s = _parse_gpupool(svc["command"], env, monkeypatch, f"compose service {name}", files)
         leaves[leaf] = name
         port = STAGE_PORTS[leaf]
-        assert params["metrics_port"] == port and params["metrics_addr"] == "0.0.0.0", name
-        assert params["kafka"] == "kafka:9092", name
+        assert _metrics_port(leaf, s) == port and s.metrics.addr == "0.0.0.0", name
+        assert s.kafka == "kafka:9092", name
         probe = " ".join(svc["healthcheck"]["test"])
         assert f"http://127.0.0.1:{port}/metrics" in probe, f"{name}: healthcheck {probe}"
         assert svc["depends_on"]["kafka"]["condition"] == "service_healthy", name
         if leaf == ("collect", "run"):
-            ((host, root),) = [s.split("=", 1) for s in params["sysfs_root"]]
+            ((host, root),) = [r.split("=", 1) for r in s.collectors.sysfs_roots]
             dcgm = services["dcgm-exporter"]
             assert host == dcgm["environment"]["NODE_NAME"] == dcgm["hostname"], "host names differ"
             assert any(
                 v["source"] == "/sys" and v["target"] == root and v.get("read_only") for v in svc["volumes"]
             ), "sysfs root is not the host's /sys, read-only"
-            (target,) = params["dcgm_target"]
+            (target,) = s.collectors.dcgm_targets
             listen = dcgm["environment"]["DCGM_EXPORTER_LISTEN"]
             assert target == f"http://dcgm-exporter{listen}/metrics"
-            assert any(
-                v["type"] == "volume" and Path(params["spool_dir"]).is_relative_to(v["target"])
-                for v in svc["volumes"]
+            spool = s.collectors.spool_dir
+            assert spool is not None and any(
+                v["type"] == "volume" and spool.is_relative_to(v["target"]) for v in svc["volumes"]
             ), "the spool is not on a volume"
         if leaf == ("analytics", "run"):
-            db_dir = str(Path(params["db"]).parent)
+            db_dir = str(s.analytics_db.parent)
             assert any(v["type"] == "volume" and v["target"] == db_dir for v in svc["volumes"]), db_dir
         if leaf == ("broker", "run"):
-            host, _, port_s = params["mqtt"].partition(":")
+            host, _, port_s = s.mqtt.partition(":")
             assert host in services and any(p["target"] == int(port_s) for p in services[host]["ports"])
             sh, dash_c, script, argv0 = svc["entrypoint"]
             assert (sh, dash_c, argv0) == ("/bin/sh", "-c", "gpupool")
             assert script.endswith('exec gpupool "$@"'), script
-            secrets = {s["source"]: s["target"] for s in svc["secrets"]}
+            secrets = {ref["source"]: ref["target"] for ref in svc["secrets"]}
             assert f'GPUPOOL_MQTT_PASSWORD="$(cat {secrets["mqtt-broker-password"]})"' in script
-            assert params["username"] == BROKER_USER and params["root"] == DEFAULT_ROOT
+            assert s.mqtt_username == BROKER_USER and s.mqtt_root == DEFAULT_ROOT
     assert set(leaves) == set(STAGE_PORTS)
 
 
@@ -499,11 +545,35 @@ def test_k8s_validator_rejects_invalid_objects(tmp_path: Path, k8s: tuple[str, l
         assert expected in done.stderr, done.stderr
 
 
-def test_k8s_stage_args_parse(k8s: tuple[str, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch) -> None:
+def _configmap_files(
+    container: dict[str, Any], pod: dict[str, Any], objects: list[dict[str, Any]], tmp_path: Path
+) -> dict[str, Path]:
+    """Every file a container sees from a ConfigMap volume (mount path/key) → a local copy."""
+    configmaps = _by_kind(objects, "ConfigMap")
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    out: dict[str, Path] = {}
+    for m in container.get("volumeMounts", []):
+        ref = volumes.get(m["name"], {}).get("configMap")
+        if ref is None:
+            continue
+        for key, text in configmaps[ref["name"]]["data"].items():
+            local = tmp_path / ref["name"] / key
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.write_text(text)
+            out[f"{m['mountPath']}/{key}"] = local
+    return out
+
+
+def test_k8s_stage_args_parse(
+    k8s: tuple[str, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     name, objects = k8s
     config = next(
         o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("gpupool-config")
     )
+    shipped = K8S / ("overlays/example/gpupool.toml" if "overlay" in name else "base/config/gpupool.toml")
+    assert config["data"] == {"gpupool.toml": shipped.read_text()}, f"{name}: gpupool-config is not {shipped}"
+    toml = tomllib.loads(shipped.read_text())
     expected = {
         "DaemonSet": ("collect", "run"),
         "StatefulSet": ("analytics", "run"),
@@ -527,21 +597,25 @@ def test_k8s_stage_args_parse(k8s: tuple[str, list[dict[str, Any]]], monkeypatch
                 path = found.group(1)
                 assert any(path.startswith(m["mountPath"] + "/") for m in c["volumeMounts"]), path
                 env["GPUPOOL_MQTT_PASSWORD"] = "secret"
-            leaf, params = _parse_gpupool(
-                argv, env, monkeypatch, f"{name} {wl['kind']} {wl['metadata']['name']}"
+            files = _configmap_files(c, wl["spec"]["template"]["spec"], objects, tmp_path)
+            assert CONFIG_PATH in files, f"{name} {wl['metadata']['name']}: no {CONFIG_PATH} mounted"
+            leaf, _, s = _parse_gpupool(
+                argv, env, monkeypatch, f"{name} {wl['kind']} {wl['metadata']['name']}", files
             )
             assert leaf == expected[wl["kind"]], (wl["kind"], leaf)
             ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-            assert params["metrics_port"] == ports["metrics"] == STAGE_PORTS[leaf]
-            assert params["metrics_addr"] == "0.0.0.0"
-            assert params["kafka"] == config["data"]["GPUPOOL_KAFKA"]
-            assert params["topic_prefix"] == config["data"]["GPUPOOL_TOPIC_PREFIX"]
+            assert _metrics_port(leaf, s) == ports["metrics"] == STAGE_PORTS[leaf]
+            assert s.metrics.addr == "0.0.0.0"
+            assert s.kafka == toml["kafka"] and s.topic_prefix == toml["topic_prefix"]
+            assert s.idle.pool == ("training-a" if "overlay" in name else "default")
             if leaf == ("collect", "run"):
                 volumes = {v["name"]: v for v in wl["spec"]["template"]["spec"]["volumes"]}
-                (spool,) = [
-                    m for m in c["volumeMounts"] if Path(params["spool_dir"]).is_relative_to(m["mountPath"])
-                ]
+                spool_dir = s.collectors.spool_dir
+                assert spool_dir is not None
+                (spool,) = [m for m in c["volumeMounts"] if spool_dir.is_relative_to(m["mountPath"])]
                 assert not spool.get("readOnly") and "emptyDir" in volumes[spool["name"]], spool
+            if leaf == ("broker", "run"):
+                assert s.mqtt_password is not None and s.mqtt_password.get_secret_value() == "secret"
             seen.add(leaf)
     assert seen == set(STAGE_PORTS), f"{name}: stages deployed {seen}"
 
@@ -760,11 +834,9 @@ def test_systemd_execstart_parses(unit: Path, monkeypatch: pytest.MonkeyPatch) -
     specifiers = {"%H": "gpu-node-1", "%S": "/var/lib"}
     argv = [re.sub(r"\$\{(\w+)\}", lambda m: env[m.group(1)], a) for a in argv[1:]]
     argv = [re.sub(r"%[HS]", lambda m: specifiers[m.group(0)], a) for a in argv]
-    leaf, params = _parse_gpupool(
-        argv, {k: v for k, v in env.items() if k.startswith("GPUPOOL_MQTT_PASSWORD")}, monkeypatch, unit.name
-    )
+    leaf, _, s = _parse_gpupool(argv, env, monkeypatch, unit.name, {CONFIG_PATH: SYSTEMD / "gpupool.toml"})
     assert unit.name == f"{STAGE_JOBS[leaf]}.service"
-    assert params["metrics_port"] == STAGE_PORTS[leaf]
+    assert _metrics_port(leaf, s) == STAGE_PORTS[leaf]
     for key, value in {
         "DynamicUser": "yes",
         "ProtectSystem": "strict",
@@ -776,14 +848,28 @@ def test_systemd_execstart_parses(unit: Path, monkeypatch: pytest.MonkeyPatch) -
         assert conf[f"[Service]{key}"] == [value], f"{unit.name}: {key}"
     if leaf == ("analytics", "run"):
         (state,) = conf["[Service]StateDirectory"]
-        assert Path(params["db"]).parent == Path("/var/lib") / state
+        assert s.analytics_db.parent == Path("/var/lib") / state
     if leaf == ("collect", "run"):
-        assert params["sysfs_root"] == ["gpu-node-1=/sys"]
+        assert s.collectors.sysfs_roots == ["gpu-node-1=/sys"]
         (state,) = conf["[Service]StateDirectory"]
-        assert Path(params["spool_dir"]).is_relative_to(Path("/var/lib") / state)
+        assert s.collectors.spool_dir is not None
+        assert s.collectors.spool_dir.is_relative_to(Path("/var/lib") / state)
     if leaf == ("broker", "run"):
         assert "--password" not in argv, "the password must not be on the command line"
-        assert params["password"] == env["GPUPOOL_MQTT_PASSWORD"]
+        assert s.mqtt_password is not None
+        assert s.mqtt_password.get_secret_value() == env["GPUPOOL_MQTT_PASSWORD"]
+
+
+@pytest.mark.parametrize("path", SETTINGS_FILES, ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_shipped_settings_files_are_complete_and_valid(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each deployment's one gpupool.toml loads with the stages' own checks (idle thresholds,
+    broker times), names Kafka, sets no secret, and writes the metrics ports Prometheus scrapes."""
+    for key in [k for k in os.environ if k.startswith("GPUPOOL_")]:
+        monkeypatch.delenv(key)
+    s = load_settings(path)
+    assert s.kafka and s.mqtt_password is None, path
+    assert (s.metrics.collectors, s.metrics.analytics, s.metrics.broker) == tuple(STAGE_PORTS.values())
+    assert "mqtt_password" not in tomllib.loads(path.read_text()), f"{path}: a secret in the settings file"
 
 
 # Dockerfile ---------------------------------------------------------------------------------------

@@ -17,7 +17,15 @@ from typer.testing import CliRunner
 from analytics.classify import IdleConfig
 from broker.config import BrokerConfig
 from gpupool.cli import app
-from gpupool.settings import MASK, GpupoolSettings, effective_config, load_settings, to_toml
+from gpupool.settings import (
+    MASK,
+    GpupoolSettings,
+    broker_config,
+    effective_config,
+    idle_config,
+    load_settings,
+    to_toml,
+)
 
 SECRET = "hunter2-do-not-print"
 
@@ -52,8 +60,8 @@ def test_defaults_match_the_stage_clis() -> None:
     assert s.config is None and s.kafka is None and s.topic_prefix == ""
     assert s.mqtt == "127.0.0.1:1883" and s.mqtt_username == "gpupool-broker" and s.mqtt_password is None
     assert (s.metrics.collectors, s.metrics.analytics, s.metrics.broker) == (9410, 9411, 9412)
-    assert s.idle.to_idle_config() == IdleConfig()
-    assert s.broker.to_broker_config() == BrokerConfig()
+    assert idle_config(s.idle) == IdleConfig()
+    assert broker_config(s.broker) == BrokerConfig()
 
 
 def test_environment_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -69,7 +77,7 @@ def test_environment_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
     assert s.kafka == "k1:9092,k2:9093"
     assert s.mqtt_password is not None and s.mqtt_password.get_secret_value() == SECRET
     assert s.idle.min_idle_s == 120.0 and s.idle.idle_threshold == 0.05
-    assert s.broker.to_broker_config().notice_s == 45.0
+    assert broker_config(s.broker).notice_s == 45.0
     assert s.metrics.broker == 9500 and s.topic_prefix == "prod."
 
 
@@ -174,7 +182,9 @@ def test_config_show_json_and_toml(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert SECRET not in res.output and f'mqtt_password = "{MASK}"' in res.stdout
     parsed = tomllib.loads(res.stdout)
     assert parsed["broker"]["notice_s"] == 12.5 and "kafka" not in parsed
-    assert "# not set: kafka" in res.stdout
+    (unset,) = [line for line in res.stdout.splitlines() if line.startswith("# not set: ")]
+    not_set = set(unset[len("# not set: ") :].split(", "))
+    assert {"kafka", "collectors.spool_dir", "broker.fabric_state"} <= not_set
 
     # the TOML printed is a settings file giving the same settings (password aside: it is masked)
     monkeypatch.delenv("GPUPOOL_CONFIG")
@@ -198,3 +208,41 @@ def test_config_show_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("GPUPOOL_IDLE__MIN_IDLE_S", "-1")
     res = runner.invoke(app, ["config", "show"])
     assert res.exit_code == 1 and "invalid settings" in res.output
+
+
+def test_default_metrics_ports_are_the_ones_prometheus_scrapes() -> None:
+    """The stage commands' defaults (the settings') match deploy/prometheus/prometheus.yml."""
+    import yaml
+
+    prometheus_yml = Path(__file__).resolve().parents[1] / "deploy" / "prometheus" / "prometheus.yml"
+    conf = yaml.safe_load(prometheus_yml.read_text())
+    ports = {
+        job["job_name"]: int(job["static_configs"][0]["targets"][0].rsplit(":", 1)[1])
+        for job in conf["scrape_configs"]
+        if job["job_name"].startswith("gpupool-")
+    }
+    m = load_settings().metrics
+    assert ports == {
+        "gpupool-collectors": m.collectors,
+        "gpupool-analytics": m.analytics,
+        "gpupool-broker": m.broker,
+    }
+
+
+@pytest.mark.parametrize("stage", ["collectors", "analytics", "broker"])
+def test_every_option_of_a_stage_run_command_is_a_setting(stage: str) -> None:
+    """One TOML file configures a whole deployment: each option of ``gpupool <stage> run`` maps to
+    a field of the settings model (``RUN_SETTINGS``), so it can come from GPUPOOL_* or the file."""
+    import importlib
+    import inspect
+
+    cli = importlib.import_module(f"{stage}.cli")
+    params = set(inspect.signature(cli.run).parameters) - {"config"}
+    mapping: dict[str, str] = cli.RUN_SETTINGS
+    assert params == set(mapping), f"{stage} run options without a setting: {sorted(params - set(mapping))}"
+    defaults = effective_config(GpupoolSettings())
+    for option, path in mapping.items():
+        node: object = defaults
+        for part in path.split("."):
+            assert isinstance(node, dict) and part in node, f"{stage} --{option}: no setting {path}"
+            node = node[part]

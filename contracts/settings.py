@@ -1,0 +1,334 @@
+"""The deployment's settings: one typed model (pydantic-settings) that every stage reads.
+
+Why it lives in ``contracts``: one TOML file configures a whole deployment, so its shape is an
+interface every stage shares, like the topic names: the collectors, analytics and broker
+``run`` commands each load it (``--config FILE``), and a stage may import only ``contracts``
+(tests/test_architecture.py). The model therefore imports no stage: the stage CLIs turn their
+group into their own configuration (``analytics.classify.IdleConfig``, ``broker.config.BrokerConfig``),
+and :mod:`gpupool.settings` — which may import every stage — adds the cross-checks that need
+those classes for ``gpupool config show``. (Loading the settings in the root ``gpupool`` CLI and
+handing them down was the alternative; it would leave a stage's own Typer app, as tests and
+embedders use it, without ``--config``.)
+
+Sources, highest priority first:
+
+1. the ``overrides`` given to :func:`load_settings` (the command-line flags of a stage);
+2. environment variables ``GPUPOOL_<FIELD>``, nested groups with ``__``:
+   ``GPUPOOL_KAFKA``, ``GPUPOOL_MQTT_PASSWORD``, ``GPUPOOL_IDLE__MIN_IDLE_S``,
+   ``GPUPOOL_BROKER__NOTICE_S``, ``GPUPOOL_METRICS__BROKER``,
+   ``GPUPOOL_COLLECTORS__DCGM_TARGETS='["http://..."]'`` (names are case-insensitive; lists and
+   whole groups as JSON, ``GPUPOOL_IDLE='{"min_idle_s": 10}'``);
+3. a TOML file named by ``--config`` or ``GPUPOOL_CONFIG`` (top-level keys are the fields of
+   :class:`DeploymentSettings`, tables ``[metrics]``, ``[idle]``, ``[collectors]``,
+   ``[analytics]``, ``[broker]`` the groups);
+4. the defaults below. The metrics ports are the ones ``deploy/prometheus/prometheus.yml``
+   scrapes (9410 collectors, 9411 analytics, 9412 broker).
+
+Other ``GPUPOOL_*`` variables (``GPUPOOL_SITE``, ``GPUPOOL_STATE`` of the Makefile...) are not
+settings and are ignored; an unknown key in the TOML file is an error.
+
+Example file::
+
+    kafka = "kafka-1:9092,kafka-2:9092"
+    mqtt = "mqtt.example.internal:1883"
+    [idle]
+    min_idle_s = 120
+    [collectors]
+    dcgm_targets = ["http://127.0.0.1:9400/metrics"]
+    [broker]
+    notice_s = 60
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+__all__ = [
+    "CONFIG_ENV",
+    "AnalyticsSettings",
+    "BrokerSettings",
+    "CollectorsSettings",
+    "DeploymentSettings",
+    "IdleSettings",
+    "MetricsSettings",
+    "SettingsError",
+    "load_settings",
+]
+
+CONFIG_ENV = "GPUPOOL_CONFIG"
+"""Environment variable naming the TOML settings file (``--config`` wins over it)."""
+
+
+def _host_port(value: str) -> str:
+    host, sep, port = value.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected host:port, got {value!r}")
+    return f"{host}:{port}"
+
+
+class MetricsSettings(BaseModel):
+    """Where each stage serves Prometheus ``/metrics`` (port 0: off).
+
+    Attributes:
+        addr: listen address of every stage's ``/metrics``.
+        collectors / analytics / broker: port of each stage (the ones ``deploy/prometheus``
+            scrapes: 9410, 9411, 9412).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    addr: str = "127.0.0.1"
+    collectors: int = Field(default=9410, ge=0, le=65535)
+    analytics: int = Field(default=9411, ge=0, le=65535)
+    broker: int = Field(default=9412, ge=0, le=65535)
+
+
+class IdleSettings(BaseModel):
+    """Idle detection of the analytics stage (``analytics.classify.IdleConfig``; activity is a
+    ratio 0..1). The cross-check ``idle_threshold <= busy_threshold`` is IdleConfig's own: the
+    analytics CLI and :mod:`gpupool.settings` apply it.
+
+    Attributes:
+        idle_threshold: activity at or below this is an idle sample.
+        busy_threshold: activity at or above this makes a GPU busy (>= ``idle_threshold``).
+        min_idle_s: seconds of idle samples before a GPU is idle.
+        stale_after_s: a GPU not sampled this long is unknown, seconds.
+        refresh_s: analytics re-publishes every GPU's capacity update at least this often, s.
+        pool: pool name put on capacity updates.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    idle_threshold: float = Field(default=0.05, ge=0, le=1)
+    busy_threshold: float = Field(default=0.10, ge=0, le=1)
+    min_idle_s: float = Field(default=60.0, ge=0)
+    stale_after_s: float = Field(default=30.0, gt=0)
+    refresh_s: float = Field(default=30.0, gt=0)
+    pool: str = "default"
+
+
+class CollectorsSettings(BaseModel):
+    """Sources and timing of the collector stage (``gpupool collect run``).
+
+    Attributes:
+        dcgm_targets: dcgm-exporter ``/metrics`` URLs.
+        sysfs_roots: ``HOST=PATH`` of folders holding ``class/infiniband`` (e.g. ``node-1=/sys``).
+        nvidia_smi: ``HOST=COMMAND`` printing ``nvidia-smi -q -x`` XML.
+        nvml_host: read this machine's GPUs through NVML under this host name; ``None``: no NVML.
+        file_sd: Prometheus file_sd JSON files of dcgm-exporter targets (last component may be a glob).
+        file_sd_refresh_s: seconds between two checks of the file_sd files.
+        spool_dir: spool records here while Kafka is unreachable; ``None``: memory only.
+        spool_memory_records: records the spool holds in memory before it writes to ``spool_dir``.
+        spool_disk_bytes: bytes the spool may take in ``spool_dir``.
+        interval_s: seconds between the starts of two collection cycles.
+        timeout_s: deadline of one scrape, seconds.
+        concurrency: scrapes in flight at most.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    dcgm_targets: list[str] = Field(default_factory=list)
+    sysfs_roots: list[str] = Field(default_factory=list)
+    nvidia_smi: list[str] = Field(default_factory=list)
+    nvml_host: str | None = None
+    file_sd: list[Path] = Field(default_factory=list)
+    file_sd_refresh_s: float = Field(default=5.0, gt=0)
+    spool_dir: Path | None = None
+    spool_memory_records: int = Field(default=100_000, ge=0)
+    spool_disk_bytes: int = Field(default=1 << 30, ge=0)
+    interval_s: float = Field(default=5.0, gt=0)
+    timeout_s: float = Field(default=2.0, gt=0)
+    concurrency: int = Field(default=64, ge=1)
+
+
+class AnalyticsSettings(BaseModel):
+    """Kafka and DuckDB options of the analytics stage (the database file is the top-level
+    ``analytics_db``, idle detection the ``[idle]`` group).
+
+    Attributes:
+        group_id: Kafka consumer group of the telemetry consumers (one per deployment).
+        memory_limit: DuckDB ``memory_limit`` (e.g. ``"2GB"``); ``None``: DuckDB's default.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    group_id: str = "gpupool-analytics"
+    memory_limit: str | None = None
+
+
+class BrokerSettings(BaseModel):
+    """Offers, leases and fabric isolation of the broker stage (``broker.config.BrokerConfig``
+    for the times). MQTT connection settings are the top-level ``mqtt*`` fields.
+
+    Attributes:
+        offer_ttl_s: an offer lapses this long after it is published, seconds.
+        notice_s: reclaim notice each lease gets, seconds.
+        lease_ttl_s: a lease expires unless renewed within this long, seconds.
+        group_id: Kafka consumer group of capacity and pool demand (one per deployment).
+        client_id: MQTT client id; the broker's persistent session is kept under it.
+        fabric_state: ``fabric.json`` of an OpenSM fabric; ``None``: fabric isolation disabled.
+        fabric_gateway: node id or port GUID of the edge gateway's HCA (full member).
+        fabric_hosts: JSON file ``{"<gpu host>": ["<HCA node id or port GUID>", ...]}``.
+        fabric_sl: service level of inference traffic (0..15).
+        fabric_timeout_s: seconds to wait for the fabric to show a partition change.
+        fabric_dry_run: print partition diffs and change nothing.
+        lease_log_linger_ms: batching delay of the lease-log producer, ms (every claim waits for
+            its lease to be logged: keep it small).
+        tune_gc: after the start, freeze the objects alive then and collect the young generation
+            less often (shorter GC pauses on the claim path).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    offer_ttl_s: float = Field(default=60.0, gt=0)
+    notice_s: float = Field(default=30.0, ge=0)
+    lease_ttl_s: float = Field(default=60.0, gt=0)
+    group_id: str = "gpupool-broker"
+    client_id: str = "gpupool-broker"
+    fabric_state: Path | None = None
+    fabric_gateway: str = "edge-gw"
+    fabric_hosts: Path | None = None
+    fabric_sl: int = Field(default=1, ge=0, le=15)
+    fabric_timeout_s: float = Field(default=20.0, gt=0)
+    fabric_dry_run: bool = False
+    lease_log_linger_ms: float = Field(default=1.0, ge=0)
+    tune_gc: bool = True
+
+
+class DeploymentSettings(BaseSettings):
+    """Every setting of a gpupool deployment (sources and precedence: module docstring).
+
+    Attributes:
+        config: the TOML file these settings were read from (``--config`` or ``GPUPOOL_CONFIG``).
+        kafka: Kafka bootstrap servers ``host:port[,host:port]``; ``None``: not configured (the
+            stage commands refuse to run, the demo uses its in-process bus).
+        topic_prefix: prefix of every Kafka topic name (the same for every stage).
+        mqtt: MQTT server ``host:port``.
+        mqtt_username / mqtt_password: MQTT credentials of the broker (the password is a secret:
+            masked when shown, best given by environment, never on a command line).
+        mqtt_root: MQTT topic root.
+        mqtt_protocol: 5, or 4 for MQTT 3.1.1.
+        mqtt_cafile: connect to MQTT over TLS, trusting this CA (PEM); ``None``: plain TCP unless
+            a client certificate is given (then the system's CAs).
+        mqtt_certfile / mqtt_keyfile: TLS client certificate (PEM) and its key, if separate.
+        state_dir: where the demo and local services keep files.
+        analytics_db: the analytics DuckDB file.
+        metrics / idle / collectors / analytics / broker: the groups above.
+
+    Raises:
+        pydantic.ValidationError: a value of any source is invalid (the message names the field).
+        FileNotFoundError: the TOML file named does not exist.
+        tomllib.TOMLDecodeError: the TOML file does not parse.
+    """
+
+    model_config = SettingsConfigDict(
+        env_prefix="GPUPOOL_", env_nested_delimiter="__", extra="forbid", case_sensitive=False
+    )
+
+    config: Path | None = None
+    kafka: str | None = None
+    topic_prefix: str = ""
+    mqtt: str = "127.0.0.1:1883"
+    mqtt_username: str | None = "gpupool-broker"
+    mqtt_password: SecretStr | None = None
+    mqtt_root: str = "gpupool/v1"
+    mqtt_protocol: Literal[4, 5] = 5
+    mqtt_cafile: Path | None = None
+    mqtt_certfile: Path | None = None
+    mqtt_keyfile: Path | None = None
+    state_dir: Path = Path(".state")
+    analytics_db: Path = Path("gpupool-analytics.duckdb")
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings)
+    idle: IdleSettings = Field(default_factory=IdleSettings)
+    collectors: CollectorsSettings = Field(default_factory=CollectorsSettings)
+    analytics: AnalyticsSettings = Field(default_factory=AnalyticsSettings)
+    broker: BrokerSettings = Field(default_factory=BrokerSettings)
+
+    @field_validator("kafka")
+    @classmethod
+    def _kafka(cls, v: str | None) -> str | None:
+        if v is None or not v.strip():
+            return None
+        return ",".join(_host_port(part) for part in v.split(","))
+
+    @field_validator("mqtt")
+    @classmethod
+    def _mqtt(cls, v: str) -> str:
+        return _host_port(v)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Flags, then ``GPUPOOL_*`` variables, then the TOML file if one is named; no ``.env``
+        file, no secrets folder. Raises ``FileNotFoundError`` if the named TOML file is missing."""
+        given = (
+            init_settings.init_kwargs.get("config") if isinstance(init_settings, InitSettingsSource) else None
+        )
+        path = given or os.environ.get(CONFIG_ENV) or None
+        if path is None:
+            return init_settings, env_settings
+        toml = Path(path)
+        if not toml.is_file():
+            raise FileNotFoundError(f"settings file {toml} does not exist")
+        return init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file=toml)
+
+
+class SettingsError(ValueError):
+    """The settings cannot be loaded: the file is missing or does not parse, or a value is
+    invalid. The message says which (file name, or the field and pydantic's reason)."""
+
+
+def load_settings(
+    config: Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    model: type[DeploymentSettings] = DeploymentSettings,
+) -> DeploymentSettings:
+    """The effective settings: ``overrides`` (flags), ``GPUPOOL_*``, the TOML file ``config``
+    (else ``$GPUPOOL_CONFIG``), defaults.
+
+    ``overrides`` maps dotted field paths to values (``{"kafka": "k:9092",
+    "collectors.interval_s": 5.0}``); ``None`` values mean "flag not given" and are skipped, and
+    so are empty lists and tuples (a repeatable flag not given: Typer passes ``[]``/``()``).
+    Raises :class:`SettingsError` (a ``ValueError``) when the file is missing or not TOML or a
+    value is invalid; an unknown path in ``overrides`` is invalid too.
+    """
+    init: dict[str, Any] = {}
+    for path, value in (overrides or {}).items():
+        if value is None or (isinstance(value, list | tuple) and not value):
+            continue
+        *groups, leaf = path.split(".")
+        node = init
+        for group in groups:
+            node = node.setdefault(group, {})
+        node[leaf] = value
+    if config is not None:
+        init["config"] = config
+    try:
+        return model(**init)
+    except FileNotFoundError as exc:
+        raise SettingsError(str(exc)) from exc
+    except tomllib.TOMLDecodeError as exc:
+        named = config or os.environ.get(CONFIG_ENV)
+        raise SettingsError(f"settings file {named} does not parse: {exc}") from exc
+    except ValidationError as exc:
+        raise SettingsError(f"invalid settings: {exc}") from exc

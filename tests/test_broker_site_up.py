@@ -1,0 +1,89 @@
+"""``gpupool_broker_site_up{site}``: the broker exports each edge site's retained birth / Last Will
+(``sites/{site}/state``, :class:`contracts.PeerState`) as 1 online / 0 offline; the
+GpupoolEdgeSiteOffline alert (deploy/prometheus) reads it.
+
+Over a real MQTT server: amqtt in this process (the demo's embedded broker, MQTT 3.1.1), the
+in-process bus. The gauge is read from the default registry, as Prometheus would scrape it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import aiomqtt
+from prometheus_client import REGISTRY
+
+from broker.config import BrokerConfig
+from broker.edge import EdgeClient
+from broker.service import BrokerService
+from contracts import KafkaTopics, MqttTopics, PeerState, encode
+from contracts.bus import MemoryBus
+from gpupool.embedded_mqtt import EmbeddedMqttBroker
+from tests.mqtt_support import until
+
+MT = MqttTopics()
+CFG = BrokerConfig(tick_s=0.05, reconnect_min_s=0.05, reconnect_max_s=0.5)
+
+
+def _up(site: str) -> float | None:
+    return REGISTRY.get_sample_value("gpupool_broker_site_up", {"site": site})
+
+
+def _malformed() -> float:
+    value = REGISTRY.get_sample_value("gpupool_broker_rejected_messages_total", {"reason": "malformed_state"})
+    return value or 0.0
+
+
+@contextlib.asynccontextmanager
+async def _broker(port: int) -> AsyncIterator[BrokerService]:
+    svc = BrokerService(
+        bus=MemoryBus(), topics=KafkaTopics(), mqtt_host="127.0.0.1", mqtt_port=port, protocol=4, config=CFG
+    )
+    await svc.start()
+    stop = asyncio.Event()
+    task = asyncio.create_task(svc.run(stop))
+    try:
+        await svc.wait_connected(10)
+        yield svc
+    finally:
+        stop.set()
+        await task
+        await svc.stop()
+
+
+def _state(*, online: bool, seq: int) -> bytes:
+    return encode(PeerState(peer="edge-up-b", online=online, seq=seq, ts=float(seq)))
+
+
+async def _publish_state(port: int, site: str, payload: bytes) -> None:
+    async with aiomqtt.Client(
+        "127.0.0.1", port, identifier=f"probe-{site}", protocol=aiomqtt.ProtocolVersion.V311
+    ) as c:
+        await c.publish(MT.site_state(site), payload, qos=1, retain=True)
+
+
+async def test_site_up_follows_birth_goodbye_and_clearing() -> None:
+    async with EmbeddedMqttBroker() as server, _broker(server.port):
+        site = EdgeClient(site="edge-up-a", host="127.0.0.1", port=server.port, protocol=4)
+        async with site:
+            await until(lambda: _up("edge-up-a") == 1.0, 5, "site_up 1 after the birth")
+        # a clean exit publishes the site's death (online false, retained)
+        await until(lambda: _up("edge-up-a") == 0.0, 5, "site_up 0 after the goodbye")
+
+        # a late Last Will of an older session (lower seq) does not turn a newer birth offline
+        await _publish_state(server.port, "edge-up-b", _state(online=True, seq=5))
+        await until(lambda: _up("edge-up-b") == 1.0, 5, "site_up of edge-up-b")
+        await _publish_state(server.port, "edge-up-b", _state(online=False, seq=4))
+        await asyncio.sleep(0.3)
+        assert _up("edge-up-b") == 1.0
+
+        # garbage is counted and changes nothing; clearing the retained state removes the series
+        before = _malformed()
+        await _publish_state(server.port, "edge-up-b", b"{not json")
+        await until(lambda: _malformed() > before, 5, "malformed_state counted")
+        assert _up("edge-up-b") == 1.0
+        await _publish_state(server.port, "edge-up-b", b"")
+        await until(lambda: _up("edge-up-b") is None, 5, "series removed when the state is cleared")
+        assert _up("edge-up-a") == 0.0
