@@ -26,9 +26,11 @@ deps-kafka:
 
 deps: venv deps-system deps-kafka
 
-## The main job on embedded defaults: simulator + every stage in one process.
+## The main job on embedded defaults: simulator + every stage in one process. Fabric isolation
+## on a simulated InfiniBand fabric when its tools are installed (DEMO_FABRIC=auto|on|off).
+DEMO_FABRIC ?= auto
 demo: venv
-	$(BIN)/gpupool demo $(DEMO_ARGS)
+	$(BIN)/gpupool demo --fabric $(DEMO_FABRIC) $(DEMO_ARGS)
 
 ## The whole test suite; services (Kafka, Mosquitto) are started by the tests' session fixtures.
 test: deps

@@ -6,6 +6,14 @@ broker (amqtt, MQTT 3.1.1). ``kafka`` and ``mqtt`` point the same demo at real s
 The trace drives everything: each simulated GPU replays one pod of the Alibaba GenAI 2026 trace,
 time-compressed (``speedup`` trace seconds per wall second). The demo checks its own promise:
 every offer is compared with the trace at the moment it was published (:class:`OfferAudit`).
+
+Fabric isolation (``fabric``, :class:`gpupool.demo_fabric.FabricMode`): with ``auto`` or ``on`` and
+the tools installed, the demo starts a private simulated InfiniBand fabric whose compute HCAs are
+the simulated hosts (:class:`gpupool.demo_fabric.DemoFabric`) and runs the broker with OpenSM
+partitions, so every lease gets a PKey and SL verified on the fabric before it is granted; the
+fabric is stopped at the end, on errors and on Ctrl-C too. ``fabric_state`` instead points at a
+fabric someone else runs. Per lease the demo reports site, GPUs, PKey, SL, verified and the
+isolate→verified time (:class:`gpupool.demo_leases.LeaseRow`), live and in the summary.
 """
 
 from __future__ import annotations
@@ -23,14 +31,28 @@ from typing import TYPE_CHECKING
 
 import aiomqtt
 
-from contracts import KafkaTopics, MqttTopics, Offer, decode
+from contracts import KafkaTopics, LeaseLogRecord, MqttTopics, Offer, decode
 from contracts.bus import make_bus
+from gpupool.demo_fabric import (
+    INSTALL_HINT,
+    DemoFabric,
+    FabricMode,
+    FabricUnavailable,
+    TimedOpenSmFabric,
+    missing_tools,
+)
+from gpupool.demo_leases import LeaseRow, LeaseWatch, lease_rows, percentile, write_rows
 
 if TYPE_CHECKING:
     from simulator.dcgm_http import FleetServer
     from simulator.sysfs import SysfsTree
 
 log = logging.getLogger(__name__)
+
+SHUTDOWN_TIMEOUT_S = 20.0
+"""How long the demo waits for each task and each stage to stop before it goes on, seconds."""
+Progress = Callable[[dict[str, object]], object]
+"""``progress(snapshot)`` of :func:`run_demo`, called about twice a second."""
 
 
 @dataclass
@@ -65,8 +87,11 @@ class DemoConfig:
     topic_prefix: str | None = None
     """Kafka topic prefix; ``None``: a fresh ``demo-<run id>.`` on Kafka, none on the in-process bus."""
     fabric_state: Path | None = None
-    """fabric.json of an OpenSM fabric (deploy/local/fabric.sh): each lease gets a partition verified
-    on it (:class:`broker.fabric_opensm.OpenSmFabric`); ``None``: fabric isolation disabled."""
+    """fabric.json of an OpenSM fabric someone else runs (deploy/local/fabric.sh): each lease gets a
+    partition verified on it (:class:`broker.fabric_opensm.OpenSmFabric`); overrides ``fabric``."""
+    fabric: FabricMode = FabricMode.OFF
+    """Start the demo's own simulated fabric: ``auto`` when the tools are installed, ``on`` always
+    (:class:`FabricUnavailable` if it cannot), ``off`` never. ``gpupool demo`` defaults to ``auto``."""
     on_started: Callable[[FleetServer, SysfsTree], object] | None = None
     """Called once, when every stage has started, with the simulated nodes' dcgm-exporter endpoints
     (``FleetServer.urls()``, ``fail_mode``) and InfiniBand sysfs trees (``SysfsTree.roots()``): lets a
@@ -104,9 +129,43 @@ class OfferAudit:
                     log.warning("offer_race", extra={"offer_id": offer.offer_id, "gpu": g.gpu, "offer_ts": offer.ts})
 
 
+@dataclass(frozen=True)
+class FabricStatus:
+    """Whether the demo's leases are isolated on a fabric, and why (not).
+
+    Attributes:
+        enabled: True when the broker runs with OpenSM partitions (every lease needs a verified one).
+        mode: the ``fabric`` mode asked for (``auto``/``on``/``off``), or ``external``.
+        detail: where the fabric is (``fabric.json``), or why there is none.
+        start_s: seconds the demo's own fabric took to start; ``None`` when it started none.
+    """
+
+    enabled: bool
+    mode: str
+    detail: str
+    start_s: float | None = None
+
+    def notice(self) -> str:
+        """The one message the demo shows about fabric isolation (what it means, how to get it)."""
+        if self.enabled:
+            return (f"Fabric isolation ON: every lease gets its own InfiniBand partition (PKey + SL), "
+                    f"verified on the fabric before it is granted ({self.detail}).")
+        return (f"Fabric isolation OFF: leases run without fabric isolation ({self.detail}). "
+                f"For a PKey + SL per lease on a simulated InfiniBand fabric, install ibsim, OpenSM "
+                f"and infiniband-diags with `{INSTALL_HINT}` and run `gpupool demo --fabric on`.")
+
+
 @dataclass
 class DemoSummary:
-    """What the demo did, printed at the end and returned to tests."""
+    """What the demo did, printed at the end and returned to tests.
+
+    Besides the counts: ``fabric`` (:class:`FabricStatus` as a dict), ``leases`` (one
+    :meth:`LeaseRow.as_dict` per granted lease, in grant order), ``leases_verified`` (leases whose
+    partition was verified on the fabric), ``isolate_p50_s`` / ``isolate_p99_s`` (nearest-rank
+    percentiles of the isolate→verified seconds; ``None`` without isolation), and the files
+    written: ``leases_file`` (the lease log, input of ``gpupool report --leases``) and
+    ``lease_rows_file`` (the rows as JSON lines).
+    """
 
     duration_s: float
     gpus: int
@@ -123,6 +182,13 @@ class DemoSummary:
     expired: int
     rejections: dict[str, int]
     partitions: list[str]
+    fabric: dict[str, object] = field(default_factory=dict)
+    leases: list[dict[str, object]] = field(default_factory=list)
+    leases_verified: int = 0
+    isolate_p50_s: float | None = None
+    isolate_p99_s: float | None = None
+    leases_file: str | None = None
+    lease_rows_file: str | None = None
 
     def as_dict(self) -> dict[str, object]:
         """JSON-friendly dict."""
@@ -160,18 +226,60 @@ async def _audit_offers(
             audit.check(offer, is_busy_at, allowance_s)
 
 
-async def run_demo(cfg: DemoConfig, progress=None) -> DemoSummary:  # noqa: ANN001, C901
+async def run_demo(cfg: DemoConfig, progress: Progress | None = None) -> DemoSummary:
     """Run the whole pipeline for ``cfg.duration_s`` seconds and return its summary.
 
-    ``progress(snapshot: dict)`` is called about twice a second with live counts.
-    Raises ``FileNotFoundError`` if the trace is missing, ``OSError`` if a service is unreachable.
+    ``progress(snapshot: dict)`` is called about twice a second with live counts (keys of
+    :func:`_snapshot`: the counts, ``fabric`` (:class:`FabricStatus`), ``lease_rows`` (the live
+    leases, :class:`LeaseRow`) and ``isolate_p50_s``). Starts the demo's own simulated fabric as
+    ``cfg.fabric`` says and stops it before returning or raising.
+    Raises ``FileNotFoundError`` if the trace is missing, ``OSError`` if a service is unreachable,
+    :class:`FabricUnavailable` with ``fabric=on`` when the fabric cannot run.
     """
+    cfg.state_dir.mkdir(parents=True, exist_ok=True)
+    run_id = uuid.uuid4().hex[:8]
+    status, own = await _open_fabric(cfg, run_id)
+    try:
+        return await _run_pipeline(cfg, progress, run_id, status, own)
+    finally:
+        if own is not None:
+            own.stop()
+
+
+async def _open_fabric(cfg: DemoConfig, run_id: str) -> tuple[FabricStatus, DemoFabric | None]:
+    """Decide on fabric isolation and start the demo's own fabric when it is wanted and possible."""
+    if cfg.fabric_state is not None:
+        return FabricStatus(True, "external", f"fabric {cfg.fabric_state}"), None
+    if cfg.fabric is FabricMode.OFF:
+        return FabricStatus(False, "off", "--fabric off"), None
+    missing = missing_tools()
+    if missing:
+        if cfg.fabric is FabricMode.ON:
+            raise FabricUnavailable(
+                f"--fabric on, but the fabric tools are not installed: {', '.join(missing)} ({INSTALL_HINT})")
+        return FabricStatus(False, "auto", f"fabric tools not installed: {', '.join(missing)}"), None
+    try:
+        own = await DemoFabric.start((cfg.state_dir / f"fabric-{run_id}").resolve(), cfg.nodes)
+    except FabricUnavailable as e:
+        if cfg.fabric is FabricMode.ON:
+            raise
+        log.warning("demo_fabric_failed", extra={"error": str(e)[-1000:]})
+        return FabricStatus(False, "auto", f"the simulated fabric did not start: {str(e)[-300:]}"), None
+    detail = (f"simulated fabric: ibsim + OpenSM, {len(own.compute_hcas())} host HCAs + edge gateway, "
+              f"{own.fabric_json}")
+    return FabricStatus(True, cfg.fabric.value, detail, round(own.start_seconds, 3)), own
+
+
+async def _run_pipeline(  # noqa: C901
+    cfg: DemoConfig, progress: Progress | None, run_id: str, status: FabricStatus, own: DemoFabric | None,
+) -> DemoSummary:
+    """The demo proper (see :func:`run_demo`), with fabric isolation as ``status`` says."""
     from analytics.classify import IdleConfig
     from analytics.service import AnalyticsService
-    from broker.fabric_opensm import OpenSmFabric
     from broker.service import BrokerConfig, BrokerService
     from collectors.service import CollectorService
     from gpupool.embedded_mqtt import EmbeddedMqttBroker
+    from gpupool.report.leases import read_from_bus, write_jsonl
     from simulator.dcgm_http import FleetServer
     from simulator.demand import TrainingDemand
     from simulator.fleet import Fleet
@@ -179,15 +287,18 @@ async def run_demo(cfg: DemoConfig, progress=None) -> DemoSummary:  # noqa: ANN0
     from simulator.sysfs import SysfsTree
     from simulator.trace import default_trace_dir, load_trace
 
-    cfg.state_dir.mkdir(parents=True, exist_ok=True)
     if cfg.metrics_port:
         from prometheus_client import start_http_server
 
         start_http_server(cfg.metrics_port, addr="127.0.0.1")  # every stage's metrics, one process
-    run_id = uuid.uuid4().hex[:8]
     trace = load_trace(cfg.trace_dir or default_trace_dir())
     fleet = Fleet(trace, nodes=cfg.nodes, gpus_per_node=cfg.gpus_per_node, speedup=cfg.speedup,
                   start_step=cfg.start_step, seed=cfg.seed)
+    fabric: TimedOpenSmFabric | None = None
+    if own is not None:  # the demo's own fabric: host i is its i-th compute HCA
+        fabric = TimedOpenSmFabric(own.fabric_json, host_ports=own.host_ports(fleet.hosts()))
+    elif cfg.fabric_state is not None:  # someone else's: the broker's default host mapping
+        fabric = TimedOpenSmFabric(cfg.fabric_state)
     server = FleetServer(fleet)
     await server.start()
     sysfs = SysfsTree(fleet, cfg.state_dir / f"sysfs-{run_id}")
@@ -228,8 +339,7 @@ async def run_demo(cfg: DemoConfig, progress=None) -> DemoSummary:  # noqa: ANN0
                                  refresh_s=5.0)
     bu, bp = creds("gpupool-broker")
     broker = BrokerService(bus=bus, topics=topics, mqtt_host=mhost, mqtt_port=port, mqtt_username=bu,
-                           mqtt_password=bp, root=root, protocol=protocol,
-                           fabric=OpenSmFabric(cfg.fabric_state) if cfg.fabric_state else None,
+                           mqtt_password=bp, root=root, protocol=protocol, fabric=fabric,
                            config=BrokerConfig(offer_ttl_s=cfg.offer_ttl_s, notice_s=cfg.notice_s,
                                                lease_ttl_s=cfg.lease_ttl_s))
     sites = [SimulatedSite(name=s, host=mhost, port=port, username=creds(s)[0], password=creds(s)[1],
@@ -237,6 +347,8 @@ async def run_demo(cfg: DemoConfig, progress=None) -> DemoSummary:  # noqa: ANN0
                            renew_every_s=cfg.lease_ttl_s / 3)
              for i, s in enumerate(cfg.sites)]
     demand = TrainingDemand(fleet, bus, topics)
+    watch = LeaseWatch(bus, topics.leases_log)
+    isolate_s: dict[str, float] = fabric.isolate_seconds if fabric is not None else {}
 
     stop = asyncio.Event()
     audit = OfferAudit()
@@ -254,6 +366,9 @@ async def run_demo(cfg: DemoConfig, progress=None) -> DemoSummary:  # noqa: ANN0
             except TimeoutError:
                 pass
 
+    leases_path = cfg.state_dir / f"leases-{run_id}.jsonl"
+    rows_path = cfg.state_dir / f"lease-rows-{run_id}.jsonl"
+    records: list[LeaseLogRecord] | None = None
     try:
         if cfg.on_started is not None:
             cfg.on_started(server, sysfs)
@@ -263,6 +378,7 @@ async def run_demo(cfg: DemoConfig, progress=None) -> DemoSummary:  # noqa: ANN0
             ("audit", _audit_offers(mhost, port, audit_creds, protocol, root, audit, fleet.is_busy_at,
                                     cfg.scrape_interval_s + 0.25, stop, frozenset(fleet.gpu_keys()),
                                     time.time())),
+            ("leases", watch.run(stop)),
             *[(f"site-{s.name}", s.run(stop)) for s in sites],
         ]]
         t0 = time.monotonic()
@@ -271,35 +387,48 @@ async def run_demo(cfg: DemoConfig, progress=None) -> DemoSummary:  # noqa: ANN0
                 if t.done() and not t.cancelled() and t.exception() is not None:
                     raise RuntimeError(f"demo task {t.get_name()} failed") from t.exception()
             if progress is not None:
-                progress(_snapshot(analytics, broker, audit, time.monotonic() - t0))
+                progress(_snapshot(analytics, broker, audit, time.monotonic() - t0, status,
+                                   watch.rows(isolate_s), isolate_s))
             await asyncio.sleep(0.5)
     finally:
         stop.set()
         for t in tasks:
             if not t.done():
                 t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:  # a task that ignores its cancellation must not hang the demo (nor keep the fabric up)
+            _, stuck = await asyncio.wait(tasks, timeout=SHUTDOWN_TIMEOUT_S)
+            for t in stuck:
+                log.error("demo_task_stuck", extra={"task": t.get_name(), "timeout_s": SHUTDOWN_TIMEOUT_S})
 
         async def _dump_leases() -> None:  # the lease log as a file, for `gpupool report --leases`
-            from gpupool.report.leases import dump_lease_log
-
-            path = cfg.state_dir / f"leases-{run_id}.jsonl"
-            await dump_lease_log(bus, topics.leases_log, path, timeout_s=10.0)
+            nonlocal records
+            records, _ = await read_from_bus(bus, topics.leases_log, timeout_s=10.0)
+            write_jsonl(records, leases_path)
+            log.info("demo_lease_log_dumped", extra={"path": str(leases_path), "records": len(records)})
 
         for closer in (broker.stop, _dump_leases, analytics.stop, collector.stop, server.stop, bus.close):
             try:
-                await closer()
+                await asyncio.wait_for(closer(), SHUTDOWN_TIMEOUT_S)
             except Exception:  # noqa: BLE001 — shutting down: log and go on closing the rest
-                log.exception("demo_shutdown_error")
+                log.exception("demo_shutdown_error", extra={"step": getattr(closer, "__qualname__", "?")})
         if embedded is not None:
-            await embedded.stop()
+            try:
+                await asyncio.wait_for(embedded.stop(), SHUTDOWN_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 — as above
+                log.exception("demo_shutdown_error", extra={"step": "embedded_mqtt"})
 
+    rows = lease_rows(records if records is not None else watch.records, isolate_s)
+    try:
+        write_rows(rows, rows_path)
+    except OSError:
+        log.exception("demo_lease_rows_not_written", extra={"path": str(rows_path)})
     st = broker.stats()
     # idle share of the (GPU, step) pairs this run replayed, not of the whole trace
     steps = range(cfg.start_step, fleet.step_at() + 1)
     keys = fleet.gpu_keys()
     pairs = [(k, s) for k in keys for s in steps]
     window_idle = sum(1 for k, s in pairs if not fleet.is_busy_step(k, s)) / max(1, len(pairs))
+    timed = [r.isolate_s for r in rows if r.isolate_s is not None]
     return DemoSummary(
         duration_s=cfg.duration_s,
         gpus=len(fleet.gpu_keys()),
@@ -316,10 +445,18 @@ async def run_demo(cfg: DemoConfig, progress=None) -> DemoSummary:  # noqa: ANN0
         expired=st.get("expired", 0),
         rejections=dict(st.get("rejections", {})),
         partitions=list(st.get("partitions", [])),
+        fabric=asdict(status),
+        leases=[r.as_dict() for r in rows],
+        leases_verified=sum(1 for r in rows if r.verified),
+        isolate_p50_s=percentile(timed, 0.50),
+        isolate_p99_s=percentile(timed, 0.99),
+        leases_file=str(leases_path) if records is not None else None,
+        lease_rows_file=str(rows_path) if rows_path.exists() else None,
     )
 
 
-def _snapshot(analytics, broker, audit: OfferAudit, elapsed: float) -> dict[str, object]:  # noqa: ANN001
+def _snapshot(analytics, broker, audit: OfferAudit, elapsed: float, status: FabricStatus,  # noqa: ANN001
+              rows: list[LeaseRow], isolate_s: dict[str, float]) -> dict[str, object]:
     states = Counter(u.state.value for u in analytics.current_states().values())
     st = broker.stats()
     return {
@@ -333,4 +470,7 @@ def _snapshot(analytics, broker, audit: OfferAudit, elapsed: float) -> dict[str,
         "reclaims_started": st["reclaims_started"],
         "reclaims_completed": st["reclaims_completed"],
         "violations": audit.violations,
+        "fabric": status,
+        "lease_rows": [r for r in rows if r.live],
+        "isolate_p50_s": percentile(list(isolate_s.values()), 0.50),
     }

@@ -1,0 +1,155 @@
+"""``gpupool demo`` on the terminal: the command, its live table and its summary (rich).
+
+The demo itself is :func:`gpupool.demo.run_demo`; this module only turns its snapshots and
+summary into tables. Per lease both show: site, GPUs (count and hosts), PKey, SL, whether the
+partition was verified on the fabric, and the isolate→verified time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.table import Table
+
+from gpupool.demo_fabric import FabricMode, FabricUnavailable
+from gpupool.demo_leases import LeaseRow
+
+if TYPE_CHECKING:
+    from gpupool.demo import DemoSummary
+
+_LEASE_COLUMNS = ("lease", "site", "GPUs", "PKey", "SL", "verified", "isolate→\nverified")
+
+
+def _ms(seconds: float | None) -> str:
+    return "—" if seconds is None else f"{1000 * seconds:.0f} ms"
+
+
+def _lease_cells(row: LeaseRow) -> list[str]:
+    return [row.lease_id.removeprefix("lease-")[:8], row.site, f"{len(row.gpus)}× {', '.join(row.hosts())}",
+            row.pkey or "—", "—" if row.sl is None else str(row.sl), "yes" if row.verified else "no",
+            _ms(row.isolate_s)]
+
+
+def lease_table(rows: Sequence[LeaseRow], title: str, *, with_state: bool = False) -> Table:
+    """A table of ``rows``: lease (first 8 hex digits of its id), site, GPUs, PKey, SL, verified
+    yes/no, isolate→verified (ms); plus the lease's state when ``with_state``."""
+    t = Table(title=title, title_justify="left")
+    for col in (*_LEASE_COLUMNS, *(("state",) if with_state else ())):
+        t.add_column(col, justify="right" if col in ("SL", _LEASE_COLUMNS[-1]) else "left")
+    for r in rows:
+        t.add_row(*_lease_cells(r), *((r.state,) if with_state else ()))
+    return t
+
+
+def progress_view(snap: dict[str, object], duration: float) -> RenderableType:
+    """The live view of one :func:`gpupool.demo.run_demo` snapshot: the counts, and a row per
+    live lease."""
+    t = Table(title=f"gpupool demo — {snap['elapsed_s']:.0f}/{duration:.0f} s", title_justify="left")
+    for col in ("GPUs busy", "idle", "unknown", "offers", "live leases", "granted", "reclaims", "reclaimed",
+                "bad offers"):
+        t.add_column(col, justify="right")
+    t.add_row(*(str(snap[k]) for k in ("busy", "idle", "unknown", "offers", "live_leases", "leases_granted",
+                                        "reclaims_started", "reclaims_completed", "violations")))
+    rows = snap.get("lease_rows") or []
+    assert isinstance(rows, list)
+    p50 = snap.get("isolate_p50_s")
+    title = "live leases" + (f" — isolate→verified p50 {_ms(p50)}" if isinstance(p50, float) else "")
+    return Group(t, lease_table(rows, title))
+
+
+def summary_view(s: DemoSummary) -> RenderableType:
+    """The final summary: the counts, fabric isolation (verified leases, isolate→verified p50 and
+    p99), and a row per lease granted, in grant order."""
+    t = Table(title="gpupool demo — summary", title_justify="left", show_header=False)
+    t.add_column("what")
+    t.add_column("value", justify="right")
+    leases = [LeaseRow(**{**d, "gpus": tuple(d["gpus"])}) for d in s.leases]  # type: ignore[arg-type]
+    rows = [
+        ("simulated GPUs", s.gpus),
+        ("idle share of the replayed trace window", f"{100 * s.trace_idle_share:.1f} %"),
+        ("samples ingested into DuckDB", s.samples_ingested),
+        ("GPUs found idle", s.gpus_seen_idle),
+        ("offers published (GPUs offered)", f"{s.offers} ({s.gpus_offered})"),
+        ("offers for a GPU the trace showed busy", s.offer_violations),
+        ("  …turned busy within one scrape interval", s.offer_races),
+        ("leases granted", s.leases_granted),
+        ("reclaims started / completed", f"{s.reclaims_started} / {s.reclaims_completed}"),
+        ("leases expired (no renewal)", s.expired),
+        ("claims rejected, by reason", ", ".join(f"{k}={v}" for k, v in s.rejections.items()) or "none"),
+        ("fabric isolation", "on" if s.fabric.get("enabled") else "off (leases not isolated)"),
+        ("leases with a partition verified on the fabric", f"{s.leases_verified} / {len(leases)}"),
+        ("isolate→verified p50 / p99", f"{_ms(s.isolate_p50_s)} / {_ms(s.isolate_p99_s)}"),
+    ]
+    for k, v in rows:
+        t.add_row(k, str(v))
+    return Group(t, lease_table(leases, "leases (in grant order)", with_state=True))
+
+
+def demo(
+    duration: Annotated[float, typer.Option(help="How long to run, wall-clock seconds.")] = 60.0,
+    nodes: Annotated[int, typer.Option(help="Simulated GPU nodes (8 GPUs each).")] = 4,
+    speedup: Annotated[float, typer.Option(help="Trace seconds replayed per wall second (57 = one trace sample/s).")] = 57.0,
+    kafka: Annotated[str | None, typer.Option(help="Kafka bootstrap host:port; default: in-process bus.")] = None,
+    mqtt: Annotated[str | None, typer.Option(help="MQTT broker host:port; default: embedded amqtt (MQTT 3.1.1).")] = None,
+    mqtt_credentials: Annotated[Path | None, typer.Option(help="credentials.json from deploy/local/mosquitto.sh.")] = None,
+    state_dir: Annotated[Path, typer.Option(
+        help="Where the DuckDB file, the simulated sysfs, the fabric and the lease files go.")] = Path(".state/demo"),
+    metrics_port: Annotated[int, typer.Option(help="Serve Prometheus /metrics of every stage on this port (0: off).")] = 0,
+    fabric: Annotated[FabricMode, typer.Option(
+        help="Fabric isolation on a simulated InfiniBand fabric (ibsim + OpenSM, started and stopped by the "
+             "demo): auto = when the tools are installed (bash deploy/local/install-system.sh), on = required "
+             "(exit 2 if it cannot start), off = never.")] = FabricMode.AUTO,
+    json_summary: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+) -> None:
+    """Run the simulator and every stage for DURATION seconds, show live progress, print a summary.
+
+    GPUs replay the real Alibaba GenAI 2026 trace (../shared/data/traces). Collectors scrape the
+    simulated dcgm-exporter endpoints and sysfs trees; analytics finds idle GPUs; the broker offers
+    them over MQTT; simulated edge sites claim and renew; training demand reclaims. With fabric
+    isolation every lease gets its own InfiniBand partition (PKey + SL) verified on the fabric
+    before it is granted; per lease the tables show site, GPUs, PKey, SL, verified and the
+    isolate→verified time. Exit code 1 if an offer was made for a GPU the trace showed busy, 2 if
+    --fabric on and the fabric cannot run.
+    """
+    from gpupool.demo import DemoConfig, run_demo
+
+    cfg = DemoConfig(duration_s=duration, nodes=nodes, speedup=speedup, kafka=kafka, mqtt=mqtt,
+                     mqtt_credentials=mqtt_credentials, state_dir=state_dir,
+                     metrics_port=metrics_port, fabric=fabric)
+    console = Console(stderr=False)
+    told = False
+    try:
+        with Live(console=console, auto_refresh=False, transient=False) as live:
+            def progress(snap: dict[str, object]) -> None:
+                nonlocal told
+                status = snap.get("fabric")
+                if not told and status is not None:
+                    live.console.print(status.notice(),  # type: ignore[attr-defined]
+                                       markup=False, highlight=False)
+                    told = True
+                live.update(progress_view(snap, duration), refresh=True)
+
+            summary = asyncio.run(run_demo(cfg, progress))
+    except FabricUnavailable as e:
+        console.print(f"gpupool demo: {e}", markup=False, highlight=False)
+        raise typer.Exit(2) from e
+    except KeyboardInterrupt:
+        console.print("gpupool demo: interrupted; every stage and the fabric were stopped")
+        raise typer.Exit(130) from None
+    console.print()
+    if json_summary:
+        console.print_json(json.dumps(summary.as_dict()))
+    else:
+        console.print(summary_view(summary))
+        for what, path in (("lease log", summary.leases_file), ("per-lease rows", summary.lease_rows_file)):
+            if path:
+                console.print(f"{what}: {path}", markup=False, highlight=False)
+    if summary.offer_violations:
+        raise typer.Exit(1)
