@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -30,6 +32,15 @@ class BrokerConfig(BaseModel):
             broker replaying an old ``pool.demand`` topic does not reclaim on stale demands.
         reconnect_min_s / reconnect_max_s: MQTT reconnect backoff (doubles per failure, jittered).
         rebuild_timeout_s: how long the start may take to read ``leases.log`` to its end.
+        pool_zones: pool name → latency zone, stamped on each offer (``Offer.zone``) so claims
+            can ask for a zone; a pool not listed has no zone.
+        site_quotas: site → the most GPUs it may hold at once (live leases plus claims being
+            granted); a site not listed gets ``default_site_quota``.
+        default_site_quota: quota of sites not in ``site_quotas``; ``None``: unlimited.
+        site_weights: site → fair-share weight (> 0); a site not listed weighs 1. See
+            :mod:`broker.quota` for the policy (weighted max-min).
+        fair_share_window_s: a site whose claim was refused this recently (for want of GPUs or
+            quota) still counts as waiting for its fair share.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -46,3 +57,16 @@ class BrokerConfig(BaseModel):
     reconnect_min_s: float = Field(default=0.2, gt=0)
     reconnect_max_s: float = Field(default=30.0, gt=0)
     rebuild_timeout_s: float = Field(default=60.0, gt=0)
+    pool_zones: dict[str, str] = Field(default_factory=dict)
+    site_quotas: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+    default_site_quota: int | None = Field(default=None, ge=0)
+    site_weights: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
+    fair_share_window_s: float = Field(default=60.0, ge=0)
+
+    def quota_of(self, site: str) -> int | None:
+        """The most GPUs ``site`` may hold at once; ``None``: unlimited."""
+        return self.site_quotas.get(site, self.default_site_quota)
+
+    def weight_of(self, site: str) -> float:
+        """Fair-share weight of ``site`` (1.0 unless configured)."""
+        return self.site_weights.get(site, 1.0)

@@ -11,7 +11,9 @@ Invariants (checked by :meth:`LeaseBook.violations`, property-tested with hypoth
   or not ``idle`` in the newest capacity update (or whose newest update is older than
   ``capacity_max_age_s``: checked at every call with ``now``); a node has at most one offer;
 * an offer never promises past its GPUs' predicted idle time
-  (``Offer.available_until <= min(CapacityUpdate.predicted_idle_until)``).
+  (``Offer.available_until <= min(CapacityUpdate.predicted_idle_until)``);
+* no site holds more GPUs (live leases and claims being granted) than its quota;
+* no lease is reclaiming with a deadline before its ``min_until`` unless a forced reclaim did it.
 
 What protects training is the reclaim notice, not the prediction: a GPU is offered as long as the
 newest capacity update says idle, and its offer states the prediction as ``available_until`` (the
@@ -25,17 +27,36 @@ renewal; ``granted``/``active`` → ``reclaiming`` on a demand (deadline = now +
 passed). A claim is granted in two steps (:meth:`LeaseBook.begin_claim` reserves the GPUs,
 :meth:`LeaseBook.grant` or :meth:`LeaseBook.abort` finishes it) so that fabric isolation can be
 applied in between without another claim taking the same GPUs.
+
+A claim names an offer, or gives requirements and the book picks the offers
+(:func:`broker.match.match`: one node, else several nodes under one leaf switch); a matched lease
+may span several offers (``LeaseLogRecord.offer_ids`` / ``hosts``). Before GPUs are reserved the
+site's quota and fair share are checked (:mod:`broker.quota`); every decision is logged
+(``claim_decided``) and counted (``gpupool_broker_claim_decisions_total``).
+
+Minimum guaranteed duration: a lease claimed with ``min_duration_seconds`` is not taken back by a
+reclaim before ``min_until`` (= grant time + that duration) unless the reclaim is forced. An
+unforced reclaim that would end inside the guarantee gets its deadline moved to ``min_until``
+(reason ``…;deferred_to_guarantee_end``, counted in ``gpupool_broker_reclaims_deferred_total``):
+the demand is met when the guarantee ends. A forced one keeps ``now + notice`` (reason
+``…;guarantee_broken``, counted in ``gpupool_broker_guarantees_broken_total``). A demand for
+``count`` GPUs takes unguarded leases first, from the sites most over their fair share.
 """
 
 from __future__ import annotations
 
+import heapq
+import logging
 import math
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from broker import metrics as m
 from broker.config import BrokerConfig
+from broker.match import Placement, match
+from broker.quota import WaitingSites, fair_share, holdings, quota_refusal, reclaim_order
 from contracts import (
     CapacityUpdate,
     Claim,
@@ -51,6 +72,9 @@ from contracts import (
     Renewal,
 )
 from contracts.leases import Partition
+from contracts.mqtt import Requirements
+
+log = logging.getLogger(__name__)
 
 _Node = tuple[str, str]
 """(pool, host): offers group a node's idle GPUs."""
@@ -120,13 +144,24 @@ class PendingGrant:
         claim_id: the site's idempotency key.
         offer: the offer claimed.
         record: the lease as it will be logged when granted (state ``granted``, seq 1, no
-            partition yet); hand it to the fabric manager to isolate.
+            partition yet; ``hosts`` every node of its GPUs); hand it to the fabric manager to
+            isolate.
+        offers: every offer the GPUs come from (first = ``offer``); several for a matched
+            claim placed on several nodes.
+        matched: True when the book picked the offers from the claim's requirements.
     """
 
     site: str
     claim_id: str
     offer: Offer
     record: LeaseLogRecord
+    offers: tuple[Offer, ...] = ()
+    matched: bool = False
+
+    @property
+    def nodes(self) -> set[tuple[str, str]]:
+        """(pool, host) of every offer drawn from."""
+        return {(o.pool, o.host) for o in (self.offers or (self.offer,))}
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,12 +182,15 @@ def lease_message(record: LeaseLogRecord) -> LeaseMessage:
         site=record.site,
         claim_id=record.claim_id,
         offer_id=record.offer_id,
+        offer_ids=list(record.offer_ids),
+        hosts=list(record.hosts),
         gpus=list(record.gpus),
         state=record.state,
         ts=record.ts,
         expires_at=record.expires_at,
         ends_at=record.ends_at,
         reclaim_deadline=record.reclaim_deadline,
+        min_until=record.min_until,
         notice_seconds=record.notice_seconds,
         partition=record.partition,
         reason=record.reason,
@@ -188,6 +226,19 @@ class LeaseBook:
         self._answers: dict[_ClaimKey, tuple[Answer, float]] = {}
         self._holds: dict[str, float] = {}
         self._demands: dict[str, float] = {}
+        self._waiting = WaitingSites(self.config.fair_share_window_s)
+        self._broken: set[str] = set()
+        """Leases whose guarantee a forced reclaim cut short."""
+        self._node_timers: list[tuple[float, _Node]] = []
+        """(time, node): the node's offer must be looked at again at that time (its offer
+        expires, a hold on one of its GPUs ends, a GPU's capacity update goes stale)."""
+        self._lease_timers: list[tuple[float, str]] = []
+        """(time, lease_id): the lease's TTL or reclaim deadline falls due then (entries of
+        older transitions are skipped when popped)."""
+        self._forget_at = math.inf
+        """Earliest time something remembered may be forgotten (:meth:`_forget` scans then)."""
+        self._held: dict[str, int] = {}
+        """Site → GPUs in its live leases and claims being granted (kept up to date)."""
 
     # read-only views ----------------------------------------------------------------------------
     @property
@@ -241,6 +292,9 @@ class LeaseBook:
         self._nodes.setdefault(node, set()).add(key)
         if update.state is not GpuState.IDLE:
             self._holds.pop(key, None)  # training has it (or it is unknown): the hold has done its job
+        self._wake(node, update.ts + self.config.capacity_max_age_s)
+        if key in self._holds:
+            self._wake(node, self._holds[key])
         self._reconcile(dirty, now, ch)
         return ch
 
@@ -250,9 +304,13 @@ class LeaseBook:
 
         Returns ``(Answer, Changes())`` for a rejection (or a repeated ``claim_id``: its first
         answer, ``replayed=True``), or ``(PendingGrant, Changes)``: the GPUs are reserved and the
-        offer withdrawn (its remaining GPUs offered anew); finish with :meth:`grant` or
-        :meth:`abort`. Rejection codes: ``site_mismatch``, ``unknown_offer``, ``offer_expired``,
-        ``gpu_unavailable`` (leased, not idle, not in the offer, too few), ``notice_too_short``.
+        offers withdrawn (their remaining GPUs offered anew); finish with :meth:`grant` or
+        :meth:`abort`. A claim without ``offer_id`` is matched to the best offers
+        (:func:`broker.match.match`). Rejection codes: ``site_mismatch``, ``unknown_offer``,
+        ``offer_expired``, ``gpu_unavailable`` (leased, not idle, not in the offer, too few),
+        ``notice_too_short``, ``duration_unavailable`` (offer not promised for
+        ``min_duration_seconds``), ``no_match`` (nothing meets the requirements),
+        ``quota_exceeded`` (quota or fair share, :mod:`broker.quota`).
         """
         key = (site, claim.claim_id)
         cached = self._answers.get(key)
@@ -264,14 +322,32 @@ class LeaseBook:
         answer_or_grant = self._validate_claim(site, claim, now)
         if isinstance(answer_or_grant, Answer):
             self._answers[key] = (answer_or_grant, now)
+            self._forget_by(now + self.config.retain_terminal_s)
+            if answer_or_grant.code in (ReasonCode.GPU_UNAVAILABLE, ReasonCode.NO_MATCH):
+                self._waiting.refused(site, claim.count or len(claim.gpus) or 1, now)
+            self._decided(site, claim.claim_id, claim.matched, answer_or_grant.code, answer_or_grant.text)
             return answer_or_grant, Changes()
         ch = Changes()
         pending = answer_or_grant
         self._pending[key] = pending
+        self._count_held(site, len(pending.record.gpus))
         for g in pending.record.gpus:
             self._reserved[g] = key
-        self._retire(pending.offer, "claimed", ch)
-        self._reconcile({(pending.offer.pool, pending.offer.host)}, now, ch)
+        for offer in pending.offers:
+            self._retire(offer, "claimed", ch)
+        self._reconcile(pending.nodes, now, ch)
+        log.info(
+            "claim_reserved",
+            extra={
+                "site": site,
+                "claim_id": claim.claim_id,
+                "kind": "match" if pending.matched else "offer",
+                "lease_id": pending.record.lease_id,
+                "gpus": list(pending.record.gpus),
+                "hosts": list(pending.record.hosts),
+                "offer_ids": list(pending.record.offer_ids),
+            },
+        )
         return pending, ch
 
     def grant(
@@ -293,16 +369,37 @@ class LeaseBook:
         expires = now + self.config.lease_ttl_s
         if draft.ends_at is not None:
             expires = min(expires, draft.ends_at)
+        min_until = None if draft.min_until is None else now + (draft.min_until - draft.granted_at)
         rec = draft.model_copy(
-            update={"ts": now, "granted_at": now, "expires_at": expires, "partition": partition}
+            update={
+                "ts": now,
+                "granted_at": now,
+                "expires_at": expires,
+                "min_until": min_until,
+                "partition": partition,
+            }
         )
         self._leases[rec.lease_id] = rec
+        self._track(rec)
         for g in rec.gpus:
             self._gpu_lease[g] = rec.lease_id
         answer = Answer(ReasonCode.OK, f"lease {rec.lease_id} granted", rec.lease_id)
         self._answers[key] = (answer, now)
+        self._forget_by(now + self.config.retain_terminal_s)
+        self._waiting.served(pending.site)
+        self._decided(
+            pending.site,
+            pending.claim_id,
+            pending.matched,
+            ReasonCode.OK,
+            answer.text,
+            lease_id=rec.lease_id,
+            gpus=list(rec.gpus),
+            hosts=list(rec.hosts),
+            min_until=rec.min_until,
+        )
         ch = Changes(records=[rec])
-        self._reconcile({(pending.offer.pool, pending.offer.host)}, now, ch)
+        self._reconcile(pending.nodes, now, ch)
         return answer, ch
 
     def abort(self, pending: PendingGrant, code: ReasonCode, text: str, now: float) -> tuple[Answer, Changes]:
@@ -318,10 +415,13 @@ class LeaseBook:
         del self._pending[key]
         for g in pending.record.gpus:
             self._reserved.pop(g, None)
+        self._count_held(pending.site, -len(pending.record.gpus))
         answer = Answer(code, text)
         self._answers[key] = (answer, now)
+        self._forget_by(now + self.config.retain_terminal_s)
+        self._decided(pending.site, pending.claim_id, pending.matched, code, text)
         ch = Changes()
-        self._reconcile({(pending.offer.pool, pending.offer.host)}, now, ch)
+        self._reconcile(pending.nodes, now, ch)
         return answer, ch
 
     def claim(
@@ -334,9 +434,58 @@ class LeaseBook:
         answer, ch2 = self.grant(step, now, partition)
         return answer, ch.extend(ch2)
 
+    def _decided(
+        self, site: str, claim_id: str, matched: bool, code: ReasonCode, text: str, **fields: object
+    ) -> None:
+        """Log (``claim_decided``) and count one claim's outcome (granted, or refused and why)."""
+        kind = "match" if matched else "offer"
+        m.CLAIM_DECISIONS.labels(site=site, kind=kind, result=code.value).inc()
+        log.info(
+            "claim_decided",
+            extra={
+                "site": site,
+                "claim_id": claim_id,
+                "kind": kind,
+                "result": code.value,
+                "text": text,
+                **fields,
+            },
+        )
+
+    def held(self) -> dict[str, int]:
+        """Site → GPUs it holds now: its live leases plus its claims being granted (sites holding
+        none are left out)."""
+        return dict(self._held)
+
+    def _count_held(self, site: str, delta: int) -> None:
+        n = self._held.get(site, 0) + delta
+        if n:
+            self._held[site] = n
+        else:
+            self._held.pop(site, None)
+
+    def _admit(self, site: str, wanted: int, now: float) -> Answer | None:
+        """Quota, then fair share (:mod:`broker.quota`) for ``site`` taking ``wanted`` GPUs;
+        ``None`` if admitted. A fair-share refusal makes the site count as waiting."""
+        held = self._held
+        why = quota_refusal(site, held.get(site, 0), wanted, self.config.quota_of(site))
+        if why:
+            return Answer(ReasonCode.QUOTA_EXCEEDED, why)
+        waiting = self._waiting.waiting(now)
+        if not waiting.keys() - {site}:
+            return None  # nobody else waits: no fair-share limit
+        free = sum(len(o.gpus) for o in self._offers.values())
+        verdict = fair_share(site, wanted, held, free, waiting, self.config.weight_of)
+        if not verdict.ok:
+            self._waiting.refused(site, wanted, now)
+            return Answer(ReasonCode.QUOTA_EXCEEDED, verdict.text)
+        return None
+
     def _validate_claim(self, site: str, claim: Claim, now: float) -> Answer | PendingGrant:
         if claim.site != site:
             return Answer(ReasonCode.SITE_MISMATCH, f"claim names site {claim.site!r} on {site!r}'s topic")
+        if claim.offer_id is None:
+            return self._validate_match(site, claim, now)
         offer = self._offers.get(claim.offer_id)
         if offer is None:
             return self._answer_retired(claim, now)
@@ -350,30 +499,86 @@ class LeaseBook:
                 ReasonCode.NOTICE_TOO_SHORT,
                 f"offer gives {offer.notice_seconds:g} s notice, claim needs {claim.min_notice_seconds:g} s",
             )
+        need = claim.min_duration_seconds
+        if need > 0 and (offer.available_until is None or offer.available_until < now + need):
+            promised = "nothing" if offer.available_until is None else f"{offer.available_until - now:.0f} s"
+            return Answer(
+                ReasonCode.DURATION_UNAVAILABLE,
+                f"offer {offer.offer_id} is promised for {promised}, claim needs {need:g} s",
+            )
         for g in wanted:
             why = self._unavailable(g, now)
             if why:
                 return Answer(ReasonCode.GPU_UNAVAILABLE, f"{g}: {why}")
+        refused = self._admit(site, len(wanted), now)
+        if refused is not None:
+            return refused
+        return self._new_pending(site, claim, (offer,), wanted, now)
+
+    def _validate_match(self, site: str, claim: Claim, now: float) -> Answer | PendingGrant:
+        """Pick offers for a claim without ``offer_id`` (quota first: no matching for a site
+        that may not take ``count`` more GPUs anyway)."""
+        quota = self.config.quota_of(site)
+        why = quota_refusal(site, self._held.get(site, 0), claim.count, quota)
+        if why:
+            return Answer(ReasonCode.QUOTA_EXCEEDED, why)
+        placed = match(
+            self._offers.values(),
+            claim.requirements or Requirements(),
+            claim.count,
+            now,
+            min_notice=claim.min_notice_seconds,
+            min_duration=claim.min_duration_seconds,
+            usable=lambda g: not self._unavailable(g, now),
+        )
+        if isinstance(placed, str):
+            return Answer(ReasonCode.NO_MATCH, placed)
+        refused = self._admit(site, len(placed.gpus), now)
+        if refused is not None:
+            return refused
+        m.MATCH_PLACEMENTS.labels(tier=placed.tier).inc()
+        return self._new_pending(site, claim, placed.offers, list(placed.gpus), now, placed)
+
+    def _new_pending(
+        self,
+        site: str,
+        claim: Claim,
+        offers: Sequence[Offer],
+        gpus: list[str],
+        now: float,
+        placed: Placement | None = None,
+    ) -> PendingGrant:
         ends_at = now + claim.duration_seconds
+        need = claim.min_duration_seconds
         record = LeaseLogRecord(
             lease_id=self._new_id("lease"),
             site=site,
             claim_id=claim.claim_id,
-            offer_id=offer.offer_id,
-            gpus=wanted,
+            offer_id=offers[0].offer_id,
+            offer_ids=[o.offer_id for o in offers],
+            hosts=sorted({o.host for o in offers}),
+            gpus=gpus,
             state=LeaseState.GRANTED,
             ts=now,
             granted_at=now,
             expires_at=min(now + self.config.lease_ttl_s, ends_at),
             ends_at=ends_at,
-            notice_seconds=offer.notice_seconds,
-            reason="claim",
+            min_until=now + need if need > 0 else None,
+            notice_seconds=min(o.notice_seconds for o in offers),
+            reason="claim" if placed is None else f"match:{placed.tier}",
             seq=1,
         )
-        return PendingGrant(site=site, claim_id=claim.claim_id, offer=offer, record=record)
+        return PendingGrant(
+            site=site,
+            claim_id=claim.claim_id,
+            offer=offers[0],
+            record=record,
+            offers=tuple(offers),
+            matched=claim.matched,
+        )
 
     def _answer_retired(self, claim: Claim, now: float) -> Answer:
-        retired = self._retired.get(claim.offer_id)
+        retired = self._retired.get(claim.offer_id or "")
         if retired is None:
             return Answer(ReasonCode.UNKNOWN_OFFER, f"no offer {claim.offer_id}")
         if retired.why == "expired" or now >= retired.offer.expires_at:
@@ -462,94 +667,216 @@ class LeaseBook:
 
     # reclaims ----------------------------------------------------------------------------------------
     def reclaim(
-        self, now: float, gpus: Sequence[str] = (), count: int = 0, reason: str = "reclaim"
+        self,
+        now: float,
+        gpus: Sequence[str] = (),
+        count: int = 0,
+        reason: str = "reclaim",
+        force: bool = False,
     ) -> Changes:
         """Move leases to ``reclaiming`` with ``reclaim_deadline = now + notice_seconds``.
 
         ``gpus`` (GPU keys): every granted/active lease holding one of them; named GPUs that are
-        not leased are held back from offers (training wants them). Else ``count`` > 0: the newest
-        granted/active leases until at least ``count`` GPUs are covered. Else every granted/active
-        lease. Leases already reclaiming keep their deadline.
+        not leased are held back from offers (training wants them). Else ``count`` > 0: leases
+        until at least ``count`` GPUs are covered — first those whose minimum guaranteed duration
+        would not be cut, each group in :func:`broker.quota.reclaim_order` (the site most over
+        its share first, its newest lease first). Else every granted/active lease. Leases
+        already reclaiming keep their deadline, except under ``force`` those whose deadline was
+        deferred to the end of their guarantee.
+
+        A lease whose deadline would fall before its ``min_until`` gets ``min_until`` as its
+        deadline instead (reason ``<reason>;deferred_to_guarantee_end``), unless ``force``: then
+        the guarantee is broken (reason ``<reason>;guarantee_broken``, counted and logged) and
+        the deadline is ``now + notice_seconds``.
         """
         ch = Changes()
-        takeable = [r for r in self._leases.values() if r.state in (LeaseState.GRANTED, LeaseState.ACTIVE)]
+        takeable = [
+            r
+            for r in self._leases.values()
+            if r.state in (LeaseState.GRANTED, LeaseState.ACTIVE) or (force and _deferred(r, now))
+        ]
         if gpus:
             named = set(gpus)
             targets = sorted((r for r in takeable if named.intersection(r.gpus)), key=lambda r: r.lease_id)
             dirty: set[_Node] = set()
             for g in sorted(named):
                 if g not in self._gpu_lease and g in self._caps:
-                    self._holds[g] = max(self._holds.get(g, -math.inf), now + self.config.reclaim_hold_s)
+                    self._hold(g, now + self.config.reclaim_hold_s)
                     dirty.add(self._node_of[g])
             self._reconcile(dirty, now, ch)
         else:
-            newest = sorted(takeable, key=lambda r: (-r.granted_at, r.lease_id))
+            unguarded = [r for r in takeable if not _guarded(r, now)]
+            guarded = [r for r in takeable if _guarded(r, now)]
+            held = self.held()
+            after = dict(held)
+            for r in unguarded:
+                after[r.site] -= len(r.gpus)
+            ordered = reclaim_order(unguarded, held, self.config.weight_of) + reclaim_order(
+                guarded, after, self.config.weight_of
+            )
             if count > 0:
                 targets, covered = [], 0
-                for r in newest:
+                for r in ordered:
                     if covered >= count:
                         break
                     targets.append(r)
                     covered += len(r.gpus)
             else:
-                targets = newest
+                targets = ordered
         for r in targets:
-            new = self._transition(
-                r, LeaseState.RECLAIMING, now, reason, reclaim_deadline=now + r.notice_seconds
-            )
-            ch.records.append(new)
+            ch.records.append(self._start_reclaim(r, now, reason, force))
         return ch
+
+    def _start_reclaim(self, r: LeaseLogRecord, now: float, reason: str, force: bool) -> LeaseLogRecord:
+        """``r`` → ``reclaiming``; its deadline respects the minimum guarantee unless forced."""
+        deadline = now + r.notice_seconds
+        why = reason
+        if _guarded(r, now) and r.min_until is not None:
+            extra = {"lease_id": r.lease_id, "site": r.site, "min_until": r.min_until, "reason": reason}
+            if force:
+                why = f"{reason};guarantee_broken"
+                self._broken.add(r.lease_id)
+                m.GUARANTEES_BROKEN.inc()
+                log.warning("guarantee_broken", extra={**extra, "reclaim_deadline": deadline})
+            else:
+                deadline = r.min_until
+                why = f"{reason};deferred_to_guarantee_end"
+                m.RECLAIMS_DEFERRED.inc()
+                log.info("reclaim_deferred", extra={**extra, "reclaim_deadline": deadline})
+        log.info(
+            "reclaim_started",
+            extra={
+                "lease_id": r.lease_id,
+                "site": r.site,
+                "gpus": list(r.gpus),
+                "reclaim_deadline": deadline,
+                "reason": why,
+            },
+        )
+        return self._transition(r, LeaseState.RECLAIMING, now, why, reclaim_deadline=deadline)
 
     def apply_demand(self, demand: PoolDemand, now: float) -> tuple[str, Changes]:
         """Apply a training demand once (by ``demand_id``): :meth:`reclaim` with reason
-        ``demand:<id>``. Returns ``(result, changes)`` with result ``reclaimed``,
+        ``demand:<id>`` (``force`` as the demand's: it may cut minimum guarantees short). Returns ``(result, changes)`` with result ``reclaimed``,
         ``nothing_to_reclaim``, ``duplicate`` or ``stale`` (older than ``demand_max_age_s``)."""
         if demand.demand_id in self._demands:
             return "duplicate", Changes()
         self._demands[demand.demand_id] = max(now, demand.ts) + self.config.demand_max_age_s
+        self._forget_by(self._demands[demand.demand_id])
         if now - demand.ts > self.config.demand_max_age_s:
             return "stale", Changes()
-        ch = self.reclaim(now, demand.gpus, demand.count, f"demand:{demand.demand_id}")
+        ch = self.reclaim(now, demand.gpus, demand.count, f"demand:{demand.demand_id}", demand.force)
         return ("reclaimed" if ch.records else "nothing_to_reclaim"), ch
 
     # time ----------------------------------------------------------------------------------------------
     def tick(self, now: float) -> Changes:
         """Let time pass: reclaim deadlines passed → ``revoked``; TTL or end passed → ``expired``;
         offers past ``expires_at`` withdrawn and their GPUs offered anew if still eligible; holds,
-        terminal leases, claim answers and demand ids past their retention forgotten."""
+        terminal leases, claim answers and demand ids past their retention forgotten.
+
+        Only what falls due is touched: leases whose TTL or deadline passed and nodes whose
+        timers fired (offer expiry, hold end, a capacity update going stale), not every node, so
+        a tick costs little when nothing happens (the service ticks every ``tick_s``)."""
         ch = Changes()
-        for rec in self.live_leases():
+        due: set[str] = set()
+        while self._lease_timers and self._lease_timers[0][0] <= now:
+            due.add(heapq.heappop(self._lease_timers)[1])
+        for lease_id in sorted(due):
+            rec = self._leases.get(lease_id)
+            if rec is None or not rec.state.live:
+                continue
             deadline = rec.reclaim_deadline
             if deadline is not None and deadline <= now and not rec.expires_at < deadline:
                 self._end(rec, LeaseState.REVOKED, now, "reclaim_deadline", ch)
             elif rec.expires_at <= now:
                 ended = rec.ends_at is not None and rec.expires_at >= rec.ends_at
                 self._end(rec, LeaseState.EXPIRED, now, "ended" if ended else "ttl", ch)
-        for offer in sorted(self._offers.values(), key=lambda o: o.offer_id):
-            if offer.expires_at <= now:
-                self._retire(offer, "expired", ch)
-        for g in [g for g, until in self._holds.items() if until <= now]:
-            del self._holds[g]
+        dirty: set[_Node] = set()
+        while self._node_timers and self._node_timers[0][0] <= now:
+            dirty.add(heapq.heappop(self._node_timers)[1])
+        expired = [
+            self._offers[oid]
+            for node in dirty
+            if (oid := self._node_offer.get(node)) is not None and self._offers[oid].expires_at <= now
+        ]
+        for offer in sorted(expired, key=lambda o: o.offer_id):
+            self._retire(offer, "expired", ch)
+        if self._holds:
+            for g in [g for g, until in self._holds.items() if until <= now]:
+                del self._holds[g]
         self._forget(now, ch)
-        self._reconcile(set(self._nodes), now, ch)
+        self._reconcile(dirty, now, ch)
+        self._recheck_stale(dirty, now)
         return ch
 
+    def _recheck_stale(self, nodes: Iterable[_Node], now: float) -> None:
+        """A GPU whose ``ts + capacity_max_age_s`` rounds to ``<= now`` while
+        ``now - ts <= capacity_max_age_s`` still counts as fresh: look again at the next tick."""
+        age = self.config.capacity_max_age_s
+        for node in nodes:
+            for g in self._nodes.get(node, ()):
+                cap = self._caps[g]
+                if cap.ts + age <= now and not now - cap.ts > age:
+                    self._wake(node, math.nextafter(now, math.inf))
+                    break
+
     def _forget(self, now: float, ch: Changes) -> None:
+        """Drop what is past its retention; a no-op before :attr:`_forget_at`."""
+        if now < self._forget_at:
+            return
         keep = self.config.retain_terminal_s
+        nxt = math.inf
         for lease_id in sorted(self._leases):
             rec = self._leases[lease_id]
-            if not rec.state.live and rec.ts + keep <= now:
-                del self._leases[lease_id]
-                ch.forgotten.append(rec)
+            if not rec.state.live:
+                if rec.ts + keep <= now:
+                    del self._leases[lease_id]
+                    self._broken.discard(lease_id)
+                    ch.forgotten.append(rec)
+                else:
+                    nxt = min(nxt, rec.ts + keep)
         for key, (answer, at) in list(self._answers.items()):
-            if at + keep <= now and (answer.lease_id is None or answer.lease_id not in self._leases):
-                del self._answers[key]
+            if at + keep <= now:
+                if answer.lease_id is None or answer.lease_id not in self._leases:
+                    del self._answers[key]
+                # else: kept with its lease, looked at again when the lease is forgotten
+            else:
+                nxt = min(nxt, at + keep)
         for oid, r in list(self._retired.items()):
             if r.offer.expires_at + keep <= now:
                 del self._retired[oid]
+            else:
+                nxt = min(nxt, r.offer.expires_at + keep)
         for did, until in list(self._demands.items()):
             if until <= now:
                 del self._demands[did]
+            else:
+                nxt = min(nxt, until)
+        self._forget_at = nxt
+
+    def _forget_by(self, at: float) -> None:
+        """Something remembered may be forgotten at ``at``: scan no later than that."""
+        self._forget_at = min(self._forget_at, at)
+
+    def _wake(self, node: _Node, at: float) -> None:
+        """Look at ``node``'s offer again at the first tick at or after ``at``."""
+        if at < math.inf:
+            heapq.heappush(self._node_timers, (at, node))
+
+    def _track(self, rec: LeaseLogRecord) -> None:
+        """Schedule ``rec``'s next TTL / reclaim-deadline check (live leases only)."""
+        if rec.state.live:
+            due = (
+                rec.expires_at if rec.reclaim_deadline is None else min(rec.expires_at, rec.reclaim_deadline)
+            )
+            heapq.heappush(self._lease_timers, (due, rec.lease_id))
+
+    def _hold(self, gpu: str, until: float) -> None:
+        """Hold ``gpu`` back from offers until ``until`` (the later of two holds wins)."""
+        self._holds[gpu] = max(self._holds.get(gpu, -math.inf), until)
+        node = self._node_of.get(gpu)
+        if node is not None:
+            self._wake(node, self._holds[gpu])
 
     # recovery ---------------------------------------------------------------------------------------
     def rebuild(self, records: Iterable[LeaseLogRecord], now: float) -> Changes:
@@ -564,7 +891,10 @@ class LeaseBook:
         still granted/active). Returns the conflicts' and the tick's changes.
         """
         latest: dict[str, LeaseLogRecord] = {}
+        self._broken.clear()
         for r in records:
+            if r.reason.endswith(";guarantee_broken"):
+                self._broken.add(r.lease_id)
             cur = latest.get(r.lease_id)
             if cur is None or r.seq >= cur.seq:
                 latest[r.lease_id] = r
@@ -575,6 +905,12 @@ class LeaseBook:
         self._answers.clear()
         self._holds.clear()
         self._demands.clear()
+        self._waiting.clear()
+        self._lease_timers.clear()
+        self._held.clear()
+        self._forget_at = -math.inf
+        for node in self._nodes:
+            self._wake(node, -math.inf)
         ch = Changes()
         keep, hold = self.config.retain_terminal_s, self.config.reclaim_hold_s
         for rec in sorted(latest.values(), key=lambda r: (r.granted_at, r.lease_id)):
@@ -586,12 +922,14 @@ class LeaseBook:
                     continue
                 for g in rec.gpus:
                     self._gpu_lease[g] = rec.lease_id
+                self._count_held(rec.site, len(rec.gpus))
             elif rec.ts + keep <= now:
                 continue
             elif rec.reclaim_deadline is not None and rec.ts + hold > now:
                 for g in rec.gpus:
-                    self._holds[g] = max(self._holds.get(g, -math.inf), rec.ts + hold)
+                    self._hold(g, rec.ts + hold)
             self._leases[rec.lease_id] = rec
+            self._track(rec)
             self._answers[(rec.site, rec.claim_id)] = (
                 Answer(ReasonCode.OK, f"lease {rec.lease_id} granted", rec.lease_id),
                 rec.granted_at,
@@ -629,6 +967,24 @@ class LeaseBook:
             if preds and (offer.available_until is None or offer.available_until > min(preds)):
                 out.append(f"offer {offer.offer_id} promises past its GPUs' predicted idle time")
         out.extend(f"node {n} has {k} offers" for n, k in sorted(per_node.items()) if k > 1)
+        counted = holdings(
+            self._leases.values(), [(k[0], len(p.record.gpus)) for k, p in self._pending.items()]
+        )
+        if counted != self._held:
+            out.append(f"GPUs held per site {self._held} disagree with the leases {counted}")
+        for site, n in sorted(counted.items()):
+            quota = self.config.quota_of(site)
+            if quota is not None and n > quota:
+                out.append(f"site {site} holds {n} GPUs, above its quota {quota}")
+        for rec in self.live_leases():
+            if (
+                rec.state is LeaseState.RECLAIMING
+                and rec.min_until is not None
+                and rec.reclaim_deadline is not None
+                and rec.reclaim_deadline < rec.min_until
+                and rec.lease_id not in self._broken
+            ):
+                out.append(f"lease {rec.lease_id} is reclaimed inside its guarantee without force")
         return out
 
     # internals --------------------------------------------------------------------------------------
@@ -639,17 +995,22 @@ class LeaseBook:
             update={"state": state, "ts": now, "reason": reason, "seq": rec.seq + 1, **update}
         )
         self._leases[rec.lease_id] = new
+        if state.live:
+            self._track(new)
+        else:
+            self._forget_by(now + self.config.retain_terminal_s)
         return new
 
     def _end(self, rec: LeaseLogRecord, state: LeaseState, now: float, reason: str, ch: Changes) -> None:
         new = self._transition(rec, state, now, reason)
         ch.records.append(new)
+        self._count_held(rec.site, -len(rec.gpus))
         dirty: set[_Node] = set()
         for g in rec.gpus:
             if self._gpu_lease.get(g) == rec.lease_id:
                 del self._gpu_lease[g]
             if rec.reclaim_deadline is not None:
-                self._holds[g] = max(self._holds.get(g, -math.inf), now + self.config.reclaim_hold_s)
+                self._hold(g, now + self.config.reclaim_hold_s)
             node = self._node_of.get(g)
             if node is not None:
                 dirty.add(node)
@@ -679,6 +1040,7 @@ class LeaseBook:
         if self._node_offer.get(node) == offer.offer_id:
             del self._node_offer[node]
         self._retired[offer.offer_id] = _Retired(offer, why)
+        self._forget_by(offer.expires_at + self.config.retain_terminal_s)
         ch.withdrawn.append(offer)
 
     def _reconcile(self, nodes: Iterable[_Node], now: float, ch: Changes) -> None:
@@ -720,10 +1082,26 @@ class LeaseBook:
                 expires_at=now + self.config.offer_ttl_s,
                 notice_seconds=self.config.notice_s,
                 pool=node[0],
+                zone=self.config.pool_zones.get(node[0]),
             )
             self._offers[offer.offer_id] = offer
             self._node_offer[node] = offer.offer_id
+            self._wake(node, offer.expires_at)
             ch.published.append(offer)
+
+
+def _deferred(rec: LeaseLogRecord, now: float) -> bool:
+    """True if ``rec`` is reclaiming with a deadline a forced reclaim would bring forward."""
+    return (
+        rec.state is LeaseState.RECLAIMING
+        and rec.reclaim_deadline is not None
+        and rec.reclaim_deadline > now + rec.notice_seconds
+    )
+
+
+def _guarded(rec: LeaseLogRecord, now: float) -> bool:
+    """True if reclaiming ``rec`` now with its notice would end it before its ``min_until``."""
+    return rec.min_until is not None and now + rec.notice_seconds < rec.min_until
 
 
 def _promise_holds(offered: float | None, now_predicted: float | None) -> bool:

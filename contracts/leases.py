@@ -60,7 +60,11 @@ class LeaseLogRecord(Record):
         lease_id: unique lease id.
         site: edge site that holds it.
         claim_id: the claim it came from (idempotency key of the site).
-        offer_id: the offer it came from.
+        offer_id: the offer it came from (the first one, when several).
+        offer_ids: every offer the GPUs came from (a matched claim may span several nodes'
+            offers under one leaf switch); empty in records of older brokers (= ``[offer_id]``).
+        hosts: the nodes of the GPUs, sorted (every host the fabric isolation must cover); empty
+            in records of older brokers (the host is the first part of each GPU key).
         gpus: GPU keys (:func:`contracts.topics.gpu_key`) held.
         state: the state after this transition.
         ts: time of the transition (Unix s).
@@ -69,11 +73,15 @@ class LeaseLogRecord(Record):
         ends_at: the lease ends here at the latest — grant time + the claim's
             ``duration_seconds`` (Unix s); renewals never move ``expires_at`` past it. ``None``:
             no end but the TTL.
-        min_until: the minimum guaranteed duration ends here (Unix s).
+        min_until: the minimum guaranteed duration ends here (Unix s): no training demand takes
+            the GPUs back before it unless forced (``PoolDemand.force``; then ``reason`` says
+            ``guarantee_broken``). ``None``: no guarantee.
         reclaim_deadline: when reclaiming, the time the GPUs are taken back regardless (Unix s).
         notice_seconds: reclaim notice promised by the offer.
         partition: the fabric isolation, once applied.
-        reason: why the transition happened (``demand:<id>``, ``ttl``, ``site_release``...).
+        reason: why the transition happened (``demand:<id>``, ``ttl``, ``site_release``...);
+            a reclaim adds ``;guarantee_broken`` when forced inside the guarantee and
+            ``;deferred_to_guarantee_end`` when its deadline was moved to ``min_until``.
         seq: per-lease transition counter (1, 2, 3...).
     """
 
@@ -81,6 +89,8 @@ class LeaseLogRecord(Record):
     site: str
     claim_id: str
     offer_id: str
+    offer_ids: list[str] = Field(default_factory=list)
+    hosts: list[str] = Field(default_factory=list)
     gpus: list[str]
     state: LeaseState
     ts: float

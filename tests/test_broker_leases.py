@@ -375,3 +375,119 @@ def test_rebuild_revokes_the_later_of_two_live_leases_on_one_gpu() -> None:
         ("l2", LeaseState.REVOKED, "rebuild_conflict")
     ]
     assert book.lease_of("n1/GPU-n1-0") == "l1" and book.violations() == []
+
+
+# minimum guaranteed duration --------------------------------------------------------------------------
+def _guaranteed(
+    book: LeaseBook, offer_id: str, cid: str, count: int, min_s: float, now: float
+) -> LeaseLogRecord:
+    answer, ch = book.claim(
+        "edge-a", _claim(offer_id, cid, count=count, min_duration_seconds=min_s, duration_seconds=3600), now
+    )
+    assert answer.ok, answer
+    return ch.records[0]
+
+
+def test_unforced_demand_inside_a_guarantee_waits_for_its_end() -> None:
+    from broker import metrics as m
+
+    book = _book()
+    offer_id = _idle_node(book, gpus=2)
+    rec = _guaranteed(book, offer_id, "c1", 1, 600.0, 10.0)
+    assert rec.min_until == 610.0
+    deferred = m.RECLAIMS_DEFERRED._value.get()
+    result, ch = book.apply_demand(PoolDemand(demand_id="d1", ts=20.0, gpus=list(rec.gpus)), 20.0)
+    assert result == "reclaimed"
+    (r,) = ch.records
+    assert r.state is LeaseState.RECLAIMING and r.reclaim_deadline == 610.0
+    assert r.reason == "demand:d1;deferred_to_guarantee_end"
+    assert m.RECLAIMS_DEFERRED._value.get() == deferred + 1
+    # renewals keep it alive; the notice passing does not revoke it, the guarantee's end does
+    book.renew("edge-a", Renewal(lease_id=r.lease_id, site="edge-a", ts=40.0), 40.0)
+    assert not [x for x in book.tick(20.0 + CFG.notice_s + 1).records if not x.state.live]
+    for t in range(70, 610, 40):
+        book.renew("edge-a", Renewal(lease_id=r.lease_id, site="edge-a", ts=t), float(t))
+        assert book.tick(float(t)).records == [] and book.violations() == []
+    (end,) = [x for x in book.tick(610.0).records if x.lease_id == r.lease_id]
+    assert end.state is LeaseState.REVOKED and end.reason == "reclaim_deadline"
+
+
+def test_forced_demand_breaks_the_guarantee_and_says_so() -> None:
+    from broker import metrics as m
+
+    book = _book()
+    offer_id = _idle_node(book, gpus=2)
+    rec = _guaranteed(book, offer_id, "c1", 2, 600.0, 10.0)
+    broken = m.GUARANTEES_BROKEN._value.get()
+    _, ch = book.apply_demand(PoolDemand(demand_id="d1", ts=20.0, count=1, force=True), 20.0)
+    (r,) = ch.records
+    assert r.lease_id == rec.lease_id and r.reclaim_deadline == 20.0 + CFG.notice_s
+    assert r.reason == "demand:d1;guarantee_broken"
+    assert m.GUARANTEES_BROKEN._value.get() == broken + 1
+    assert book.violations() == []
+    # a rebuilt broker knows the guarantee was broken by force (not a violation)
+    fresh = _book()
+    fresh.rebuild([rec, r], 21.0)
+    assert fresh.violations() == []
+    assert fresh.tick(20.0 + CFG.notice_s).records[0].state is LeaseState.REVOKED
+
+
+def test_count_demand_takes_unguarded_leases_first_and_a_passed_guarantee_no_longer_counts() -> None:
+    book = _book()
+    offer_id = _idle_node(book, gpus=4)
+    guarded = _guaranteed(book, offer_id, "c1", 2, 100.0, 10.0)
+    (offer,) = book.offers.values()
+    plain = book.claim("edge-a", _claim(offer.offer_id, "c2", count=2), 11.0)[1].records[0]
+    _, ch = book.apply_demand(PoolDemand(demand_id="d1", ts=12.0, count=2), 12.0)
+    assert [r.lease_id for r in ch.records] == [plain.lease_id]
+    assert ch.records[0].reclaim_deadline == 12.0 + CFG.notice_s
+    # once now + notice reaches min_until, the guarantee no longer delays anything
+    _, ch = book.apply_demand(PoolDemand(demand_id="d2", ts=80.0, count=2), 80.0)
+    assert [r.lease_id for r in ch.records] == [guarded.lease_id]
+    assert ch.records[0].reclaim_deadline == 80.0 + CFG.notice_s and ch.records[0].reason == "demand:d2"
+
+
+def test_forced_demand_brings_a_deferred_reclaim_forward() -> None:
+    book = _book()
+    offer_id = _idle_node(book, gpus=2)
+    rec = _guaranteed(book, offer_id, "c1", 2, 600.0, 10.0)
+    _, ch = book.apply_demand(PoolDemand(demand_id="d1", ts=20.0, count=2), 20.0)
+    assert ch.records[0].reclaim_deadline == 610.0
+    # an unforced demand leaves the deferred deadline alone
+    assert book.apply_demand(PoolDemand(demand_id="d2", ts=30.0, gpus=list(rec.gpus)), 30.0)[1].records == []
+    _, ch = book.apply_demand(PoolDemand(demand_id="d3", ts=40.0, gpus=list(rec.gpus), force=True), 40.0)
+    (r,) = ch.records
+    assert r.state is LeaseState.RECLAIMING and r.reclaim_deadline == 40.0 + CFG.notice_s
+    assert r.reason == "demand:d3;guarantee_broken" and r.seq == 3
+    assert book.violations() == []
+    assert book.tick(40.0 + CFG.notice_s).records[0].state is LeaseState.REVOKED
+
+
+# tick: only what falls due ----------------------------------------------------------------------------
+def test_tick_reoffers_at_hold_end_and_withdraws_stale_gpus_without_new_capacity() -> None:
+    book = _book(CFG.model_copy(update={"capacity_max_age_s": 300.0, "offer_ttl_s": 1000.0}))
+    oid = _idle_node(book, gpus=2)
+    lid = book.claim("edge-a", _claim(oid, count=1), 0.0)[0].lease_id or ""
+    book.reclaim(1.0, count=1, reason="r")
+    book.release("edge-a", Release(lease_id=lid, site="edge-a", ts=0), 2.0)
+    offered = lambda: sorted(g.gpu for o in book.offers.values() for g in o.gpus)
+    assert offered() == ["n1/GPU-n1-1"]
+    assert book.tick(2.0 + CFG.reclaim_hold_s - 0.001).published == []
+    book.tick(2.0 + CFG.reclaim_hold_s)
+    assert offered() == ["n1/GPU-n1-0", "n1/GPU-n1-1"]
+    # no update for 300 s: stale, withdrawn at the first tick past the age (not at the boundary)
+    assert book.tick(300.0).withdrawn == []
+    assert [o.host for o in book.tick(300.01).withdrawn] == ["n1"] and not book.offers
+
+
+def test_idle_tick_looks_at_no_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    book = _book()
+    for host in ("n1", "n2", "n3"):
+        _idle_node(book, host=host, gpus=2)
+    looked: list[object] = []
+    real = book._eligible
+    monkeypatch.setattr(book, "_eligible", lambda node, now: looked.append(node) or real(node, now))
+    assert not book.tick(5.0) and looked == []
+    book.tick(CFG.offer_ttl_s)  # every offer expires: each node is looked at once, and re-offered
+    assert sorted(looked) == [("default", "n1"), ("default", "n2"), ("default", "n3")]
+    assert len(book.offers) == 3 and book.violations() == []

@@ -1,7 +1,10 @@
-"""Property test of the lease book: random interleavings of capacity updates, claims (one- and
-two-step, with aborts), renewals, releases, reclaims, demands, ticks and broker restarts (rebuild
-from the lease log) never put a GPU in two live leases, never offer a GPU that is leased or not
-idle, and a rebuilt book carries on with exactly the leases the log says are live.
+"""Property test of the lease book: random interleavings of capacity updates, claims (of named
+offers and matched by requirements; one- and two-step, with aborts; with minimum guaranteed
+durations), renewals, releases, reclaims and demands (forced or not), ticks and broker restarts
+(rebuild from the lease log) never put a GPU in two live leases, never offer a GPU that is leased
+or not idle, never let a site hold more than its quota, never take a lease back inside its
+guarantee without force, and a rebuilt book carries on with exactly the leases the log says are
+live.
 
 The checks are computed here from the lease log and the capacity updates the test sent, not from
 the book's own bookkeeping (``violations()`` is checked as well).
@@ -28,9 +31,12 @@ from contracts import (
     Release,
     Renewal,
 )
+from contracts.mqtt import Requirements
 
 HOSTS = ["n1", "n2", "n3"]
 GPUS = [f"{h}/GPU-{h}-{i}" for h in HOSTS for i in range(3)]
+LEAF = {"n1": "leaf-1", "n2": "leaf-1", "n3": "leaf-2"}
+MODEL = {"n1": "H100", "n2": "H100", "n3": "A100"}
 SITES = ["edge-a", "edge-b", "edge-c"]
 CFG = BrokerConfig(
     offer_ttl_s=20,
@@ -40,6 +46,15 @@ CFG = BrokerConfig(
     reclaim_hold_s=25,
     demand_max_age_s=30,
     capacity_max_age_s=45,
+    site_quotas={"edge-a": 4, "edge-b": 6},
+    site_weights={"edge-c": 2.0},
+    fair_share_window_s=20,
+)
+REQUIREMENTS = st.builds(
+    Requirements,
+    model_names=st.sampled_from([[], ["H100"], ["A100"]]),
+    prefer=st.sampled_from([[], ["A100", "H100"], ["H100"]]),
+    allow_cross_leaf=st.booleans(),
 )
 
 _ids = itertools.count(1)
@@ -61,10 +76,14 @@ class LeaseBookMachine(RuleBasedStateMachine):
         self.caps: dict[str, CapacityUpdate] = {}
         self.seen_offers: list[str] = []
         self.claims = 0
+        self.forced: set[str] = set()
+        """Leases a forced reclaim or demand moved to reclaiming."""
 
     # helpers ---------------------------------------------------------------------------------------
     def _take(self, ch: object) -> None:
         self.log.extend(ch.records)  # type: ignore[attr-defined]
+        if self.book.violations():
+            raise AssertionError(self.book.violations())
         self.seen_offers.extend(o.offer_id for o in ch.published)  # type: ignore[attr-defined]
 
     def _latest(self) -> dict[str, LeaseLogRecord]:
@@ -87,17 +106,34 @@ class LeaseBookMachine(RuleBasedStateMachine):
         offer_id = self._pick_offer(data)
         self.claims += 1
         cid = data.draw(st.sampled_from([f"c{self.claims}", "c-repeat"]), label="claim_id")
+        payload_site = site if data.draw(st.integers(0, 9), label="mismatch") else "edge-z"
+        duration = data.draw(st.floats(1, 100), label="duration")
+        min_duration = min(duration, data.draw(st.sampled_from([0.0, 0.0, 10.0, 40.0]), label="min_duration"))
+        notice = data.draw(st.sampled_from([0.0, 5.0, 6.0]), label="notice")
+        if data.draw(st.booleans(), label="matched"):
+            claim = Claim(
+                claim_id=cid,
+                site=payload_site,
+                count=data.draw(st.integers(1, 5), label="count"),
+                requirements=data.draw(REQUIREMENTS, label="requirements"),
+                duration_seconds=duration,
+                min_duration_seconds=min_duration,
+                min_notice_seconds=notice,
+                ts=self.now,
+            )
+            return site, claim
+        offer_id = self._pick_offer(data)
         gpus = data.draw(st.lists(st.sampled_from(GPUS), max_size=2, unique=True), label="gpus")
         count = data.draw(st.integers(0, 3), label="count")
-        payload_site = site if data.draw(st.integers(0, 9), label="mismatch") else "edge-z"
         claim = Claim(
             claim_id=cid,
             site=payload_site,
             offer_id=offer_id,
             gpus=gpus,
             count=count,
-            duration_seconds=data.draw(st.floats(1, 100), label="duration"),
-            min_notice_seconds=data.draw(st.sampled_from([0.0, 5.0, 6.0]), label="notice"),
+            duration_seconds=duration,
+            min_duration_seconds=min_duration,
+            min_notice_seconds=notice,
             ts=self.now,
         )
         return site, claim
@@ -108,6 +144,12 @@ class LeaseBookMachine(RuleBasedStateMachine):
         self.now += dt
         self._take(self.book.tick(self.now))
         self.last_tick = self.now
+        # the tick touches only nodes whose timers fired: it must still miss none — every GPU
+        # that may be leased now is on an offer
+        offered = {g.gpu for o in self.book.offers.values() for g in o.gpus}
+        for gpu in self.book.capacity:
+            if not self.book._unavailable(gpu, self.now):
+                assert gpu in offered, f"{gpu} is leasable but on no offer after the tick"
 
     @rule(
         gpu=st.sampled_from(GPUS),
@@ -125,11 +167,30 @@ class LeaseBookMachine(RuleBasedStateMachine):
             state=state,
             since=self.now - age,
             predicted_idle_until=until,
+            model_name=MODEL[host],
+            leaf=LEAF[host],
         )
         old = self.caps.get(gpu)
         if old is None or u.ts >= old.ts:
             self.caps[gpu] = u
         self._take(self.book.apply_capacity(u, self.now))
+
+    @rule(host=st.sampled_from(HOSTS), idle_for=st.floats(10, 120))
+    def idle_node(self, host: str, idle_for: float) -> None:
+        """Every GPU of ``host`` reported idle now (so that claims have something to take)."""
+        for gpu in [g for g in GPUS if g.startswith(f"{host}/")]:
+            u = CapacityUpdate(
+                ts=self.now,
+                host=host,
+                gpu_uuid=gpu.split("/")[1],
+                state=GpuState.IDLE,
+                since=self.now,
+                predicted_idle_until=self.now + idle_for,
+                model_name=MODEL[host],
+                leaf=LEAF[host],
+            )
+            self.caps[gpu] = u
+            self._take(self.book.apply_capacity(u, self.now))
 
     @rule(data=st.data())
     def claim(self, data: st.DataObject) -> None:
@@ -172,20 +233,30 @@ class LeaseBookMachine(RuleBasedStateMachine):
         _, ch = self.book.release(site, Release(lease_id=lid, site=site, ts=self.now), self.now)
         self._take(ch)
 
-    @rule(gpus=st.lists(st.sampled_from(GPUS), max_size=3, unique=True), count=st.integers(0, 4))
-    def reclaim(self, gpus: list[str], count: int) -> None:
-        self._take(self.book.reclaim(self.now, gpus, count, "test"))
+    @rule(
+        gpus=st.lists(st.sampled_from(GPUS), max_size=3, unique=True),
+        count=st.integers(0, 4),
+        force=st.booleans(),
+    )
+    def reclaim(self, gpus: list[str], count: int, force: bool) -> None:
+        ch = self.book.reclaim(self.now, gpus, count, "test", force=force)
+        if force:
+            self.forced.update(r.lease_id for r in ch.records)
+        self._take(ch)
 
     @rule(
         did=st.sampled_from(["d1", "d2", "d3", "d4"]),
         gpus=st.lists(st.sampled_from(GPUS), max_size=2, unique=True),
         count=st.integers(0, 3),
         age=st.floats(0, 40),
+        force=st.booleans(),
     )
-    def demand(self, did: str, gpus: list[str], count: int, age: float) -> None:
+    def demand(self, did: str, gpus: list[str], count: int, age: float, force: bool) -> None:
         _, ch = self.book.apply_demand(
-            PoolDemand(demand_id=did, ts=self.now - age, gpus=gpus, count=count), self.now
+            PoolDemand(demand_id=did, ts=self.now - age, gpus=gpus, count=count, force=force), self.now
         )
+        if force:
+            self.forced.update(r.lease_id for r in ch.records)
         self._take(ch)
 
     @rule()
@@ -246,6 +317,37 @@ class LeaseBookMachine(RuleBasedStateMachine):
             assert [r.seq for r in recs] == list(range(1, len(recs) + 1))
             assert recs[0].state is LeaseState.GRANTED
             assert all(r.state.live for r in recs[:-1]), "a terminal lease changed again"
+
+    @invariant()
+    def no_site_above_its_quota(self) -> None:
+        held: dict[str, int] = {}
+        for rec in self._latest().values():
+            if rec.state.live:
+                held[rec.site] = held.get(rec.site, 0) + len(rec.gpus)
+        for site, n in held.items():
+            quota = CFG.quota_of(site)
+            assert quota is None or n <= quota, f"{site} holds {n} GPUs, quota {quota}"
+
+    @invariant()
+    def no_unforced_reclaim_inside_a_guarantee(self) -> None:
+        for r in self.log:
+            if r.min_until is None or r.lease_id in self.forced:
+                continue
+            if r.state is LeaseState.RECLAIMING:
+                assert r.reclaim_deadline is not None and r.reclaim_deadline >= r.min_until, (
+                    f"lease {r.lease_id} reclaimed for {r.reclaim_deadline} inside its guarantee to {r.min_until}"
+                )
+            if r.state is LeaseState.REVOKED:
+                assert r.ts >= r.min_until, f"lease {r.lease_id} revoked at {r.ts} inside its guarantee"
+
+    @invariant()
+    def matched_leases_stay_local(self) -> None:
+        for r in self.log:
+            if r.seq == 1:
+                assert r.hosts == sorted({g.split("/")[0] for g in r.gpus})
+                assert len(r.offer_ids) >= 1 and r.offer_ids[0] == r.offer_id
+                if r.reason == "match:leaf":
+                    assert len({LEAF[h] for h in r.hosts}) == 1
 
     @invariant()
     def book_agrees(self) -> None:

@@ -1,0 +1,285 @@
+"""Matchmaking (broker/match.py) and matched claims in the lease book (broker/leases.py): filters
+(model, memory, notice, minimum duration, zone, grade), locality tiers (one node, one leaf,
+across leaves only when allowed), preference order, deterministic tie-breaks, and leases that span
+several offers."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import pytest
+from pydantic import ValidationError
+
+from broker import metrics as m
+from broker.config import BrokerConfig
+from broker.leases import Answer, LeaseBook, PendingGrant, lease_message
+from broker.match import Placement, gpu_rank, match
+from contracts import CapacityUpdate, Claim, GpuState, IdleGrade, LeaseState, Offer, OfferedGpu, ReasonCode
+from contracts.mqtt import Requirements
+
+H100 = "NVIDIA H100 80GB HBM3"
+A100 = "NVIDIA A100-SXM4-40GB"
+
+
+def _offer(
+    oid: str,
+    host: str,
+    n: int,
+    *,
+    leaf: str | None = "leaf-1",
+    model: str = H100,
+    fb: int | None = 81559,
+    pool: str = "default",
+    zone: str | None = None,
+    until: float | None = 1000.0,
+    notice: float = 30.0,
+    grade: str = "free",
+) -> Offer:
+    return Offer(
+        offer_id=oid,
+        ts=0.0,
+        host=host,
+        leaf=leaf,
+        gpus=[
+            OfferedGpu(gpu=f"{host}/GPU-{i}", model_name=model, fb_total_mib=fb, grade=grade)
+            for i in range(n)
+        ],
+        available_until=until,
+        expires_at=60.0,
+        notice_seconds=notice,
+        pool=pool,
+        zone=zone,
+    )
+
+
+def _placed(result: Placement | str) -> Placement:
+    assert isinstance(result, Placement), result
+    return result
+
+
+# pure matching -------------------------------------------------------------------------------------
+def test_one_node_beats_several_and_the_tightest_node_wins() -> None:
+    offers = [_offer("o1", "n1", 8), _offer("o2", "n2", 3), _offer("o3", "n3", 2)]
+    p = _placed(match(offers, Requirements(), 3, 0.0))
+    assert p.tier == "node" and p.hosts == ["n2"] and p.gpus == ("n2/GPU-0", "n2/GPU-1", "n2/GPU-2")
+    p = _placed(match(offers, Requirements(), 5, 0.0))
+    assert p.tier == "node" and p.hosts == ["n1"] and len(p.gpus) == 5
+
+
+def test_several_nodes_under_one_leaf_fewest_nodes_first_never_across_leaves() -> None:
+    offers = [
+        _offer("o1", "n1", 2, leaf="leaf-a"),
+        _offer("o2", "n2", 3, leaf="leaf-a"),
+        _offer("o3", "n3", 1, leaf="leaf-a"),
+        _offer("o4", "n4", 3, leaf="leaf-b"),
+        _offer("o5", "n5", 3, leaf=None),
+    ]
+    p = _placed(match(offers, Requirements(), 5, 0.0))
+    assert p.tier == "leaf" and p.hosts == ["n1", "n2"]
+    assert [o.offer_id for o in p.offers] == ["o2", "o1"]  # the bigger node first
+    assert len(p.gpus) == 5 and set(p.gpus) == {f"n2/GPU-{i}" for i in range(3)} | {"n1/GPU-0", "n1/GPU-1"}
+    # 7 fit only across leaves
+    why = match(offers, Requirements(), 7, 0.0)
+    assert isinstance(why, str) and "allow_cross_leaf" in why
+    p = _placed(match(offers, Requirements(allow_cross_leaf=True), 7, 0.0))
+    assert p.tier == "cross_leaf" and len(p.gpus) == 7 and len(p.offers) == 3
+    assert isinstance(match(offers, Requirements(allow_cross_leaf=True), 13, 0.0), str)
+
+
+def test_filters_model_memory_grade_zone_notice_duration() -> None:
+    offers = [
+        _offer("o1", "n1", 4, model=A100, fb=40960),
+        _offer("o2", "n2", 4, zone="metro-east", until=100.0),
+        _offer("o3", "n3", 4, zone="metro-west", notice=10.0),
+        _offer("o4", "n4", 4, fb=None, grade="memory_held"),
+    ]
+    assert _placed(match(offers, Requirements(model_names=[A100]), 2, 0.0)).hosts == ["n1"]
+    assert _placed(match(offers, Requirements(min_fb_total_mib=80000, zone="metro-east"), 2, 0.0)).hosts == [
+        "n2"
+    ]
+    # n1 (40 GiB) fails memory, n2 the minimum duration, n3 the notice, n4 unknown memory
+    why = match(offers, Requirements(min_fb_total_mib=80000), 4, 0.0, min_duration=200.0, min_notice=20.0)
+    assert isinstance(why, str)
+    assert "not promised for the minimum duration" in why and "notice too short" in why
+    assert "no GPU meeting model/memory/grade free" in why
+    assert _placed(match(offers, Requirements(zone="metro-west"), 1, 0.0)).hosts == ["n3"]
+    assert isinstance(match(offers, Requirements(zone="metro-west"), 1, 0.0, min_notice=20.0), str)
+    assert isinstance(match(offers, Requirements(zone="nowhere"), 1, 0.0), str)
+    # memory_held GPUs only when allowed
+    only_held = [offers[3]]
+    assert _placed(match(only_held, Requirements(), 1, 0.0)).hosts == ["n4"]
+    assert isinstance(match(only_held, Requirements(allow_memory_held=False), 1, 0.0), str)
+    # usable() removes GPUs (leased, reserved, held)
+    p = _placed(match([offers[0]], Requirements(), 2, 0.0, usable=lambda g: g != "n1/GPU-0"))
+    assert p.gpus == ("n1/GPU-1", "n1/GPU-2")
+
+
+def test_preference_order_after_locality_with_rank_of_the_worst_gpu() -> None:
+    offers = [
+        _offer("o1", "n1", 4, model=A100, leaf="leaf-a"),
+        _offer("o2", "n2", 4, model=H100, leaf="leaf-a"),
+        _offer("o3", "n3", 2, model=H100, leaf="leaf-b", pool="edge-pool"),
+        _offer("o4", "n4", 2, model=H100, leaf="leaf-b", pool="edge-pool"),
+    ]
+    assert _placed(match(offers, Requirements(prefer=[A100]), 4, 0.0)).hosts == ["n1"]
+    assert _placed(match(offers, Requirements(prefer=[H100]), 4, 0.0)).hosts == ["n2"]
+    # pool names rank too; locality beats preference: one node of leaf-a over two of edge-pool
+    assert _placed(match(offers, Requirements(prefer=["edge-pool"]), 4, 0.0)).hosts in (["n1"], ["n2"])
+    p = _placed(match(offers, Requirements(prefer=["edge-pool", H100]), 4, 0.0))
+    assert p.tier == "node" and p.hosts == ["n2"] and p.rank == 1
+    # with 6 wanted no node suffices: leaf-a (4 A100 + 4 H100) vs leaf-b (4 H100 of edge-pool)
+    p = _placed(match(offers, Requirements(prefer=[H100, A100]), 6, 0.0))
+    assert p.tier == "leaf" and p.hosts == ["n1", "n2"] and p.rank == 1
+    assert p.gpus[:4] == tuple(f"n2/GPU-{i}" for i in range(4))  # the preferred node first
+    assert gpu_rank(offers[2].gpus[0], offers[2], ["x", "edge-pool"]) == 1
+    assert gpu_rank(offers[2].gpus[0], offers[2], ["x"]) == 1
+
+
+def test_ties_are_broken_deterministically_whatever_the_input_order() -> None:
+    offers = [_offer(f"o{i}", f"n{i}", 2, leaf="leaf-a") for i in range(5)]
+    first = _placed(match(offers, Requirements(), 2, 0.0))
+    assert first.hosts == ["n0"]
+    for perm in itertools.permutations(offers[:4]):
+        assert _placed(match(perm, Requirements(), 3, 0.0)) == _placed(
+            match(offers[:4], Requirements(), 3, 0.0)
+        )
+
+
+def test_count_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        match([], Requirements(), 0, 0.0)
+
+
+# claims in the book ------------------------------------------------------------------------------------
+CFG = BrokerConfig(offer_ttl_s=60, notice_s=30, lease_ttl_s=60, pool_zones={"default": "metro-east"})
+
+
+def _book(cfg: BrokerConfig = CFG) -> LeaseBook:
+    counter = itertools.count(1)
+    return LeaseBook(cfg, new_id=lambda p: f"{p}-{next(counter)}")
+
+
+def _idle(book: LeaseBook, host: str, n: int, leaf: str | None = "leaf-1", until: float = 10_000.0) -> None:
+    for i in range(n):
+        book.apply_capacity(
+            CapacityUpdate(
+                ts=0.0,
+                host=host,
+                gpu_uuid=f"GPU-{host}-{i}",
+                state=GpuState.IDLE,
+                since=0.0,
+                grade=IdleGrade.FREE,
+                predicted_idle_until=until,
+                model_name=H100,
+                fb_total_mib=81559,
+                leaf=leaf,
+            ),
+            0.0,
+        )
+
+
+def _want(count: int, cid: str = "m1", site: str = "edge-a", **kw: object) -> Claim:
+    return Claim(claim_id=cid, site=site, count=count, ts=0.0, **kw)  # type: ignore[arg-type]
+
+
+def test_matched_claim_spans_two_nodes_of_one_leaf_and_grants_every_host() -> None:
+    book = _book()
+    _idle(book, "n1", 3)
+    _idle(book, "n2", 3)
+    _idle(book, "n3", 8, leaf="leaf-2", until=50.0)
+    assert {o.zone for o in book.offers.values()} == {"metro-east"}
+    before = m.CLAIM_DECISIONS.labels(site="edge-a", kind="match", result="ok")._value.get()
+    step, ch = book.begin_claim(
+        "edge-a", _want(5, min_duration_seconds=100, requirements=Requirements(zone="metro-east")), 1.0
+    )
+    assert isinstance(step, PendingGrant), step
+    assert step.matched and step.record.hosts == ["n1", "n2"] and len(step.record.gpus) == 5
+    assert step.record.offer_ids == [o.offer_id for o in step.offers] and len(step.offers) == 2
+    assert step.record.reason == "match:leaf"
+    assert {o.offer_id for o in ch.withdrawn} == set(step.record.offer_ids)
+    left = [o for o in book.offers.values() if o.host in ("n1", "n2")]
+    assert len(left) == 1 and len(left[0].gpus) == 1  # the rest of the second node is offered anew
+    assert book.violations() == []
+    answer, ch = book.grant(step, 2.0)
+    assert answer.ok
+    (rec,) = ch.records
+    assert rec.min_until == 102.0 and rec.granted_at == 2.0
+    msg = lease_message(rec)
+    assert msg.hosts == ["n1", "n2"] and msg.offer_ids == rec.offer_ids and msg.min_until == 102.0
+    assert m.CLAIM_DECISIONS.labels(site="edge-a", kind="match", result="ok")._value.get() == before + 1
+    assert book.violations() == []
+
+
+def test_no_match_is_answered_with_the_reason_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    book = _book()
+    _idle(book, "n1", 2, until=50.0)
+    caplog.set_level(logging.INFO, logger="broker.leases")
+    answer, ch = book.claim("edge-a", _want(2, min_duration_seconds=100), 1.0)
+    assert isinstance(answer, Answer) and answer.code is ReasonCode.NO_MATCH and not ch
+    assert "minimum duration" in answer.text
+    answer, _ = book.claim("edge-a", _want(2, "m2", requirements=Requirements(zone="metro-west")), 1.0)
+    assert answer.code is ReasonCode.NO_MATCH and "other zone" in answer.text
+    answer, _ = book.claim("edge-a", _want(3, "m3"), 1.0)
+    assert answer.code is ReasonCode.NO_MATCH and "2 matching GPUs on 1 offers for 3 wanted" in answer.text
+    decided = [r for r in caplog.records if r.getMessage() == "claim_decided"]
+    assert [r.__dict__["result"] for r in decided] == ["no_match"] * 3
+    assert decided[0].__dict__["kind"] == "match" and decided[0].__dict__["site"] == "edge-a"
+    # repeated claim ids get the same answer, not a second decision
+    again, _ = book.claim("edge-a", _want(3, "m3"), 2.0)
+    assert again.replayed and again.code is ReasonCode.NO_MATCH
+    assert len([r for r in caplog.records if r.getMessage() == "claim_decided"]) == 3
+
+
+def test_named_offer_claim_checks_the_minimum_duration() -> None:
+    book = _book()
+    _idle(book, "n1", 2, until=50.0)
+    (offer,) = book.offers.values()
+    claim = Claim(claim_id="c1", site="edge-a", offer_id=offer.offer_id, min_duration_seconds=100, ts=0.0)
+    answer, _ = book.claim("edge-a", claim, 1.0)
+    assert answer.code is ReasonCode.DURATION_UNAVAILABLE
+    ok, ch = book.claim(
+        "edge-a", claim.model_copy(update={"claim_id": "c2", "min_duration_seconds": 40}), 1.0
+    )
+    assert ok.ok and ch.records[0].min_until == 41.0 and ch.records[0].offer_ids == [offer.offer_id]
+    assert ch.records[0].hosts == ["n1"]
+
+
+def test_aborted_matched_claim_offers_every_node_again() -> None:
+    book = _book()
+    _idle(book, "n1", 2)
+    _idle(book, "n2", 2)
+    step, _ = book.begin_claim("edge-a", _want(4), 1.0)
+    assert isinstance(step, PendingGrant) and step.record.hosts == ["n1", "n2"]
+    assert not book.offers
+    answer, ch = book.abort(step, ReasonCode.ISOLATION_FAILED, "fabric down", 2.0)
+    assert answer.code is ReasonCode.ISOLATION_FAILED
+    assert sorted(o.host for o in ch.published) == ["n1", "n2"]
+    assert book.violations() == []
+
+
+def test_lease_spanning_two_nodes_is_reclaimed_and_offered_again_as_a_whole() -> None:
+    book = _book(CFG.model_copy(update={"reclaim_hold_s": 0.0}))
+    _idle(book, "n1", 2)
+    _idle(book, "n2", 2)
+    answer, ch = book.claim("edge-a", _want(4), 1.0)
+    lease_id = answer.lease_id
+    assert answer.ok and lease_id is not None
+    ch = book.reclaim(2.0, gpus=["n2/GPU-n2-0"])
+    assert [r.lease_id for r in ch.records] == [lease_id] and ch.records[0].state is LeaseState.RECLAIMING
+    ch = book.tick(2.0 + CFG.notice_s)
+    assert ch.records[-1].state is LeaseState.REVOKED
+    assert sorted(o.host for o in book.offers.values()) == ["n1", "n2"]
+
+
+def test_claim_shapes_are_validated() -> None:
+    with pytest.raises(ValidationError):
+        Claim(claim_id="x", site="a", ts=0.0)  # neither an offer nor a count
+    with pytest.raises(ValidationError):
+        Claim(claim_id="x", site="a", offer_id="o", requirements=Requirements(), ts=0.0)
+    with pytest.raises(ValidationError):
+        Claim(claim_id="x", site="a", count=1, gpus=["n1/GPU-0"], ts=0.0)
+    with pytest.raises(ValidationError):
+        Claim(claim_id="x", site="a", count=1, duration_seconds=10, min_duration_seconds=20, ts=0.0)
+    old = Claim.model_validate_json('{"claim_id":"x","site":"a","offer_id":"o","ts":0}')
+    assert not old.matched and old.requirements is None and old.min_duration_seconds == 0
