@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from contracts import GpuState, IdleGrade
+from contracts.settings import IdleSettings
 
 GR_ENGINE_ACTIVE = "DCGM_FI_PROF_GR_ENGINE_ACTIVE"
 """Ratio (0..1) of time the graphics/compute engine was active (DCGM field 1001)."""
@@ -123,6 +124,21 @@ class IdleConfig:
             raise ValueError("min_idle_s >= 0, stale_after_s > 0 and prof_forget_s >= 0 are required")
         if not 0.0 < self.fb_unknown_confidence <= 1.0:
             raise ValueError("fb_unknown_confidence must be in (0, 1]")
+
+
+def idle_config_from(settings: IdleSettings) -> IdleConfig:
+    """The :class:`IdleConfig` of the ``[idle]`` settings group (other fields at their defaults) —
+    the one mapping used by ``gpupool analytics run`` and ``gpupool config show``.
+
+    Raises:
+        ValueError: thresholds :class:`IdleConfig` refuses (``idle_threshold > busy_threshold``).
+    """
+    return IdleConfig(
+        idle_threshold=settings.idle_threshold,
+        busy_threshold=settings.busy_threshold,
+        min_idle_s=settings.min_idle_s,
+        stale_after_s=settings.stale_after_s,
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from analytics.classify import IdleConfig
+from analytics.classify import IdleConfig, idle_config_from
 from analytics.evaluate import (
     TRACE_STEP_S,
     Evaluation,
@@ -159,7 +159,10 @@ def run(
     ] = None,
     memory_limit: Annotated[
         str | None,
-        typer.Option(help="DuckDB memory_limit, e.g. 2GB (default DuckDB's)." + _setting("memory_limit")),
+        typer.Option(
+            help="Memory the analytics process may use, e.g. 2GB; DuckDB gets 60 % of it "
+            "(default: DuckDB's own limit)." + _setting("memory_limit")
+        ),
     ] = None,
 ) -> None:
     """Run the analytics stage against Kafka until SIGINT/SIGTERM.
@@ -199,12 +202,7 @@ def run(
         )
     s_idle = settings.idle
     try:
-        idle = IdleConfig(
-            idle_threshold=s_idle.idle_threshold,
-            busy_threshold=s_idle.busy_threshold,
-            min_idle_s=s_idle.min_idle_s,
-            stale_after_s=s_idle.stale_after_s,
-        )
+        idle = idle_config_from(s_idle)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     port, addr = settings.metrics.analytics, settings.metrics.addr

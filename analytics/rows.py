@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from pydantic_core import to_json
 
 from analytics import metrics
@@ -218,19 +219,21 @@ def gpu_samples_table(
     """Rows of ``gpu_samples`` for ``samples`` read at ``(partitions[i], offsets[i])``.
 
     Values that do not fit their column (an integer past int64, a non-finite float in JSON) become
-    NULL rather than failing the batch. Raises ``ValueError`` if the three sequences differ in
-    length or a timestamp is not finite.
+    NULL rather than failing the batch. Columns are built a whole column at a time; a column whose
+    fast conversion fails (a value out of range) is converted value by value with the same
+    result. Raises ``ValueError`` if the three sequences differ in length or a timestamp is not
+    finite (and ``pyarrow.ArrowInvalid`` if a timestamp is past the int64 microsecond range).
     """
     if not len(samples) == len(partitions) == len(offsets):
         raise ValueError("samples, partitions and offsets differ in length")
     fields = [s.fields for s in samples]
-    cols: dict[str, list[Any]] = {
-        "ts": [_micros(s.ts) for s in samples],
+    cols: dict[str, pa.Array | list[Any]] = {
+        "ts": _micros_array([s.ts for s in samples]),
         "gpu_key": [s.key for s in samples],
         "host": [s.host for s in samples],
         "gpu_uuid": [s.gpu_uuid for s in samples],
-        "gpu_index": [_as_int(s.gpu_index, 32) for s in samples],
-        "gpu_instance_id": [_as_int(s.gpu_instance_id, 32) for s in samples],
+        "gpu_index": _int_array([s.gpu_index for s in samples], 32),
+        "gpu_instance_id": _int_array([s.gpu_instance_id for s in samples], 32),
         "gpu_instance_profile": [s.gpu_instance_profile for s in samples],
         "model_name": [s.model_name for s in samples],
         "fields": [_json(f) for f in fields],
@@ -238,14 +241,14 @@ def gpu_samples_table(
         "attributes": [_json(s.attributes) for s in samples],
         "source": [s.source for s in samples],
         "target": [s.target for s in samples],
-        "seq": [_as_int(s.seq, 64) for s in samples],
+        "seq": _int_array([s.seq for s in samples], 64),
         "kafka_partition": list(partitions),
         "kafka_offset": list(offsets),
     }
     for col, name in _GPU_FLOAT_FIELDS.items():
-        cols[col] = [_as_float(f.get(name)) for f in fields]
+        cols[col] = _float_array([f.get(name) for f in fields])
     for col, name in _GPU_INT_FIELDS.items():
-        cols[col] = [_as_whole(f.get(name)) for f in fields]
+        cols[col] = _whole_array([f.get(name) for f in fields])
     return _table(GPU_SAMPLE_COLUMNS, cols)
 
 
@@ -337,10 +340,55 @@ def idle_runs_table(runs: Iterable[tuple[IdleRun, str]]) -> pa.Table:
     return _table(IDLE_RUN_COLUMNS, cols)
 
 
-def _table(columns: Sequence[Column], cols: dict[str, list[Any]]) -> pa.Table:
+def _table(columns: Sequence[Column], cols: Mapping[str, pa.Array | list[Any]]) -> pa.Table:
     return pa.Table.from_arrays(
-        [pa.array(cols[c.name], type=c.arrow_type) for c in columns], schema=arrow_schema(columns)
+        [_array(cols[c.name], c.arrow_type) for c in columns], schema=arrow_schema(columns)
     )
+
+
+def _array(values: pa.Array | list[Any], arrow_type: pa.DataType) -> pa.Array:
+    return values if isinstance(values, pa.Array) else pa.array(values, type=arrow_type)
+
+
+def _micros_array(ts: list[float]) -> pa.Array:
+    """:func:`_micros` of every value, as a ``timestamp[us]`` array (same IEEE product and
+    half-to-even rounding). Raises ``ValueError`` if a value is not finite and
+    ``pyarrow.ArrowInvalid`` if one is past the int64 microsecond range."""
+    seconds = pa.array(ts, type=pa.float64())
+    if seconds.null_count or not pc.all(pc.is_finite(seconds), min_count=0).as_py():
+        bad = next(t for t in ts if t is None or not math.isfinite(t))
+        raise ValueError(f"timestamp not finite: {bad!r}")
+    micros = pc.round(pc.multiply(seconds, 1_000_000.0), 0, round_mode="half_to_even")
+    return pc.cast(micros, pa.int64()).cast(_TS)
+
+
+def _int_array(values: list[int | None], bits: int) -> pa.Array:
+    """:func:`_as_int` of every value, as an ``int32``/``int64`` array."""
+    arrow_type = pa.int32() if bits == 32 else pa.int64()
+    if float not in set(map(type, values)):  # pyarrow would truncate a float silently
+        try:
+            return pa.array(values, type=arrow_type)
+        except (pa.ArrowInvalid, OverflowError):
+            pass  # a value out of range: NULL for it, below
+    return pa.array([_as_int(v, bits) for v in values], type=arrow_type)
+
+
+def _float_array(values: list[float | int | None]) -> pa.Array:
+    """:func:`_as_float` of every value, as a ``float64`` array."""
+    try:
+        return pa.array(values, type=pa.float64())
+    except (pa.ArrowInvalid, OverflowError):  # an int pyarrow will not round (past 2**53)
+        return pa.array([_as_float(v) for v in values], type=pa.float64())
+
+
+def _whole_array(values: list[float | int | None]) -> pa.Array:
+    """:func:`_as_whole` of every value, as an ``int64`` array."""
+    if float not in set(map(type, values)):
+        try:
+            return pa.array(values, type=pa.int64())
+        except (pa.ArrowInvalid, OverflowError):
+            pass
+    return pa.array([_as_whole(v) for v in values], type=pa.int64())
 
 
 def _micros(ts: float) -> int:

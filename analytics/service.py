@@ -3,7 +3,9 @@
 One :meth:`AnalyticsService.step`:
 
 1. reads one batch from ``telemetry.gpu`` and ``telemetry.ib_port`` (one consumer group);
-2. decodes it; a record that cannot be used is counted by reason
+2. decodes it as one batch (:func:`analytics.decode.decode_batch`) and builds its Arrow rows a
+   column at a time, both with the garbage collector paused; a record that cannot be used is
+   counted by reason
    (``gpupool_analytics_rejected_records_total``) and skipped, never fatal;
 3. feeds GPU samples to the :class:`~analytics.classify.IdleClassifier` (in offset order) and, every
    ``publish_interval_s``, marks GPUs not heard from for ``stale_after_s`` unknown;
@@ -32,11 +34,15 @@ prediction) and go back to ``idle`` when the headroom recovers. Unknown headroom
 IB, or no interval yet) never blocks an offer. The classifier is not affected: a blocked GPU's
 idle run goes on and is learned from as usual.
 
-Scale-out: instances of one consumer group split the partitions; each owns the GPUs of its
-partitions. When a rebalance takes a partition away, the instance forgets that partition's GPUs
-(no stale decision, refresh or gauge for a GPU another instance now owns); their rows stay in its
-DuckDB file. The new owner resumes from its own stored offset for the partition, else from the
-group's committed offset.
+Scale-out: instances of one consumer group split the partitions; each owns the GPUs and the
+InfiniBand ports of its partitions. Both telemetry topics are keyed by host and co-partitioned
+(:mod:`contracts.topics`), so an instance holds every GPU and every port of its hosts and their
+node headroom is whole. When a rebalance takes a partition away, the instance forgets that
+partition's GPUs (no stale decision, refresh or gauge for a GPU another instance now owns) and its
+hosts (GPU and port samples alike): their headroom is dropped and left out of every refresh
+(:meth:`AnalyticsService.headroom`) until a sample of the host is read again from an owned
+partition. Their rows stay in its DuckDB file. The new owner resumes from its own stored offset
+for the partition, else from the group's committed offset.
 
 Tracing (:mod:`contracts.tracing`, when on): an update that changes a GPU's state or grade is sent
 inside a ``process telemetry.gpu`` span (CONSUMER), child of the trace context carried by the
@@ -65,7 +71,7 @@ from opentelemetry.context import Context
 
 from analytics import metrics
 from analytics.classify import GpuStatus, IdleClassifier, IdleConfig, IdleRun
-from analytics.decode import RejectedRecord, decode_telemetry
+from analytics.decode import decode_batch, paused_gc
 from analytics.predict import IdlePredictor, PredictorConfig
 from analytics.retention import RetentionConfig
 from analytics.rows import gpu_samples_table, gpu_states_table, ib_port_samples_table, idle_runs_table
@@ -139,7 +145,9 @@ class AnalyticsService:
             clock: wall clock (Unix s) for stale checks and refresh timing; injectable for tests.
             max_records: most records per step.
             client_id: bus client id.
-            memory_limit: DuckDB ``memory_limit`` (e.g. ``"2GB"``).
+            memory_limit: memory the process may use for its store (e.g. ``"2GB"``): DuckDB
+                gets :data:`analytics.store.DUCKDB_MEMORY_SHARE` of it, the rest is left for
+                Python (batches of at most ``max_records`` records).
             retention: raw/rollup retention and the maintenance period (:class:`RetentionConfig`
                 defaults if ``None``: raw 24 h, rollups 30 days, every 60 s).
             min_headroom: a host whose known fabric headroom (0..1) is below this is not
@@ -194,6 +202,8 @@ class AnalyticsService:
         self._trace_headers: dict[str, tuple[tuple[str, bytes], ...]] = {}
         self._step_started_ns = 0
         self._partition_of: dict[str, TopicPartition] = {}
+        self._hosts_of: dict[TopicPartition, set[str]] = {}
+        self._released_hosts: set[str] = set()
         self._stored_state: dict[str, tuple[GpuState, float, IdleGrade | None]] = {}
         self._lag_labels: set[TopicPartition] = set()
         self._lag_values: dict[TopicPartition, int] = {}
@@ -279,8 +289,9 @@ class AnalyticsService:
         msgs = await consumer.getmany(timeout_s=timeout_s, max_records=self._max_records)
         self._step_started_ns = time.time_ns()
         decoded = self._decode(msgs)
-        gpu_table = _safe_table(gpu_samples_table, decoded.gpu, decoded.gpu_pos)
-        ib_table = _safe_table(ib_port_samples_table, decoded.ib, decoded.ib_pos)
+        with paused_gc():  # see analytics.decode.paused_gc
+            gpu_table = _safe_table(gpu_samples_table, decoded.gpu, decoded.gpu_pos)
+            ib_table = _safe_table(ib_port_samples_table, decoded.ib, decoded.ib_pos)
         for sample in decoded.gpu:
             self._classifier.observe(sample)
         now = self._clock()
@@ -336,7 +347,8 @@ class AnalyticsService:
 
     def headroom(self) -> dict[str, float]:
         """The fabric headroom (0..1, not clamped) per host, as of the latest refresh (a copy;
-        hosts of unknown headroom are absent)."""
+        hosts of unknown headroom are absent, and so are hosts whose partition a rebalance took
+        away, until one of their samples is read again)."""
         return dict(self._headroom)
 
     def partitions(self) -> set[TopicPartition]:
@@ -368,12 +380,16 @@ class AnalyticsService:
         )
 
     async def _on_assign(self, assigned: set[TopicPartition]) -> dict[TopicPartition, int]:
-        """Forget the GPUs of partitions no longer owned, and resume each assigned partition from
-        the offset stored with the rows (cached copy of DuckDB's ``consumer_offsets``, updated
-        after every committed write)."""
+        """Forget the GPUs and the hosts (GPU and port samples) of partitions no longer owned,
+        and resume each assigned partition from the offset stored with the rows (cached copy of
+        DuckDB's ``consumer_offsets``, updated after every committed write)."""
         gone = [key for key, tp in self._partition_of.items() if tp not in assigned]
         for key in gone:
             self._forget(key)
+        hosts_gone: set[str] = set()
+        for tp in [tp for tp in self._hosts_of if tp not in assigned]:
+            hosts_gone |= self._hosts_of.pop(tp)
+        self._release_hosts(hosts_gone)
         self._set_lag({tp: n for tp, n in self._lag_values.items() if tp in assigned})
         start = {tp: self._next_offsets[tp] for tp in assigned if tp in self._next_offsets}
         log.info(
@@ -382,9 +398,26 @@ class AnalyticsService:
                 "partitions": sorted(f"{t}:{p}" for t, p in assigned),
                 "resumed": len(start),
                 "gpus_forgotten": len(gone),
+                "hosts_forgotten": len(hosts_gone),
             },
         )
         return start
+
+    def _own_host(self, tp: TopicPartition, host: str) -> None:
+        """Note that a sample of ``host`` was read from owned partition ``tp``."""
+        hosts = self._hosts_of.get(tp)
+        if hosts is None:
+            hosts = self._hosts_of[tp] = set()
+        hosts.add(host)
+        if self._released_hosts:
+            self._released_hosts.discard(host)
+
+    def _release_hosts(self, hosts: set[str]) -> None:
+        """Forget ``hosts`` (their partition moved away): drop their headroom now and keep them
+        out of every refresh until one of their samples is read again (:meth:`_own_host`)."""
+        for host in hosts:
+            self._headroom.pop(host, None)
+        self._released_hosts |= hosts
 
     def _forget(self, key: str) -> None:
         """Drop everything this instance holds about GPU ``key`` but its prediction history."""
@@ -412,7 +445,8 @@ class AnalyticsService:
         except Exception as exc:
             log.error("analytics_headroom_failed", extra={"error": repr(exc)})
             return
-        self._headroom = {str(host): float(h) for host, h in rows}
+        released = self._released_hosts
+        self._headroom = {str(host): float(h) for host, h in rows if str(host) not in released}
         low = sorted(h for h, v in self._headroom.items() if v < self.min_headroom)
         if low:
             log.info("analytics_headroom_low", extra={"hosts": low, "min_headroom": self.min_headroom})
@@ -489,42 +523,50 @@ class AnalyticsService:
         await self._consumer.start()
 
     def _decode(self, msgs: Sequence[BusMessage]) -> _Decoded:
+        """Skip (and count) records below the stored offsets, then decode the rest as one batch
+        (:func:`analytics.decode.decode_batch`); count and log every rejection."""
         out = _Decoded()
         traced = tracing.enabled()
+        consumed: Counter[str] = Counter()
+        fresh: list[BusMessage] = []
         for msg in msgs:
             tp = TopicPartition(msg.topic, msg.partition)
-            metrics.RECORDS_CONSUMED.labels(topic=msg.topic).inc()
+            consumed[msg.topic] += 1
             if msg.offset < self._next_offsets.get(tp, 0):
                 metrics.REJECTED_RECORDS.labels(reason="duplicate").inc()
                 continue
             out.offsets[tp] = max(out.offsets.get(tp, 0), msg.offset + 1)
-            try:
-                record = decode_telemetry(msg, self.topics)
-            except RejectedRecord as exc:
-                metrics.REJECTED_RECORDS.labels(reason=exc.reason).inc()
-                log.warning(
-                    "analytics_record_rejected",
-                    extra={
-                        "reason": exc.reason,
-                        "detail": exc.detail,
-                        "messaging.destination.name": msg.topic,
-                        "messaging.kafka.destination.partition": msg.partition,
-                        "messaging.kafka.message.offset": msg.offset,
-                    },
-                )
-                continue
-            if isinstance(record, GpuSample):
-                out.gpu.append(record)
-                out.gpu_pos.append((msg.partition, msg.offset))
-                self._partition_of[record.key] = tp
-                if traced:  # the newest sample's context (none if it carried none)
-                    if msg.headers:
-                        self._trace_headers[record.key] = msg.headers
-                    else:
-                        self._trace_headers.pop(record.key, None)
-            else:
-                out.ib.append(record)
-                out.ib_pos.append((msg.partition, msg.offset))
+            fresh.append(msg)
+        for topic, n in consumed.items():
+            metrics.RECORDS_CONSUMED.labels(topic=topic).inc(n)
+        batch = decode_batch(fresh, self.topics)
+        for msg, exc in batch.rejected:
+            metrics.REJECTED_RECORDS.labels(reason=exc.reason).inc()
+            log.warning(
+                "analytics_record_rejected",
+                extra={
+                    "reason": exc.reason,
+                    "detail": exc.detail,
+                    "messaging.destination.name": msg.topic,
+                    "messaging.kafka.destination.partition": msg.partition,
+                    "messaging.kafka.message.offset": msg.offset,
+                },
+            )
+        out.gpu = batch.gpu
+        out.gpu_pos = [(msg.partition, msg.offset) for msg in batch.gpu_msgs]
+        for record, msg in zip(batch.gpu, batch.gpu_msgs, strict=True):
+            tp = TopicPartition(msg.topic, msg.partition)
+            self._partition_of[record.key] = tp
+            self._own_host(tp, record.host)
+            if traced:  # the newest sample's context (none if it carried none)
+                if msg.headers:
+                    self._trace_headers[record.key] = msg.headers
+                else:
+                    self._trace_headers.pop(record.key, None)
+        out.ib = batch.ib
+        out.ib_pos = [(msg.partition, msg.offset) for msg in batch.ib_msgs]
+        for ib_record, msg in zip(batch.ib, batch.ib_msgs, strict=True):
+            self._own_host(TopicPartition(msg.topic, msg.partition), ib_record.host)
         return out
 
     def _update(self, st: GpuStatus) -> CapacityUpdate:

@@ -1,38 +1,52 @@
 """Benchmarks of the analytics stage, printed as ratios against a yardstick measured in the same run.
 
 1. Ingest: bus records (JSON ``GpuSample``) → decode → Arrow → DuckDB with offsets, through the
-   stage's own code (:func:`analytics.decode.decode_telemetry`, :func:`analytics.rows.gpu_samples_table`,
-   :meth:`analytics.store.AnalyticsStore.write`), against DuckDB's fastest bulk path on the same
-   rows: ``INSERT ... SELECT * FROM <arrow table>`` of a prebuilt table. Target (issue 4): >= 50 %.
-   Also the idle classifier's throughput on the same samples.
+   stage's own ingest path (:func:`analytics.decode.decode_batch`,
+   :func:`analytics.rows.gpu_samples_table`, :meth:`analytics.store.AnalyticsStore.write`, as
+   :meth:`analytics.service.AnalyticsService.step` calls them), against DuckDB's fastest bulk path
+   on the same rows: ``INSERT ... SELECT * FROM <arrow table>`` of a prebuilt table, same batch
+   size, both into in-memory databases. Target (issue 4): >= 50 %. Also the cost of each step
+   per row, the former decode (a loop of :func:`analytics.decode.decode_telemetry` with the
+   garbage collector running) for comparison, and the idle classifier's throughput on the same
+   samples.
 2. Queries over ``--gpus`` GPUs × 24 h at 10 s (default 1,000 → 8.64 M rows, generated inside
    DuckDB, with the ``gpu_states`` / ``idle_runs`` rows the stage stores for them):
    ``gpu_state_now`` and the ``idle_windows`` view. Target: <= 1 s each. The gaps-and-islands
    query over the raw samples that the view replaces is timed too (and gives the same windows),
    and so is the maintenance step (1-minute rollups of the day, expiry).
-3. Peak RSS of the process (``ru_maxrss``) against the configured DuckDB ``memory_limit``.
+3. Memory: in a child process (so its peak RSS is its own), ``--memory-rows`` GPU samples
+   (default 8.64 M: 1,000 GPUs × 24 h at 10 s) generated batch by batch go through the same ingest
+   path into a DuckDB file opened with ``--memory-limit`` (the process limit: DuckDB gets
+   :data:`analytics.store.DUCKDB_MEMORY_SHARE` of it); its peak RSS (``VmHWM``) is printed
+   against the limit. Target: under it.
 
-Usage: ``python bench/analytics.py [--records 100000] [--gpus 1000] [--memory-limit 2GB]``.
+Usage: ``python bench/analytics.py [--records 100000] [--gpus 1000] [--memory-rows 8640000]
+[--memory-limit 2GB]`` (``--memory-rows 0`` skips phase 3).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import resource
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import duckdb
+from pydantic_core import to_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from analytics.classify import FB_USED, GPU_UTIL, GR_ENGINE_ACTIVE, SM_ACTIVE, IdleClassifier
-from analytics.decode import decode_telemetry
+from analytics.decode import decode_batch, decode_telemetry, paused_gc
 from analytics.retention import RetentionConfig
 from analytics.rows import gpu_samples_table
-from analytics.store import AnalyticsStore, StoreBatch
+from analytics.store import DUCKDB_MEMORY_SHARE, AnalyticsStore, StoreBatch, parse_bytes
 from contracts import GpuSample, KafkaTopics, encode
 from contracts.bus import BusMessage, TopicPartition
 
@@ -66,7 +80,7 @@ def _messages(n: int, gpus: int) -> list[BusMessage]:
             target="http://127.0.0.1:9400/metrics",
             seq=i,
         )
-        out.append(BusMessage(TOPICS.telemetry_gpu, 0, i, s.key, encode(s)))
+        out.append(BusMessage(TOPICS.telemetry_gpu, 0, i, s.partition_key, encode(s)))
     return out
 
 
@@ -74,6 +88,24 @@ def _gpu(msg: BusMessage) -> GpuSample:
     rec = decode_telemetry(msg, TOPICS)
     assert isinstance(rec, GpuSample)
     return rec
+
+
+def _ingest(store: AnalyticsStore, chunk: list[BusMessage], times: list[float]) -> int:
+    """The stage's ingest path for one batch, as :meth:`analytics.service.AnalyticsService.step`
+    runs it; adds the seconds of decode, rows and write to ``times``; returns the rows written."""
+    tp = TopicPartition(TOPICS.telemetry_gpu, 0)
+    t0 = time.perf_counter()
+    batch = decode_batch(chunk, TOPICS)
+    t1 = time.perf_counter()
+    positions = batch.gpu_msgs
+    with paused_gc():
+        table = gpu_samples_table(batch.gpu, [m.partition for m in positions], [m.offset for m in positions])
+    t2 = time.perf_counter()
+    store.write(StoreBatch(gpu_samples=table, offsets={tp: chunk[-1].offset + 1}))
+    t3 = time.perf_counter()
+    for k, dt in enumerate((t1 - t0, t2 - t1, t3 - t2)):
+        times[k] += dt
+    return table.num_rows
 
 
 def bench_ingest(n: int, batch: int, memory_limit: str) -> None:
@@ -87,6 +119,14 @@ def bench_ingest(n: int, batch: int, memory_limit: str) -> None:
         )
         for i in range(0, n, batch)
     ]
+    t = time.perf_counter()
+    clf = IdleClassifier()
+    for s in decoded:
+        clf.observe(s)
+    clf_s = time.perf_counter() - t
+    del decoded, clf  # the stage holds one batch of samples, not the whole run
+    gc.collect()
+    # in-memory databases, as the issue's measurement (phase 3 writes a file)
     yard = AnalyticsStore(":memory:", memory_limit=memory_limit)
     con = yard.cursor()
     t = time.perf_counter()
@@ -95,28 +135,131 @@ def bench_ingest(n: int, batch: int, memory_limit: str) -> None:
         con.execute("INSERT INTO gpu_samples SELECT * FROM b")
         con.unregister("b")
     yard_s = time.perf_counter() - t
+    con.close()
+    yard.close()
     # the stage's path: decode → Arrow → one transaction with offsets
     store = AnalyticsStore(":memory:", memory_limit=memory_limit)
-    tp = TopicPartition(TOPICS.telemetry_gpu, 0)
+    steps = [0.0, 0.0, 0.0]
+    t = time.perf_counter()
+    rows = sum(_ingest(store, msgs[i : i + batch], steps) for i in range(0, n, batch))
+    e2e_s = time.perf_counter() - t
+    store.close()
+    assert rows == n
+    t = time.perf_counter()
+    for i in range(0, n, batch):  # a batch's samples live until the next, as in the stage
+        kept = [decode_telemetry(m, TOPICS) for m in msgs[i : i + batch]]
+    per_record_s = time.perf_counter() - t
     t = time.perf_counter()
     for i in range(0, n, batch):
-        chunk = msgs[i : i + batch]
-        samples = [_gpu(m) for m in chunk]
-        table = gpu_samples_table(samples, [0] * len(chunk), [m.offset for m in chunk])
-        store.write(StoreBatch(gpu_samples=table, offsets={tp: chunk[-1].offset + 1}))
-    e2e_s = time.perf_counter() - t
-    t = time.perf_counter()
-    clf = IdleClassifier()
-    for s in decoded:
-        clf.observe(s)
-    clf_s = time.perf_counter() - t
+        kept = decode_batch(msgs[i : i + batch], TOPICS).gpu
+    batch_alone_s = time.perf_counter() - t
+    del kept
+    us = 1e6 / n
     print(f"ingest {n:,} GPU samples, batches of {batch}:")
-    print(f"  yardstick  INSERT FROM arrow      {n / yard_s:12,.0f} rows/s")
+    print(f"  yardstick  INSERT FROM arrow      {n / yard_s:12,.0f} rows/s   {yard_s * us:5.2f} us/row")
     print(
-        f"  gpupool    decode→arrow→duckdb    {n / e2e_s:12,.0f} rows/s"
+        f"  gpupool    decode→arrow→duckdb    {n / e2e_s:12,.0f} rows/s   {e2e_s * us:5.2f} us/row"
         f"   ratio {yard_s / e2e_s:6.1%}  (target >= 50%)"
     )
+    print(
+        f"    per row: decode_batch {steps[0] * us:.2f} us, gpu_samples_table {steps[1] * us:.2f} us,"
+        f" store.write {steps[2] * us:.2f} us"
+    )
+    print(
+        f"  decode alone: decode_batch {batch_alone_s * us:.2f} us/row, the former loop of"
+        f" decode_telemetry (collector running) {per_record_s * us:.2f} us/row"
+    )
     print(f"  classifier observe()              {n / clf_s:12,.0f} samples/s")
+
+
+def _memory_messages(rows: int, gpus: int, batch: int) -> Iterator[list[BusMessage]]:
+    """``rows`` GPU samples (``gpus`` GPUs, every 10 s) as bus messages, ``batch`` at a time, so
+    the benchmark itself holds one batch. Encoded with pydantic-core's serializer from a dict in
+    the model's member order: the bytes :func:`contracts.encode` writes (checked on the first)."""
+    rng = random.Random(2)
+    out: list[BusMessage] = []
+    for i in range(rows):
+        g = i % gpus
+        record = {
+            "schema_version": 1,
+            "ts": T0 + (i // gpus) * 10.0,
+            "host": f"node-{g // 8:04d}",
+            "gpu_uuid": f"GPU-{g:08x}-0000-0000-0000-000000000000",
+            "gpu_index": g % 8,
+            "gpu_instance_id": None,
+            "gpu_instance_profile": None,
+            "model_name": "NVIDIA H100 80GB HBM3",
+            "fields": {
+                GR_ENGINE_ACTIVE: round(rng.random(), 6),
+                SM_ACTIVE: round(rng.random(), 6),
+                GPU_UTIL: rng.randrange(101),
+                FB_USED: rng.randrange(81_000),
+                "DCGM_FI_DEV_FB_FREE": 1000,
+                "DCGM_FI_DEV_POWER_USAGE": 123.456,
+            },
+            "invalid": {},
+            "attributes": {"pod": f"pod-{g}", "namespace": "team-a"},
+            "source": "dcgm-exporter",
+            "target": "http://127.0.0.1:9400/metrics",
+            "seq": i,
+        }
+        value = to_json(record)
+        if i == 0:
+            assert value == encode(GpuSample.model_validate(record)), "generator drifted from encode()"
+        out.append(BusMessage(TOPICS.telemetry_gpu, 0, i, record["host"], value))
+        if len(out) == batch:
+            yield out
+            out = []
+    if out:
+        yield out
+
+
+def memory_phase(rows: int, batch: int, memory_limit: str) -> None:
+    """Phase 3, run in a child process: ingest ``rows`` samples into a DuckDB file and print one
+    ``RESULT rows seconds peak_rss_bytes`` line."""
+    with tempfile.TemporaryDirectory(prefix="gpupool-bench-") as tmp:
+        store = AnalyticsStore(str(Path(tmp) / "memory.duckdb"), memory_limit=memory_limit)
+        steps = [0.0, 0.0, 0.0]
+        t = time.perf_counter()
+        done = sum(_ingest(store, chunk, steps) for chunk in _memory_messages(rows, 1000, batch))
+        elapsed = time.perf_counter() - t
+        _, [(stored,)] = store.sql("SELECT count(*) FROM gpu_samples")
+        store.close()
+    assert done == stored == rows
+    print(f"RESULT {rows} {elapsed:.3f} {_peak_rss_bytes()}")
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak RSS: ``VmHWM`` of ``/proc/self/status`` (Linux). Not ``ru_maxrss``,
+    which a child started by fork and exec inherits from its parent's size at the fork."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def bench_memory(rows: int, batch: int, memory_limit: str) -> None:
+    """Run :func:`memory_phase` in a child process and print its peak RSS against the limit."""
+    child = subprocess.run(
+        [sys.executable, __file__, "--memory-phase", "--memory-rows", str(rows), "--batch", str(batch),
+         "--memory-limit", memory_limit],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    line = next(x for x in child.stdout.splitlines() if x.startswith("RESULT "))
+    _, n, seconds, rss = line.split()
+    limit = parse_bytes(memory_limit)
+    peak = int(rss)
+    print(
+        f"memory: ingest of {int(n):,} rows into a DuckDB file ({int(n) / float(seconds):,.0f} rows/s),"
+        f" memory_limit {memory_limit} (DuckDB's share {DUCKDB_MEMORY_SHARE:.0%}):"
+    )
+    print(
+        f"  peak RSS {peak / 2**20:,.0f} MiB = {peak / limit:.0%} of the limit"
+        f" ({limit / 2**20:,.0f} MiB)   {'ok' if peak < limit else 'OVER'} (target: under the limit)"
+    )
 
 
 _STEP_S = 10  # sample interval
@@ -183,7 +326,15 @@ def _generate(con: duckdb.DuckDBPyConnection, gpus: int) -> int:
 def bench_queries(gpus: int, memory_limit: str) -> None:
     """Print the time of the operator queries over ``gpus`` × 8,640 rows, and of the maintenance
     step (1-minute rollups, then expiry) over the same day."""
-    store = AnalyticsStore(":memory:", memory_limit=memory_limit)
+    with tempfile.TemporaryDirectory(prefix="gpupool-bench-") as tmp:
+        store = AnalyticsStore(str(Path(tmp) / "queries.duckdb"), memory_limit=memory_limit)
+        try:
+            _bench_queries(store, gpus)
+        finally:
+            store.close()
+
+
+def _bench_queries(store: AnalyticsStore, gpus: int) -> None:
     con = store.cursor()
     t = time.perf_counter()
     rows = _generate(con, gpus)
@@ -242,15 +393,26 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=100_000, help="GPU samples for the ingest benchmark")
     ap.add_argument("--batch", type=int, default=5000, help="records per transaction")
     ap.add_argument("--gpus", type=int, default=1000, help="GPUs for the query benchmark (x 8,640 rows)")
-    ap.add_argument("--memory-limit", default="2GB", help="DuckDB memory_limit")
+    ap.add_argument(
+        "--memory-rows", type=int, default=8_640_000, help="GPU samples of the memory phase (0: skip)"
+    )
+    ap.add_argument(
+        "--memory-limit", default="2GB", help="memory the stage's process may use (DuckDB gets a share)"
+    )
+    ap.add_argument("--memory-phase", action="store_true", help=argparse.SUPPRESS)  # the child of phase 3
     args = ap.parse_args()
+    if args.memory_phase:
+        memory_phase(args.memory_rows, args.batch, args.memory_limit)
+        return
     bench_ingest(args.records, args.batch, args.memory_limit)
     bench_queries(args.gpus, args.memory_limit)
-    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(
-        f"peak RSS {rss_mib:,.0f} MiB (DuckDB memory_limit {args.memory_limit};"
-        " includes Python and the benchmark's own data)"
+        f"peak RSS of phases 1-2 {rss / 2**20:,.0f} MiB = {rss / parse_bytes(args.memory_limit):.0%} of"
+        f" memory_limit {args.memory_limit} (includes the benchmark's own messages and tables)"
     )
+    if args.memory_rows:
+        bench_memory(args.memory_rows, args.batch, args.memory_limit)
 
 
 if __name__ == "__main__":

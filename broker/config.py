@@ -6,6 +6,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from contracts.settings import BrokerSettings
+
 
 class BrokerConfig(BaseModel):
     """How the broker offers, leases and reclaims; shared by :class:`broker.leases.LeaseBook` and
@@ -70,3 +72,24 @@ class BrokerConfig(BaseModel):
     def weight_of(self, site: str) -> float:
         """Fair-share weight of ``site`` (1.0 unless configured)."""
         return self.site_weights.get(site, 1.0)
+
+
+def broker_config_from(settings: BrokerSettings) -> BrokerConfig:
+    """The :class:`BrokerConfig` of the ``[broker]`` settings group (times, consumer group, zones,
+    quotas and fair-share weights; the rest at their defaults) — the one mapping used by
+    ``gpupool broker run`` and ``gpupool config show``.
+
+    Raises:
+        pydantic.ValidationError: a value :class:`BrokerConfig` refuses.
+    """
+    return BrokerConfig(
+        offer_ttl_s=settings.offer_ttl_s,
+        notice_s=settings.notice_s,
+        lease_ttl_s=settings.lease_ttl_s,
+        group_id=settings.group_id,
+        pool_zones=settings.pool_zones,
+        site_quotas=settings.site_quotas,
+        default_site_quota=settings.default_site_quota,
+        site_weights=settings.site_weights,
+        fair_share_window_s=settings.fair_share_window_s,
+    )

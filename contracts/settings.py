@@ -45,7 +45,7 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import (
@@ -160,7 +160,9 @@ class AnalyticsSettings(BaseModel):
 
     Attributes:
         group_id: Kafka consumer group of the telemetry consumers (one per deployment).
-        memory_limit: DuckDB ``memory_limit`` (e.g. ``"2GB"``); ``None``: DuckDB's default.
+        memory_limit: memory the whole analytics process may use (e.g. ``"2GB"``); DuckDB gets
+            ``analytics.store.DUCKDB_MEMORY_SHARE`` of it, the rest is left for Python; ``None``:
+            DuckDB's default.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -189,6 +191,12 @@ class BrokerSettings(BaseModel):
             its lease to be logged: keep it small).
         tune_gc: after the start, freeze the objects alive then and collect the young generation
             less often (shorter GC pauses on the claim path).
+        pool_zones: pool name → latency zone stamped on its offers (``[broker.pool_zones]``).
+        site_quotas: site → the most GPUs it may hold at once (``[broker.site_quotas]``).
+        default_site_quota: quota of sites not in ``site_quotas``; unset: unlimited.
+        site_weights: site → fair-share weight, > 0 (``[broker.site_weights]``; default 1).
+        fair_share_window_s: a site refused this recently still counts as waiting for its share,
+            seconds (policy: :mod:`broker.quota`).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -206,6 +214,11 @@ class BrokerSettings(BaseModel):
     fabric_dry_run: bool = False
     lease_log_linger_ms: float = Field(default=1.0, ge=0)
     tune_gc: bool = True
+    pool_zones: dict[str, str] = Field(default_factory=dict)
+    site_quotas: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+    default_site_quota: int | None = Field(default=None, ge=0)
+    site_weights: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
+    fair_share_window_s: float = Field(default=60.0, ge=0)
 
 
 class DeploymentSettings(BaseSettings):

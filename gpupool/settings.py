@@ -20,8 +20,8 @@ from typing import Any
 import tomli_w
 from pydantic import SecretStr, model_validator
 
-from analytics.classify import IdleConfig
-from broker.config import BrokerConfig
+from analytics.classify import IdleConfig, idle_config_from
+from broker.config import BrokerConfig, broker_config_from
 from contracts.settings import (
     CONFIG_ENV,
     BrokerSettings,
@@ -45,25 +45,15 @@ MASK = "**********"
 
 
 def idle_config(idle: IdleSettings) -> IdleConfig:
-    """The analytics stage's :class:`IdleConfig` of ``idle`` (other fields at their defaults).
+    """The analytics stage's :class:`IdleConfig` of ``idle`` (:func:`analytics.classify.idle_config_from`).
     Raises ``ValueError`` on thresholds IdleConfig refuses (``idle_threshold > busy_threshold``)."""
-    return IdleConfig(
-        idle_threshold=idle.idle_threshold,
-        busy_threshold=idle.busy_threshold,
-        min_idle_s=idle.min_idle_s,
-        stale_after_s=idle.stale_after_s,
-    )
+    return idle_config_from(idle)
 
 
 def broker_config(broker: BrokerSettings) -> BrokerConfig:
-    """The broker stage's :class:`BrokerConfig` of ``broker`` (times and consumer group; other
-    fields at their defaults). Raises ``pydantic.ValidationError`` on a value it refuses."""
-    return BrokerConfig(
-        offer_ttl_s=broker.offer_ttl_s,
-        notice_s=broker.notice_s,
-        lease_ttl_s=broker.lease_ttl_s,
-        group_id=broker.group_id,
-    )
+    """The broker stage's :class:`BrokerConfig` of ``broker`` (:func:`broker.config.broker_config_from`).
+    Raises ``pydantic.ValidationError`` on a value it refuses."""
+    return broker_config_from(broker)
 
 
 class GpupoolSettings(DeploymentSettings):

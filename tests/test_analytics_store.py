@@ -197,3 +197,62 @@ def test_non_finite_and_oversized_values_do_not_fail_the_batch() -> None:
     assert gi is None and fb is None and '"X":null' in fields
     with pytest.raises(ValueError):
         gpu_samples_table([s], [0, 1], [0])
+
+
+def test_columns_built_at_once_equal_the_value_by_value_rules() -> None:
+    """gpu_samples_table converts a column at a time; every value must be what the scalar rules
+    (_micros, _as_int, _as_float, _as_whole) give, including the values that force the slow way."""
+    from analytics.rows import _as_float, _as_int, _as_whole, _micros
+
+    odd: list[float | int] = [1.5, 2.5, -0.5, 0.49999999999999994, 1e30, 2**63 - 1, 2**63, -(2**63), 7]
+    odd += [2**53 + 1, 10**400, float("nan"), float("inf"), -0.0, 2**64 + 3]
+    items = [
+        GpuSample(
+            ts=1_700_000_000.0000005 + i * 1.5e-6,
+            host="n1",
+            gpu_uuid=f"GPU-{i}",
+            gpu_index=[0, 2**31 - 1, 2**31, -(2**31), -(2**31) - 1][i % 5],
+            gpu_instance_id=[None, 2**40, 3][i % 3],
+            seq=[0, 2**63 - 1, 2**63, -(2**63) - 1][i % 4],
+            fields={FB_USED: v, GR_ENGINE_ACTIVE: v, "DCGM_FI_DEV_FB_FREE": odd[-1 - i]},
+        )
+        for i, v in enumerate(odd)
+    ]
+    for chunk in (items, items[:1], [s for s in items if isinstance(s.fields[FB_USED], int)]):
+        got = gpu_samples_table(chunk, [0] * len(chunk), list(range(len(chunk))))
+        want = {
+            "ts": [_micros(s.ts) for s in chunk],
+            "gpu_index": [_as_int(s.gpu_index, 32) for s in chunk],
+            "gpu_instance_id": [_as_int(s.gpu_instance_id, 32) for s in chunk],
+            "seq": [_as_int(s.seq, 64) for s in chunk],
+            "gr_engine_active": [_as_float(s.fields[GR_ENGINE_ACTIVE]) for s in chunk],
+            "fb_used_mib": [_as_whole(s.fields[FB_USED]) for s in chunk],
+            "fb_free_mib": [_as_whole(s.fields["DCGM_FI_DEV_FB_FREE"]) for s in chunk],
+        }
+        for col, values in want.items():
+            column = got.column(col)
+            if col == "ts":
+                column = column.cast(pa.int64())
+            assert repr(column.to_pylist()) == repr(values), col
+    assert gpu_samples_table([], [], []).num_rows == 0
+    with pytest.raises(ValueError):
+        gpu_samples_table([items[0].model_copy(update={"ts": float("nan")})], [0], [0])
+    with pytest.raises(pa.ArrowInvalid):  # past the int64 microsecond range: the service drops it
+        gpu_samples_table([items[0].model_copy(update={"ts": 1e300})], [0], [0])
+
+
+def test_duckdb_gets_its_share_of_the_memory_limit() -> None:
+    from analytics.store import DUCKDB_MEMORY_SHARE, duckdb_memory_limit, parse_bytes
+
+    assert parse_bytes("2GB") == 2_000_000_000 and parse_bytes("1.5 GiB") == 1_610_612_736
+    assert parse_bytes("800mb") == 800_000_000 and parse_bytes("4096") == 4096
+    assert duckdb_memory_limit("2GB") == f"{int(2e9 * DUCKDB_MEMORY_SHARE)}B"
+    for bad in ("", "two GB", "2 parsecs", "-1GB"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+    store = AnalyticsStore(":memory:", memory_limit="1GiB")
+    _, [(limit,)] = store.sql("SELECT current_setting('memory_limit')")
+    number, unit = limit.split()
+    assert unit == "MiB" and abs(float(number) - DUCKDB_MEMORY_SHARE * 1024) < 0.2  # DuckDB truncates
+    with pytest.raises(ValueError):
+        AnalyticsStore(":memory:", memory_limit="lots")

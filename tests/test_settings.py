@@ -246,3 +246,25 @@ def test_every_option_of_a_stage_run_command_is_a_setting(stage: str) -> None:
         for part in path.split("."):
             assert isinstance(node, dict) and part in node, f"{stage} --{option}: no setting {path}"
             node = node[part]
+
+
+def test_broker_zones_quotas_and_weights_come_from_the_toml(tmp_path: Path) -> None:
+    """``[broker.*]`` tables reach the broker's :class:`BrokerConfig` unchanged; a negative quota or
+    a zero weight is refused with the group named."""
+    cfg = tmp_path / "gpupool.toml"
+    cfg.write_text(
+        'kafka = "k:9092"\n[broker]\ndefault_site_quota = 8\nfair_share_window_s = 30\n'
+        '[broker.pool_zones]\ntraining-a = "metro-east"\n'
+        '[broker.site_quotas]\nsite-a = 2\n[broker.site_weights]\nsite-b = 3.0\n'
+    )
+    bc = broker_config(load_settings(cfg).broker)
+    assert bc.pool_zones == {"training-a": "metro-east"}
+    assert bc.quota_of("site-a") == 2 and bc.quota_of("site-z") == 8
+    assert bc.weight_of("site-b") == 3.0 and bc.weight_of("site-a") == 1.0
+    assert bc.fair_share_window_s == 30
+    cfg.write_text('kafka = "k:9092"\n[broker.site_quotas]\nsite-a = -1\n')
+    with pytest.raises(ValidationError, match="site_quotas"):
+        load_settings(cfg)
+    cfg.write_text('kafka = "k:9092"\n[broker.site_weights]\nsite-a = 0\n')
+    with pytest.raises(ValidationError, match="site_weights"):
+        load_settings(cfg)
