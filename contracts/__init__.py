@@ -20,6 +20,7 @@ from contracts.mqtt import (
     Release,
     Renewal,
     Reply,
+    Requirements,
 )
 from contracts.telemetry import GpuSample, IbPortSample
 from contracts.topics import KafkaTopics, MqttTopics, gpu_key
@@ -41,6 +42,7 @@ __all__ = [
     "Offer",
     "OfferedGpu",
     "Claim",
+    "Requirements",
     "LeaseMessage",
     "Renewal",
     "Release",

@@ -48,8 +48,17 @@ def kafka_records(prefix: str = "") -> dict[str, tuple[type[Record], str]]:
     :mod:`contracts.topics`. ``prefix`` is :attr:`KafkaTopics.prefix`."""
     t = KafkaTopics(prefix=prefix)
     return {
-        t.telemetry_gpu: (GpuSample, "gpu_key(host, gpu_uuid[, gpu_instance_id]): host/uuid[/gi]"),
-        t.telemetry_ib_port: (IbPortSample, "ib_port_key(node_guid, port): node_guid/port"),
+        t.telemetry_gpu: (
+            GpuSample,
+            "telemetry_partition_key(host): the host, as on telemetry.ib_port (a host's GPUs and ports "
+            "share a partition number); the GPU's identity is "
+            "gpu_key(host, gpu_uuid[, gpu_instance_id]) of the payload",
+        ),
+        t.telemetry_ib_port: (
+            IbPortSample,
+            "telemetry_partition_key(host): the host, as on telemetry.gpu (a switch port: the switch's "
+            "description); the port's identity is ib_port_key(node_guid, port) of the payload",
+        ),
         t.fabric_topology: (FabricTopology, f"always {TOPOLOGY_KEY!r} (compacted: newest snapshot wins)"),
         t.capacity: (CapacityUpdate, "gpu_key(host, gpu_uuid[, gpu_instance_id])"),
         t.pool_demand: (PoolDemand, "demand_id"),
@@ -137,7 +146,7 @@ def _messages() -> dict[str, Any]:
             "payload": {"type": "string", "maxLength": 0},
             "bindings": {"mqtt": {"bindingVersion": _MQTT_BINDING}},
         },
-        "Claim": _message("Claim", "A site claims (part of) an offer.", binding=request),
+        "Claim": _message("Claim", "A site claims (part of) a named offer, or asks by requirements (model, count, memory, zone, minimum duration, preference) and the broker matches offers.", binding=request),
         "LeaseMessage": _message("LeaseMessage", "Current state of one lease (retained)."),
         "Renewal": _message("Renewal", "Heartbeat keeping a lease alive.", binding=request),
         "Release": _message("Release", "A site gives a lease back early.", binding=request),
