@@ -40,8 +40,16 @@ Measured:
    lease ended (released or revoked) by the deadline (target 100 %; revocations are made at the
    deadline, so up to ``REVOKE_SLACK_S`` after it counts as on time and the worst lateness is printed).
 
+Also printed for the in-process-bus broker: its garbage-collector pauses per generation and its
+event-loop stalls over the whole run (``_StallWatch``), which tell broker-side delays from the
+machine's. ``--no-gc-tune`` runs the broker without :func:`broker.service.tune_gc`;
+``--profile-broker FILE`` runs it under cProfile. ``--service-only SECONDS`` measures the
+broker's own cost per claim, release and tick without MQTT (:func:`service_cost`).
+
 Run: ``.venv/bin/python bench/broker.py [--sites 1000] [--rate 100] [--duration 20] [--kafka H:P]``
 (about a minute). ``_broker``, ``_echo`` and ``_sites`` are the child processes' own commands.
+The numbers swing with the machine's load (every process here shares its cores): compare runs
+made back to back, and look at the load average printed with them.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -73,7 +82,7 @@ from paho.mqtt.properties import Properties
 
 from broker.config import BrokerConfig
 from broker.edge import BrokerRejected, EdgeClient
-from broker.service import BrokerService
+from broker.service import BrokerService, tune_gc
 from broker.transport import birth_seq, make_client, subscriptions
 from contracts import (
     CapacityUpdate,
@@ -157,6 +166,25 @@ async def _stop_child(proc: asyncio.subprocess.Process | None, timeout_s: float 
         await proc.wait()
 
 
+async def _broker_stalls(proc: asyncio.subprocess.Process, timeout_s: float = 15.0) -> dict[str, Any]:
+    """Stop the broker child (close its stdin) and read its ``stalls {...}`` line; ``{}`` if it
+    printed none in time."""
+    if proc.returncode is not None or proc.stdin is None or proc.stdout is None:
+        return {}
+    with contextlib.suppress(ConnectionError):
+        proc.stdin.close()
+    try:
+        async with asyncio.timeout(timeout_s):
+            while line := await proc.stdout.readline():
+                text = line.decode().strip()
+                if text.startswith("stalls "):
+                    found: dict[str, Any] = json.loads(text[len("stalls ") :])
+                    return found
+    except TimeoutError:
+        pass
+    return {}
+
+
 async def _child(*args: str, env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         sys.executable,
@@ -178,8 +206,10 @@ async def _until_stdin_eof() -> None:
 
 
 # --- child: the broker on the in-process bus, fed through stdin ---------------------------------------
-async def _broker_child(creds_path: Path, notice_s: float, lease_ttl_s: float) -> None:
-    """BrokerService + MemoryBus; stdin lines ``{"capacity": [...]}`` / ``{"demand": {...}}``."""
+async def _broker_child(creds_path: Path, notice_s: float, lease_ttl_s: float, gc_tune: bool) -> None:
+    """BrokerService + MemoryBus; stdin lines ``{"capacity": [...]}`` / ``{"demand": {...}}``.
+    ``gc_tune``: :func:`broker.service.tune_gc` after the start, as ``gpupool broker run`` does.
+    Prints ``ready``, and at the end one ``stalls {...}`` JSON line (:class:`_StallWatch`)."""
     from contracts.bus import MemoryBus
 
     creds = json.loads(creds_path.read_text())
@@ -207,8 +237,12 @@ async def _broker_child(creds_path: Path, notice_s: float, lease_ttl_s: float) -
     stop = asyncio.Event()
     runner = asyncio.create_task(svc.run(stop))
     producer = bus.producer()
+    watch = _StallWatch()
     try:
         await svc.wait_connected(30)
+        if gc_tune:
+            tune_gc()
+        watch.start()
         print("ready", flush=True)
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader(limit=64 * 1024 * 1024)
@@ -223,9 +257,59 @@ async def _broker_child(creds_path: Path, notice_s: float, lease_ttl_s: float) -
                 d = cmd["demand"]
                 await producer.send(topics.pool_demand, json.dumps(d).encode(), key=d["demand_id"])
     finally:
+        watch.stop()
+        print(f"stalls {json.dumps(watch.summary())}", flush=True)
         stop.set()
         await runner
         await svc.stop()
+
+
+class _StallWatch:
+    """Where the broker process loses time: garbage-collector pauses (``gc.callbacks``) and event
+    loop stalls (a 5 ms heartbeat that wakes up late), both in milliseconds."""
+
+    def __init__(self) -> None:
+        self.gc_ms: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        self.lag_ms: list[float] = []
+        self._gc_t0 = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self.gc_ms[info["generation"]].append((time.perf_counter() - self._gc_t0) * 1000)
+
+    async def _beat(self) -> None:
+        period = 0.005
+        while True:
+            t0 = time.perf_counter()
+            await asyncio.sleep(period)
+            self.lag_ms.append((time.perf_counter() - t0 - period) * 1000)
+
+    def start(self) -> None:
+        gc.callbacks.append(self._on_gc)
+        self._task = asyncio.create_task(self._beat())
+
+    def stop(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+        if self._task is not None:
+            self._task.cancel()
+
+    def summary(self) -> dict[str, Any]:
+        """Per GC generation: count, total and max pause; loop lag p99, max and time lost to
+        stalls over 10 ms."""
+        out: dict[str, Any] = {
+            f"gc{g}": {"n": len(v), "total_ms": round(sum(v), 1), "max_ms": round(max(v, default=0), 2)}
+            for g, v in self.gc_ms.items()
+        }
+        out["loop_lag"] = {
+            "p99_ms": round(_pct(self.lag_ms, 0.99), 2),
+            "max_ms": round(max(self.lag_ms, default=0), 2),
+            "over_10ms": sum(1 for v in self.lag_ms if v > 10),
+        }
+        return out
 
 
 # --- child: the yardstick responder ------------------------------------------------------------------
@@ -375,6 +459,8 @@ class _Results:
     ended: dict[str, int] = field(default_factory=dict)
     not_ended: int = 0
     cpu_share: dict[str, float] = field(default_factory=dict)
+    broker_stalls: dict[str, Any] = field(default_factory=dict)
+    """GC pauses and event-loop stalls of the in-process-bus broker child (``_StallWatch``)."""
     """Per process: CPU seconds per wall second during the measured window."""
 
 
@@ -621,6 +707,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "--topic-prefix", topics.prefix, "--group-id", f"bench-{run_id}",
                     "--client-id", f"bench-broker-{run_id}", "--metrics-port", "0",
                     "--notice", str(args.notice), "--lease-ttl", "600", "--offer-ttl", "600",
+                    "--tune-gc" if args.gc_tune else "--no-tune-gc",
+                    *(["--lease-log-linger-ms", str(args.lease_log_linger_ms)]
+                      if args.lease_log_linger_ms is not None else []),
                     env={**os.environ, "GPUPOOL_MQTT_PASSWORD": creds["users"]["gpupool-broker"]},
                     stdin=asyncio.subprocess.DEVNULL,
                     cwd=REPO,
@@ -628,8 +717,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 feed = _Feed(None, kafka_producer, topics)
             else:
                 broker_proc = await _child(
-                    "_broker", "--creds", str(creds_path), "--notice", str(args.notice), "--lease-ttl", "600"
-                )
+                    "_broker", "--creds", str(creds_path), "--notice", str(args.notice), "--lease-ttl", "600",
+                    *([] if args.gc_tune else ["--no-gc-tune"]),
+                    *(["--profile", str(args.profile_broker)] if args.profile_broker else []),
+                )  # fmt: skip
                 await _read_ready(broker_proc, "broker", 60)
                 feed = _Feed(broker_proc)
             procs.append(broker_proc)
@@ -753,6 +844,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         res.back_late_s.append(final.ts - final.reclaim_deadline)
                 reclaims = len(targets)
         finally:
+            if broker_proc is not None and not args.kafka:
+                res.broker_stalls = await _broker_stalls(broker_proc)
             for p in reversed(procs):
                 await _stop_child(p)
             if kafka_producer is not None:
@@ -794,6 +887,14 @@ def _report(args: argparse.Namespace, res: _Results, reclaims: int) -> dict[str,
         f"  CPU (cores busy) while measuring: {cpu}; "
         f"machine load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     )
+    if res.broker_stalls:
+        st = res.broker_stalls
+        gcs = ", ".join(f"{g} {v['n']}× max {v['max_ms']} ms" for g, v in st.items() if g.startswith("gc"))
+        lag = st["loop_lag"]
+        print(
+            f"  broker process (whole run, gc tuned: {args.gc_tune}): GC {gcs}; event-loop lag p99 "
+            f"{lag['p99_ms']} ms, max {lag['max_ms']} ms, {lag['over_10ms']} stalls > 10 ms"
+        )
     print(
         f"  reclaim: demand → notice at the site  p50 {_ms(_pct(res.notice_s, 0.5))}  p99 {_ms(n99)}  "
         f"({len(res.notice_s)}/{reclaims} notices)  target <= 100 ms: {'met' if n99 <= 0.1 else 'NOT met'}"
@@ -818,7 +919,72 @@ def _report(args: argparse.Namespace, res: _Results, reclaims: int) -> dict[str,
         "back_within_notice_pct": back_pct,
         "latest_end_vs_deadline_ms": worst * 1000,
         "ended": res.ended,
+        "broker_stalls": res.broker_stalls,
     }
+
+
+async def service_cost(seconds: float, gc_tune: bool, nodes: int, gpus_per_node: int, seed: int) -> dict[str, Any]:
+    """The broker's own cost, without MQTT or a network: a :class:`BrokerService` on the
+    in-process bus with its MQTT client never connected (publishes are encoded, not sent) and a
+    simulated clock; 100 claims per simulated second (one GPU of a random offer, from 4 sites),
+    each lease released 1-4 s later, the book ticked every ``tick_s`` (simulated; the GC upkeep
+    of :func:`broker.service.tune_gc` runs on its real-time schedule). Returns per-operation wall
+    times in milliseconds (p50 / p99 / max), the leases remembered at the end, and the collector's
+    pauses per generation (count, total and max, ms)."""
+    from contracts import Claim, Release
+    from contracts.bus import MemoryBus
+
+    now = [time.time()]
+    bus = MemoryBus()
+    config = BrokerConfig(offer_ttl_s=600, lease_ttl_s=600, notice_s=2, capacity_max_age_s=1e9)
+    svc = BrokerService(bus=bus, topics=KafkaTopics(), mqtt_host="127.0.0.1", mqtt_port=1, config=config,
+                        clock=lambda: now[0])  # fmt: skip
+    svc._producer = bus.producer()  # the lease log, as start() would make it (no MQTT)
+    async with svc._lock:
+        for u in _capacity(nodes, gpus_per_node, "cost"):
+            await svc._apply(svc.book.apply_capacity(u, now[0]), now[0])
+    if gc_tune:
+        tune_gc()
+    watch = _StallWatch()
+    gc.callbacks.append(watch._on_gc)
+    rng = random.Random(seed)
+    took: dict[str, list[float]] = {"claim": [], "release": [], "tick": []}
+    releases: list[tuple[float, str, str]] = []
+    next_tick = now[0] + config.tick_s
+    for i in range(int(seconds * 100)):
+        now[0] += 0.01
+        if now[0] >= next_tick:
+            t0 = time.perf_counter()
+            await svc._tick_once()
+            took["tick"].append(time.perf_counter() - t0)
+            next_tick += config.tick_s
+        while releases and releases[0][0] <= now[0]:
+            _, site, lease_id = releases.pop(0)
+            t0 = time.perf_counter()
+            await svc._on_lease_request(
+                site, encode(Release(lease_id=lease_id, site=site, ts=now[0])), (None, b"r"), Release
+            )
+            took["release"].append(time.perf_counter() - t0)
+        site, claim_id = f"site-{i % 4:04d}", f"cost-{i}"
+        offer = rng.choice(list(svc.book.offers.values()))
+        claim = Claim(claim_id=claim_id, site=site, offer_id=offer.offer_id, count=1, duration_seconds=3600,
+                      ts=now[0])  # fmt: skip
+        t0 = time.perf_counter()
+        await svc._on_claim(site, encode(claim), (None, claim_id.encode()), ())
+        took["claim"].append(time.perf_counter() - t0)
+        answer = svc.book.begin_claim(site, claim, now[0])[0]  # a repeat: the first answer again
+        lease_id = getattr(answer, "lease_id", None)
+        if lease_id:
+            releases.append((now[0] + rng.uniform(1.0, 4.0), site, lease_id))
+            releases.sort()
+    out: dict[str, Any] = {
+        f"{k}_{q}_ms": round(_pct(v, p) * 1000, 3) for k, v in took.items() for q, p in (("p50", 0.5), ("p99", 0.99))
+    }
+    out |= {f"{k}_max_ms": round(max(v, default=float("nan")) * 1000, 2) for k, v in took.items()}
+    out["leases_remembered"] = len(svc.book.leases)
+    gc.callbacks.remove(watch._on_gc)
+    out |= {k: v for k, v in watch.summary().items() if k.startswith("gc")}
+    return out
 
 
 def main() -> None:
@@ -829,6 +995,8 @@ def main() -> None:
     b.add_argument("--creds", type=Path, required=True)
     b.add_argument("--notice", type=float, required=True)
     b.add_argument("--lease-ttl", type=float, required=True)
+    b.add_argument("--no-gc-tune", action="store_true")
+    b.add_argument("--profile", type=Path, default=None)
     e = sub.add_parser("_echo")
     e.add_argument("--creds", type=Path, required=True)
     s = sub.add_parser("_sites")
@@ -851,13 +1019,55 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--kafka", default="", help="run `gpupool broker run` on this Kafka (host:port)")
     ap.add_argument("--json", action="store_true", help="also print the numbers as one JSON line")
+    ap.add_argument(
+        "--gc-tune",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the broker calls broker.service.tune_gc() after its start (default; as `gpupool broker run`)",
+    )
+    ap.add_argument(
+        "--service-only",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="instead: the broker's own cost per claim, release and tick over SECONDS of simulated "
+        "time at 100 claims/s, without MQTT (see service_cost); honours --gc-tune, --nodes",
+    )
+    ap.add_argument(
+        "--profile-broker",
+        type=Path,
+        default=None,
+        help="run the in-process-bus broker under cProfile and write its stats to this file "
+        "(latencies are then inflated; for finding where the broker spends its time)",
+    )
+    ap.add_argument(
+        "--lease-log-linger-ms",
+        type=float,
+        default=None,
+        help="with --kafka: the broker's lease-log producer linger, ms (default: the broker's)",
+    )
     args = ap.parse_args()
     if args.cmd == "_broker":
-        asyncio.run(_broker_child(args.creds, args.notice, args.lease_ttl))
+        if args.profile is not None:
+            import cProfile
+
+            with cProfile.Profile() as prof:
+                asyncio.run(_broker_child(args.creds, args.notice, args.lease_ttl, not args.no_gc_tune))
+            prof.dump_stats(args.profile)
+        else:
+            asyncio.run(_broker_child(args.creds, args.notice, args.lease_ttl, not args.no_gc_tune))
     elif args.cmd == "_echo":
         asyncio.run(_echo_child(args.creds))
     elif args.cmd == "_sites":
         asyncio.run(_sites_child(args.creds, args.first, args.count))
+    elif args.service_only > 0:
+        cost = asyncio.run(
+            service_cost(args.service_only, args.gc_tune, args.nodes, args.gpus_per_node, args.seed)
+        )
+        print(
+            f"broker service cost ({args.service_only:g} s simulated, 100 claims/s, gc tuned: {args.gc_tune}): "
+            + json.dumps(cost)
+        )
     else:
         if args.active < 1 or args.active > args.sites or args.leases_per_demand < 1:
             ap.error("--active must be between 1 and --sites; --leases-per-demand at least 1")

@@ -19,7 +19,14 @@ Formats: the ACL file and config follow mosquitto.conf(5); the password file is 
 ``mosquitto_passwd -U`` (Mosquitto 2: ``user:$7$`` PBKDF2-SHA512 lines), so the hash format is
 always the one the installed broker reads.
 
-``python -m broker.acl --dir DIR --port PORT [--root R] [--sites a,b] [--broker-user U]`` writes
+TLS: with a :class:`TlsListener` (``--tls-port`` with ``--cafile``, ``--certfile``,
+``--keyfile``) the config has a second listener speaking MQTT over TLS (TLS 1.2 or later) with
+the server certificate and key given, and — with ``--require-certificate`` — asks every client
+for a certificate signed by that CA (mutual TLS; the password login is still required). The same
+users, passwords and ACL apply on both listeners (``per_listener_settings false``).
+
+``python -m broker.acl --dir DIR --port PORT [--root R] [--sites a,b] [--broker-user U]
+[--tls-port P --cafile CA --certfile CERT --keyfile KEY [--require-certificate]]`` writes
 ``passwd``, ``acl``, ``mosquitto.conf`` and ``credentials.json`` into DIR (used by
 deploy/local/mosquitto.sh).
 """
@@ -36,6 +43,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -112,8 +120,53 @@ def render_acl(root: str, sites: list[str], broker_user: str) -> str:
     return "\n".join(lines)
 
 
-def _render_conf(directory: Path, port: int) -> str:
-    """mosquitto.conf for one loopback listener with the files of :func:`write_mosquitto_files`."""
+@dataclass(frozen=True)
+class TlsListener:
+    """A Mosquitto listener speaking MQTT over TLS (mosquitto.conf(5), "Certificate based SSL/TLS
+    Support").
+
+    Attributes:
+        port: its loopback port (not the plain listener's).
+        cafile: PEM CA certificate(s): sent to clients to verify the server, and used to verify
+            client certificates when they are required.
+        certfile: PEM server certificate (its names must match the host clients connect to).
+        keyfile: PEM private key of ``certfile``.
+        require_certificate: clients must present a certificate signed by ``cafile`` (mutual
+            TLS) on top of their password.
+    """
+
+    port: int
+    cafile: Path
+    certfile: Path
+    keyfile: Path
+    require_certificate: bool = False
+
+    def check(self, plain_port: int) -> None:
+        """Raises ``ValueError`` if the port is out of range or the plain listener's, or a file
+        does not exist."""
+        if not 0 < self.port < 65536:
+            raise ValueError(f"TLS port out of range: {self.port}")
+        if self.port == plain_port:
+            raise ValueError(f"TLS port {self.port} is also the plain listener's")
+        for what, path in (("cafile", self.cafile), ("certfile", self.certfile), ("keyfile", self.keyfile)):
+            if not path.is_file():
+                raise ValueError(f"TLS {what} {path} does not exist")
+
+    def render(self) -> list[str]:
+        """The listener's lines of mosquitto.conf."""
+        return [
+            f"listener {self.port} 127.0.0.1",
+            f"cafile {self.cafile.resolve()}",
+            f"certfile {self.certfile.resolve()}",
+            f"keyfile {self.keyfile.resolve()}",
+            "tls_version tlsv1.2",
+            f"require_certificate {'true' if self.require_certificate else 'false'}",
+        ]
+
+
+def _render_conf(directory: Path, port: int, tls: TlsListener | None = None) -> str:
+    """mosquitto.conf for one loopback listener (plus the TLS listener of ``tls``) with the files
+    of :func:`write_mosquitto_files`."""
     d = directory.resolve()
     return "\n".join(
         [
@@ -139,6 +192,8 @@ def _render_conf(directory: Path, port: int) -> str:
             # Run as whoever starts it: Mosquitto would otherwise drop root to user "mosquitto",
             # which cannot read these 0600 files.
             f"user {getpass.getuser()}",
+            # listener-specific lines follow their listener: the TLS listener comes last
+            *(["# MQTT over TLS (same users and ACL)", *tls.render()] if tls is not None else []),
             "",
         ]
     )
@@ -189,10 +244,11 @@ def _write_passwd(path: Path, users: dict[str, str]) -> None:
 
 
 def write_mosquitto_files(
-    directory: Path, root: str, sites: list[str], broker_user: str, port: int
+    directory: Path, root: str, sites: list[str], broker_user: str, port: int, tls: TlsListener | None = None
 ) -> dict[str, Any]:
     """Write ``passwd``, ``acl``, ``mosquitto.conf`` and ``credentials.json`` into ``directory``
-    (created, mode 0700) for a broker on ``127.0.0.1:port``; ``data/`` is its persistence dir.
+    (created, mode 0700) for a broker on ``127.0.0.1:port`` (and, with ``tls``, MQTT over TLS on
+    ``127.0.0.1:tls.port``); ``data/`` is its persistence dir.
 
     Passwords of users already in an earlier ``credentials.json`` there are kept (clients keep
     working across restarts); new users get 24 random URL-safe characters.
@@ -202,11 +258,16 @@ def write_mosquitto_files(
         {"host": "127.0.0.1", "port": 1883, "root": "gpupool/v1",
          "users": {"edge-a": "...", "edge-b": "...", "gpupool-broker": "..."}}
 
-    Raises ``ValueError`` for a bad root, name or port; ``FileNotFoundError`` / ``RuntimeError``
-    from ``mosquitto_passwd`` (see :func:`_write_passwd`).
+    plus, with ``tls``, ``"tls": {"port": 8883, "cafile": "/abs/ca.pem", "require_certificate": false}``.
+
+    Raises ``ValueError`` for a bad root, name or port, or a TLS listener whose port clashes or
+    whose files do not exist; ``FileNotFoundError`` / ``RuntimeError`` from ``mosquitto_passwd``
+    (see :func:`_write_passwd`).
     """
     if not 0 < port < 65536:
         raise ValueError(f"port out of range: {port}")
+    if tls is not None:
+        tls.check(port)
     acl = render_acl(root, sites, broker_user)
     directory.mkdir(parents=True, exist_ok=True)
     os.chmod(directory, 0o700)
@@ -216,10 +277,38 @@ def write_mosquitto_files(
     users = {u: old.get(u) or secrets.token_urlsafe(18) for u in [*sites, broker_user]}
     _write_passwd(directory / "passwd", users)
     _write_private(directory / "acl", acl)
-    _write_private(directory / "mosquitto.conf", _render_conf(directory, port))
-    creds = {"host": "127.0.0.1", "port": port, "users": users, "root": root}
+    _write_private(directory / "mosquitto.conf", _render_conf(directory, port, tls))
+    creds: dict[str, Any] = {"host": "127.0.0.1", "port": port, "users": users, "root": root}
+    if tls is not None:
+        creds["tls"] = {
+            "port": tls.port,
+            "cafile": str(tls.cafile.resolve()),
+            "require_certificate": tls.require_certificate,
+        }
     _write_private(creds_path, json.dumps(creds, indent=2) + "\n")
     return creds
+
+
+def tls_listener(
+    port: int | None,
+    cafile: Path | None,
+    certfile: Path | None,
+    keyfile: Path | None,
+    require_certificate: bool = False,
+) -> TlsListener | None:
+    """The :class:`TlsListener` of the command-line options: ``None`` when none of them is given.
+    Raises ``ValueError`` when some but not all of port, CA, certificate and key are given, or
+    ``require_certificate`` without them."""
+    given = {"--tls-port": port, "--cafile": cafile, "--certfile": certfile, "--keyfile": keyfile}
+    if all(v is None for v in given.values()):
+        if require_certificate:
+            raise ValueError("--require-certificate needs a TLS listener (--tls-port, --cafile, ...)")
+        return None
+    missing = [k for k, v in given.items() if v is None]
+    if missing:
+        raise ValueError(f"a TLS listener needs {', '.join(missing)} too")
+    assert port is not None and cafile is not None and certfile is not None and keyfile is not None
+    return TlsListener(port, cafile, certfile, keyfile, require_certificate)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,10 +329,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--broker-user", default=BROKER_USER, help="user of the gpupool broker (default %(default)s)"
     )
+    p.add_argument("--tls-port", type=int, default=None, help="also listen with TLS on this loopback port")
+    p.add_argument("--cafile", type=Path, help="TLS: PEM CA certificate (with --tls-port)")
+    p.add_argument("--certfile", type=Path, help="TLS: PEM server certificate (with --tls-port)")
+    p.add_argument("--keyfile", type=Path, help="TLS: PEM server key (with --tls-port)")
+    p.add_argument(
+        "--require-certificate", action="store_true", help="TLS: clients must present a certificate of the CA"
+    )
     args = p.parse_args(argv)
     sites = [s.strip() for s in args.sites.split(",") if s.strip()]
     try:
-        write_mosquitto_files(args.dir, args.root, sites, args.broker_user, args.port)
+        tls = tls_listener(args.tls_port, args.cafile, args.certfile, args.keyfile, args.require_certificate)
+        write_mosquitto_files(args.dir, args.root, sites, args.broker_user, args.port, tls)
     except ValueError as e:
         print(f"broker.acl: {e}", file=sys.stderr)
         return 2

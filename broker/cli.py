@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import signal
 import sys
@@ -26,8 +27,11 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from broker.edge import BrokerRejected, EdgeClient, OfferWithdrawn
+from broker.transport import TlsOptions
 from contracts import KafkaTopics, LeaseMessage, Offer, PoolDemand, Record, Reply, encode
 from contracts.bus import Bus
+from contracts.mqtt import Requirements
+from contracts.settings import DeploymentSettings, SettingsError, load_settings
 
 if TYPE_CHECKING:
     from broker.fabric_opensm import OpenSmFabric
@@ -51,6 +55,28 @@ _Kafka = Annotated[
     str, typer.Option(envvar="GPUPOOL_KAFKA", help="Kafka bootstrap host:port (env GPUPOOL_KAFKA).")
 ]
 _Prefix = Annotated[str, typer.Option(help="Kafka topic prefix.")]
+_CaFile = Annotated[
+    Path | None,
+    typer.Option(
+        envvar="GPUPOOL_MQTT_CAFILE",
+        help="Connect over TLS, trusting this CA (PEM) for the server's certificate; --mqtt is then "
+        "the TLS listener (env GPUPOOL_MQTT_CAFILE).",
+    ),
+]
+_CertFile = Annotated[
+    Path | None,
+    typer.Option(
+        envvar="GPUPOOL_MQTT_CERTFILE",
+        help="TLS client certificate (PEM), for a listener that requires one (env GPUPOOL_MQTT_CERTFILE).",
+    ),
+]
+_KeyFile = Annotated[
+    Path | None,
+    typer.Option(
+        envvar="GPUPOOL_MQTT_KEYFILE",
+        help="Private key (PEM) of --mqtt-certfile, if not in it (env GPUPOOL_MQTT_KEYFILE).",
+    ),
+]
 
 
 def _host_port(value: str) -> tuple[str, int]:
@@ -61,6 +87,18 @@ def _host_port(value: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def tls_options(cafile: Path | None, certfile: Path | None, keyfile: Path | None) -> TlsOptions | None:
+    """The MQTT TLS options of ``--mqtt-cafile/--mqtt-certfile/--mqtt-keyfile``: ``None`` (plain
+    TCP) when none is given; with only a client certificate, the system's CAs verify the server.
+    Raises ``typer.BadParameter`` when a file cannot be read or used."""
+    if cafile is None and certfile is None and keyfile is None:
+        return None
+    try:
+        return TlsOptions(cafile=cafile, certfile=certfile, keyfile=keyfile)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--mqtt-cafile/--mqtt-certfile/--mqtt-keyfile") from None
+
+
 def _print(obj: Record | dict[str, object] | list[object]) -> None:
     if isinstance(obj, Record):
         typer.echo(obj.model_dump_json())
@@ -69,59 +107,182 @@ def _print(obj: Record | dict[str, object] | list[object]) -> None:
 
 
 # broker ----------------------------------------------------------------------------------------------
+RUN_SETTINGS: dict[str, str] = {
+    "kafka": "kafka",
+    "mqtt": "mqtt",
+    "username": "mqtt_username",
+    "password": "mqtt_password",
+    "protocol": "mqtt_protocol",
+    "root": "mqtt_root",
+    "topic_prefix": "topic_prefix",
+    "group_id": "broker.group_id",
+    "client_id": "broker.client_id",
+    "metrics_port": "metrics.broker",
+    "metrics_addr": "metrics.addr",
+    "offer_ttl": "broker.offer_ttl_s",
+    "notice": "broker.notice_s",
+    "lease_ttl": "broker.lease_ttl_s",
+    "fabric_state": "broker.fabric_state",
+    "fabric_gateway": "broker.fabric_gateway",
+    "fabric_hosts": "broker.fabric_hosts",
+    "fabric_sl": "broker.fabric_sl",
+    "fabric_timeout": "broker.fabric_timeout_s",
+    "fabric_dry_run": "broker.fabric_dry_run",
+    "mqtt_cafile": "mqtt_cafile",
+    "mqtt_certfile": "mqtt_certfile",
+    "mqtt_keyfile": "mqtt_keyfile",
+    "lease_log_linger_ms": "broker.lease_log_linger_ms",
+    "tune_gc": "broker.tune_gc",
+}
+"""Parameter of ``broker run`` → the :class:`contracts.settings.DeploymentSettings` field it sets."""
+
+
+def run_settings(config: Path | None = None, **flags: Any) -> DeploymentSettings:
+    """The settings ``gpupool broker run`` runs with: ``flags`` (its parameters by name; ``None``
+    = not given) over ``GPUPOOL_*`` over the TOML file ``config`` (else ``$GPUPOOL_CONFIG``) over
+    the defaults. Raises :class:`contracts.settings.SettingsError` on a missing or unparsable file
+    or an invalid value, ``KeyError`` on a parameter ``run`` does not have."""
+    return load_settings(config, {RUN_SETTINGS[name]: value for name, value in flags.items()})
+
+
+def _setting(name: str) -> str:
+    return f" (setting {RUN_SETTINGS[name]})"
+
+
 @broker_app.command("run")
 def run(
-    kafka: _Kafka,
-    mqtt: _Mqtt = "127.0.0.1:1883",
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            help="TOML settings file of the deployment (default: $GPUPOOL_CONFIG); every option not "
+            "given takes its value from GPUPOOL_* variables, then this file, then the defaults.",
+        ),
+    ] = None,
+    kafka: Annotated[
+        str | None, typer.Option(help="Kafka bootstrap host:port[,...]; required." + _setting("kafka"))
+    ] = None,
+    mqtt: Annotated[
+        str | None,
+        typer.Option("--mqtt", help="MQTT server host:port (default 127.0.0.1:1883)." + _setting("mqtt")),
+    ] = None,
     username: Annotated[
-        str | None, typer.Option(envvar="GPUPOOL_MQTT_USERNAME", help="MQTT user.")
-    ] = "gpupool-broker",
-    password: _Password = None,
-    protocol: _Protocol = 5,
-    root: _Root = "gpupool/v1",
-    topic_prefix: _Prefix = "",
+        str | None, typer.Option(help="MQTT user (default gpupool-broker)." + _setting("username"))
+    ] = None,
+    password: Annotated[
+        str | None,
+        typer.Option(
+            help="MQTT password; better GPUPOOL_MQTT_PASSWORD, which keeps it off the command line."
+            + _setting("password")
+        ),
+    ] = None,
+    protocol: Annotated[
+        int | None,
+        typer.Option(help="MQTT protocol: 5, or 4 for MQTT 3.1.1 (default 5)." + _setting("protocol")),
+    ] = None,
+    root: Annotated[
+        str | None, typer.Option(help="MQTT topic root (default gpupool/v1)." + _setting("root"))
+    ] = None,
+    topic_prefix: Annotated[
+        str | None, typer.Option(help="Kafka topic prefix (default none)." + _setting("topic_prefix"))
+    ] = None,
     group_id: Annotated[
-        str, typer.Option(help="Kafka consumer group of capacity and demand (one per deployment).")
-    ] = "gpupool-broker",
+        str | None,
+        typer.Option(
+            help="Kafka consumer group of capacity and demand, one per deployment (default "
+            "gpupool-broker)." + _setting("group_id")
+        ),
+    ] = None,
     client_id: Annotated[
-        str, typer.Option(help="MQTT client id; the broker's persistent session is kept under it.")
-    ] = "gpupool-broker",
+        str | None,
+        typer.Option(
+            help="MQTT client id; the broker's persistent session is kept under it (default "
+            "gpupool-broker)." + _setting("client_id")
+        ),
+    ] = None,
     metrics_port: Annotated[
-        int, typer.Option(help="Serve Prometheus /metrics on this port (0: off).")
-    ] = 9403,
-    metrics_addr: Annotated[str, typer.Option(help="Address of the /metrics listener.")] = "127.0.0.1",
-    offer_ttl: Annotated[float, typer.Option(help="Offer lifetime, seconds.")] = 60.0,
-    notice: Annotated[float, typer.Option(help="Reclaim notice of each lease, seconds.")] = 30.0,
-    lease_ttl: Annotated[float, typer.Option(help="Lease TTL between renewals, seconds.")] = 60.0,
+        int | None,
+        typer.Option(
+            help="Serve Prometheus /metrics on this port (0: off; default 9412)." + _setting("metrics_port")
+        ),
+    ] = None,
+    metrics_addr: Annotated[
+        str | None,
+        typer.Option(help="Address of the /metrics listener (default 127.0.0.1)." + _setting("metrics_addr")),
+    ] = None,
+    offer_ttl: Annotated[
+        float | None, typer.Option(help="Offer lifetime, seconds (default 60)." + _setting("offer_ttl"))
+    ] = None,
+    notice: Annotated[
+        float | None,
+        typer.Option(help="Reclaim notice of each lease, seconds (default 30)." + _setting("notice")),
+    ] = None,
+    lease_ttl: Annotated[
+        float | None,
+        typer.Option(help="Lease TTL between renewals, seconds (default 60)." + _setting("lease_ttl")),
+    ] = None,
     fabric_state: Annotated[
         Path | None,
         typer.Option(
-            envvar="GPUPOOL_FABRIC_STATE",
             help="fabric.json of an OpenSM fabric (deploy/local/fabric.sh): isolate every lease in a "
-            "partition verified on the fabric. Without it, fabric isolation is disabled.",
+            "partition verified on the fabric. Without it, fabric isolation is disabled."
+            + _setting("fabric_state"),
         ),
     ] = None,
     fabric_gateway: Annotated[
-        str, typer.Option(help="Node id or port GUID of the edge gateway's HCA (full member).")
-    ] = "edge-gw",
+        str | None,
+        typer.Option(
+            help="Node id or port GUID of the edge gateway's HCA, a full member (default edge-gw)."
+            + _setting("fabric_gateway")
+        ),
+    ] = None,
     fabric_hosts: Annotated[
         Path | None,
         typer.Option(
             help='JSON file {"<gpu host>": ["<HCA node id or port GUID>", ...]}; default: hosts '
-            "ending in N map to the Nth compute HCA."
+            "ending in N map to the Nth compute HCA." + _setting("fabric_hosts")
         ),
     ] = None,
-    fabric_sl: Annotated[int, typer.Option(help="Service level of inference traffic (0..15).")] = 1,
+    fabric_sl: Annotated[
+        int | None,
+        typer.Option(help="Service level of inference traffic, 0..15 (default 1)." + _setting("fabric_sl")),
+    ] = None,
     fabric_timeout: Annotated[
-        float, typer.Option(help="Seconds to wait for the fabric to show a partition change.")
-    ] = 20.0,
-    fabric_dry_run: Annotated[
-        bool,
+        float | None,
         typer.Option(
-            help="Print the partitions.conf/qos-policy.conf diff of each lease on stderr and change "
-            "nothing (leases are then refused: isolation_failed)."
+            help="Seconds to wait for the fabric to show a partition change (default 20)."
+            + _setting("fabric_timeout")
         ),
-    ] = False,
+    ] = None,
+    fabric_dry_run: Annotated[
+        bool | None,
+        typer.Option(
+            "--fabric-dry-run/--no-fabric-dry-run",
+            help="Print the partitions.conf/qos-policy.conf diff of each lease on stderr and change "
+            "nothing (leases are then refused: isolation_failed)." + _setting("fabric_dry_run"),
+        ),
+    ] = None,
+    mqtt_cafile: _CaFile = None,
+    mqtt_certfile: _CertFile = None,
+    mqtt_keyfile: _KeyFile = None,
+    lease_log_linger_ms: Annotated[
+        float | None,
+        typer.Option(
+            min=0,
+            help="Batching delay of the lease-log producer, ms: every claim waits for its lease to "
+            "be logged, so keep it small (Kafka's throughput default is 20; default 0)."
+            + _setting("lease_log_linger_ms"),
+        ),
+    ] = None,
+    tune_gc: Annotated[
+        bool | None,
+        typer.Option(
+            "--tune-gc/--no-tune-gc",
+            help="After the start, freeze the objects alive then, and every second the young "
+            "survivors (broker.service.tune_gc): no full GC pause walks the lease book (default on)."
+            + _setting("tune_gc"),
+        ),
+    ] = None,
 ) -> None:
     """Run the broker stage until SIGINT/SIGTERM.
 
@@ -129,43 +290,109 @@ def run(
     (each transition logged to the leases.log topic), reclaims on demand. With --fabric-state, each
     lease gets an OpenSM partition verified on the fabric before it is granted; without it, fabric
     isolation is disabled and leases carry "partition": null.
+
+    Every option can also come from the deployment's settings (contracts/settings.py): a flag
+    wins over its GPUPOOL_* variable (GPUPOOL_KAFKA, GPUPOOL_MQTT, GPUPOOL_MQTT_PASSWORD,
+    GPUPOOL_BROKER__NOTICE_S...), which wins over the --config TOML file (kafka, mqtt*, the broker
+    and metrics tables), which wins over the defaults. Exit status 2 on invalid settings or no Kafka
+    configured, 1 when the /metrics port cannot be bound.
     """
     from prometheus_client import start_http_server
+    from pydantic import ValidationError
 
-    from broker.config import BrokerConfig
+    from broker.config import broker_config_from
     from broker.service import BrokerService
     from contracts.bus import make_bus
 
-    host, port = _host_port(mqtt)
-    config = BrokerConfig(offer_ttl_s=offer_ttl, notice_s=notice, lease_ttl_s=lease_ttl, group_id=group_id)
-    fabric = None
-    if fabric_state is not None:
-        fabric = opensm_fabric(
-            fabric_state, fabric_gateway, fabric_hosts, fabric_sl, fabric_timeout, fabric_dry_run
+    try:
+        settings = run_settings(
+            config,
+            kafka=kafka,
+            mqtt=mqtt,
+            username=username,
+            password=password,
+            protocol=protocol,
+            root=root,
+            topic_prefix=topic_prefix,
+            group_id=group_id,
+            client_id=client_id,
+            metrics_port=metrics_port,
+            metrics_addr=metrics_addr,
+            offer_ttl=offer_ttl,
+            notice=notice,
+            lease_ttl=lease_ttl,
+            fabric_state=fabric_state,
+            fabric_gateway=fabric_gateway,
+            fabric_hosts=fabric_hosts,
+            fabric_sl=fabric_sl,
+            fabric_timeout=fabric_timeout,
+            fabric_dry_run=fabric_dry_run,
+            mqtt_cafile=mqtt_cafile,
+            mqtt_certfile=mqtt_certfile,
+            mqtt_keyfile=mqtt_keyfile,
+            lease_log_linger_ms=lease_log_linger_ms,
+            tune_gc=tune_gc,
         )
-    if metrics_port:
-        start_http_server(metrics_port, addr=metrics_addr)
+    except SettingsError as e:
+        raise typer.BadParameter(str(e), param_hint="--config / GPUPOOL_* / options") from None
+    if settings.kafka is None:
+        raise typer.BadParameter(
+            "no Kafka bootstrap servers: give --kafka, GPUPOOL_KAFKA or kafka in the settings file",
+            param_hint="--kafka",
+        )
+    bootstrap = settings.kafka
+    sb = settings.broker
+    host, port = _host_port(settings.mqtt)
+    try:
+        config_ = broker_config_from(sb)
+    except ValidationError as e:
+        raise typer.BadParameter(str(e), param_hint="[broker] settings") from None
+    fabric = None
+    if sb.fabric_state is not None:
+        fabric = opensm_fabric(
+            sb.fabric_state,
+            sb.fabric_gateway,
+            sb.fabric_hosts,
+            sb.fabric_sl,
+            sb.fabric_timeout_s,
+            sb.fabric_dry_run,
+        )
+    m_port, m_addr = settings.metrics.broker, settings.metrics.addr
+    if m_port:
+        try:
+            start_http_server(m_port, addr=m_addr)
+        except OSError as e:
+            typer.echo(f"gpupool broker run: cannot serve /metrics on {m_addr}:{m_port}: {e}", err=True)
+            raise typer.Exit(1) from None
+    secret = settings.mqtt_password.get_secret_value() if settings.mqtt_password is not None else None
+    tls = tls_options(settings.mqtt_cafile, settings.mqtt_certfile, settings.mqtt_keyfile)
 
     async def _main() -> None:
-        bus = make_bus(kafka, client_id=client_id)
+        from broker.service import tune_gc as _tune_gc
+
+        bus = make_bus(bootstrap, client_id=sb.client_id)
         service = BrokerService(
             bus=bus,
-            topics=KafkaTopics(prefix=topic_prefix),
+            topics=KafkaTopics(prefix=settings.topic_prefix),
             mqtt_host=host,
             mqtt_port=port,
-            mqtt_username=username,
-            mqtt_password=password,
-            root=root,
-            protocol=protocol,
-            config=config,
+            mqtt_username=settings.mqtt_username,
+            mqtt_password=secret,
+            root=settings.mqtt_root,
+            protocol=settings.mqtt_protocol,
+            config=config_,
             fabric=fabric,
-            client_id=client_id,
+            client_id=sb.client_id,
+            tls=tls,
+            lease_log_linger_ms=sb.lease_log_linger_ms,
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await service.start()
+        if sb.tune_gc:
+            _tune_gc()
         try:
             await service.run(stop)
         finally:
@@ -273,20 +500,33 @@ def acl(
     show_passwords: Annotated[
         bool, typer.Option(help="Also print the credentials JSON (with passwords) on stdout.")
     ] = False,
+    tls_port: Annotated[
+        int | None,
+        typer.Option(help="Also listen with MQTT over TLS on this loopback port (needs the three files)."),
+    ] = None,
+    cafile: Annotated[Path | None, typer.Option(help="TLS: PEM CA certificate of the listener.")] = None,
+    certfile: Annotated[Path | None, typer.Option(help="TLS: PEM server certificate.")] = None,
+    keyfile: Annotated[Path | None, typer.Option(help="TLS: PEM private key of the server certificate.")] = None,
+    require_certificate: Annotated[
+        bool, typer.Option(help="TLS: clients must also present a certificate signed by --cafile.")
+    ] = False,
 ) -> None:
     """Write the Mosquitto password file and ACL: one credential per site, each site confined to
     its own sites/SITE/ subtree plus reading offers and broker state (broker/acl.py).
 
     Writes passwd (mosquitto_passwd hashes), acl, mosquitto.conf and credentials.json into --dir;
     passwords already in credentials.json are kept. Prints the credentials.json path (and, with
-    --show-passwords, its content). Exit 2 on a bad name, root or port; 1 if mosquitto_passwd is
+    --show-passwords, its content). With --tls-port, --cafile, --certfile and --keyfile, mosquitto.conf
+    has a second listener speaking MQTT over TLS (same users and ACL) and credentials.json a "tls"
+    entry. Exit 2 on a bad name, root or port, or incomplete TLS options; 1 if mosquitto_passwd is
     missing or fails.
     """
-    from broker.acl import CREDENTIALS_FILE, write_mosquitto_files
+    from broker.acl import CREDENTIALS_FILE, tls_listener, write_mosquitto_files
 
     names = [s.strip() for s in sites.split(",") if s.strip()]
     try:
-        creds = write_mosquitto_files(directory, root, names, broker_user, port)
+        tls = tls_listener(tls_port, cafile, certfile, keyfile, require_certificate)
+        creds = write_mosquitto_files(directory, root, names, broker_user, port, tls)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     except (FileNotFoundError, RuntimeError) as e:
@@ -298,6 +538,24 @@ def acl(
 
 
 # edge ------------------------------------------------------------------------------------------------------
+_EDGE_TLS: contextvars.ContextVar[TlsOptions | None] = contextvars.ContextVar("gpupool_edge_tls", default=None)
+"""TLS options of the running ``gpupool edge`` command (set by :func:`edge_connection`)."""
+
+
+@edge_app.callback()
+def edge_connection(
+    mqtt_cafile: _CaFile = None,
+    mqtt_certfile: _CertFile = None,
+    mqtt_keyfile: _KeyFile = None,
+) -> None:
+    """Edge-site client: offers, claim, renew, release, watch.
+
+    TLS (before the command, or from the environment): gpupool edge --mqtt-cafile ca.pem claim ...
+    with --mqtt naming the server's TLS listener.
+    """
+    _EDGE_TLS.set(tls_options(mqtt_cafile, mqtt_certfile, mqtt_keyfile))
+
+
 def _edge(
     mqtt: str,
     site: str,
@@ -320,6 +578,7 @@ def _edge(
         persistent=persistent,
         announce=False,
         connect_timeout_s=timeout,
+        tls=_EDGE_TLS.get(),
     )
 
 
@@ -360,8 +619,11 @@ def offers(
 
 @edge_app.command("claim")
 def claim(
-    offer_id: Annotated[str, typer.Argument(help="The offer to claim.")],
     site: _Site,
+    offer_id: Annotated[
+        str | None,
+        typer.Argument(help="The offer to claim; omit it to let the broker match --count GPUs to offers."),
+    ] = None,
     mqtt: _Mqtt = "127.0.0.1:1883",
     username: _SiteUser = None,
     password: _Password = None,
@@ -369,22 +631,83 @@ def claim(
     root: _Root = "gpupool/v1",
     timeout: _Timeout = 5.0,
     gpu: Annotated[list[str] | None, typer.Option(help="GPU key of the offer to take; repeatable.")] = None,
-    count: Annotated[int, typer.Option(help="How many GPUs when no --gpu (0: all).")] = 0,
+    count: Annotated[
+        int, typer.Option(help="How many GPUs when no --gpu (0: all of the offer; >= 1 without an offer).")
+    ] = 0,
     duration: Annotated[float, typer.Option(help="Lease length wanted, seconds.")] = 300.0,
     min_notice: Annotated[float, typer.Option(help="Shortest reclaim notice acceptable, seconds.")] = 0.0,
+    min_duration: Annotated[
+        float,
+        typer.Option(
+            help="Minimum guaranteed duration, seconds: offers must be promised that long, and no "
+            "unforced training demand takes the lease back sooner."
+        ),
+    ] = 0.0,
+    model: Annotated[
+        list[str] | None,
+        typer.Option(help="Acceptable GPU model (DCGM modelName); repeatable. Matching only."),
+    ] = None,
+    min_memory_mib: Annotated[
+        int | None, typer.Option(help="Smallest framebuffer per GPU, MiB. Matching only.")
+    ] = None,
+    zone: Annotated[
+        str | None, typer.Option(help="Latency zone the offers must be in. Matching only.")
+    ] = None,
+    prefer: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Preference order, best first: a GPU model or a pool name; repeatable. Matching only."
+        ),
+    ] = None,
+    cross_leaf: Annotated[
+        bool, typer.Option(help="Allow GPUs under different leaf switches. Matching only.")
+    ] = False,
+    memory_held: Annotated[
+        bool, typer.Option(help="Accept GPUs whose memory a resident model holds. Matching only.")
+    ] = True,
 ) -> None:
-    """Claim an offer: print the granted LeaseMessage as JSON, or the Reply and exit 1 if refused."""
+    """Claim an offer (OFFER_ID), or --count GPUs that meet the requirements (no OFFER_ID: the broker
+    picks one node, else several under one leaf switch): print the granted LeaseMessage as JSON
+    (contracts/mqtt.py), or the Reply and exit 1 if refused; exit 2 for options that do not fit
+    the kind of claim."""
+    matching = bool(model or min_memory_mib is not None or zone or prefer or cross_leaf or not memory_held)
+    if offer_id is not None and matching:
+        raise typer.BadParameter("requirement options (--model, --zone, ...) only apply without OFFER_ID")
+    if offer_id is None and (gpu or count < 1):
+        raise typer.BadParameter("without OFFER_ID give --count >= 1 (and no --gpu)")
+    if min_duration > duration:
+        raise typer.BadParameter("--min-duration exceeds --duration")
+    requirements = Requirements(
+        model_names=model or [],
+        min_fb_total_mib=min_memory_mib,
+        zone=zone,
+        prefer=prefer or [],
+        allow_cross_leaf=cross_leaf,
+        allow_memory_held=memory_held,
+    )
 
     async def _main() -> None:
         async with _edge(mqtt, site, username, password, protocol, root, timeout) as client:
-            lease: LeaseMessage = await client.claim(
-                offer_id,
-                gpus=gpu or [],
-                count=count,
-                duration_seconds=duration,
-                min_notice_seconds=min_notice,
-                timeout_s=timeout,
-            )
+            lease: LeaseMessage
+            if offer_id is None:
+                lease = await client.request(
+                    count,
+                    requirements,
+                    duration_seconds=duration,
+                    min_notice_seconds=min_notice,
+                    min_duration_seconds=min_duration,
+                    timeout_s=timeout,
+                )
+            else:
+                lease = await client.claim(
+                    offer_id,
+                    gpus=gpu or [],
+                    count=count,
+                    duration_seconds=duration,
+                    min_notice_seconds=min_notice,
+                    min_duration_seconds=min_duration,
+                    timeout_s=timeout,
+                )
         _print(lease)
 
     _run_edge(_main)

@@ -8,6 +8,8 @@ them, and follows reclaim notices (protocol v1, :mod:`contracts.mqtt`; topics
                           password=secret) as site:
         offers = await site.offers(timeout_s=1.0)
         lease = await site.claim(offers[0].offer_id, count=1)
+        # or let the broker pick: 4 GPUs of >= 80 GiB, one node or one leaf switch
+        lease = await site.request(4, Requirements(min_fb_total_mib=80_000), min_duration_seconds=600)
         await site.renew(lease.lease_id)
         async with contextlib.aclosing(site.watch()) as events:
             async for event in events:      # Offer | OfferWithdrawn | LeaseMessage | Reply
@@ -43,6 +45,7 @@ from opentelemetry import trace
 
 from broker.transport import (
     Backoff,
+    TlsOptions,
     birth_seq,
     make_client,
     protocol_version,
@@ -66,6 +69,7 @@ from contracts import (
     encode,
     tracing,
 )
+from contracts.mqtt import Requirements
 
 log = logging.getLogger(__name__)
 _TRACER = tracing.tracer(__name__)
@@ -122,6 +126,8 @@ class EdgeClient:
             (one-shot tools pass False so they do not mark the site offline when they exit).
         connect_timeout_s: how long entering the context waits for the first connection.
         reconnect_min_s / reconnect_max_s: reconnect backoff bounds, seconds.
+        tls: connect over TLS (CA, optional client certificate; :class:`broker.transport.TlsOptions`);
+            ``port`` is then the server's TLS listener. ``None``: plain TCP.
 
     Raises ``ValueError`` for a protocol other than 5 or 4.
     """
@@ -143,9 +149,11 @@ class EdgeClient:
         connect_timeout_s: float = 10.0,
         reconnect_min_s: float = 0.2,
         reconnect_max_s: float = 30.0,
+        tls: TlsOptions | None = None,
     ) -> None:
         protocol_version(protocol)
         self.site = site
+        self._tls = tls
         self.topics = MqttTopics(root)
         self.protocol = protocol
         self._host, self._port = host, port
@@ -257,6 +265,7 @@ class EdgeClient:
         min_notice_seconds: float = 0.0,
         timeout_s: float = 5.0,
         claim_id: str | None = None,
+        min_duration_seconds: float = 0.0,
     ) -> LeaseMessage:
         """Claim GPUs of an offer and wait for the lease.
 
@@ -268,11 +277,12 @@ class EdgeClient:
             min_notice_seconds: the shortest reclaim notice acceptable.
             timeout_s: how long to wait for the reply and the lease, seconds.
             claim_id: idempotency key (default: a random one); a repeated id gets the same answer.
+            min_duration_seconds: minimum guaranteed duration (see :meth:`request`); the offer
+                must be promised that long (else ``duration_unavailable``).
 
         Returns the lease's retained :class:`contracts.LeaseMessage` (state ``granted``).
         Raises :class:`ClaimRejected` with the broker's reply, ``TimeoutError`` if no answer came.
         """
-        deadline = time.monotonic() + timeout_s
         claim = Claim(
             claim_id=claim_id or uuid.uuid4().hex,
             site=self.site,
@@ -281,10 +291,59 @@ class EdgeClient:
             count=count,
             duration_seconds=duration_seconds,
             min_notice_seconds=min_notice_seconds,
+            min_duration_seconds=min_duration_seconds,
             ts=time.time(),
         )
+        return await self._submit(claim, timeout_s)
+
+    async def request(
+        self,
+        count: int,
+        requirements: Requirements | None = None,
+        duration_seconds: float = 300.0,
+        min_notice_seconds: float = 0.0,
+        min_duration_seconds: float = 0.0,
+        timeout_s: float = 5.0,
+        claim_id: str | None = None,
+    ) -> LeaseMessage:
+        """Claim ``count`` GPUs by requirements and let the broker pick the offers (matchmaking:
+        one node if it can, else several nodes under one leaf switch; ``broker/match.py``).
+
+        Args:
+            count: how many GPUs (>= 1).
+            requirements: model, memory per GPU (MiB), zone, preference order, locality
+                (:class:`contracts.mqtt.Requirements`); ``None``: any idle GPU.
+            duration_seconds: the lease length wanted, seconds.
+            min_notice_seconds: the shortest reclaim notice acceptable, seconds.
+            min_duration_seconds: minimum guaranteed duration, seconds: only offers promised that
+                long match, and no unforced training demand takes the lease back sooner.
+            timeout_s: how long to wait for the reply and the lease, seconds.
+            claim_id: idempotency key (default: a random one).
+
+        Returns the lease's retained :class:`contracts.LeaseMessage` (state ``granted``; its
+        ``hosts`` and ``offer_ids`` say where the GPUs are). Raises ``ValueError`` (a
+        ``pydantic.ValidationError``) for ``count`` < 1 or ``min_duration_seconds`` above
+        ``duration_seconds``, :class:`ClaimRejected` with the broker's reply (e.g. ``no_match``,
+        ``quota_exceeded``), ``TimeoutError`` if no answer came.
+        """
+        claim = Claim(
+            claim_id=claim_id or uuid.uuid4().hex,
+            site=self.site,
+            count=count,
+            requirements=requirements or Requirements(),
+            duration_seconds=duration_seconds,
+            min_notice_seconds=min_notice_seconds,
+            min_duration_seconds=min_duration_seconds,
+            ts=time.time(),
+        )
+        return await self._submit(claim, timeout_s)
+
+    async def _submit(self, claim: Claim, timeout_s: float) -> LeaseMessage:
+        """Send ``claim`` in a ``claim`` span, wait for the reply and the granted lease."""
+        deadline = time.monotonic() + timeout_s
+        offer_id = claim.offer_id
         topic = self.topics.claims(self.site)
-        offer_ctx = tracing.extract_mqtt_context(self._offer_trace.get(offer_id))
+        offer_ctx = tracing.extract_mqtt_context(self._offer_trace.get(offer_id) if offer_id else None)
         own = trace.get_current_span().get_span_context().is_valid
         attrs = tracing.messaging_attributes(
             tracing.MQTT,
@@ -295,7 +354,8 @@ class EdgeClient:
             message_id=claim.claim_id,
             client_id=self._client_id,
         )
-        attrs["gpupool.offer.id"] = offer_id
+        if offer_id is not None:
+            attrs["gpupool.offer.id"] = offer_id
         with _TRACER.start_as_current_span(
             "claim",
             context=None if own else offer_ctx,
@@ -433,6 +493,7 @@ class EdgeClient:
                 seq=self._seq,
                 persistent=self._persistent,
                 session_expiry_s=self._session_expiry_s,
+                tls=self._tls,
             )
             try:
                 async with client:

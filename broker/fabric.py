@@ -9,12 +9,17 @@ The grant rule is :func:`isolation_problem`: a manager that *enforces* isolation
 :class:`contracts.leases.Partition` with ``verified=True``, or the claim is rejected with
 ``isolation_failed``. The only manager here, :class:`NoIsolation`, is the explicit "fabric isolation
 disabled by configuration" mode: it does not enforce, returns no partition, and leases then say so
-honestly (``partition: null``). An OpenSM manager (PKey + SL per lease, verified with
-``smpquery pkeys``) is the subject of issue 5 and plugs in here.
+honestly (``partition: null``). The OpenSM manager (PKey + SL per lease, verified with
+``smpquery pkeys``) is :class:`broker.fabric_opensm.OpenSmFabric`.
+
+The broker runs :meth:`FabricManager.isolate` and :meth:`FabricManager.remove` outside its
+service lock (a verification may take seconds), so a manager must accept concurrent calls for
+different leases.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Protocol
 
 from contracts import LeaseLogRecord
@@ -50,6 +55,15 @@ class FabricManager(Protocol):
         """
         ...
 
+    async def remove_stale(self, keep: Collection[str]) -> list[str]:
+        """Take off the fabric, verified gone, every partition this manager made whose lease id
+        is not in ``keep`` (the live leases and claims in progress): after a broker restart,
+        partitions of leases that ended while it was down. Returns the lease ids removed.
+
+        Raises :class:`FabricError` (the first failure; the other removals are still attempted).
+        """
+        ...
+
 
 class NoIsolation:
     """Fabric isolation disabled by configuration: leases are granted without a partition.
@@ -67,6 +81,10 @@ class NoIsolation:
 
     async def remove(self, lease: LeaseLogRecord) -> None:
         """Nothing to remove."""
+
+    async def remove_stale(self, keep: Collection[str]) -> list[str]:
+        """No partitions: returns ``[]``."""
+        return []
 
 
 def isolation_problem(fabric: FabricManager, partition: Partition | None) -> str:

@@ -63,3 +63,35 @@ FABRIC_RELOADS = Counter(
     "Partition files rewritten and OpenSM told to re-read them (SIGHUP), by result: ok, failed.",
     ["result"],
 )
+SITE_UP = Gauge(
+    "gpupool_broker_site_up",
+    "Edge site online (1) or offline (0), from its retained sites/{site}/state birth or Last Will "
+    "(contracts.mqtt.PeerState); a site whose state was cleared has no series.",
+    ["site"],
+)
+CLAIM_DECISIONS = Counter(
+    "gpupool_broker_claim_decisions_total",
+    "Claims decided by the lease book, by site, kind (offer: names an offer_id; match: requirements) "
+    "and result (ok, or the reason code: no_match, quota_exceeded, gpu_unavailable, isolation_failed...).",
+    ["site", "kind", "result"],
+)
+MATCH_PLACEMENTS = Counter(
+    "gpupool_broker_match_placements_total",
+    "Matched claims reserved, by locality tier: node (one node), leaf (several nodes under one leaf "
+    "switch), cross_leaf.",
+    ["tier"],
+)
+GUARANTEES_BROKEN = Counter(
+    "gpupool_broker_guarantees_broken_total",
+    "Leases reclaimed by a forced demand (PoolDemand.force) before their minimum guaranteed duration ended.",
+)
+RECLAIMS_DEFERRED = Counter(
+    "gpupool_broker_reclaims_deferred_total",
+    "Leases a demand wanted back inside their minimum guaranteed duration: their reclaim deadline was "
+    "moved to the end of the guarantee (the GPUs come back then).",
+)
+FABRIC_STALE_REMOVED = Counter(
+    "gpupool_broker_fabric_stale_partitions_removed_total",
+    "Lease partitions removed (verified gone) at start because no live lease holds them: leases that "
+    "ended while no broker ran, or claims a stopped broker never granted.",
+)

@@ -1,5 +1,11 @@
 """What the broker did since it started: per-instance counts for :meth:`BrokerService.stats`,
-mirrored into the process-wide Prometheus metrics of :mod:`broker.metrics`."""
+mirrored into the process-wide Prometheus metrics of :mod:`broker.metrics`.
+
+The ``gpupool_broker_leases{state}`` gauges are kept incrementally: each logged transition moves
+one lease from its previous state to its new one, each forgotten lease leaves its state, and the
+whole count is taken from the book only when it is rebuilt. (Counting the book on every change
+scanned every remembered lease — with ``retain_terminal_s`` of 15 min at 100 claims/s, ~90,000 —
+on every claim.)"""
 
 from __future__ import annotations
 
@@ -32,16 +38,43 @@ class Tally:
         self.reclaims: Counter[str] = Counter()
         self.partitions: deque[str] = deque(maxlen=_PARTITIONS_SHOWN)
         self._reclaiming: set[str] = set()
+        self._state: dict[str, LeaseState] = {}
+        self._by_state: Counter[LeaseState] = Counter()
+        self._dirty: set[LeaseState] = set(LeaseState)
 
     def rebuilt(self, book: LeaseBook) -> None:
-        """Leases already reclaiming when the book was rebuilt were counted by the previous
-        broker: do not count their reclaim as started again."""
+        """Take the lease states from ``book`` (after a rebuild from the lease log) and set the
+        gauges. Leases already reclaiming were counted by the previous broker: their reclaim is
+        not counted as started again."""
         self._reclaiming = {r.lease_id for r in book.live_leases() if r.state is LeaseState.RECLAIMING}
-        self.lease_gauges(book)
+        self._state = {lease_id: r.state for lease_id, r in book.leases.items()}
+        self._by_state = Counter(self._state.values())
+        self._dirty = set(LeaseState)
+        self.lease_gauges()
+
+    def lease_counts(self) -> dict[LeaseState, int]:
+        """Remembered leases per state as tallied (every state present, zero if none); equals
+        :meth:`broker.leases.LeaseBook.lease_counts` of the book whose changes were tallied."""
+        return {s: self._by_state[s] for s in LeaseState}
+
+    def forgotten(self, rec: LeaseLogRecord) -> None:
+        """A terminal lease the book dropped (``Changes.forgotten``): it leaves the gauges."""
+        old = self._state.pop(rec.lease_id, None)
+        if old is not None:
+            self._by_state[old] -= 1
+            self._dirty.add(old)
 
     def transition(self, rec: LeaseLogRecord) -> None:
-        """Count one logged lease transition: grants, reclaims started (once per lease, not per
-        renewal while reclaiming), reclaim outcomes, expiries."""
+        """Count one logged lease transition: the lease's state for the gauges, grants, reclaims
+        started (once per lease, not per renewal while reclaiming), reclaim outcomes, expiries."""
+        old = self._state.get(rec.lease_id)
+        if old is not rec.state:
+            if old is not None:
+                self._by_state[old] -= 1
+                self._dirty.add(old)
+            self._by_state[rec.state] += 1
+            self._dirty.add(rec.state)
+            self._state[rec.lease_id] = rec.state
         if rec.state is LeaseState.GRANTED and rec.seq == 1:
             self.counts["leases_granted"] += 1
             m.LEASES_GRANTED.inc()
@@ -91,11 +124,12 @@ class Tally:
         """One capacity update applied."""
         self.counts["capacity_records"] += 1
 
-    @staticmethod
-    def lease_gauges(book: LeaseBook) -> None:
-        """Set ``gpupool_broker_leases{state}`` from the book."""
-        for state, n in book.lease_counts().items():
-            m.LEASES.labels(state=state.value).set(n)
+    def lease_gauges(self) -> None:
+        """Set ``gpupool_broker_leases{state}`` of the states whose count changed since the last
+        call, from the tallied counts (no scan of the book)."""
+        dirty, self._dirty = self._dirty, set()
+        for state in dirty:
+            m.LEASES.labels(state=state.value).set(self._by_state[state])
 
     def snapshot(self, book: LeaseBook) -> dict[str, Any]:
         """The counts plus the book's live numbers (the shape is :meth:`BrokerService.stats`)."""

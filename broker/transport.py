@@ -8,14 +8,19 @@
   properties when the protocol is 5, nothing on 3.1.1 (every essential field is in the JSON
   payload anyway; the ``traceparent`` user property only continues a trace).
 * :class:`Backoff` — exponential reconnect delay with jitter.
+* :class:`TlsOptions` — MQTT over TLS (a listener made by ``gpupool broker acl --tls-port``):
+  the CA that signed the server's certificate and, for mutual TLS, the client's certificate.
 """
 
 from __future__ import annotations
 
 import random
 import socket
+import ssl
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiomqtt
 from paho.mqtt.packettypes import PacketTypes
@@ -40,6 +45,50 @@ def birth_seq() -> int:
     return time.time_ns() // 1_000_000
 
 
+@dataclass(frozen=True)
+class TlsOptions:
+    """TLS of an MQTT connection (the server's name or IP is verified against its certificate).
+
+    Attributes:
+        cafile: PEM file of the CA(s) that signed the server's certificate; ``None``: the
+            system's default trust store.
+        certfile: PEM client certificate (mutual TLS: a listener with ``require_certificate
+            true``); ``None``: no client certificate.
+        keyfile: PEM private key of ``certfile``; ``None``: the key is in ``certfile``.
+
+    Raises ``ValueError`` (at construction) for a ``keyfile`` without a ``certfile``, or when
+    the files cannot be read or are not a CA bundle / certificate and key (the message names
+    the file).
+    """
+
+    cafile: Path | None = None
+    certfile: Path | None = None
+    keyfile: Path | None = None
+    _context: ssl.SSLContext = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.keyfile is not None and self.certfile is None:
+            raise ValueError("a TLS key file needs its certificate file")
+        try:
+            ctx = ssl.create_default_context(
+                ssl.Purpose.SERVER_AUTH, cafile=str(self.cafile) if self.cafile is not None else None
+            )
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(f"TLS CA file {self.cafile}: {e}") from e
+        if self.certfile is not None:
+            try:
+                ctx.load_cert_chain(str(self.certfile), str(self.keyfile) if self.keyfile else None)
+            except (OSError, ssl.SSLError) as e:
+                raise ValueError(f"TLS certificate {self.certfile} / key {self.keyfile}: {e}") from e
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        object.__setattr__(self, "_context", ctx)
+
+    @property
+    def context(self) -> ssl.SSLContext:
+        """The client-side ``ssl.SSLContext`` (made once; shared by every connection attempt)."""
+        return self._context
+
+
 def make_client(
     host: str,
     port: int,
@@ -55,11 +104,13 @@ def make_client(
     session_expiry_s: int = 3600,
     keepalive_s: int = 15,
     timeout_s: float = 10.0,
+    tls: TlsOptions | None = None,
 ) -> aiomqtt.Client:
     """An aiomqtt client (not yet connected) whose Last Will is the retained
     ``PeerState(peer, online=False, seq)`` on ``state_topic``, QoS 1 (no Will if ``None``).
 
-    The socket has ``TCP_NODELAY`` set (small request/reply packets go out at once).
+    The socket has ``TCP_NODELAY`` set (small request/reply packets go out at once). With
+    ``tls`` the connection is MQTT over TLS (``port`` must then be a TLS listener's).
 
     ``persistent``: the server keeps the session (subscriptions, queued QoS 1 messages) across
     disconnects — MQTT 5 ``clean_start=False`` with ``SessionExpiryInterval = session_expiry_s``
@@ -87,6 +138,7 @@ def make_client(
         # no Nagle: a claim, its reply and its lease are small packets each waiting on the other
         # side's delayed ACK otherwise (measured on loopback: ~45 ms per request/reply, not ~1 ms)
         "socket_options": ((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),),
+        "tls_context": tls.context if tls is not None else None,
     }
     if version is aiomqtt.ProtocolVersion.V5:
         props = Properties(PacketTypes.CONNECT)

@@ -189,8 +189,9 @@ class BrokerSettings(BaseModel):
         fabric_dry_run: print partition diffs and change nothing.
         lease_log_linger_ms: batching delay of the lease-log producer, ms (every claim waits for
             its lease to be logged: keep it small).
-        tune_gc: after the start, freeze the objects alive then and collect the young generation
-            less often (shorter GC pauses on the claim path).
+        tune_gc: freeze the objects alive at start and re-freeze the young survivors every second,
+            with a full collection once an hour (GC pauses off the claim path:
+            ``broker.service.tune_gc``).
         pool_zones: pool name → latency zone stamped on its offers (``[broker.pool_zones]``).
         site_quotas: site → the most GPUs it may hold at once (``[broker.site_quotas]``).
         default_site_quota: quota of sites not in ``site_quotas``; unset: unlimited.
@@ -212,7 +213,7 @@ class BrokerSettings(BaseModel):
     fabric_sl: int = Field(default=1, ge=0, le=15)
     fabric_timeout_s: float = Field(default=20.0, gt=0)
     fabric_dry_run: bool = False
-    lease_log_linger_ms: float = Field(default=1.0, ge=0)
+    lease_log_linger_ms: float = Field(default=0.0, ge=0)
     tune_gc: bool = True
     pool_zones: dict[str, str] = Field(default_factory=dict)
     site_quotas: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)

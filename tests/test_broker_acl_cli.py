@@ -69,3 +69,32 @@ def test_bad_sites_are_refused_and_nothing_written(tmp_path: Path, sites: str) -
     code, _, stderr = _run("--dir", str(out), "--sites", sites)
     assert code == 2
     assert not (out / "passwd").exists() and not (out / "acl").exists()
+
+
+def test_tls_listener_is_written_with_the_plain_one(tmp_path: Path) -> None:
+    files = {n: tmp_path / f"{n}.pem" for n in ("ca", "server", "server-key")}
+    for f in files.values():
+        f.write_text("pem\n")
+    out = tmp_path / "mq"
+    code, _, stderr = _run(
+        "--dir", str(out), "--sites", "edge-a", "--port", "18883", "--tls-port", "18884",
+        "--cafile", str(files["ca"]), "--certfile", str(files["server"]), "--keyfile", str(files["server-key"]),
+        "--require-certificate",
+    )  # fmt: skip
+    assert code == 0, stderr
+    conf = (out / "mosquitto.conf").read_text()
+    assert "listener 18883 127.0.0.1" in conf
+    tls = conf[conf.index("listener 18884 127.0.0.1") :].splitlines()
+    assert tls[:6] == [
+        "listener 18884 127.0.0.1",
+        f"cafile {files['ca']}",
+        f"certfile {files['server']}",
+        f"keyfile {files['server-key']}",
+        "tls_version tlsv1.2",
+        "require_certificate true",
+    ]
+    creds = json.loads((out / "credentials.json").read_text())
+    assert creds["tls"] == {"port": 18884, "cafile": str(files["ca"]), "require_certificate": True}
+    # half a TLS listener is refused, and nothing is written
+    code, _, _ = _run("--dir", str(tmp_path / "half"), "--sites", "edge-a", "--tls-port", "18884")
+    assert code == 2 and not (tmp_path / "half" / "mosquitto.conf").exists()

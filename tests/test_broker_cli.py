@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import threading
 import time
 import uuid
 from collections.abc import Coroutine, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -199,3 +201,41 @@ def test_broker_demand_lands_on_the_real_pool_demand_topic(kafka_bootstrap: str)
             await bus.close()
 
     assert asyncio.run(read()) == [sent]
+
+
+# broker run: settings -------------------------------------------------------------------------------
+def test_broker_run_takes_what_no_flag_gives_from_the_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """flag > GPUPOOL_* > --config TOML > defaults, key by key; the metrics port defaults to the
+    9412 deploy/prometheus scrapes; the password comes from the environment and stays secret."""
+    from broker.cli import run_settings
+
+    for name in [k for k in os.environ if k.upper().startswith("GPUPOOL_")]:
+        monkeypatch.delenv(name)
+    toml = tmp_path / "gpupool.toml"
+    toml.write_text(
+        'kafka = "k-file:9092"\nmqtt = "mqtt-file:1883"\nmqtt_root = "root-file"\n'
+        "[broker]\nnotice_s = 45\nlease_ttl_s = 90\nfabric_dry_run = true\n"
+    )
+    monkeypatch.setenv("GPUPOOL_MQTT_PASSWORD", "pw-from-env")
+    monkeypatch.setenv("GPUPOOL_BROKER__LEASE_TTL_S", "120")
+    s = run_settings(toml, mqtt="mqtt-flag:8883", notice=None, fabric_dry_run=None, protocol=4)
+    assert (s.kafka, s.mqtt_root) == ("k-file:9092", "root-file")
+    assert (s.mqtt, s.mqtt_protocol) == ("mqtt-flag:8883", 4)
+    assert (s.broker.notice_s, s.broker.lease_ttl_s, s.broker.fabric_dry_run) == (45.0, 120.0, True)
+    assert s.metrics.broker == 9412 and s.broker.group_id == "gpupool-broker"
+    assert s.mqtt_password is not None and s.mqtt_password.get_secret_value() == "pw-from-env"
+    assert run_settings(toml, fabric_dry_run=False).broker.fabric_dry_run is False  # --no-fabric-dry-run
+    assert (s.broker.tune_gc, s.broker.lease_log_linger_ms, s.mqtt_cafile) == (True, 0.0, None)  # defaults
+    toml.write_text(
+        toml.read_text().replace("[broker]\n", 'mqtt_cafile = "/etc/ca.pem"\n[broker]\ntune_gc = false\n')
+    )
+    s = run_settings(toml, lease_log_linger_ms=5.0)
+    assert (s.broker.tune_gc, s.broker.lease_log_linger_ms) == (False, 5.0)
+    assert s.mqtt_cafile == Path("/etc/ca.pem") and run_settings(toml, tune_gc=True).broker.tune_gc
+
+    res = runner.invoke(broker_app, ["run", "--config", str(toml), "--mqtt", "no-port"])
+    assert res.exit_code == 2 and "host:port" in res.output
+    res = runner.invoke(broker_app, ["run"])
+    assert res.exit_code == 2 and "GPUPOOL_KAFKA" in res.output

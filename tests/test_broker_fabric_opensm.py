@@ -303,3 +303,74 @@ async def test_isolate_to_verified_latency(sim_fabric: SimFabric) -> None:  # no
     log.info("fabric_isolate_latency", extra=result)
     print(f"\nfabric isolate → verified, default fat tree, 10 runs: {json.dumps(result)}")
     assert p50 < 5.0 and p50r < 5.0
+
+
+async def test_a_restarted_broker_removes_the_partitions_no_live_lease_holds(sim_fabric: SimFabric) -> None:  # noqa: F811
+    """Broker A grants two leases (verified partitions); it goes away after logging the release
+    of one but before removing its partition, and a claim it was isolating left a partition with
+    no lease at all. Broker B rebuilds from the lease log and takes both off the fabric (verified
+    gone with our own smpquery), keeping the live lease's."""
+    from contracts import decode, encode
+
+    server = _Amqtt(_free_port())
+    await server.start()
+    bus, topics = MemoryBus(), KafkaTopics()
+    lids = {h: sim_fabric.node(f"node00{h}")["lid"] for h in (3, 4, 5)}
+    removed_before = _metric("gpupool_broker_fabric_stale_partitions_removed_total")
+
+    async def broker() -> tuple[BrokerService, asyncio.Event, asyncio.Task[None]]:
+        svc = BrokerService(
+            bus=bus, topics=topics, mqtt_host="127.0.0.1", mqtt_port=server.port, protocol=4, config=CFG,
+            fabric=_fabric(sim_fabric),
+        )  # fmt: skip
+        await svc.start()
+        stop = asyncio.Event()
+        return svc, stop, asyncio.create_task(svc.run(stop))
+
+    async def down(svc: BrokerService, stop: asyncio.Event, task: asyncio.Task[None]) -> None:
+        stop.set()
+        await task
+        await svc.stop()
+
+    svc, stop, task = await broker()
+    try:
+        await svc.wait_connected(10)
+        async with _site(server.port) as site:
+            await _idle(bus, "gpu-node-003", 1)
+            await _idle(bus, "gpu-node-004", 1)
+            keep = await site.claim((await _offer_on(site, "gpu-node-003")).offer_id)
+            ended = await site.claim((await _offer_on(site, "gpu-node-004")).offer_id)
+    finally:
+        await down(svc, stop, task)
+    assert keep.partition is not None and ended.partition is not None
+    # what broker A logged last and never acted on: the release of `ended`
+    last = [decode(LeaseLogRecord, m.value) for m in bus.records(topics.leases_log) if m.key == ended.lease_id]
+    released = last[-1].model_copy(
+        update={"state": LeaseState.RELEASED, "seq": last[-1].seq + 1, "ts": time.time(), "reason": "site_release"}
+    )
+    await bus.producer().send(topics.leases_log, encode(released), key=released.lease_id)
+    # ... and the partition of a claim it was isolating, never granted
+    orphan = await _fabric(sim_fabric).isolate(_lease("lease-orphan", "gpu-node-005"))
+    for h, part in ((3, keep.partition), (4, ended.partition), (5, orphan)):
+        assert part.pkey in _pkeys(sim_fabric, lids[h])
+
+    svc, stop, task = await broker()
+    try:
+        await svc.wait_connected(10)
+        mgr = _fabric(sim_fabric)
+        await _until(lambda: {p.name for p in mgr.partitions()} == {keep.lease_id}, 30)
+        # removal is verified before it counts: the PKeys are already gone from the ports
+        await _until(
+            lambda: _metric("gpupool_broker_fabric_stale_partitions_removed_total") == removed_before + 2, 30
+        )
+        assert ended.partition.pkey not in _pkeys(sim_fabric, lids[4])
+        assert orphan.pkey not in _pkeys(sim_fabric, lids[5])
+        assert keep.partition.pkey in _pkeys(sim_fabric, lids[3]), "the live lease keeps its partition"
+        assert [r.lease_id for r in svc.book.live_leases()] == [keep.lease_id]
+        async with _site(server.port) as site:
+            await site.release(keep.lease_id)
+        await _until(lambda: mgr.partitions() == [], 30)
+        await _until(lambda: keep.partition.pkey not in _pkeys(sim_fabric, lids[3]), 30)
+    finally:
+        await down(svc, stop, task)
+        await server.stop()

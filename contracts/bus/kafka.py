@@ -1,10 +1,15 @@
 """The bus on Apache Kafka, through aiokafka (see :class:`contracts.bus.api.Bus`).
 
-Producers are idempotent (``enable_idempotence=True``, ``acks="all"``), batch for 20 ms and
+Producers are idempotent (``enable_idempotence=True``, ``acks="all"``), batch for 20 ms (or the
+``linger_ms`` asked for: a latency path such as the broker's lease log uses 0-2 ms) and
 compress with lz4 (gzip if the ``lz4`` package is missing). :meth:`KafkaBusProducer.send` does not
 wait for the broker: it keeps the delivery future, and :meth:`KafkaBusProducer.flush` awaits every
 one and raises the first delivery error.
 
+Consumers use the range assignor (partition ``p`` of every subscribed topic with the same partition
+count goes to the same member: a host's ``telemetry.gpu`` and ``telemetry.ib_port`` partitions
+meet, :mod:`contracts.topics`; aiokafka's default, round robin, would split them whenever the member
+count does not divide the partition count).
 Consumers never auto-commit and start from the earliest record when their group has no committed
 offset. :meth:`KafkaBusConsumer.commit` commits, per owned partition, the offset after the last
 record :meth:`KafkaBusConsumer.getmany` returned. The ``on_assign`` callback runs inside aiokafka's
@@ -26,15 +31,19 @@ from collections.abc import Sequence
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, ConsumerRecord
 from aiokafka import TopicPartition as _AioTopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from aiokafka.codec import has_lz4
 from aiokafka.errors import TopicAlreadyExistsError, for_code
 
-from contracts.bus.api import BusMessage, OnAssign, TopicPartition
+from contracts.bus.api import BusMessage, OnAssign, TopicPartition, check_linger
 
 log = logging.getLogger(__name__)
 
 COMPRESSION = "lz4" if has_lz4() else "gzip"
 """Producer compression codec: ``lz4`` when the ``lz4`` package imports, else ``gzip``."""
+
+DEFAULT_LINGER_MS = 20.0
+"""Producer batching delay when none is asked for, milliseconds (throughput over latency)."""
 
 _MAX_BATCH_BYTES = 256 * 1024
 """Per-partition batch size (aiokafka's default is 16 KiB; telemetry bursts fill that at once).
@@ -76,9 +85,11 @@ class KafkaBus:
         self.replication_factor = replication_factor
         self._admin: AIOKafkaAdminClient | None = None
 
-    def producer(self, client_id: str = "gpupool") -> KafkaBusProducer:
-        """A new, not yet started, idempotent batching producer."""
-        return KafkaBusProducer(self.bootstrap_servers, client_id)
+    def producer(self, client_id: str = "gpupool", *, linger_ms: float | None = None) -> KafkaBusProducer:
+        """A new, not yet started, idempotent batching producer that lingers ``linger_ms``
+        milliseconds to batch (``None``: :data:`DEFAULT_LINGER_MS`). Raises ``ValueError`` for a
+        negative ``linger_ms``."""
+        return KafkaBusProducer(self.bootstrap_servers, client_id, linger_ms=linger_ms)
 
     def consumer(
         self,
@@ -150,16 +161,27 @@ class KafkaBus:
 
 
 class KafkaBusProducer:
-    """An aiokafka producer: idempotent, ``acks=all``, 20 ms linger, lz4 (see the module docstring).
+    """An aiokafka producer: idempotent, ``acks=all``, lz4, lingering ``linger_ms`` (default
+    20 ms) to batch (see the module docstring).
 
     Args:
         bootstrap_servers: ``host:port[,...]``.
         client_id: Kafka client id.
+        linger_ms: aiokafka's ``linger_ms``: how long a record may wait for others to join its
+            batch, milliseconds; ``None``: :data:`DEFAULT_LINGER_MS`. A producer that flushes
+            after every few records (a latency path) wants 0-2 ms.
+
+    Raises ``ValueError`` for a negative ``linger_ms``.
     """
 
-    def __init__(self, bootstrap_servers: str, client_id: str = "gpupool") -> None:
+    def __init__(
+        self, bootstrap_servers: str, client_id: str = "gpupool", *, linger_ms: float | None = None
+    ) -> None:
         self.bootstrap_servers = bootstrap_servers
         self.client_id = client_id
+        checked = check_linger(linger_ms)
+        self.linger_ms: float = DEFAULT_LINGER_MS if checked is None else checked
+        """The batching delay this producer uses, milliseconds."""
         self._producer: AIOKafkaProducer | None = None
         self._pending: set[asyncio.Future[object]] = set()
         self._error: BaseException | None = None
@@ -173,7 +195,7 @@ class KafkaBusProducer:
             client_id=self.client_id,
             enable_idempotence=True,
             acks="all",
-            linger_ms=20,
+            linger_ms=self.linger_ms,
             compression_type=COMPRESSION,
             max_batch_size=_MAX_BATCH_BYTES,
         )
@@ -316,6 +338,7 @@ class KafkaBusConsumer:
             client_id=self.client_id,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
+            partition_assignment_strategy=(RangePartitionAssignor,),
             heartbeat_interval_ms=1000,
             session_timeout_ms=10000,
         )

@@ -6,7 +6,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-from contracts.bus.api import BusMessage, OnAssign, TopicPartition, partition_for
+from contracts.bus.api import BusMessage, OnAssign, TopicPartition, check_linger, partition_for
 
 
 class _Topic:
@@ -19,8 +19,11 @@ class MemoryBus:
     """A bus held in this process's memory; see :class:`contracts.bus.api.Bus`.
 
     Topics are created on first use with ``default_partitions`` partitions. Group offsets are
-    kept per ``(group, topic, partition)``. One group's partitions are split round-robin over its
-    started members, re-split whenever a member starts or stops.
+    kept per ``(group, topic, partition)``. One group's partitions are split over its started
+    members, re-split whenever a member starts or stops: partition ``p`` of every topic goes to
+    member ``p mod n`` (in joining order), so topics with the same partition count are
+    co-partitioned, as with Kafka's range assignor (:mod:`contracts.topics`: a host's GPU and port
+    samples meet).
     """
 
     def __init__(self, default_partitions: int = 1) -> None:
@@ -60,8 +63,10 @@ class MemoryBus:
             except TimeoutError:
                 pass
 
-    def producer(self, client_id: str = "gpupool") -> MemoryProducer:
-        """A producer appending to this bus."""
+    def producer(self, client_id: str = "gpupool", *, linger_ms: float | None = None) -> MemoryProducer:
+        """A producer appending to this bus. Records are appended on send, so ``linger_ms`` has
+        nothing to tune: it is only checked (``ValueError`` if negative)."""
+        check_linger(linger_ms)
         return MemoryProducer(self)
 
     def consumer(
@@ -96,8 +101,8 @@ class MemoryBus:
         tps = sorted(
             {TopicPartition(t, p) for m in members for t in m.topics for p in range(len(self.topic(t).logs))}
         )
-        for i, tp in enumerate(tps):
-            members[i % len(members)]._assigned.add(tp)
+        for tp in tps:
+            members[tp.partition % len(members)]._assigned.add(tp)
         for m in members:
             m._needs_positions = True
 
