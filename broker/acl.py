@@ -126,13 +126,15 @@ class TlsListener:
     Support").
 
     Attributes:
-        port: its loopback port (not the plain listener's).
+        port: its port (not the plain listener's).
         cafile: PEM CA certificate(s): sent to clients to verify the server, and used to verify
             client certificates when they are required.
         certfile: PEM server certificate (its names must match the host clients connect to).
         keyfile: PEM private key of ``certfile``.
         require_certificate: clients must present a certificate signed by ``cafile`` (mutual
             TLS) on top of their password.
+        address: address it binds: loopback by default; the host's address (or ``0.0.0.0``)
+            for edge sites outside the host — the plain listener always stays on loopback.
     """
 
     port: int
@@ -140,6 +142,7 @@ class TlsListener:
     certfile: Path
     keyfile: Path
     require_certificate: bool = False
+    address: str = "127.0.0.1"
 
     def check(self, plain_port: int) -> None:
         """Raises ``ValueError`` if the port is out of range or the plain listener's, or a file
@@ -155,7 +158,7 @@ class TlsListener:
     def render(self) -> list[str]:
         """The listener's lines of mosquitto.conf."""
         return [
-            f"listener {self.port} 127.0.0.1",
+            f"listener {self.port} {self.address}",
             f"cafile {self.cafile.resolve()}",
             f"certfile {self.certfile.resolve()}",
             f"keyfile {self.keyfile.resolve()}",
@@ -282,6 +285,7 @@ def write_mosquitto_files(
     if tls is not None:
         creds["tls"] = {
             "port": tls.port,
+            "address": tls.address,
             "cafile": str(tls.cafile.resolve()),
             "require_certificate": tls.require_certificate,
         }
@@ -295,6 +299,7 @@ def tls_listener(
     certfile: Path | None,
     keyfile: Path | None,
     require_certificate: bool = False,
+    address: str = "127.0.0.1",
 ) -> TlsListener | None:
     """The :class:`TlsListener` of the command-line options: ``None`` when none of them is given.
     Raises ``ValueError`` when some but not all of port, CA, certificate and key are given, or
@@ -308,7 +313,9 @@ def tls_listener(
     if missing:
         raise ValueError(f"a TLS listener needs {', '.join(missing)} too")
     assert port is not None and cafile is not None and certfile is not None and keyfile is not None
-    return TlsListener(port, cafile, certfile, keyfile, require_certificate)
+    if not address or any(c.isspace() for c in address):
+        raise ValueError(f"bad TLS listener address {address!r}")
+    return TlsListener(port, cafile, certfile, keyfile, require_certificate, address)
 
 
 def main(argv: list[str] | None = None) -> int:

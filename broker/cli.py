@@ -502,8 +502,12 @@ def acl(
     ] = False,
     tls_port: Annotated[
         int | None,
-        typer.Option(help="Also listen with MQTT over TLS on this loopback port (needs the three files)."),
+        typer.Option(help="Also listen with MQTT over TLS on this port (needs the three files)."),
     ] = None,
+    tls_address: Annotated[
+        str,
+        typer.Option(help="Address the TLS listener binds (the host's address or 0.0.0.0 for edge sites)."),
+    ] = "127.0.0.1",
     cafile: Annotated[Path | None, typer.Option(help="TLS: PEM CA certificate of the listener.")] = None,
     certfile: Annotated[Path | None, typer.Option(help="TLS: PEM server certificate.")] = None,
     keyfile: Annotated[Path | None, typer.Option(help="TLS: PEM private key of the server certificate.")] = None,
@@ -525,7 +529,7 @@ def acl(
 
     names = [s.strip() for s in sites.split(",") if s.strip()]
     try:
-        tls = tls_listener(tls_port, cafile, certfile, keyfile, require_certificate)
+        tls = tls_listener(tls_port, cafile, certfile, keyfile, require_certificate, tls_address)
         creds = write_mosquitto_files(directory, root, names, broker_user, port, tls)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None

@@ -94,7 +94,33 @@ def test_tls_listener_is_written_with_the_plain_one(tmp_path: Path) -> None:
         "require_certificate true",
     ]
     creds = json.loads((out / "credentials.json").read_text())
-    assert creds["tls"] == {"port": 18884, "cafile": str(files["ca"]), "require_certificate": True}
+    assert creds["tls"] == {
+        "port": 18884, "address": "127.0.0.1", "cafile": str(files["ca"]), "require_certificate": True,
+    }  # fmt: skip
     # half a TLS listener is refused, and nothing is written
     code, _, _ = _run("--dir", str(tmp_path / "half"), "--sites", "edge-a", "--tls-port", "18884")
     assert code == 2 and not (tmp_path / "half" / "mosquitto.conf").exists()
+
+
+def test_tls_listener_binds_the_given_address_for_remote_sites(tmp_path: Path) -> None:
+    """Edge sites connect from outside the host: the TLS listener binds ``--tls-address`` while the
+    plain listener stays on loopback; an address with blanks is refused and nothing written."""
+    from broker.cli import broker_app
+
+    files = {n: tmp_path / f"{n}.pem" for n in ("ca", "server", "server-key")}
+    for f in files.values():
+        f.write_text("pem\n")
+    tls = ["--tls-port", "8883", "--cafile", str(files["ca"]), "--certfile", str(files["server"]),
+           "--keyfile", str(files["server-key"])]  # fmt: skip
+    out = tmp_path / "mq"
+    res = CliRunner().invoke(
+        broker_app, ["acl", "--dir", str(out), "--sites", "edge-a", "--port", "1883", *tls, "--tls-address", "0.0.0.0"]
+    )
+    assert res.exit_code == 0, res.output
+    conf = (out / "mosquitto.conf").read_text().splitlines()
+    assert "listener 1883 127.0.0.1" in conf and "listener 8883 0.0.0.0" in conf
+    assert json.loads((out / "credentials.json").read_text())["tls"]["address"] == "0.0.0.0"
+    res = CliRunner().invoke(
+        broker_app, ["acl", "--dir", str(tmp_path / "bad"), "--sites", "edge-a", *tls, "--tls-address", "a b"]
+    )
+    assert res.exit_code == 2 and not (tmp_path / "bad" / "mosquitto.conf").exists()
