@@ -93,8 +93,11 @@ async def test_performance_set_values_arrive_exactly(sim_fabric: SimFabric) -> N
     assert t.saturated == ["PortXmitWait"]
     # through the bus's JSON, the integers stay exact
     on_bus = {
-        r.key: decode(IbPortSample, r.value or b"") for r in bus.records(KafkaTopics().telemetry_ib_port)
+        d.key: d
+        for d in (decode(IbPortSample, r.value or b"") for r in bus.records(KafkaTopics().telemetry_ib_port))
     }
+    # every record is keyed by its host on the bus (both telemetry topics: contracts.topics)
+    assert {r.key for r in bus.records(KafkaTopics().telemetry_ib_port)} >= {"leaf-2", "leaf-3"}
     assert on_bus[f"{leaf2}/3"].counters["PortXmitData"] == xmit
     hca = by_key[f"{sim_fabric.node('node007')['port_guid']}/1"]
     assert (hca.host, hca.device) == ("node007", "mlx5_0") and (hca.counters["PortXmitData"] or 0) > 0
