@@ -44,7 +44,14 @@ from analytics.service import AnalyticsService
 from analytics.store import AnalyticsStore
 from contracts import KafkaTopics
 from contracts.bus import make_bus
-from contracts.settings import DeploymentSettings, SettingsError, load_settings
+from contracts.run_options import (
+    ConfigOption,
+    KafkaOption,
+    MetricsAddrOption,
+    TopicPrefixOption,
+    metrics_port_option,
+)
+from contracts.settings import RunFlags, SettingsError
 
 log = logging.getLogger(__name__)
 
@@ -71,52 +78,25 @@ RUN_SETTINGS: dict[str, str] = {
 """Parameter of ``run`` → the :class:`contracts.settings.DeploymentSettings` field it sets."""
 
 
-def run_settings(config: Path | None = None, **flags: Any) -> DeploymentSettings:
-    """The settings ``gpupool analytics run`` runs with: ``flags`` (its parameters by name;
-    ``None`` = not given) over ``GPUPOOL_*`` over the TOML file ``config`` (else
-    ``$GPUPOOL_CONFIG``) over the defaults. Raises :class:`contracts.settings.SettingsError` on a
-    missing or unparsable file or an invalid value, ``KeyError`` on a parameter ``run`` lacks."""
-    return load_settings(config, {RUN_SETTINGS[name]: value for name, value in flags.items()})
-
-
-def _setting(name: str) -> str:
-    return f" (setting {RUN_SETTINGS[name]})"
+_RUN = RunFlags("gpupool analytics run", RUN_SETTINGS)
+run_settings = _RUN.load
+"""The settings ``gpupool analytics run`` runs with (:meth:`contracts.settings.RunFlags.load`)."""
+_setting = _RUN.help
 
 
 @app.command("run")
 def run(
-    config: Annotated[
-        Path | None,
-        typer.Option(
-            "--config",
-            help="TOML settings file of the deployment (default: $GPUPOOL_CONFIG); every option not "
-            "given takes its value from GPUPOOL_* variables, then this file, then the defaults.",
-        ),
-    ] = None,
-    kafka: Annotated[
-        str | None,
-        typer.Option(help="Kafka bootstrap servers host:port[,...]; required." + _setting("kafka")),
-    ] = None,
+    config: ConfigOption = None,
+    kafka: KafkaOption = None,
     db: Annotated[
         str | None,
         typer.Option(
             help="DuckDB file, created if new (default gpupool-analytics.duckdb)." + _setting("db")
         ),
     ] = None,
-    metrics_port: Annotated[
-        int | None,
-        typer.Option(
-            help="Serve Prometheus /metrics on this port (0: off; default 9411)." + _setting("metrics_port")
-        ),
-    ] = None,
-    metrics_addr: Annotated[
-        str | None,
-        typer.Option(help="Address of the /metrics server (default 127.0.0.1)." + _setting("metrics_addr")),
-    ] = None,
-    topic_prefix: Annotated[
-        str | None,
-        typer.Option(help="Prefix of every Kafka topic name (default none)." + _setting("topic_prefix")),
-    ] = None,
+    metrics_port: Annotated[int | None, metrics_port_option("analytics", 9411)] = None,
+    metrics_addr: MetricsAddrOption = None,
+    topic_prefix: TopicPrefixOption = None,
     group_id: Annotated[
         str | None,
         typer.Option(help="Kafka consumer group (default gpupool-analytics)." + _setting("group_id")),

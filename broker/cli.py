@@ -31,7 +31,14 @@ from broker.transport import TlsOptions
 from contracts import KafkaTopics, LeaseMessage, Offer, PoolDemand, Record, Reply, encode
 from contracts.bus import Bus
 from contracts.mqtt import Requirements
-from contracts.settings import DeploymentSettings, SettingsError, load_settings
+from contracts.run_options import (
+    ConfigOption,
+    KafkaOption,
+    MetricsAddrOption,
+    TopicPrefixOption,
+    metrics_port_option,
+)
+from contracts.settings import RunFlags, SettingsError
 
 if TYPE_CHECKING:
     from broker.fabric_opensm import OpenSmFabric
@@ -137,31 +144,16 @@ RUN_SETTINGS: dict[str, str] = {
 """Parameter of ``broker run`` → the :class:`contracts.settings.DeploymentSettings` field it sets."""
 
 
-def run_settings(config: Path | None = None, **flags: Any) -> DeploymentSettings:
-    """The settings ``gpupool broker run`` runs with: ``flags`` (its parameters by name; ``None``
-    = not given) over ``GPUPOOL_*`` over the TOML file ``config`` (else ``$GPUPOOL_CONFIG``) over
-    the defaults. Raises :class:`contracts.settings.SettingsError` on a missing or unparsable file
-    or an invalid value, ``KeyError`` on a parameter ``run`` does not have."""
-    return load_settings(config, {RUN_SETTINGS[name]: value for name, value in flags.items()})
-
-
-def _setting(name: str) -> str:
-    return f" (setting {RUN_SETTINGS[name]})"
+_RUN = RunFlags("gpupool broker run", RUN_SETTINGS)
+run_settings = _RUN.load
+"""The settings ``gpupool broker run`` runs with (:meth:`contracts.settings.RunFlags.load`)."""
+_setting = _RUN.help
 
 
 @broker_app.command("run")
 def run(
-    config: Annotated[
-        Path | None,
-        typer.Option(
-            "--config",
-            help="TOML settings file of the deployment (default: $GPUPOOL_CONFIG); every option not "
-            "given takes its value from GPUPOOL_* variables, then this file, then the defaults.",
-        ),
-    ] = None,
-    kafka: Annotated[
-        str | None, typer.Option(help="Kafka bootstrap host:port[,...]; required." + _setting("kafka"))
-    ] = None,
+    config: ConfigOption = None,
+    kafka: KafkaOption = None,
     mqtt: Annotated[
         str | None,
         typer.Option("--mqtt", help="MQTT server host:port (default 127.0.0.1:1883)." + _setting("mqtt")),
@@ -183,9 +175,7 @@ def run(
     root: Annotated[
         str | None, typer.Option(help="MQTT topic root (default gpupool/v1)." + _setting("root"))
     ] = None,
-    topic_prefix: Annotated[
-        str | None, typer.Option(help="Kafka topic prefix (default none)." + _setting("topic_prefix"))
-    ] = None,
+    topic_prefix: TopicPrefixOption = None,
     group_id: Annotated[
         str | None,
         typer.Option(
@@ -200,16 +190,8 @@ def run(
             "gpupool-broker)." + _setting("client_id")
         ),
     ] = None,
-    metrics_port: Annotated[
-        int | None,
-        typer.Option(
-            help="Serve Prometheus /metrics on this port (0: off; default 9412)." + _setting("metrics_port")
-        ),
-    ] = None,
-    metrics_addr: Annotated[
-        str | None,
-        typer.Option(help="Address of the /metrics listener (default 127.0.0.1)." + _setting("metrics_addr")),
-    ] = None,
+    metrics_port: Annotated[int | None, metrics_port_option("broker", 9412)] = None,
+    metrics_addr: MetricsAddrOption = None,
     offer_ttl: Annotated[
         float | None, typer.Option(help="Offer lifetime, seconds (default 60)." + _setting("offer_ttl"))
     ] = None,

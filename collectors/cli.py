@@ -15,7 +15,14 @@ import typer
 
 from contracts import KafkaTopics
 from contracts.bus import make_bus
-from contracts.settings import DeploymentSettings, SettingsError, load_settings
+from contracts.run_options import (
+    ConfigOption,
+    KafkaOption,
+    MetricsAddrOption,
+    TopicPrefixOption,
+    metrics_port_option,
+)
+from contracts.settings import RunFlags, SettingsError
 
 log = logging.getLogger(__name__)
 
@@ -58,33 +65,16 @@ RUN_SETTINGS: dict[str, str] = {
 """Parameter of ``run`` → the :class:`contracts.settings.DeploymentSettings` field it sets."""
 
 
-def run_settings(config: Path | None = None, **flags: Any) -> DeploymentSettings:
-    """The settings ``gpupool collect run`` runs with: ``flags`` (its parameters by name; ``None``
-    = not given) over ``GPUPOOL_*`` over the TOML file ``config`` (else ``$GPUPOOL_CONFIG``) over
-    the defaults. Raises :class:`contracts.settings.SettingsError` on a missing or unparsable file
-    or an invalid value, ``KeyError`` on a parameter ``run`` does not have."""
-    return load_settings(config, {RUN_SETTINGS[name]: value for name, value in flags.items()})
-
-
-def _setting(name: str) -> str:
-    """The help suffix naming the setting a flag overrides."""
-    return f" (setting {RUN_SETTINGS[name]})"
+_RUN = RunFlags("gpupool collect run", RUN_SETTINGS)
+run_settings = _RUN.load
+"""The settings ``gpupool collect run`` runs with (:meth:`contracts.settings.RunFlags.load`)."""
+_setting = _RUN.help
 
 
 @app.command("run")
 def run(
-    config: Annotated[
-        Path | None,
-        typer.Option(
-            "--config",
-            help="TOML settings file of the deployment (default: $GPUPOOL_CONFIG); every option not "
-            "given takes its value from GPUPOOL_* variables, then this file, then the defaults.",
-        ),
-    ] = None,
-    kafka: Annotated[
-        str | None,
-        typer.Option(help="Kafka bootstrap servers, host:port[,host:port]; required." + _setting("kafka")),
-    ] = None,
+    config: ConfigOption = None,
+    kafka: KafkaOption = None,
     dcgm_target: Annotated[
         list[str] | None,
         typer.Option(
@@ -159,22 +149,9 @@ def run(
     concurrency: Annotated[
         int | None, typer.Option(help="Scrapes in flight at most (default 64)." + _setting("concurrency"))
     ] = None,
-    topic_prefix: Annotated[
-        str | None,
-        typer.Option(help="Prefix of every Kafka topic name (default none)." + _setting("topic_prefix")),
-    ] = None,
-    metrics_port: Annotated[
-        int | None,
-        typer.Option(
-            help="Serve Prometheus /metrics on this port (0: off; default 9410)." + _setting("metrics_port")
-        ),
-    ] = None,
-    metrics_addr: Annotated[
-        str | None,
-        typer.Option(
-            help="Address the /metrics server binds to (default 127.0.0.1)." + _setting("metrics_addr")
-        ),
-    ] = None,
+    topic_prefix: TopicPrefixOption = None,
+    metrics_port: Annotated[int | None, metrics_port_option("collectors", 9410)] = None,
+    metrics_addr: MetricsAddrOption = None,
 ) -> None:
     """Scrape every dcgm-exporter target, read every sysfs root, run every nvidia-smi command and
     read NVML each interval and produce GpuSample / IbPortSample records to Kafka until SIGINT or

@@ -346,3 +346,46 @@ def load_settings(
         raise SettingsError(f"settings file {named} does not parse: {exc}") from exc
     except ValidationError as exc:
         raise SettingsError(f"invalid settings: {exc}") from exc
+
+
+CONFIG_OPTION_HELP = (
+    "TOML settings file of the deployment (default: $GPUPOOL_CONFIG); every option not given takes "
+    "its value from GPUPOOL_* variables, then this file, then the defaults."
+)
+"""``--config`` help of every stage's ``run`` command."""
+
+
+class RunFlags:
+    """The parameters of one stage's ``run`` command, each mapped to the dotted
+    :class:`DeploymentSettings` field it sets (``{"notice": "broker.notice_s"}``): one place that
+    turns flags into settings (:meth:`load`) and names the setting in each flag's help
+    (:meth:`help`).
+
+    Args:
+        command: the command, for messages (``gpupool broker run``).
+        fields: parameter name → dotted settings field.
+    """
+
+    def __init__(self, command: str, fields: Mapping[str, str]) -> None:
+        """Keep ``fields`` (copied)."""
+        self.command = command
+        self.fields: dict[str, str] = dict(fields)
+
+    def load(self, config: Path | None = None, **flags: Any) -> DeploymentSettings:
+        """The settings the command runs with: ``flags`` (its parameters by name; ``None`` = not
+        given) over ``GPUPOOL_*`` over the TOML file ``config`` (else ``$GPUPOOL_CONFIG``) over the
+        defaults (:func:`load_settings`).
+
+        Raises:
+            SettingsError: a missing or unparsable file or an invalid value.
+            KeyError: a parameter the command does not have.
+        """
+        return load_settings(config, {self.fields[name]: value for name, value in flags.items()})
+
+    def help(self, name: str) -> str:
+        """The help suffix naming the setting parameter ``name`` overrides: ``" (setting X)"``.
+
+        Raises:
+            KeyError: ``name`` is not a parameter of the command.
+        """
+        return f" (setting {self.fields[name]})"
