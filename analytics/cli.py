@@ -49,9 +49,10 @@ from contracts.run_options import (
     KafkaOption,
     MetricsAddrOption,
     TopicPrefixOption,
+    load_run_settings,
     metrics_port_option,
 )
-from contracts.settings import RunFlags, SettingsError
+from contracts.settings import RunFlags
 
 log = logging.getLogger(__name__)
 
@@ -156,30 +157,23 @@ def run(
     raises ``ValueError``); 1 when the /metrics port cannot be bound; the error of the bus or of
     DuckDB (locked or incompatible file) otherwise.
     """
-    try:
-        settings = run_settings(
-            config,
-            kafka=kafka,
-            db=db,
-            metrics_port=metrics_port,
-            metrics_addr=metrics_addr,
-            topic_prefix=topic_prefix,
-            group_id=group_id,
-            pool=pool,
-            min_idle_s=min_idle_s,
-            idle_threshold=idle_threshold,
-            busy_threshold=busy_threshold,
-            stale_after_s=stale_after_s,
-            refresh_s=refresh_s,
-            memory_limit=memory_limit,
-        )
-    except SettingsError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--config / GPUPOOL_* / options") from None
-    if settings.kafka is None:
-        raise typer.BadParameter(
-            "no Kafka bootstrap servers: give --kafka, GPUPOOL_KAFKA or kafka in the settings file",
-            param_hint="--kafka",
-        )
+    settings = load_run_settings(
+        _RUN,
+        config,
+        kafka=kafka,
+        db=db,
+        metrics_port=metrics_port,
+        metrics_addr=metrics_addr,
+        topic_prefix=topic_prefix,
+        group_id=group_id,
+        pool=pool,
+        min_idle_s=min_idle_s,
+        idle_threshold=idle_threshold,
+        busy_threshold=busy_threshold,
+        stale_after_s=stale_after_s,
+        refresh_s=refresh_s,
+        memory_limit=memory_limit,
+    )
     s_idle = settings.idle
     try:
         idle = idle_config_from(s_idle)

@@ -36,9 +36,10 @@ from contracts.run_options import (
     KafkaOption,
     MetricsAddrOption,
     TopicPrefixOption,
+    load_run_settings,
     metrics_port_option,
 )
-from contracts.settings import RunFlags, SettingsError
+from contracts.settings import RunFlags
 
 if TYPE_CHECKING:
     from broker.fabric_opensm import OpenSmFabric
@@ -286,42 +287,35 @@ def run(
     from broker.service import BrokerService
     from contracts.bus import make_bus
 
-    try:
-        settings = run_settings(
-            config,
-            kafka=kafka,
-            mqtt=mqtt,
-            username=username,
-            password=password,
-            protocol=protocol,
-            root=root,
-            topic_prefix=topic_prefix,
-            group_id=group_id,
-            client_id=client_id,
-            metrics_port=metrics_port,
-            metrics_addr=metrics_addr,
-            offer_ttl=offer_ttl,
-            notice=notice,
-            lease_ttl=lease_ttl,
-            fabric_state=fabric_state,
-            fabric_gateway=fabric_gateway,
-            fabric_hosts=fabric_hosts,
-            fabric_sl=fabric_sl,
-            fabric_timeout=fabric_timeout,
-            fabric_dry_run=fabric_dry_run,
-            mqtt_cafile=mqtt_cafile,
-            mqtt_certfile=mqtt_certfile,
-            mqtt_keyfile=mqtt_keyfile,
-            lease_log_linger_ms=lease_log_linger_ms,
-            tune_gc=tune_gc,
-        )
-    except SettingsError as e:
-        raise typer.BadParameter(str(e), param_hint="--config / GPUPOOL_* / options") from None
-    if settings.kafka is None:
-        raise typer.BadParameter(
-            "no Kafka bootstrap servers: give --kafka, GPUPOOL_KAFKA or kafka in the settings file",
-            param_hint="--kafka",
-        )
+    settings = load_run_settings(
+        _RUN,
+        config,
+        kafka=kafka,
+        mqtt=mqtt,
+        username=username,
+        password=password,
+        protocol=protocol,
+        root=root,
+        topic_prefix=topic_prefix,
+        group_id=group_id,
+        client_id=client_id,
+        metrics_port=metrics_port,
+        metrics_addr=metrics_addr,
+        offer_ttl=offer_ttl,
+        notice=notice,
+        lease_ttl=lease_ttl,
+        fabric_state=fabric_state,
+        fabric_gateway=fabric_gateway,
+        fabric_hosts=fabric_hosts,
+        fabric_sl=fabric_sl,
+        fabric_timeout=fabric_timeout,
+        fabric_dry_run=fabric_dry_run,
+        mqtt_cafile=mqtt_cafile,
+        mqtt_certfile=mqtt_certfile,
+        mqtt_keyfile=mqtt_keyfile,
+        lease_log_linger_ms=lease_log_linger_ms,
+        tune_gc=tune_gc,
+    )
     bootstrap = settings.kafka
     sb = settings.broker
     host, port = _host_port(settings.mqtt)

@@ -20,9 +20,10 @@ from contracts.run_options import (
     KafkaOption,
     MetricsAddrOption,
     TopicPrefixOption,
+    load_run_settings,
     metrics_port_option,
 )
-from contracts.settings import RunFlags, SettingsError
+from contracts.settings import RunFlags
 
 log = logging.getLogger(__name__)
 
@@ -171,33 +172,26 @@ def run(
     """
     from collectors.service import CollectorService
 
-    try:
-        settings = run_settings(
-            config,
-            kafka=kafka,
-            topic_prefix=topic_prefix,
-            dcgm_target=dcgm_target,
-            sysfs_root=sysfs_root,
-            nvidia_smi=nvidia_smi,
-            nvml_host=nvml_host,
-            file_sd=file_sd,
-            file_sd_refresh=file_sd_refresh,
-            spool_dir=spool_dir,
-            spool_memory_records=spool_memory_records,
-            spool_disk_bytes=spool_disk_bytes,
-            interval=interval,
-            timeout=timeout,
-            concurrency=concurrency,
-            metrics_port=metrics_port,
-            metrics_addr=metrics_addr,
-        )
-    except SettingsError as e:
-        raise typer.BadParameter(str(e), param_hint="--config / GPUPOOL_* / options") from None
-    if settings.kafka is None:
-        raise typer.BadParameter(
-            "no Kafka bootstrap servers: give --kafka, GPUPOOL_KAFKA or kafka in the settings file",
-            param_hint="--kafka",
-        )
+    settings = load_run_settings(
+        _RUN,
+        config,
+        kafka=kafka,
+        topic_prefix=topic_prefix,
+        dcgm_target=dcgm_target,
+        sysfs_root=sysfs_root,
+        nvidia_smi=nvidia_smi,
+        nvml_host=nvml_host,
+        file_sd=file_sd,
+        file_sd_refresh=file_sd_refresh,
+        spool_dir=spool_dir,
+        spool_memory_records=spool_memory_records,
+        spool_disk_bytes=spool_disk_bytes,
+        interval=interval,
+        timeout=timeout,
+        concurrency=concurrency,
+        metrics_port=metrics_port,
+        metrics_addr=metrics_addr,
+    )
     bootstrap = settings.kafka
     cs = settings.collectors
     targets = list(cs.dcgm_targets)

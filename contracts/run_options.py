@@ -8,11 +8,11 @@ the value from ``GPUPOOL_*``, then the ``--config`` TOML file, then the default 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from contracts.settings import CONFIG_OPTION_HELP
+from contracts.settings import CONFIG_OPTION_HELP, DeploymentSettings, RunFlags, SettingsError
 
 ConfigOption = Annotated[Path | None, typer.Option("--config", help=CONFIG_OPTION_HELP)]
 """``--config FILE``: the deployment's TOML settings file."""
@@ -43,3 +43,26 @@ def metrics_port_option(stage: str, default: int) -> object:
     return typer.Option(
         help=f"Serve Prometheus /metrics on this port (0: off; default {default}). (setting metrics.{stage})"
     )
+
+
+def load_run_settings(flags: RunFlags, config: Path | None, **values: Any) -> DeploymentSettings:
+    """The settings a stage's ``run`` command runs with (:meth:`RunFlags.load`), for the command
+    line: a settings error or no Kafka bootstrap servers anywhere becomes a usage error.
+
+    Returns:
+        the settings, with ``kafka`` set.
+
+    Raises:
+        typer.BadParameter: invalid settings (file missing or not TOML, a value refused) or no
+            ``kafka`` from the flags, ``GPUPOOL_KAFKA`` or the file (Typer exits with status 2).
+    """
+    try:
+        settings = flags.load(config, **values)
+    except SettingsError as e:
+        raise typer.BadParameter(str(e), param_hint="--config / GPUPOOL_* / options") from None
+    if settings.kafka is None:
+        raise typer.BadParameter(
+            "no Kafka bootstrap servers: give --kafka, GPUPOOL_KAFKA or kafka in the settings file",
+            param_hint="--kafka",
+        )
+    return settings
