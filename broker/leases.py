@@ -369,7 +369,9 @@ class LeaseBook:
         expires = now + self.config.lease_ttl_s
         if draft.ends_at is not None:
             expires = min(expires, draft.ends_at)
-        min_until = None if draft.min_until is None else now + (draft.min_until - draft.granted_at)
+        # the guarantee counts from the reservation, whose check against the offers' promise
+        # (available_until) it passed: time spent isolating never stretches it past that promise
+        min_until = draft.min_until
         rec = draft.model_copy(
             update={
                 "ts": now,

@@ -75,7 +75,9 @@ class LeaseLogRecord(Record):
             no end but the TTL.
         min_until: the minimum guaranteed duration ends here (Unix s): no training demand takes
             the GPUs back before it unless forced (``PoolDemand.force``; then ``reason`` says
-            ``guarantee_broken``). ``None``: no guarantee.
+            ``guarantee_broken``). Counted from the claim's acceptance (when it was checked against
+            the offers' ``available_until``), so fabric isolation time is part of it and the
+            guarantee never outlasts the promise. ``None``: no guarantee.
         reclaim_deadline: when reclaiming, the time the GPUs are taken back regardless (Unix s).
         notice_seconds: reclaim notice promised by the offer.
         partition: the fabric isolation, once applied.

@@ -204,9 +204,10 @@ def test_matched_claim_spans_two_nodes_of_one_leaf_and_grants_every_host() -> No
     answer, ch = book.grant(step, 2.0)
     assert answer.ok
     (rec,) = ch.records
-    assert rec.min_until == 102.0 and rec.granted_at == 2.0
+    # the guarantee counts from the reservation (t=1, checked against the promise), not the grant
+    assert rec.min_until == 101.0 and rec.granted_at == 2.0
     msg = lease_message(rec)
-    assert msg.hosts == ["n1", "n2"] and msg.offer_ids == rec.offer_ids and msg.min_until == 102.0
+    assert msg.hosts == ["n1", "n2"] and msg.offer_ids == rec.offer_ids and msg.min_until == 101.0
     assert m.CLAIM_DECISIONS.labels(site="edge-a", kind="match", result="ok")._value.get() == before + 1
     assert book.violations() == []
 
@@ -283,3 +284,18 @@ def test_claim_shapes_are_validated() -> None:
         Claim(claim_id="x", site="a", count=1, duration_seconds=10, min_duration_seconds=20, ts=0.0)
     old = Claim.model_validate_json('{"claim_id":"x","site":"a","offer_id":"o","ts":0}')
     assert not old.matched and old.requirements is None and old.min_duration_seconds == 0
+
+
+def test_a_guarantee_never_outlasts_the_promise_however_long_isolation_takes() -> None:
+    """The minimum duration is checked against the offer's ``available_until`` when the claim is
+    accepted; a slow fabric verify before the grant must not push ``min_until`` past it."""
+    book = _book()
+    _idle(book, "n1", 2, until=101.0)
+    step, _ = book.begin_claim("edge-a", _want(2, min_duration_seconds=100), 1.0)
+    assert isinstance(step, PendingGrant), step
+    (offer,) = step.offers
+    answer, ch = book.grant(step, 19.0)  # 18 s of isolation
+    assert answer.ok
+    (rec,) = ch.records
+    assert rec.min_until == 101.0 <= (offer.available_until or 0.0)
+    assert book.violations() == []
