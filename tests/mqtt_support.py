@@ -5,7 +5,8 @@
   server must not disturb the shared session one);
 * :func:`mosquitto_script` / :func:`mosquitto_script_async` — run that script;
 * :func:`until` — poll a condition;
-* :func:`retained_leases` — read a site's retained lease messages as that site would.
+* :func:`retained_leases` — read a site's retained lease messages as that site would;
+* :func:`running` — a broker service started, serving and connected for the block, then stopped.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import os
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import aiomqtt
 import pytest
 
+from broker.service import BrokerService
 from contracts import LeaseMessage, MqttTopics, decode
 
 T = TypeVar("T")
@@ -103,3 +105,19 @@ async def retained_leases(creds: dict[str, Any], site: str, root: str | None = N
                         lease = decode(LeaseMessage, bytes(msg.payload))  # type: ignore[arg-type]
                         found[lease.lease_id] = lease
     return found
+
+
+@contextlib.asynccontextmanager
+async def running(svc: BrokerService, connect_timeout_s: float = 10.0) -> AsyncIterator[BrokerService]:
+    """Start ``svc``, serve it (``run``) and wait until it is connected to its MQTT server (at most
+    ``connect_timeout_s``; ``TimeoutError`` otherwise); on leaving, stop serving and stop it."""
+    await svc.start()
+    stop = asyncio.Event()
+    task = asyncio.create_task(svc.run(stop))
+    try:
+        await svc.wait_connected(connect_timeout_s)
+        yield svc
+    finally:
+        stop.set()
+        await task
+        await svc.stop()

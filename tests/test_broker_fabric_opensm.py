@@ -27,6 +27,7 @@ from broker.service import BrokerService
 from contracts import KafkaTopics, LeaseLogRecord, LeaseState, ReasonCode
 from contracts.bus import MemoryBus
 from tests.fabric_fixture import SimFabric, sim_fabric  # noqa: F401 - the session fixture
+from tests.mqtt_support import running
 from tests.test_broker_service import CFG, _Amqtt, _free_port, _idle, _offer_on, _site, _until
 
 pytestmark = pytest.mark.integration
@@ -253,35 +254,29 @@ async def test_broker_grants_only_verified_leases(sim_fabric: SimFabric) -> None
         bus=bus, topics=KafkaTopics(), mqtt_host="127.0.0.1", mqtt_port=server.port, protocol=4,
         config=CFG, fabric=mgr,
     )  # fmt: skip
-    await svc.start()
-    stop = asyncio.Event()
-    task = asyncio.create_task(svc.run(stop))
     try:
-        await svc.wait_connected(10)
-        async with _site(server.port) as site:
-            await _idle(bus, "gpu-node-017", 1)
-            off = await _offer_on(site, "gpu-node-017")
-            with pytest.raises(ClaimRejected) as e:
-                await site.claim(off.offer_id)
-            assert e.value.code is ReasonCode.ISOLATION_FAILED and "gpu-node-017" in e.value.reply.text
-            again = await _offer_on(site, "gpu-node-017")
-            assert [g.gpu for g in again.gpus] == [g.gpu for g in off.gpus], "the GPU is offered again"
+        async with running(svc):
+            async with _site(server.port) as site:
+                await _idle(bus, "gpu-node-017", 1)
+                off = await _offer_on(site, "gpu-node-017")
+                with pytest.raises(ClaimRejected) as e:
+                    await site.claim(off.offer_id)
+                assert e.value.code is ReasonCode.ISOLATION_FAILED and "gpu-node-017" in e.value.reply.text
+                again = await _offer_on(site, "gpu-node-017")
+                assert [g.gpu for g in again.gpus] == [g.gpu for g in off.gpus], "the GPU is offered again"
 
-            await _idle(bus, "gpu-node-013", 2)
-            lease = await site.claim((await _offer_on(site, "gpu-node-013")).offer_id, count=2)
-            part = lease.partition
-            assert part is not None and part.verified
-            lid = sim_fabric.node("node013")["lid"]
-            assert part.pkey in _pkeys(sim_fabric, lid)
-            assert part.limited_members == [sim_fabric.node("node013")["port_guid"]]
-            await site.release(lease.lease_id)
-            await _until(lambda: mgr.partitions() == [], 10)
-            await _until(lambda: part.pkey not in _pkeys(sim_fabric, lid), 10)
-            assert any(f"pkey=0x{part.pkey:04x} sl=1 verified" in p for p in svc.stats()["partitions"])
+                await _idle(bus, "gpu-node-013", 2)
+                lease = await site.claim((await _offer_on(site, "gpu-node-013")).offer_id, count=2)
+                part = lease.partition
+                assert part is not None and part.verified
+                lid = sim_fabric.node("node013")["lid"]
+                assert part.pkey in _pkeys(sim_fabric, lid)
+                assert part.limited_members == [sim_fabric.node("node013")["port_guid"]]
+                await site.release(lease.lease_id)
+                await _until(lambda: mgr.partitions() == [], 10)
+                await _until(lambda: part.pkey not in _pkeys(sim_fabric, lid), 10)
+                assert any(f"pkey=0x{part.pkey:04x} sl=1 verified" in p for p in svc.stats()["partitions"])
     finally:
-        stop.set()
-        await task
-        await svc.stop()
         await server.stop()
 
 

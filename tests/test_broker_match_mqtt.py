@@ -36,7 +36,7 @@ from contracts import (
 from contracts.bus import MemoryBus
 from contracts.leases import Partition
 from contracts.mqtt import Requirements
-from tests.mqtt_support import until
+from tests.mqtt_support import running, until
 
 pytestmark = pytest.mark.integration
 
@@ -126,11 +126,7 @@ async def test_matched_claims_quotas_and_guarantees_over_mosquitto(private_mosqu
         fabric=fabric,
         client_id=f"gpupool-broker-{run_id}",
     )
-    await svc.start()
-    stop = asyncio.Event()
-    task = asyncio.create_task(svc.run(stop))
-    try:
-        await svc.wait_connected(10)
+    async with running(svc):
         await _capacity(bus, topics, "n1", 2, "leaf-1")
         await _capacity(bus, topics, "n2", 2, "leaf-1")
         await _capacity(bus, topics, "n3", 1, "leaf-2")
@@ -230,10 +226,6 @@ async def test_matched_claims_quotas_and_guarantees_over_mosquitto(private_mosqu
             done = await a.wait_lease(lease.lease_id, lambda m: not m.state.live, 5)
             assert done.state is LeaseState.REVOKED
             await until(lambda: lease.lease_id in fabric.removed, 5, "partition removed")
-    finally:
-        stop.set()
-        await task
-        await svc.stop()
 
     log = [decode(LeaseLogRecord, m.value) for m in bus.records(topics.leases_log) if m.value is not None]
     mine = [r for r in log if r.lease_id == lease.lease_id]

@@ -42,8 +42,7 @@ from contracts import (
     encode,
 )
 from contracts.bus import MemoryBus
-
-from tests.mqtt_support import mosquitto_script_async, retained_leases, until
+from tests.mqtt_support import mosquitto_script_async, retained_leases, running, until
 
 pytestmark = pytest.mark.integration
 
@@ -137,16 +136,8 @@ async def _broker(bus: MemoryBus, creds: dict[str, Any], client_id: str) -> Asyn
         config=CFG,
         client_id=client_id,
     )
-    await svc.start()
-    stop = asyncio.Event()
-    task = asyncio.create_task(svc.run(stop))
-    try:
-        await svc.wait_connected(10)
+    async with running(svc):
         yield svc
-    finally:
-        stop.set()
-        await task
-        await svc.stop()
 
 
 def _site(creds: dict[str, Any], name: str, run_id: str) -> EdgeClient:

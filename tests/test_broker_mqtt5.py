@@ -33,6 +33,7 @@ from contracts import (
     encode,
 )
 from contracts.bus import MemoryBus
+from tests.mqtt_support import running
 
 pytestmark = pytest.mark.integration
 
@@ -62,11 +63,7 @@ async def test_protocol_5_over_mosquitto(mosquitto: dict) -> None:
         config=cfg,
         client_id=f"gpupool-broker-{run_id}",
     )
-    await svc.start()
-    stop = asyncio.Event()
-    task = asyncio.create_task(svc.run(stop))
-    try:
-        await svc.wait_connected(10)
+    async with running(svc):
         now = time.time()
         for i in range(2):
             u = CapacityUpdate(
@@ -163,7 +160,3 @@ async def test_protocol_5_over_mosquitto(mosquitto: dict) -> None:
             LeaseState.RELEASED,
         ]
         assert svc.stats()["reclaims"]["released_in_notice"] == 1
-    finally:
-        stop.set()
-        await task
-        await svc.stop()

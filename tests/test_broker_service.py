@@ -42,6 +42,7 @@ from contracts import (
 )
 from contracts.bus import Bus, MemoryBus
 from contracts.leases import Partition
+from tests.mqtt_support import running
 
 TOPICS = KafkaTopics()
 MT = MqttTopics()
@@ -104,16 +105,8 @@ async def _service(
     svc = BrokerService(
         bus=bus, topics=topics, mqtt_host="127.0.0.1", mqtt_port=port, protocol=4, config=config
     )
-    await svc.start()
-    stop = asyncio.Event()
-    task = asyncio.create_task(svc.run(stop))
-    try:
-        await svc.wait_connected(10)
+    async with running(svc):
         yield svc
-    finally:
-        stop.set()
-        await task
-        await svc.stop()
 
 
 def _site(port: int, site: str = "edge-a") -> EdgeClient:
@@ -507,11 +500,7 @@ async def test_grant_waits_for_a_verified_partition(mqtt_port: int) -> None:
         config=CFG,
         fabric=fabric,
     )
-    await svc.start()
-    stop = asyncio.Event()
-    task = asyncio.create_task(svc.run(stop))
-    try:
-        await svc.wait_connected(10)
+    async with running(svc):
         async with _site(mqtt_port) as site:
             await _idle(bus, "n1", 1)
             for mode in ("unverified", "raise"):
@@ -528,10 +517,6 @@ async def test_grant_waits_for_a_verified_partition(mqtt_port: int) -> None:
             await site.release(lease.lease_id)
             await _until(lambda: lease.lease_id in fabric.removed)
             assert "pkey=0x0012 sl=1 verified" in svc.stats()["partitions"][0]
-    finally:
-        stop.set()
-        await task
-        await svc.stop()
 
 
 class _Proxy:

@@ -21,7 +21,7 @@ from broker.service import BrokerService
 from contracts import KafkaTopics, MqttTopics, PeerState, encode
 from contracts.bus import MemoryBus
 from gpupool.embedded_mqtt import EmbeddedMqttBroker
-from tests.mqtt_support import until
+from tests.mqtt_support import running, until
 
 MT = MqttTopics()
 CFG = BrokerConfig(tick_s=0.05, reconnect_min_s=0.05, reconnect_max_s=0.5)
@@ -41,16 +41,8 @@ async def _broker(port: int) -> AsyncIterator[BrokerService]:
     svc = BrokerService(
         bus=MemoryBus(), topics=KafkaTopics(), mqtt_host="127.0.0.1", mqtt_port=port, protocol=4, config=CFG
     )
-    await svc.start()
-    stop = asyncio.Event()
-    task = asyncio.create_task(svc.run(stop))
-    try:
-        await svc.wait_connected(10)
+    async with running(svc):
         yield svc
-    finally:
-        stop.set()
-        await task
-        await svc.stop()
 
 
 def _state(*, online: bool, seq: int) -> bytes:

@@ -9,7 +9,6 @@ by the script, by pid.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -18,7 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import aiomqtt
 import pytest
 from typer.testing import CliRunner
 
@@ -29,7 +27,7 @@ from broker.service import BrokerService
 from broker.transport import TlsOptions, make_client
 from contracts import KafkaTopics, LeaseState
 from contracts.bus import MemoryBus
-from tests.mqtt_support import MOSQUITTO_SH
+from tests.mqtt_support import MOSQUITTO_SH, running
 from tests.test_broker_service import CFG, _idle, _offer_on
 
 pytestmark = pytest.mark.integration
@@ -113,11 +111,7 @@ async def test_a_site_claims_over_tls_and_clients_without_the_ca_are_refused(
         mqtt_username="gpupool-broker", mqtt_password=creds["users"]["gpupool-broker"], root=creds["root"],
         protocol=5, config=CFG, client_id=f"gpupool-broker-tls-{time.time_ns()}", tls=_ca(creds),
     )  # fmt: skip
-    await svc.start()
-    stop = asyncio.Event()
-    task = asyncio.create_task(svc.run(stop))
-    try:
-        await svc.wait_connected(10)
+    async with running(svc):
         async with _site(creds, _ca(creds), persistent=False) as site:
             await _idle(bus, "tls-n1", 2)
             offer = await _offer_on(site, "tls-n1")
@@ -144,10 +138,6 @@ async def test_a_site_claims_over_tls_and_clients_without_the_ca_are_refused(
         with pytest.raises(ConnectionError):
             async with wrong:
                 pass
-    finally:
-        stop.set()
-        await task
-        await svc.stop()
 
 
 def test_edge_cli_connects_over_tls_with_the_ca_only(tls_mosquitto: dict[str, Any]) -> None:
