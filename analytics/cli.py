@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import csv
+import datetime as dt
+import io
 import json
 import logging
 import math
+import re
 import signal
-import sys
 import time
+from enum import StrEnum
 from pathlib import Path
 from types import TracebackType
 from typing import Annotated, Any
@@ -41,7 +45,7 @@ from analytics.evaluate import (
 )
 from analytics.retention import RetentionConfig, read_watermark
 from analytics.service import AnalyticsService
-from analytics.store import AnalyticsStore
+from analytics.store import AnalyticsStore, StoreSchemaError
 from contracts import KafkaTopics
 from contracts.bus import make_bus
 from contracts.run_options import (
@@ -85,7 +89,18 @@ run_settings = _RUN.load
 _setting = _RUN.help
 
 
-@app.command("run")
+@app.command(
+    "run",
+    help="Run the analytics stage until Ctrl-C or SIGTERM: read GPU and InfiniBand telemetry from "
+    "Kafka into a DuckDB file, decide which GPUs are idle, and publish capacity updates.\n\n"
+    "Each option not given as a flag comes from its GPUPOOL_* variable, then the --config file, "
+    "then the default (the setting is named after each option). While it runs, no other process "
+    "can open the DuckDB file (gpupool analytics sql, maintain, report): stop it first, or work "
+    "on a copy made while it was stopped.\n\n"
+    "Exit code 2 on invalid settings, no Kafka configured or thresholds that do not fit together "
+    "(idle must be below busy); 1 when the metrics port cannot be bound or the DuckDB file cannot "
+    "be opened.",
+)
 def run(
     config: ConfigOption = None,
     kafka: KafkaOption = None,
@@ -236,37 +251,154 @@ async def _run(
         await bus.close()
 
 
-@app.command("sql")
+class OutputFormat(StrEnum):
+    """``--format`` of ``gpupool analytics sql``: ``table`` for people (rich; long cells may be
+    wrapped), ``csv`` (RFC 4180, a header row) and ``json`` (a list of objects) for scripts."""
+
+    TABLE = "table"
+    CSV = "csv"
+    JSON = "json"
+
+
+_TABLE_LIMIT = 1000
+
+
+@app.command(
+    "sql",
+    help="Run one read-only SQL query on the analytics DuckDB file and print the result.\n\n"
+    "Tables: gpu_samples, ib_port_samples, gpu_states, idle_runs, gpu_rollup_1m, "
+    "ib_port_rollup_1m, consumer_offsets; views: gpu_state_now, idle_windows, ib_port_intervals, "
+    "fabric_headroom (README, section SQL views).\n\n"
+    "DuckDB lets no other process open a file while `gpupool analytics run` writes it: stop the "
+    "stage first, or copy the file while the stage is stopped and query the copy with --db. "
+    "Exit code 1 when the file cannot be opened (locked, missing) or the query fails.",
+)
 def sql(
     query: Annotated[str, typer.Argument(help='SQL to run, e.g. "SELECT * FROM gpu_state_now".')],
     db: Annotated[str, typer.Option(envvar="GPUPOOL_ANALYTICS_DB", help="DuckDB file.")] = (
         "gpupool-analytics.duckdb"
     ),
-    limit: Annotated[int, typer.Option(help="Print at most this many rows.")] = 1000,
+    output_format: Annotated[
+        OutputFormat,
+        typer.Option(
+            "--format",
+            help="table: for reading (default); csv: a header row, NULL as an empty field; json: a "
+            "list of objects, NULL as null. csv and json print every value in full.",
+        ),
+    ] = OutputFormat.TABLE,
+    limit: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help=f"Print at most this many rows (default: {_TABLE_LIMIT} for table, every row for "
+            "csv and json).",
+        ),
+    ] = None,
 ) -> None:
-    """Run one SQL query on the analytics database (read-only) and print a table.
+    """Run one SQL query on the analytics database (read-only) and print it as ``output_format``.
 
-    Tables: gpu_samples, ib_port_samples, gpu_states, idle_runs, consumer_offsets; view:
-    gpu_state_now. DuckDB lets one process write a file: while ``analytics run`` holds it, this
-    fails with DuckDB's lock error (exit code 1).
+    ``csv``: :mod:`csv` (excel dialect, RFC 4180) with a header row of the column names; NULL is
+    an empty field, LIST/STRUCT/MAP values are their JSON text, others ``str()``.
+    ``json``: one array of objects (column name -> value), see :func:`_json_value` for the
+    types. A query that returns no result set prints nothing (csv/json) or an empty table.
+
+    Exit code 1 when the file cannot be opened — a file locked by a running stage gets the message
+    of :func:`lock_holder_message` — or when the query fails (DuckDB's message).
     """
-    console = Console()
+    err = Console(stderr=True)
     try:
         store = AnalyticsStore(db, read_only=True)
-    except duckdb.Error as exc:
-        console.print(f"[red]cannot open {db}:[/red] {exc}")
+    except (duckdb.Error, StoreSchemaError) as exc:
+        err.print(f"cannot open {db}: {lock_holder_message(exc) or exc}", markup=False, highlight=False)
         raise typer.Exit(1) from exc
     try:
         names, rows = store.sql(query)
     except duckdb.Error as exc:
-        console.print(f"[red]query failed:[/red] {exc}")
+        err.print(f"query failed: {exc}", markup=False, highlight=False)
         raise typer.Exit(1) from exc
     finally:
         store.close()
-    table = Table(*names, title=f"{len(rows)} rows" + (f" (first {limit})" if len(rows) > limit else ""))
-    for row in rows[:limit]:
-        table.add_row(*(_cell(v) for v in row))
-    console.print(table)
+    cap = limit if limit is not None else (_TABLE_LIMIT if output_format is OutputFormat.TABLE else None)
+    shown = rows if cap is None else rows[:cap]
+    if output_format is OutputFormat.CSV:
+        _print_csv(names, shown)
+    elif output_format is OutputFormat.JSON:
+        typer.echo(json.dumps([dict(zip(names, map(_json_value, row), strict=True)) for row in shown],
+                              indent=1, ensure_ascii=False, allow_nan=False))
+    else:
+        title = f"{len(rows)} rows" + (f" (first {cap})" if cap is not None and len(rows) > cap else "")
+        table = Table(*names, title=title)
+        for row in shown:
+            table.add_row(*(_cell(v) for v in row))
+        Console().print(table)
+    if len(shown) < len(rows) and output_format is not OutputFormat.TABLE:
+        err.print(f"printed {len(shown)} of {len(rows)} rows (--limit)", markup=False, highlight=False)
+
+
+_LOCK_PID = re.compile(r"Conflicting lock is held in (?P<exe>.*?) \(PID (?P<pid>\d+)\)")
+
+
+def lock_holder_message(exc: BaseException) -> str | None:
+    """The operator's explanation of DuckDB's "Could not set lock on file" error, or ``None`` when
+    ``exc`` is another error.
+
+    DuckDB (``duckdb.IOException``, message ``... Conflicting lock is held in <exe> (PID <n>) ...``)
+    lets one process open a file read-write and no other process open it at all meanwhile; the
+    returned text names the PID and what to do: ``the store is locked by a running analytics
+    stage (PID n): ...``.
+    """
+    text = str(exc)
+    if "Could not set lock" not in text:
+        return None
+    m = _LOCK_PID.search(text)
+    pid = f" (PID {m.group('pid')})" if m else ""
+    return (
+        f"the store is locked by a running analytics stage{pid}: DuckDB lets no other process open a "
+        "file while `gpupool analytics run` writes it. Stop the stage and query the file, or copy it "
+        "while the stage is stopped (cp FILE COPY), start the stage again, and query the copy with "
+        f"--db COPY. DuckDB said: {text}"
+    )
+
+
+def _print_csv(names: list[str], rows: list[tuple[Any, ...]]) -> None:
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(names)
+    for row in rows:
+        writer.writerow(_csv_value(v) for v in row)
+    typer.echo(out.getvalue(), nl=False)
+
+
+def _csv_value(value: Any) -> Any:
+    """One CSV field: ``""`` for NULL, JSON text for LIST/STRUCT/MAP values, else the value."""
+    if value is None:
+        return ""
+    if isinstance(value, list | dict | tuple):
+        return json.dumps(_json_value(value), ensure_ascii=False, allow_nan=False)
+    return value
+
+
+def _json_value(value: Any) -> Any:
+    """A DuckDB value as JSON: numbers and strings as they are (HUGEINT in full), NULL as null,
+    non-finite floats as the strings ``"NaN"``/``"Infinity"``/``"-Infinity"``, DECIMAL as its exact
+    text, TIMESTAMP/DATE/TIME as ISO 8601, INTERVAL as seconds, UUID as text, BLOB as hex;
+    LIST/STRUCT/MAP recursively."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else ("NaN" if math.isnan(value) else
+                                                  ("Infinity" if value > 0 else "-Infinity"))
+    if isinstance(value, dt.datetime | dt.date | dt.time):
+        return value.isoformat()
+    if isinstance(value, dt.timedelta):
+        return value.total_seconds()
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value).hex()
+    if isinstance(value, dict):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_value(v) for v in value]
+    return str(value)  # Decimal, UUID, ...
 
 
 def _cell(value: Any) -> str:
@@ -276,7 +408,16 @@ def _cell(value: Any) -> str:
 _RETENTION = RetentionConfig()
 
 
-@app.command("maintain")
+@app.command(
+    "maintain",
+    help="Catch up rollups and retention of a big analytics store by hand: roll every complete "
+    "minute up into gpu_rollup_1m / ib_port_rollup_1m and delete expired rows, one transaction per "
+    "--step-s of data, until nothing is left to roll up. The running stage does the same every "
+    "minute; use this after a first start on a full file, a replay or a long stop.\n\n"
+    "Stop `gpupool analytics run` on the file first (DuckDB lets only one process open it). "
+    "Prints the rows rolled up and expired per table. Exit code 2 on a bad option, 1 when the file "
+    "cannot be opened or a transaction fails (that step is rolled back; the steps before it stay).",
+)
 def maintain_store(
     db: Annotated[str, typer.Option(envvar="GPUPOOL_ANALYTICS_DB", help="DuckDB file.")] = (
         "gpupool-analytics.duckdb"
@@ -326,8 +467,8 @@ def maintain_store(
     err = Console(stderr=True)
     try:
         store = AnalyticsStore(db)
-    except duckdb.Error as exc:
-        err.print(f"[red]cannot open {db}:[/red] {exc}")
+    except (duckdb.Error, StoreSchemaError) as exc:
+        err.print(f"cannot open {db}: {lock_holder_message(exc) or exc}", markup=False, highlight=False)
         raise typer.Exit(1) from exc
     rolled: dict[str, int] = {}
     expired: dict[str, int] = {}
@@ -358,10 +499,10 @@ def maintain_store(
     if json_output:
         typer.echo(json.dumps(summary, indent=2))
         return
-    table = Table("table", "rows rolled up", "rows expired", title=f"{total} minutes in {steps} transactions")
+    summary_table = Table("table", "rows rolled up", "rows expired", title=f"{total} minutes in {steps} transactions")
     for name in sorted(set(rolled) | set(expired)):
-        table.add_row(name, str(rolled.get(name, 0)), str(expired.get(name, 0)))
-    Console().print(table)
+        summary_table.add_row(name, str(rolled.get(name, 0)), str(expired.get(name, 0)))
+    Console().print(summary_table)
 
 
 def _rollup_span(store: AnalyticsStore, until: float) -> tuple[float | None, float]:
@@ -448,7 +589,17 @@ _OFFERABLE_TARGET = 0.60
 _BROKEN_TARGET = 0.05
 
 
-@app.command("evaluate")
+@app.command(
+    "evaluate",
+    help="Score idle-time prediction on a real GPU trace: replay the Alibaba GenAI 2026 trace "
+    "through gpupool's idle detection and prediction and print, per prediction variant, the share "
+    "of the real idle GPU-time that could have been offered and the share of promised idle windows "
+    "that ended early (targets: at least 60 % offerable, at most 5 % broken; definitions in the "
+    "README, section Predicted idle windows).\n\n"
+    "The full trace (143 pods) takes about 15-20 s on two cores; progress shows on stderr "
+    "(--progress) or goes to the JSON log.\n\n"
+    "Exit code 2 on a bad option, 1 when the trace is missing or unreadable.",
+)
 def evaluate_trace(
     trace: Annotated[
         Path,

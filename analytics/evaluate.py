@@ -305,7 +305,7 @@ history, renewed every sample); follows :class:`~analytics.predict.PredictorConf
 
 DEFAULT_VARIANTS: tuple[Variant, ...] = (
     RECOMMENDED,
-    Variant("gpu+pool (service default before issue 4)", "gpu+pool"),
+    Variant("gpu+pool (former default)", "gpu+pool"),
     Variant("pool, last 4096 runs", "pool", pool_runs=4096),
     Variant("gpu only", "gpu"),
     Variant("hour-of-day+pool", "hour+pool"),

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 import uuid
 from collections import Counter
@@ -55,6 +56,19 @@ Progress = Callable[[dict[str, object]], object]
 """``progress(snapshot)`` of :func:`run_demo`, called about twice a second."""
 
 
+def default_state_dir() -> Path:
+    """Where the demo keeps its files unless told: ``$GPUPOOL_STATE/demo`` when ``GPUPOOL_STATE``
+    is set and not empty (the Makefile exports ``<clone>/.state``; the local service scripts use
+    the same variable), else ``.state/demo`` relative to the current directory."""
+    state = os.environ.get("GPUPOOL_STATE")
+    return Path(state) / "demo" if state else Path(".state/demo")
+
+
+def new_run_id() -> str:
+    """A fresh run id: 8 hex digits, in the names of the run's files (``leases-<run>.jsonl``...)."""
+    return uuid.uuid4().hex[:8]
+
+
 @dataclass
 class DemoConfig:
     """Everything the demo can be told; the defaults are the embedded ones.
@@ -81,7 +95,10 @@ class DemoConfig:
     mqtt_credentials: Path | None = None
     """credentials.json of deploy/local/mosquitto.sh (users and passwords per site and broker)."""
     mqtt_protocol: int = 5
-    state_dir: Path = Path(".state/demo")
+    state_dir: Path = field(default_factory=default_state_dir)
+    """Where the run's files go (:func:`default_state_dir`: ``$GPUPOOL_STATE/demo`` or ``.state/demo``)."""
+    run_id: str | None = None
+    """Id of the run in its file names; ``None``: a fresh one (:func:`new_run_id`)."""
     metrics_port: int = 0
     trace_dir: Path | None = None
     topic_prefix: str | None = None
@@ -106,6 +123,7 @@ class OfferAudit:
     ``violations`` counts offered GPUs the trace shows busy at the offer's time *and* already one
     scrape interval before it (the pipeline had the chance to see it); ``races`` counts those
     that turned busy inside the last scrape interval (no collector could have seen it yet).
+    Each violation is logged at ERROR (``offer_for_busy_gpu``), each race at DEBUG (``offer_race``).
     """
 
     offers: int = 0
@@ -126,7 +144,8 @@ class OfferAudit:
                     log.error("offer_for_busy_gpu", extra={"offer_id": offer.offer_id, "gpu": g.gpu})
                 else:
                     self.races += 1
-                    log.warning("offer_race", extra={"offer_id": offer.offer_id, "gpu": g.gpu, "offer_ts": offer.ts})
+                    # expected now and then, and counted in the summary: not a warning
+                    log.debug("offer_race", extra={"offer_id": offer.offer_id, "gpu": g.gpu, "offer_ts": offer.ts})
 
 
 @dataclass(frozen=True)
@@ -237,7 +256,7 @@ async def run_demo(cfg: DemoConfig, progress: Progress | None = None) -> DemoSum
     :class:`FabricUnavailable` with ``fabric=on`` when the fabric cannot run.
     """
     cfg.state_dir.mkdir(parents=True, exist_ok=True)
-    run_id = uuid.uuid4().hex[:8]
+    run_id = cfg.run_id or new_run_id()
     status, own = await _open_fabric(cfg, run_id)
     try:
         return await _run_pipeline(cfg, progress, run_id, status, own)

@@ -8,8 +8,10 @@ partition was verified on the fabric, and the isolate→verified time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Sequence
+import logging
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -92,6 +94,34 @@ def summary_view(s: DemoSummary) -> RenderableType:
     return Group(t, lease_table(leases, "leases (in grant order)", with_state=True))
 
 
+@contextlib.contextmanager
+def logs_to_file(path: Path) -> Iterator[None]:
+    """While inside, send what gpupool's JSON log handlers (:func:`gpupool.logs.setup_logging`)
+    would write to the terminal to ``path`` instead (appended, same JSON lines, same level), so
+    log lines do not tear the live table; the handlers are put back on exit. The file is opened on
+    the first record (``logging.FileHandler(delay=True)``); without such handlers nothing changes.
+    Raises ``OSError`` when the folder cannot be created."""
+    root = logging.getLogger()
+    ours = [h for h in root.handlers if getattr(h, "_gpupool", False)]
+    if not ours:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    to_file = logging.FileHandler(path, encoding="utf-8", delay=True)
+    to_file.setFormatter(ours[0].formatter)
+    to_file.setLevel(ours[0].level)
+    for h in ours:
+        root.removeHandler(h)
+    root.addHandler(to_file)
+    try:
+        yield
+    finally:
+        root.removeHandler(to_file)
+        to_file.close()
+        for h in ours:
+            root.addHandler(h)
+
+
 def demo(
     duration: Annotated[float, typer.Option(help="How long to run, wall-clock seconds.")] = 60.0,
     nodes: Annotated[int, typer.Option(help="Simulated GPU nodes (8 GPUs each).")] = 4,
@@ -99,8 +129,9 @@ def demo(
     kafka: Annotated[str | None, typer.Option(help="Kafka bootstrap host:port; default: in-process bus.")] = None,
     mqtt: Annotated[str | None, typer.Option(help="MQTT broker host:port; default: embedded amqtt (MQTT 3.1.1).")] = None,
     mqtt_credentials: Annotated[Path | None, typer.Option(help="credentials.json from deploy/local/mosquitto.sh.")] = None,
-    state_dir: Annotated[Path, typer.Option(
-        help="Where the DuckDB file, the simulated sysfs, the fabric and the lease files go.")] = Path(".state/demo"),
+    state_dir: Annotated[Path | None, typer.Option(
+        help="Where the DuckDB file, the simulated sysfs, the fabric, the lease files and the log go "
+             "(default: $GPUPOOL_STATE/demo when GPUPOOL_STATE is set, else .state/demo).")] = None,
     metrics_port: Annotated[int, typer.Option(help="Serve Prometheus /metrics of every stage on this port (0: off).")] = 0,
     fabric: Annotated[FabricMode, typer.Option(
         help="Fabric isolation on a simulated InfiniBand fabric (ibsim + OpenSM, started and stopped by the "
@@ -115,18 +146,21 @@ def demo(
     them over MQTT; simulated edge sites claim and renew; training demand reclaims. With fabric
     isolation every lease gets its own InfiniBand partition (PKey + SL) verified on the fabric
     before it is granted; per lease the tables show site, GPUs, PKey, SL, verified and the
-    isolate→verified time. Exit code 1 if an offer was made for a GPU the trace showed busy, 2 if
-    --fabric on and the fabric cannot run.
+    isolate→verified time. While the live view runs, log lines go to demo-<run>.log in the state
+    directory instead of the terminal. Exit code 1 if an offer was made for a GPU the trace showed
+    busy, 2 if --fabric on and the fabric cannot run.
     """
-    from gpupool.demo import DemoConfig, run_demo
+    from gpupool.demo import DemoConfig, default_state_dir, new_run_id, run_demo
 
+    run_id = new_run_id()
     cfg = DemoConfig(duration_s=duration, nodes=nodes, speedup=speedup, kafka=kafka, mqtt=mqtt,
-                     mqtt_credentials=mqtt_credentials, state_dir=state_dir,
-                     metrics_port=metrics_port, fabric=fabric)
+                     mqtt_credentials=mqtt_credentials, state_dir=state_dir or default_state_dir(),
+                     metrics_port=metrics_port, fabric=fabric, run_id=run_id)
+    log_path = cfg.state_dir / f"demo-{run_id}.log"
     console = Console(stderr=False)
     told = False
     try:
-        with Live(console=console, auto_refresh=False, transient=False) as live:
+        with logs_to_file(log_path), Live(console=console, auto_refresh=False, transient=False) as live:
             def progress(snap: dict[str, object]) -> None:
                 nonlocal told
                 status = snap.get("fabric")
@@ -148,7 +182,9 @@ def demo(
         console.print_json(json.dumps(summary.as_dict()))
     else:
         console.print(summary_view(summary))
-        for what, path in (("lease log", summary.leases_file), ("per-lease rows", summary.lease_rows_file)):
+        log_file = str(log_path) if log_path.exists() else None
+        for what, path in (("lease log", summary.leases_file), ("per-lease rows", summary.lease_rows_file),
+                           ("log (JSON lines)", log_file)):
             if path:
                 console.print(f"{what}: {path}", markup=False, highlight=False)
     if summary.offer_violations:

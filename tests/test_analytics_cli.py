@@ -51,9 +51,104 @@ def test_sql_prints_a_table(tmp_path: Path) -> None:
 def test_sql_errors_exit_1(tmp_path: Path) -> None:
     db = _db(tmp_path)
     res = CliRunner().invoke(app, ["sql", "SELECT * FROM no_such_table", "--db", db])
-    assert res.exit_code == 1 and "query failed" in res.output
+    assert res.exit_code == 1 and "query failed" in res.stderr
     res = CliRunner().invoke(app, ["sql", "SELECT 1", "--db", str(tmp_path / "missing.duckdb")])
-    assert res.exit_code == 1 and "cannot open" in res.output
+    assert res.exit_code == 1 and "cannot open" in res.stderr and "locked" not in res.stderr
+
+
+def test_sql_formats_csv_and_json_print_full_values(tmp_path: Path) -> None:
+    """--format csv / json: every value in full (a long text, a HUGEINT, a timestamp, NULL, a list),
+    every row unless --limit; table stays the default."""
+    db = _db(tmp_path)
+    long_text = "x" * 500
+    query = (
+        f"SELECT gpu_key, sample_ts, '{long_text}' AS long_text, 170141183460469231731687303715884105727::HUGEINT"
+        " AS big, NULL AS nothing, [1, 2] AS list, 'a,\"b' AS quoted FROM gpu_state_now"
+    )
+    res = CliRunner().invoke(app, ["sql", query, "--db", db, "--format", "json"])
+    assert res.exit_code == 0, res.output
+    (row,) = json.loads(res.stdout)
+    assert row == {
+        "gpu_key": "node-7/GPU-q",
+        "sample_ts": "2023-11-14T22:13:22",
+        "long_text": long_text,
+        "big": 170141183460469231731687303715884105727,
+        "nothing": None,
+        "list": [1, 2],
+        "quoted": 'a,"b',
+    }
+    res = CliRunner().invoke(app, ["sql", query, "--db", db, "--format", "csv"])
+    assert res.exit_code == 0, res.output
+    import csv
+    import io
+
+    header, line = list(csv.reader(io.StringIO(res.stdout)))
+    assert header == ["gpu_key", "sample_ts", "long_text", "big", "nothing", "list", "quoted"]
+    assert line == ["node-7/GPU-q", "2023-11-14 22:13:22", long_text,
+                    "170141183460469231731687303715884105727", "", "[1, 2]", 'a,"b']
+    # every row for scripts; --limit still cuts, and says so on stderr
+    rows = "SELECT * FROM range(1500) t(i)"
+    res = CliRunner().invoke(app, ["sql", rows, "--db", db, "--format", "json"])
+    assert res.exit_code == 0 and len(json.loads(res.stdout)) == 1500
+    res = CliRunner().invoke(app, ["sql", rows, "--db", db, "--format", "csv", "--limit", "10"])
+    assert res.exit_code == 0 and res.stdout.splitlines() == ["i", *map(str, range(10))]
+    assert "printed 10 of 1500 rows" in res.stderr
+    res = CliRunner().invoke(app, ["sql", rows, "--db", db], env={"COLUMNS": "200"})
+    assert res.exit_code == 0 and "1500 rows (first 1000)" in " ".join(res.stdout.split())
+    assert "│ 999 │" in res.stdout and "│ 1000 │" not in res.stdout
+    res = CliRunner().invoke(app, ["sql", rows, "--db", db, "--format", "xml"])
+    assert res.exit_code == 2
+
+
+def test_sql_on_a_store_locked_by_a_running_stage_names_the_cause(tmp_path: Path) -> None:
+    """Another process holding the file read-write (as `analytics run` does): exit 1, and the
+    message names the cause, the holder's PID and the way that works."""
+    import subprocess
+    import sys
+
+    db = _db(tmp_path)
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         f"import duckdb, sys; c = duckdb.connect({db!r}); print('open', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
+        res = CliRunner().invoke(app, ["sql", "SELECT 1", "--db", db], env={"COLUMNS": "300"})
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    assert res.exit_code == 1
+    message = " ".join(res.stderr.split())
+    assert f"the store is locked by a running analytics stage (PID {holder.pid}):" in message, message
+    assert "--db COPY" in message
+    # once the stage is stopped the same command works
+    res = CliRunner().invoke(app, ["sql", "SELECT count(*) AS n FROM gpu_samples", "--db", db, "--format", "csv"])
+    assert res.exit_code == 0 and res.stdout == "n\n3\n"
+
+
+# developer words that must not reach an operator's --help
+_INTERNALS = ("``", ":mod:", ":class:", "IdleConfig", "EvaluationConfig", "RetentionConfig", "issue 4",
+              "about a minute", "ValueError", "analytics/", "contracts/")
+
+
+@pytest.mark.parametrize("command", ["run", "sql", "maintain", "evaluate"])
+def test_help_speaks_to_operators(command: str) -> None:
+    """--help of each analytics command: what it does, when it cannot open the file, exit codes;
+    no class or module names, no stale claims."""
+    res = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    leaked = [w for w in _INTERNALS if w in res.output]
+    assert not leaked, f"analytics {command} --help leaks {leaked}:\n{res.output}"
+    assert "Exit code" in res.output
+
+
+def test_evaluate_names_the_former_default_plainly() -> None:
+    from analytics.evaluate import DEFAULT_VARIANTS
+
+    names = [v.name for v in DEFAULT_VARIANTS]
+    assert "gpu+pool (former default)" in names and not any("issue" in n for n in names)
 
 
 def test_run_rejects_inconsistent_thresholds() -> None:

@@ -153,6 +153,39 @@ def test_without_the_tools_the_demo_runs_unisolated_and_says_so_once(tmp_path: P
     assert "install-system.sh" in refused.output
 
 
+def test_fabric_off_demo_follows_gpupool_state_says_so_once_and_keeps_logs_off_the_terminal(
+        tmp_path: Path) -> None:
+    """`GPUPOOL_STATE=... gpupool demo --fabric off` (no --state-dir): every file goes to
+    $GPUPOOL_STATE/demo, the "no isolation" notice is printed once, and the JSON warning lines
+    (fabric_isolation_disabled) go to the run's log file, not between the live tables."""
+    state = tmp_path / "state"
+    result = CliRunner().invoke(app, ["demo", "--duration", "4", "--nodes", "1", "--fabric", "off"],
+                                env={"COLUMNS": "200", "GPUPOOL_STATE": str(state)})
+    assert result.exit_code == 0, result.output[-3000:]
+    out = result.output
+    assert out.count("leases run without fabric isolation") == 1, out
+    assert '"event"' not in out and "fabric_isolation_disabled" not in out, out
+    demo_dir = state / "demo"
+    assert len(list(demo_dir.glob("analytics-*.duckdb"))) == 1 and len(list(demo_dir.glob("leases-*.jsonl"))) == 1
+    (log_file,) = demo_dir.glob("demo-*.log")
+    events = [json.loads(line)["event"] for line in log_file.read_text().splitlines()]
+    assert "fabric_isolation_disabled" in events
+    assert f"log (JSON lines): {log_file}" in out
+    assert not Path(".state/demo").joinpath(log_file.name).exists()
+
+
+def test_default_state_dir_follows_gpupool_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpupool.demo import default_state_dir
+
+    monkeypatch.setenv("GPUPOOL_STATE", "/srv/gpupool-state")
+    assert default_state_dir() == Path("/srv/gpupool-state/demo")
+    assert DemoConfig().state_dir == Path("/srv/gpupool-state/demo")
+    monkeypatch.setenv("GPUPOOL_STATE", "")
+    assert default_state_dir() == Path(".state/demo")
+    monkeypatch.delenv("GPUPOOL_STATE")
+    assert DemoConfig().state_dir == Path(".state/demo")
+
+
 async def test_fabric_off_runs_without_partitions(tmp_path: Path) -> None:
     """``fabric=off`` starts no fabric even with the tools present; the summary says why."""
     summary = await run_demo(DemoConfig(duration_s=6.0, nodes=2, fabric=FabricMode.OFF, state_dir=tmp_path))

@@ -15,6 +15,7 @@ import logging
 import re
 import shutil
 import subprocess
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -418,8 +419,20 @@ async def test_read_lease_log_from_bus() -> None:
     await producer.send("leases.log", b'{"broken": true}', key="lease-x")
     await producer.flush()
     await producer.stop()
+    before = len(bus.records("leases.log"))
     records, rejected = await read_from_bus(bus, "leases.log", timeout_s=5.0)
     assert records == _lease_log() and rejected == 1
+    assert len(bus.records("leases.log")) == before  # the report only reads
+
+
+async def _end_offsets(bus: KafkaBus, topic: str) -> dict[object, int]:
+    """End offset of every partition of ``topic`` (a fresh group's consumer, nothing committed)."""
+    consumer = bus.consumer([topic], f"ends-{uuid.uuid4().hex}")
+    await consumer.start()
+    try:
+        return dict(await consumer.end_offsets())
+    finally:
+        await consumer.stop()
 
 
 # the page in a real browser --------------------------------------------------------------------------
@@ -543,6 +556,16 @@ def test_cli_report_errors(tmp_path: Path) -> None:
     assert res.exit_code == 2
 
 
+def test_report_help_speaks_to_operators() -> None:
+    """``gpupool report --help``: what it draws, that it only reads; the developer notes below the
+    docstring's form feed and internal names stay out."""
+    res = CliRunner().invoke(app, ["report", "--help"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    for word in ("``", ":mod:", ":func:", "Developer notes", "LeaseLogRecord", "tombstone", "end-marker"):
+        assert word not in res.output, word
+    assert "only reads the lease log" in " ".join(res.output.split())
+
+
 def test_demo_then_report_in_chromium(tmp_path: Path) -> None:
     """A 12 s demo on 2 nodes writes its DuckDB file and its lease log; the report of them counts
     what the demo's broker counted and renders in Chromium."""
@@ -576,7 +599,8 @@ def test_demo_then_report_in_chromium(tmp_path: Path) -> None:
 async def test_cli_reads_the_lease_log_from_kafka(
     store_path: Path, tmp_path: Path, kafka_bus: KafkaBus, kafka_topics: KafkaTopics, kafka_bootstrap: str
 ) -> None:
-    """``--kafka``: the lease log is read from a real Kafka ``leases.log`` to its end."""
+    """``--kafka``: the lease log is read from a real Kafka ``leases.log`` to its end (a tombstone
+    last in a partition included), and nothing is written to it: its end offsets do not move."""
     topic = kafka_topics.leases_log
     await kafka_bus.create_topics([topic], partitions=2, compacted=[topic])
     producer = kafka_bus.producer()
@@ -584,9 +608,12 @@ async def test_cli_reads_the_lease_log_from_kafka(
     try:
         for rec in _lease_log():
             await producer.send(topic, encode(rec), key=rec.lease_id)
+        await producer.send(topic, None, key="__gpupool_rebuild_marker__/old/0")  # a broker's end marker
         await producer.flush()
     finally:
         await producer.stop()
+    before = await _end_offsets(kafka_bus, topic)
+    assert len(before) == 2 and sum(before.values()) == len(_lease_log()) + 1
     out = tmp_path / "kafka-report.html"
     args = [
         "report",
@@ -605,3 +632,4 @@ async def test_cli_reads_the_lease_log_from_kafka(
     assert res.exit_code == 0, res.output
     assert "3 leases (2 reclaimed)" in res.stdout
     assert f"{topic} on {kafka_bootstrap}" in out.read_text(encoding="utf-8")
+    assert await _end_offsets(kafka_bus, topic) == before  # the report wrote nothing

@@ -38,15 +38,15 @@ def report(
     leases: Annotated[
         Path | None,
         typer.Option(
-            help="Lease log as JSON lines, one LeaseLogRecord per line (the demo writes "
-            "<state-dir>/leases-<run>.jsonl).",
+            help="Lease log as JSON lines, one lease-log record (as on the leases.log topic) per line; "
+            "the demo writes <state-dir>/leases-<run>.jsonl.",
         ),
     ] = None,
     kafka: Annotated[
         str | None,
         typer.Option(
-            help="Read the lease log from Kafka instead (bootstrap host:port[,...]); the reader writes "
-            "one end-marker tombstone per partition of leases.log, as a starting broker does.",
+            help="Read the lease log from Kafka instead (bootstrap host:port[,...]): the topic "
+            "leases.log, from its first record to its end at the start of the report. Only reads.",
         ),
     ] = None,
     topic_prefix: Annotated[str, typer.Option(help="Kafka topic prefix (with --kafka).")] = "",
@@ -57,14 +57,23 @@ def report(
     max_columns: Annotated[int, typer.Option(min=10, help="Most time buckets per heatmap.")] = 400,
     max_idle_windows: Annotated[int, typer.Option(min=1, help="Newest idle windows drawn.")] = 5000,
 ) -> None:
-    """Write a self-contained HTML report with plots of what gpupool saw and did.
+    """Write one self-contained HTML file (it opens without network) with plots of what gpupool
+    saw and did: GPU utilisation per GPU over time; idle windows, predicted against real; leases
+    and their reclaims (with --leases or --kafka); InfiniBand link headroom per port.
 
-    Plots (plotly; plotly.js is inlined, the file needs no network): GPU utilisation per GPU over
-    time; idle windows, predicted (predicted_idle_until) vs real (idle_runs); leases with their
-    reclaims (from --leases or --kafka); InfiniBand headroom per port, 1 - 4*dPortXmitData/(dt*rate).
-
-    Exit code 1 when the database cannot be read (missing, locked by a writer, not an analytics
-    store), the lease log cannot be read, or Kafka does not answer; 2 on bad options.
+    The DuckDB file is only read, but no process can open it while `gpupool analytics run` writes
+    it: stop the stage, or report on a copy made while it was stopped. --kafka only reads the lease
+    log. Exit code 1 when the database or the lease log cannot be read or Kafka does not answer;
+    2 on bad options.
+    \f
+    Developer notes (not shown by ``--help``): plots are plotly figures
+    (:mod:`gpupool.report.figures`, plotly.js inlined by :mod:`gpupool.report.page`) built from the
+    read-only queries of :mod:`gpupool.report.data`; headroom is ``1 - 4·ΔPortXmitData / (Δt·rate)``.
+    The lease log comes from :func:`gpupool.report.leases.load_jsonl` or
+    :func:`gpupool.report.leases.read_from_bus` (end offsets; writes nothing). Errors: the database
+    (``FileNotFoundError``, ``ReportDataError``, ``duckdb.Error``), the lease log (``OSError``,
+    ``UnicodeDecodeError``, ``TimeoutError``, ``ConnectionError``) and the output (``OSError``)
+    become exit code 1.
     """
     if leases is not None and kafka is not None:
         raise typer.BadParameter("give --leases or --kafka, not both", param_hint="--leases/--kafka")

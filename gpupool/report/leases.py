@@ -3,7 +3,8 @@
 Leases are not in DuckDB: the broker writes every lease transition to the Kafka topic
 ``leases.log`` (:class:`contracts.LeaseLogRecord`, keyed and compacted by ``lease_id``). This
 module reads those records from a JSON-lines file (one ``LeaseLogRecord`` JSON object per line, the
-wire format of :func:`contracts.encode`) or from the bus, writes such a file, and folds the records
+wire format of :func:`contracts.encode`) or from the bus (reading only: it never writes to the
+topic), writes such a file, and folds the records
 of each lease into one :class:`LeaseSpan` for the timeline.
 
 A compacted topic may keep only the newest record of a lease; a span is still complete then:
@@ -16,20 +17,21 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import time
+import uuid
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from broker.leaselog import read_lease_log
 from contracts import LeaseLogRecord, LeaseState, decode, encode
-from contracts.bus import Bus
+from contracts.bus import Bus, BusMessage, TopicPartition
 from gpupool.report import metrics
 
 log = logging.getLogger(__name__)
 
 CLIENT_ID = "gpupool-report"
-"""Kafka client id and consumer-group prefix the report reads the lease log with."""
+"""Kafka client id and consumer-group prefix the report reads the lease log with (it only reads)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,25 +122,60 @@ def write_jsonl(records: Sequence[LeaseLogRecord], path: Path) -> None:
 
 
 async def read_from_bus(bus: Bus, topic: str, *, timeout_s: float = 30.0) -> tuple[list[LeaseLogRecord], int]:
-    """Every record of the lease log ``topic`` on ``bus``, read to its end.
+    """Every record of the lease log ``topic`` on ``bus`` written before this call, read to its
+    end without writing anything to the topic.
 
-    Uses the broker's own reader (:func:`broker.leaselog.read_lease_log`): a fresh consumer group
-    ``gpupool-report-rebuild-<random>`` reads from the beginning, and one end-marker tombstone per
-    partition (removed by compaction, skipped by every reader) tells it where the end is; so the
-    report needs write access to the topic too. Returns ``(records, rejected)``; rejected records
-    are counted in ``gpupool_report_rejected_records_total{reason="bad_record"}``.
+    A fresh consumer group ``gpupool-report-<random>`` (never committed, so it reads from the
+    earliest record) takes every partition; the end of each partition is its end offset at that
+    moment (:meth:`contracts.bus.Consumer.end_offsets`, the high watermark on Kafka), and a
+    partition is read once a record at ``end - 1`` or later has been seen (compaction leaves gaps
+    in the offsets, never removes the newest record). Records without a value (tombstones, the
+    broker's end markers) are skipped. Returns ``(records, rejected)``, in offset
+    order within each partition; rejected records (not a :class:`contracts.LeaseLogRecord`) are logged
+    (``lease_log_record_rejected``) and counted in
+    ``gpupool_report_rejected_records_total{reason="bad_record"}``.
 
-    Raises ``TimeoutError`` if the end is not reached within ``timeout_s`` seconds, and the bus's
-    connection errors.
+    Raises ``TimeoutError`` if no partition is assigned or the ends are not reached within
+    ``timeout_s`` seconds, and the bus's errors (Kafka: ``aiokafka.errors.KafkaError``).
     """
-    producer = bus.producer(client_id=CLIENT_ID)
-    await producer.start()
+    consumer = bus.consumer([topic], f"{CLIENT_ID}-{uuid.uuid4().hex[:12]}", client_id=CLIENT_ID)
+    deadline = time.monotonic() + timeout_s
+    await consumer.start()
     try:
-        records, rejected = await read_lease_log(
-            bus, producer, topic, group_prefix=CLIENT_ID, client_id=CLIENT_ID, timeout_s=timeout_s
-        )
+        batch: list[BusMessage] = []
+        while not consumer.assignment():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no partition of {topic} assigned to read the lease log")
+            batch += await consumer.getmany(timeout_s=0.2)
+        ends = {tp: end for tp, end in (await consumer.end_offsets()).items() if tp.topic == topic}
+        pending = {tp for tp, end in ends.items() if end > 0}
+        records: list[LeaseLogRecord] = []
+        rejected = 0
+        while True:
+            for msg in batch:
+                tp = TopicPartition(msg.topic, msg.partition)
+                if tp not in ends or msg.offset >= ends[tp]:
+                    continue  # written after this call started
+                if msg.offset >= ends[tp] - 1:
+                    pending.discard(tp)
+                if msg.value is None:
+                    continue
+                try:
+                    records.append(decode(LeaseLogRecord, msg.value))
+                except ValueError as exc:
+                    rejected += 1
+                    log.warning(
+                        "lease_log_record_rejected",
+                        extra={"topic": topic, "partition": msg.partition, "offset": msg.offset,
+                               "error": str(exc)[:300]},
+                    )
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"did not reach the end of {topic} within {timeout_s} s")
+            batch = await consumer.getmany(timeout_s=0.5)
     finally:
-        await producer.stop()
+        await consumer.stop()
     if rejected:
         metrics.REJECTED_RECORDS.labels(reason="bad_record").inc(rejected)
     return records, rejected
