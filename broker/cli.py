@@ -7,29 +7,41 @@
   ``watch``; each prints JSON on stdout (models as in :mod:`contracts.mqtt`).
 
 Passwords come from ``--password`` or the environment (``GPUPOOL_MQTT_PASSWORD``), never a prompt.
-Exit status: 0 done; 1 the broker refused (the reply is printed); 2 cannot connect or bad input.
+Exit status: 0 done; 1 the broker refused (the reply is printed) or the MQTT server refused the
+login (not retried); 2 cannot connect (server down, TLS mismatch: the message says which) or bad
+input.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import json
 import signal
 import sys
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
 import typer
 
 from broker.edge import BrokerRejected, EdgeClient, OfferWithdrawn
-from broker.transport import TlsOptions
-from contracts import KafkaTopics, LeaseMessage, Offer, PoolDemand, Record, Reply, encode
-from contracts.bus import Bus
+from broker.transport import LoginRefused, TlsOptions
+from contracts import (
+    KafkaTopics,
+    LeaseLogRecord,
+    LeaseMessage,
+    LeaseState,
+    Offer,
+    PoolDemand,
+    Record,
+    Reply,
+    decode,
+    encode,
+)
+from contracts.bus import Bus, Consumer, TopicPartition
 from contracts.mqtt import Requirements
 from contracts.run_options import (
     ConfigOption,
@@ -59,10 +71,6 @@ _Password = Annotated[
 _Site = Annotated[str, typer.Option(envvar="GPUPOOL_SITE", help="Edge site name (env GPUPOOL_SITE).")]
 _SiteUser = Annotated[str | None, typer.Option(help="MQTT user name; default: the site name.")]
 _Timeout = Annotated[float, typer.Option(help="How long to wait for the broker, seconds.")]
-_Kafka = Annotated[
-    str, typer.Option(envvar="GPUPOOL_KAFKA", help="Kafka bootstrap host:port (env GPUPOOL_KAFKA).")
-]
-_Prefix = Annotated[str, typer.Option(help="Kafka topic prefix.")]
 _CaFile = Annotated[
     Path | None,
     typer.Option(
@@ -413,25 +421,51 @@ def opensm_fabric(
         raise typer.BadParameter(f"--fabric-state {state}: {e}") from None
 
 
+DEMAND_SETTINGS: dict[str, str] = {"kafka": "kafka", "topic_prefix": "topic_prefix"}
+"""Parameter of ``broker demand`` → the :class:`contracts.settings.DeploymentSettings` field it sets."""
+
+_DEMAND = RunFlags("gpupool broker demand", DEMAND_SETTINGS)
+
+
 @broker_app.command("demand")
 def demand(
-    kafka: _Kafka,
+    kafka: KafkaOption = None,
     count: Annotated[int, typer.Option(help="Take back this many leased GPUs (0 with no --gpu: all).")] = 0,
     gpu: Annotated[
         list[str] | None, typer.Option(help="GPU key host/uuid[/gi] to take back; repeatable.")
     ] = None,
     reason: Annotated[str, typer.Option(help="Why (the training job), for the log.")] = "cli",
     force: Annotated[bool, typer.Option(help="Cut a lease's minimum guaranteed duration short.")] = False,
-    topic_prefix: _Prefix = "",
+    topic_prefix: TopicPrefixOption = None,
+    config: ConfigOption = None,
+    wait: Annotated[
+        float,
+        typer.Option(
+            help="Then follow the lease log this long, seconds, printing each lease that turns "
+            "reclaiming for this demand (0: do not wait)."
+        ),
+    ] = 0.0,
 ) -> None:
     """Ask for GPUs back: publish a PoolDemand on the pool.demand topic, print it as JSON.
 
-    The broker moves the matching leases to reclaiming, each with its notice.
+    The broker moves the matching leases to reclaiming, each with its notice. Kafka and the topic
+    prefix come from the flags, else GPUPOOL_KAFKA / GPUPOOL_TOPIC_PREFIX, else the --config TOML
+    (GPUPOOL_CONFIG), as for `gpupool broker run`. With --wait S, the lease log (leases.log topic,
+    read from its end as it was when the demand was sent) is followed for up to S seconds: each
+    lease the broker turned reclaiming for this demand (record reason demand:<demand_id>...) is
+    printed as one JSON line (LeaseLogRecord, contracts/leases.py), and a count goes to stderr;
+    it stops early once --count GPUs (or every --gpu) are reclaiming. Exit 2 for bad options or
+    settings, or when Kafka cannot be reached.
     """
     from contracts.bus import make_bus
 
     if count < 0:
         raise typer.BadParameter("--count must be >= 0")
+    if wait < 0:
+        raise typer.BadParameter("--wait must be >= 0")
+    settings = load_run_settings(_DEMAND, config, kafka=kafka, topic_prefix=topic_prefix)
+    assert settings.kafka is not None  # load_run_settings guarantees it
+    topics = KafkaTopics(prefix=settings.topic_prefix)
     record = PoolDemand(
         demand_id=f"cli-{uuid.uuid4().hex[:12]}",
         ts=time.time(),
@@ -440,16 +474,87 @@ def demand(
         reason=reason,
         force=force,
     )
+    found: list[LeaseLogRecord] = []
 
     async def _main() -> None:
-        bus = make_bus(kafka, client_id="gpupool-cli")
+        bus = make_bus(settings.kafka, client_id="gpupool-cli")
         try:
-            await publish_demand(bus, KafkaTopics(prefix=topic_prefix), record)
+            if wait <= 0:
+                await publish_demand(bus, topics, record)
+                return
+            async with contextlib.aclosing(demand_and_follow(bus, topics, record, wait)) as events:
+                async for event in events:
+                    _print(event)
+                    sys.stdout.flush()
+                    if isinstance(event, LeaseLogRecord):
+                        found.append(event)
         finally:
             await bus.close()
 
-    asyncio.run(_main())
-    _print(record)
+    from aiokafka.errors import KafkaError
+
+    try:
+        asyncio.run(_main())
+    except (OSError, KafkaError) as e:
+        typer.echo(f"gpupool broker demand: Kafka {settings.kafka}: {e!r}", err=True)
+        raise typer.Exit(2) from None
+    if wait <= 0:
+        _print(record)
+    else:
+        typer.echo(
+            f"{len(found)} leases turned reclaiming for demand {record.demand_id} within {wait:g} s",
+            err=True,
+        )
+
+
+async def demand_and_follow(
+    bus: Bus, topics: KafkaTopics, record: PoolDemand, wait_s: float
+) -> AsyncGenerator[PoolDemand | LeaseLogRecord, None]:
+    """Publish ``record`` (:func:`publish_demand`) and yield it once sent, then follow the lease
+    log (``topics.leases_log``, from its end offsets as they were just before the send) for up to
+    ``wait_s`` seconds and yield each :class:`contracts.LeaseLogRecord` that turned
+    ``reclaiming`` for this demand (``reason`` ``demand:<demand_id>``, possibly followed by
+    ``;deferred_to_guarantee_end`` or ``;guarantee_broken``: :meth:`broker.leases.LeaseBook.apply_demand`),
+    once per lease. Stops early when the demand is met: ``record.count`` GPUs, or every one of
+    ``record.gpus``, reclaiming (a demand for all leased GPUs waits the whole ``wait_s``).
+
+    Creates the lease-log topic if missing (compacted, as the broker does), reads it in a
+    consumer group of its own (``gpupool-demand-<demand_id>``, nothing committed); undecodable
+    records are skipped. Raises the bus's connection and delivery errors."""
+    await bus.create_topics([topics.leases_log], compacted=[topics.leases_log])
+    consumer: Consumer
+
+    async def _at_end(assigned: set[TopicPartition]) -> dict[TopicPartition, int]:
+        ends = await consumer.end_offsets()
+        return {tp: off for tp, off in ends.items() if tp in assigned}
+
+    consumer = bus.consumer(
+        [topics.leases_log], f"gpupool-demand-{record.demand_id}", client_id="gpupool-cli", on_assign=_at_end
+    )
+    await consumer.start()
+    try:
+        await consumer.getmany(timeout_s=0)  # positions taken at the end now, before the send
+        await publish_demand(bus, topics, record)
+        yield record
+        tag = f"demand:{record.demand_id}"
+        seen: set[str] = set()
+        gpus: set[str] = set()
+        deadline = time.monotonic() + wait_s
+        while (left := deadline - time.monotonic()) > 0:
+            for msg in await consumer.getmany(timeout_s=min(left, 0.5)):
+                try:
+                    lease = decode(LeaseLogRecord, msg.value or b"")
+                except ValueError:
+                    continue
+                mine = lease.reason == tag or lease.reason.startswith(tag + ";")
+                if mine and lease.state is LeaseState.RECLAIMING and lease.lease_id not in seen:
+                    seen.add(lease.lease_id)
+                    gpus.update(lease.gpus)
+                    yield lease
+            if (record.count and len(gpus) >= record.count) or (record.gpus and gpus >= set(record.gpus)):
+                return
+    finally:
+        await consumer.stop()
 
 
 async def publish_demand(bus: Bus, topics: KafkaTopics, record: PoolDemand) -> None:
@@ -486,7 +591,9 @@ def acl(
     ] = "127.0.0.1",
     cafile: Annotated[Path | None, typer.Option(help="TLS: PEM CA certificate of the listener.")] = None,
     certfile: Annotated[Path | None, typer.Option(help="TLS: PEM server certificate.")] = None,
-    keyfile: Annotated[Path | None, typer.Option(help="TLS: PEM private key of the server certificate.")] = None,
+    keyfile: Annotated[
+        Path | None, typer.Option(help="TLS: PEM private key of the server certificate.")
+    ] = None,
     require_certificate: Annotated[
         bool, typer.Option(help="TLS: clients must also present a certificate signed by --cafile.")
     ] = False,
@@ -518,8 +625,7 @@ def acl(
 
 
 # edge ------------------------------------------------------------------------------------------------------
-_EDGE_TLS: contextvars.ContextVar[TlsOptions | None] = contextvars.ContextVar("gpupool_edge_tls", default=None)
-"""TLS options of the running ``gpupool edge`` command (set by :func:`edge_connection`)."""
+_TLS_PARAMS = ("mqtt_cafile", "mqtt_certfile", "mqtt_keyfile")
 
 
 @edge_app.callback()
@@ -530,10 +636,42 @@ def edge_connection(
 ) -> None:
     """Edge-site client: offers, claim, renew, release, watch.
 
-    TLS (before the command, or from the environment): gpupool edge --mqtt-cafile ca.pem claim ...
-    with --mqtt naming the server's TLS listener.
+    TLS: --mqtt-cafile/--mqtt-certfile/--mqtt-keyfile before the command (gpupool edge
+    --mqtt-cafile ca.pem claim ...), after it (gpupool edge claim --mqtt-cafile ca.pem ...), or
+    from GPUPOOL_MQTT_CAFILE/_CERTFILE/_KEYFILE, with --mqtt naming the server's TLS listener.
+    A flag after the command wins over one before it; a flag wins over the environment.
     """
-    _EDGE_TLS.set(tls_options(mqtt_cafile, mqtt_certfile, mqtt_keyfile))
+    tls_options(mqtt_cafile, mqtt_certfile, mqtt_keyfile)  # bad files: exit 2 before connecting
+
+
+class _ParameterSources(Protocol):
+    """What :func:`_from_command_line` needs of a click/typer context."""
+
+    def get_parameter_source(self, name: str) -> Any:
+        """Where parameter ``name`` got its value (click's ``ParameterSource``), or ``None``."""
+
+
+def _from_command_line(ctx: _ParameterSources, name: str) -> bool:
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name == "COMMANDLINE"
+
+
+def edge_tls(
+    ctx: typer.Context, cafile: Path | None, certfile: Path | None, keyfile: Path | None
+) -> TlsOptions | None:
+    """The TLS options of an edge subcommand: each of its own ``--mqtt-cafile/--mqtt-certfile/
+    --mqtt-keyfile`` when given on its command line, else the same flag given before the
+    subcommand (``gpupool edge --mqtt-cafile ...``), else the environment value. ``None``: plain
+    TCP. Raises ``typer.BadParameter`` when a file cannot be read or used."""
+    own = dict(zip(_TLS_PARAMS, (cafile, certfile, keyfile), strict=True))
+    group = ctx.parent
+    chosen: list[Path | None] = []
+    for name in _TLS_PARAMS:
+        value = own[name]
+        if not _from_command_line(ctx, name) and group is not None and _from_command_line(group, name):
+            value = group.params[name]
+        chosen.append(value)
+    return tls_options(*chosen)
 
 
 def _edge(
@@ -544,6 +682,7 @@ def _edge(
     protocol: int,
     root: str,
     timeout: float,
+    tls: TlsOptions | None,
     persistent: bool = False,
 ) -> EdgeClient:
     host, port = _host_port(mqtt)
@@ -558,14 +697,18 @@ def _edge(
         persistent=persistent,
         announce=False,
         connect_timeout_s=timeout,
-        tls=_EDGE_TLS.get(),
+        tls=tls,
     )
 
 
 def _run_edge(coro_factory: Callable[[], Coroutine[Any, Any, None]]) -> None:
-    """Run an edge command; map connection failures and refusals to exit codes 2 and 1."""
+    """Run an edge command; map a refused login and the broker's refusals to exit code 1,
+    other connection failures (server down, TLS mismatch, no answer) to 2."""
     try:
         asyncio.run(coro_factory())
+    except LoginRefused as e:
+        typer.echo(f"gpupool edge: {e}", err=True)
+        raise typer.Exit(1) from None
     except ConnectionError as e:
         typer.echo(f"gpupool edge: {e}", err=True)
         raise typer.Exit(2) from None
@@ -579,6 +722,7 @@ def _run_edge(coro_factory: Callable[[], Coroutine[Any, Any, None]]) -> None:
 
 @edge_app.command("offers")
 def offers(
+    ctx: typer.Context,
     site: _Site,
     mqtt: _Mqtt = "127.0.0.1:1883",
     username: _SiteUser = None,
@@ -586,11 +730,16 @@ def offers(
     protocol: _Protocol = 5,
     root: _Root = "gpupool/v1",
     timeout: _Timeout = 2.0,
+    mqtt_cafile: _CaFile = None,
+    mqtt_certfile: _CertFile = None,
+    mqtt_keyfile: _KeyFile = None,
 ) -> None:
     """Print the live offers as a JSON list of Offer objects (contracts/mqtt.py)."""
 
+    tls = edge_tls(ctx, mqtt_cafile, mqtt_certfile, mqtt_keyfile)
+
     async def _main() -> None:
-        async with _edge(mqtt, site, username, password, protocol, root, timeout) as client:
+        async with _edge(mqtt, site, username, password, protocol, root, timeout, tls) as client:
             found: list[Offer] = await client.offers(timeout_s=timeout)
         _print([o.model_dump(mode="json") for o in found])
 
@@ -599,6 +748,7 @@ def offers(
 
 @edge_app.command("claim")
 def claim(
+    ctx: typer.Context,
     site: _Site,
     offer_id: Annotated[
         str | None,
@@ -645,6 +795,9 @@ def claim(
     memory_held: Annotated[
         bool, typer.Option(help="Accept GPUs whose memory a resident model holds. Matching only.")
     ] = True,
+    mqtt_cafile: _CaFile = None,
+    mqtt_certfile: _CertFile = None,
+    mqtt_keyfile: _KeyFile = None,
 ) -> None:
     """Claim an offer (OFFER_ID), or --count GPUs that meet the requirements (no OFFER_ID: the broker
     picks one node, else several under one leaf switch): print the granted LeaseMessage as JSON
@@ -666,8 +819,10 @@ def claim(
         allow_memory_held=memory_held,
     )
 
+    tls = edge_tls(ctx, mqtt_cafile, mqtt_certfile, mqtt_keyfile)
+
     async def _main() -> None:
-        async with _edge(mqtt, site, username, password, protocol, root, timeout) as client:
+        async with _edge(mqtt, site, username, password, protocol, root, timeout, tls) as client:
             lease: LeaseMessage
             if offer_id is None:
                 lease = await client.request(
@@ -695,6 +850,7 @@ def claim(
 
 @edge_app.command("renew")
 def renew(
+    ctx: typer.Context,
     lease_id: Annotated[str, typer.Argument(help="The lease to renew.")],
     site: _Site,
     mqtt: _Mqtt = "127.0.0.1:1883",
@@ -706,11 +862,16 @@ def renew(
     extend: Annotated[
         float | None, typer.Option(help="Extend by this long, seconds (capped by the TTL).")
     ] = None,
+    mqtt_cafile: _CaFile = None,
+    mqtt_certfile: _CertFile = None,
+    mqtt_keyfile: _KeyFile = None,
 ) -> None:
     """Renew a lease: print the broker's Reply as JSON; exit 1 if refused."""
 
+    tls = edge_tls(ctx, mqtt_cafile, mqtt_certfile, mqtt_keyfile)
+
     async def _main() -> None:
-        async with _edge(mqtt, site, username, password, protocol, root, timeout) as client:
+        async with _edge(mqtt, site, username, password, protocol, root, timeout, tls) as client:
             reply: Reply = await client.renew(lease_id, extend_seconds=extend, timeout_s=timeout)
         _print(reply)
 
@@ -719,6 +880,7 @@ def renew(
 
 @edge_app.command("release")
 def release(
+    ctx: typer.Context,
     lease_id: Annotated[str, typer.Argument(help="The lease to release.")],
     site: _Site,
     mqtt: _Mqtt = "127.0.0.1:1883",
@@ -727,11 +889,16 @@ def release(
     protocol: _Protocol = 5,
     root: _Root = "gpupool/v1",
     timeout: _Timeout = 5.0,
+    mqtt_cafile: _CaFile = None,
+    mqtt_certfile: _CertFile = None,
+    mqtt_keyfile: _KeyFile = None,
 ) -> None:
     """Release a lease early: print the broker's Reply as JSON; exit 1 if refused."""
 
+    tls = edge_tls(ctx, mqtt_cafile, mqtt_certfile, mqtt_keyfile)
+
     async def _main() -> None:
-        async with _edge(mqtt, site, username, password, protocol, root, timeout) as client:
+        async with _edge(mqtt, site, username, password, protocol, root, timeout, tls) as client:
             reply: Reply = await client.release(lease_id, timeout_s=timeout)
         _print(reply)
 
@@ -740,6 +907,7 @@ def release(
 
 @edge_app.command("watch")
 def watch(
+    ctx: typer.Context,
     site: _Site,
     mqtt: _Mqtt = "127.0.0.1:1883",
     username: _SiteUser = None,
@@ -749,14 +917,19 @@ def watch(
     timeout: _Timeout = 10.0,
     persistent: Annotated[bool, typer.Option(help="Persistent session: notices queue while away.")] = False,
     limit: Annotated[int, typer.Option(help="Stop after this many events (0: never).")] = 0,
+    mqtt_cafile: _CaFile = None,
+    mqtt_certfile: _CertFile = None,
+    mqtt_keyfile: _KeyFile = None,
 ) -> None:
     """Follow offers, withdrawals, lease messages and replies, one JSON object per line.
 
     Each line has a "type": offer, offer_withdrawn, lease or reply. Runs until interrupted or --limit.
     """
 
+    tls = edge_tls(ctx, mqtt_cafile, mqtt_certfile, mqtt_keyfile)
+
     async def _main() -> None:
-        async with _edge(mqtt, site, username, password, protocol, root, timeout, persistent) as client:
+        async with _edge(mqtt, site, username, password, protocol, root, timeout, tls, persistent) as client:
             seen = 0
             async with contextlib.aclosing(client.watch()) as events:
                 async for event in events:

@@ -15,6 +15,10 @@ them, and follows reclaim notices (protocol v1, :mod:`contracts.mqtt`; topics
             async for event in events:      # Offer | OfferWithdrawn | LeaseMessage | Reply
                 ...
 
+A refused login (CONNACK 0x86/0x87/0x8C, 3.1.1 codes 4/5) or a TLS mismatch on the first
+connection is not retried: entering the client raises at once (:class:`broker.transport.LoginRefused`,
+:class:`broker.transport.TlsHandshakeFailed`, :class:`broker.transport.NoMqttAnswer`).
+
 The client keeps one connection alive in the background: it reconnects with exponential backoff,
 resubscribes, and resends requests still waiting for their reply (claims are idempotent by
 ``claim_id``). With ``persistent=True`` (the default) the server keeps the session, so lease
@@ -45,8 +49,10 @@ from opentelemetry import trace
 
 from broker.transport import (
     Backoff,
+    LoginRefused,
     TlsOptions,
     birth_seq,
+    connect_failure,
     make_client,
     protocol_version,
     publish_properties,
@@ -124,7 +130,8 @@ class EdgeClient:
             found again by its id: run one persistent client per site), else a random one.
         announce: publish the retained birth and set the Last Will on ``sites/{site}/state``
             (one-shot tools pass False so they do not mark the site offline when they exit).
-        connect_timeout_s: how long entering the context waits for the first connection.
+        connect_timeout_s: how long entering the context waits for the first connection; each
+            attempt (and each MQTT operation) times out after 0.75 × this, at most 10 s.
         reconnect_min_s / reconnect_max_s: reconnect backoff bounds, seconds.
         tls: connect over TLS (CA, optional client certificate; :class:`broker.transport.TlsOptions`);
             ``port`` is then the server's TLS listener. ``None``: plain TCP.
@@ -171,6 +178,8 @@ class EdgeClient:
         self._task: asyncio.Task[None] | None = None
         self._seq = 0
         self._last_error: str = ""
+        self._fatal: ConnectionError | None = None
+        self._ever_connected = False
         self._offers: dict[str, Offer] = {}
         self._leases: dict[str, LeaseMessage] = {}
         self._broker_state: PeerState | None = None
@@ -190,18 +199,36 @@ class EdgeClient:
     async def __aenter__(self) -> EdgeClient:
         """Connect (in the background, retried) and wait for the first connection.
 
-        Raises ``ConnectionError`` if none succeeds within ``connect_timeout_s`` (bad
-        credentials, server down...), with the last error in the message."""
+        Raises, at once (no retry can fix it): :class:`broker.transport.LoginRefused` when the
+        server refuses the login ("MQTT server refused the login of <user>: not authorized");
+        :class:`broker.transport.TlsHandshakeFailed` / :class:`broker.transport.NoMqttAnswer`
+        (subclasses of ``ConnectionError``; "MQTT host:port not reachable as 'site': TLS handshake
+        failed: ..." / "...: no MQTT answer: is this a TLS port? give --mqtt-cafile"). Raises
+        ``ConnectionError`` if no attempt succeeds within ``connect_timeout_s`` (server down...),
+        with the last error in the message."""
         self._task = asyncio.create_task(self._loop(), name=f"edge-{self.site}")
-        try:
-            await asyncio.wait_for(self._connected.wait(), self._connect_timeout_s)
-        except TimeoutError:
-            await self._cancel()
+        connected = asyncio.ensure_future(self._connected.wait())
+        done, _ = await asyncio.wait(
+            {connected, self._task}, timeout=self._connect_timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
+        if connected in done:
+            return self
+        connected.cancel()
+        crashed = self._task.exception() if self._task.done() else None
+        await self._cancel()
+        if crashed is not None:
             raise ConnectionError(
-                f"MQTT {self._host}:{self._port} not reachable as {self.site!r} within "
-                f"{self._connect_timeout_s} s: {self._last_error or 'no answer'}"
-            ) from None
-        return self
+                f"MQTT {self._host}:{self._port}: connecting failed: {crashed!r}"
+            ) from crashed
+        fatal = self._fatal
+        if isinstance(fatal, LoginRefused):
+            raise fatal
+        where = f"MQTT {self._host}:{self._port} not reachable as {self.site!r}"
+        if fatal is not None:
+            raise type(fatal)(f"{where}: {fatal}")
+        raise ConnectionError(
+            f"{where} within {self._connect_timeout_s} s: {self._last_error or 'no answer'}"
+        )
 
     async def __aexit__(self, *exc: object) -> None:
         """Publish the retained goodbye (offline) if announcing, and disconnect cleanly."""
@@ -494,20 +521,35 @@ class EdgeClient:
                 persistent=self._persistent,
                 session_expiry_s=self._session_expiry_s,
                 tls=self._tls,
+                # below the connect timeout, so a missing CONNACK is seen (and explained) in time
+                timeout_s=min(10.0, self._connect_timeout_s * 0.75),
             )
+            entered = False
             try:
                 async with client:
+                    entered = True
                     self._client = client
                     await self._on_connect(client)
                     if not first:
                         self.reconnects += 1
                     first = False
+                    self._ever_connected = True
                     self._backoff.reset()
                     async for msg in client.messages:
                         await self._dispatch(msg)
             except aiomqtt.MqttError as e:
-                self._last_error = str(e)
-                log.warning("edge_disconnected", extra={"site": self.site, "error": str(e)})
+                failure = (
+                    None
+                    if entered
+                    else connect_failure(e, username=self._username, tls=self._tls is not None)
+                )
+                self._last_error = str(failure or e)
+                if failure is not None and not self._ever_connected:
+                    # a refused login or a TLS mismatch: retrying cannot help, __aenter__ says so
+                    self._fatal = failure
+                    log.warning("edge_connect_refused", extra={"site": self.site, "error": str(failure)})
+                    return
+                log.warning("edge_disconnected", extra={"site": self.site, "error": self._last_error})
             except Exception as e:  # noqa: BLE001 — keep the site connected whatever happened
                 self._last_error = repr(e)
                 log.exception("edge_loop_error", extra={"site": self.site})

@@ -51,6 +51,7 @@ import math
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from types import MappingProxyType
 
 from broker import metrics as m
@@ -636,7 +637,8 @@ class LeaseBook:
     def renew(self, site: str, renewal: Renewal, now: float) -> tuple[Answer, Changes]:
         """Heartbeat: move ``expires_at`` to ``now + min(extend_seconds or lease_ttl_s,
         lease_ttl_s)``, never past the lease's ``ends_at`` and never backwards; the first renewal
-        makes a ``granted`` lease ``active``. Rejections: ``site_mismatch``, ``unknown_lease``
+        makes a ``granted`` lease ``active``; the ``ok`` answer's text is ``renewed until
+        <ISO-8601 UTC> (<Unix s>)``. Rejections: ``site_mismatch``, ``unknown_lease``
         (also another site's lease), ``lease_not_live`` (terminal, or its TTL already passed)."""
         found = self._site_lease(site, renewal.site, renewal.lease_id, now)
         if isinstance(found, Answer):
@@ -654,7 +656,8 @@ class LeaseBook:
         expires = max(expires, rec.expires_at)
         state = LeaseState.ACTIVE if rec.state is LeaseState.GRANTED else rec.state
         new = self._transition(rec, state, now, "renewal", expires_at=expires)
-        return Answer(ReasonCode.OK, f"renewed until {expires:.3f}", rec.lease_id), Changes(records=[new])
+        text = f"renewed until {renewal_time(expires)} ({expires:.3f})"
+        return Answer(ReasonCode.OK, text, rec.lease_id), Changes(records=[new])
 
     def release(self, site: str, release: Release, now: float) -> tuple[Answer, Changes]:
         """Early release by the site: the lease becomes ``released`` and its GPUs are offered
@@ -1111,3 +1114,10 @@ def _promise_holds(offered: float | None, now_predicted: float | None) -> bool:
     if offered is None or now_predicted is None:
         return offered is None and now_predicted is None
     return offered <= now_predicted
+
+
+def renewal_time(ts: float) -> str:
+    """``ts`` (Unix seconds) as ISO-8601 UTC to the second, ``2026-11-30T06:40:00Z`` (the time shown
+    in a renewal's reply text, next to the epoch). Raises ``OverflowError``/``OSError`` for a
+    time outside the platform's range."""
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

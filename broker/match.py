@@ -220,11 +220,14 @@ def match(
     ``min_notice`` / ``min_duration`` are the claim's ``min_notice_seconds`` and
     ``min_duration_seconds``; ``usable(gpu_key)`` is False for GPUs that may not be leased now
     (leased, reserved, held for training). Returns the best :class:`Placement`, or a sentence
-    saying why nothing matched (for a ``no_match`` reply). Raises ``ValueError`` if
-    ``count`` < 1.
+    saying why nothing matched (for a ``no_match`` reply): the offers refused by reason; when
+    ``req.zone`` is set and no offer carries a zone, that the operator sets
+    ``[broker.pool_zones]``; when a minimum framebuffer is asked, how many offered GPUs have an
+    unknown one ("memory of n offered GPUs is unknown"). Raises ``ValueError`` if ``count`` < 1.
     """
     if count < 1:
         raise ValueError(f"count must be >= 1, got {count}")
+    offers = list(offers)
     cands, why = candidates(offers, req, now, min_notice, min_duration, usable)
     found = best_placement(cands, count, req.allow_cross_leaf)
     if found is not None:
@@ -240,5 +243,30 @@ def match(
         "zone": "other zone",
         "gpus": "no GPU meeting model/memory/grade free",
     }
+    if req.zone is not None and all(o.zone is None for o in offers):
+        labels["zone"] = "no offer has a latency zone; the operator sets [broker.pool_zones]"
     parts.extend(f"{n} offers: {labels[k]}" for k, n in sorted(why.items()))
+    unknown = unknown_memory_gpus(offers, req, now, min_notice, min_duration)
+    if unknown:
+        parts.append(
+            f"memory of {unknown} offered GPUs is unknown (no DCGM_FI_DEV_FB_TOTAL or FB_USED/FB_FREE "
+            "from their exporter), so min_fb_total_mib cannot match them"
+        )
     return "; ".join(parts)
+
+
+def unknown_memory_gpus(
+    offers: Iterable[Offer], req: Requirements, now: float, min_notice: float, min_duration: float
+) -> int:
+    """How many GPUs of the live, fitting offers (notice, duration, zone as in :func:`candidates`)
+    have an unknown framebuffer size (``fb_total_mib`` ``None``) while ``req`` asks for a
+    minimum one (``min_fb_total_mib``): they can never match it. 0 when no minimum is asked."""
+    if req.min_fb_total_mib is None:
+        return 0
+    return sum(
+        1
+        for offer in offers
+        if not _offer_refusal(offer, req, now, min_notice, min_duration)
+        for g in offer.gpus
+        if g.fb_total_mib is None
+    )

@@ -365,7 +365,10 @@ class BrokerService:
         """Let claims whose isolation is in progress finish (granted or refused, and answered) and
         partition removals complete (each bounded by the fabric's verify timeout), withdraw the
         offers and say goodbye on ``broker/state`` (retained, offline) if connected, disconnect
-        cleanly, stop consuming and flush the lease log. Idempotent."""
+        cleanly, stop consuming and flush the lease log; then log ``broker_stopped`` (JSON fields
+        ``root``, ``offers_withdrawn``, ``live_leases``: leases still live, kept in the lease log
+        for the next start). Idempotent (each call logs)."""
+        withdrawn = 0
         while self._claiming or self._background:
             pending = [t for _, t in self._claiming.values()] + list(self._background)
             await asyncio.gather(*pending, return_exceptions=True)
@@ -375,6 +378,7 @@ class BrokerService:
                 async with self._lock:
                     for offer in list(self.book.offers.values()):
                         await client.publish(self.mqtt.offer(offer.offer_id), b"", qos=1, retain=True)
+                        withdrawn += 1
                     await client.publish(self.mqtt.broker_state, self._peer_state(False), qos=1, retain=True)
             except aiomqtt.MqttError as e:
                 log.warning("mqtt_goodbye_failed", extra={"error": str(e)})
@@ -390,6 +394,14 @@ class BrokerService:
         if self._producer is not None:
             producer, self._producer = self._producer, None
             await producer.stop()
+        log.info(
+            "broker_stopped",
+            extra={
+                "root": self.mqtt.root,
+                "offers_withdrawn": withdrawn,
+                "live_leases": len(self.book.live_leases()),
+            },
+        )
 
     async def wait_connected(self, timeout_s: float) -> None:
         """Wait until the broker is connected to MQTT and has republished its state.

@@ -10,6 +10,10 @@
 * :class:`Backoff` — exponential reconnect delay with jitter.
 * :class:`TlsOptions` — MQTT over TLS (a listener made by ``gpupool broker acl --tls-port``):
   the CA that signed the server's certificate and, for mutual TLS, the client's certificate.
+* :func:`connect_failure` — tells a failed connection attempt that retrying cannot fix (the
+  server refused the login: :class:`LoginRefused`; the TLS handshake failed:
+  :class:`TlsHandshakeFailed`; a plain client got no MQTT answer, likely a TLS port:
+  :class:`NoMqttAnswer`) from a transient one (server down, connection lost).
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiomqtt
+from aiomqtt.exceptions import MqttConnectError
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
+from paho.mqtt.reasoncodes import ReasonCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from contracts import PeerState, encode
@@ -87,6 +93,76 @@ class TlsOptions:
     def context(self) -> ssl.SSLContext:
         """The client-side ``ssl.SSLContext`` (made once; shared by every connection attempt)."""
         return self._context
+
+
+LOGIN_REFUSED_CODES: dict[int, str] = {
+    0x86: "bad user name or password",
+    0x87: "not authorized",
+    0x8C: "bad authentication method",
+}
+"""MQTT 5 CONNACK reason codes (OASIS MQTT 5.0, 3.2.2.2) that refuse the login itself."""
+
+_V311_REFUSED: dict[int, int] = {4: 0x86, 5: 0x87}
+"""MQTT 3.1.1 CONNACK return codes (OASIS MQTT 3.1.1, 3.2.2.3) → the MQTT 5 code they mean."""
+
+
+class LoginRefused(ConnectionError):
+    """The MQTT server refused the CONNECT of ``username`` (CONNACK 0x86 bad user name or password,
+    0x87 not authorized, 0x8C bad authentication method; MQTT 3.1.1 return codes 4 and 5).
+
+    Attributes:
+        username: the user name sent (``None``: anonymous).
+        code: the MQTT 5 reason code (3.1.1 codes mapped: 4 → 0x86, 5 → 0x87).
+        reason: the code's meaning, lower case (``not authorized``).
+    """
+
+    def __init__(self, username: str | None, code: int, reason: str) -> None:
+        super().__init__(f"MQTT server refused the login of {username or '(anonymous)'}: {reason}")
+        self.username, self.code, self.reason = username, code, reason
+
+
+class TlsHandshakeFailed(ConnectionError):
+    """The TLS handshake with the server failed (certificate not trusted, name mismatch, the
+    port does not speak TLS...); the message carries the TLS library's reason."""
+
+
+class NoMqttAnswer(ConnectionError):
+    """A plain-TCP client was accepted but got no CONNACK in time: most likely the port is a TLS
+    listener (``--mqtt-cafile`` missing)."""
+
+
+def connect_failure(
+    error: BaseException, *, username: str | None, tls: bool
+) -> LoginRefused | TlsHandshakeFailed | NoMqttAnswer | None:
+    """Classify ``error``, the failure of one connection attempt (an ``aiomqtt.MqttError`` raised
+    by entering the client, or anything it chained).
+
+    Returns :class:`LoginRefused` for a refused login (:data:`LOGIN_REFUSED_CODES`, MQTT 3.1.1
+    codes 4/5), :class:`TlsHandshakeFailed` for an ``ssl.SSLError`` (or a reset during the
+    connect) with ``tls``, :class:`NoMqttAnswer` for a CONNACK timeout without ``tls``
+    ("no MQTT answer: is this a TLS port? give --mqtt-cafile"); ``None`` for anything else
+    (server down, refused TCP connection, lost connection: worth retrying). Raises nothing.
+    """
+    if isinstance(error, MqttConnectError):
+        rc = error.rc
+        if isinstance(rc, ReasonCode):
+            code = rc.value
+        elif isinstance(rc, int):
+            code = _V311_REFUSED.get(rc, rc)
+        else:
+            return None
+        if code in LOGIN_REFUSED_CODES:
+            return LoginRefused(username, code, LOGIN_REFUSED_CODES[code])
+        return None
+    cause = error.__cause__ or error.__context__
+    if isinstance(error, ssl.SSLError) or isinstance(cause, ssl.SSLError):
+        reason = error if isinstance(error, ssl.SSLError) else cause
+        return TlsHandshakeFailed(f"TLS handshake failed: {reason}")
+    if tls and isinstance(cause, ConnectionResetError):
+        return TlsHandshakeFailed(f"TLS handshake failed: {cause} (is this a TLS port?)")
+    if not tls and isinstance(cause, TimeoutError):
+        return NoMqttAnswer("no MQTT answer: is this a TLS port? give --mqtt-cafile")
+    return None
 
 
 def make_client(

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
+import re
 import socket
 import threading
 import time
 import uuid
 from collections.abc import Coroutine, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +137,12 @@ def test_edge_commands_print_json_and_exit_codes(live: _Live) -> None:
 
     res = _edge(live, "renew", lease["lease_id"])
     assert res.exit_code == 0 and json.loads(res.stdout)["code"] == "ok"
+    # "renewed until 2026-11-30T06:40:00Z (1796020130.998)": ISO-8601 UTC next to the epoch
+    text = json.loads(res.stdout)["text"]
+    found = re.fullmatch(r"renewed until (\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ) \((\d+\.\d{3})\)", text)
+    assert found is not None, text
+    iso = datetime.strptime(found[1], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+    assert iso.timestamp() == int(float(found[2])) and 0 < float(found[2]) - time.time() < 400
 
     res = _edge(live, "watch", "--limit", "1")
     assert res.exit_code == 0, res.output
@@ -238,4 +247,76 @@ def test_broker_run_takes_what_no_flag_gives_from_the_settings(
     res = runner.invoke(broker_app, ["run", "--config", str(toml), "--mqtt", "no-port"])
     assert res.exit_code == 2 and "host:port" in res.output
     res = runner.invoke(broker_app, ["run"])
+    assert res.exit_code == 2 and "GPUPOOL_KAFKA" in res.output
+
+
+# broker demand: settings and --wait over real Kafka + Mosquitto -----------------------------------------
+async def test_broker_demand_takes_kafka_from_the_config_and_waits_for_the_reclaim(
+    kafka_bootstrap: str,
+    kafka_bus: Any,
+    kafka_topics: KafkaTopics,
+    mosquitto: dict[str, Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`gpupool broker demand --config FILE --count 1 --wait S` with no --kafka: Kafka and the
+    topic prefix come from the file; it prints the demand, then the lease the broker turned
+    reclaiming for it (reason demand:<id>), and stops before S once the demand is met."""
+    from broker.edge import EdgeClient
+    from contracts import LeaseLogRecord
+    from tests.mqtt_support import running
+    from tests.test_broker_service import CFG, _idle, _offer_on
+
+    for name in [k for k in os.environ if k.upper().startswith("GPUPOOL_")]:
+        monkeypatch.delenv(name)
+    toml = tmp_path / "gpupool.toml"
+    toml.write_text(f'kafka = "{kafka_bootstrap}"\ntopic_prefix = "{kafka_topics.prefix}"\n')
+    svc = BrokerService(
+        bus=kafka_bus, topics=kafka_topics, mqtt_host=mosquitto["host"], mqtt_port=mosquitto["port"],
+        mqtt_username="gpupool-broker", mqtt_password=mosquitto["users"]["gpupool-broker"],
+        root=mosquitto["root"], protocol=5, config=CFG, client_id=f"gpupool-broker-demand-{uuid.uuid4().hex[:8]}",
+    )  # fmt: skip
+    site = EdgeClient(
+        site="edge-a", host=mosquitto["host"], port=mosquitto["port"], username="edge-a",
+        password=mosquitto["users"]["edge-a"], root=mosquitto["root"], persistent=False, announce=False,
+    )  # fmt: skip
+    async with running(svc), site:
+        await _idle(kafka_bus, "dw-n1", 2, topics=kafka_topics)
+        offer = await _offer_on(site, "dw-n1")
+        lease = await site.claim(offer.offer_id, count=2, duration_seconds=600)
+        t0 = time.monotonic()
+        res = await asyncio.to_thread(
+            runner.invoke,
+            broker_app,
+            ["demand", "--config", str(toml), "--count", "1", "--reason", "job-7", "--wait", "20"],
+        )
+        took = time.monotonic() - t0
+        assert res.exit_code == 0, res.output
+        first, *rest = res.stdout.splitlines()
+        sent = decode(PoolDemand, first)
+        assert sent.count == 1 and sent.reason == "job-7"
+        (reclaimed,) = [decode(LeaseLogRecord, line) for line in rest]
+        assert reclaimed.lease_id == lease.lease_id and reclaimed.state is LeaseState.RECLAIMING
+        assert reclaimed.reason.startswith(f"demand:{sent.demand_id}")
+        assert f"1 leases turned reclaiming for demand {sent.demand_id}" in res.stderr
+        assert took < 15, took  # met: did not wait the whole 20 s
+        assert svc.book.leases[lease.lease_id].state is LeaseState.RECLAIMING
+        caplog.set_level(logging.INFO, logger="broker.service")
+    # the broker says it stopped, as analytics does (analytics_stopped)
+    (stopped,) = [r for r in caplog.records if r.getMessage() == "broker_stopped"]
+    assert stopped.root == mosquitto["root"] and stopped.live_leases == 1  # type: ignore[attr-defined]
+
+    # a demand nobody serves: the request alone, 0 leases after the wait
+    res = await asyncio.to_thread(
+        runner.invoke, broker_app, ["demand", "--config", str(toml), "--count", "1", "--wait", "1"]
+    )
+    assert res.exit_code == 0, res.output
+    assert len(res.stdout.splitlines()) == 1 and "0 leases turned reclaiming" in res.stderr
+    # GPUPOOL_CONFIG works as --config; no Kafka anywhere is a usage error
+    monkeypatch.setenv("GPUPOOL_CONFIG", str(toml))
+    res = await asyncio.to_thread(runner.invoke, broker_app, ["demand", "--count", "1"])
+    assert res.exit_code == 0 and decode(PoolDemand, res.stdout.strip()).count == 1
+    monkeypatch.delenv("GPUPOOL_CONFIG")
+    res = await asyncio.to_thread(runner.invoke, broker_app, ["demand", "--count", "1"])
     assert res.exit_code == 2 and "GPUPOOL_KAFKA" in res.output

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import shlex
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -299,3 +301,43 @@ def test_a_guarantee_never_outlasts_the_promise_however_long_isolation_takes() -
     (rec,) = ch.records
     assert rec.min_until == 101.0 <= (offer.available_until or 0.0)
     assert book.violations() == []
+
+
+def test_no_match_says_when_memory_is_unknown_or_no_offer_has_a_zone() -> None:
+    # an exporter that sent no FB_TOTAL / FB_FREE: fb_total_mib unknown on every GPU
+    blind = [_offer("o1", "n1", 4, fb=None), _offer("o2", "n2", 2, fb=None)]
+    why = match(blind, Requirements(min_fb_total_mib=81000), 1, 0.0)
+    assert isinstance(why, str)
+    assert "memory of 6 offered GPUs is unknown" in why and "2 offers: no GPU meeting" in why
+    # known memory too small: no word about unknown memory
+    small = match([_offer("o3", "n3", 2, fb=40960)], Requirements(min_fb_total_mib=81000), 1, 0.0)
+    assert isinstance(small, str) and "unknown" not in small
+    # no minimum asked: unknown memory matches nothing less, and is not mentioned
+    assert _placed(match(blind, Requirements(), 4, 0.0)).hosts == ["n1"]
+    # a zone asked where no offer carries one: say who sets zones
+    zoneless = match([_offer("o4", "n4", 2)], Requirements(zone="metro-east"), 1, 0.0)
+    assert isinstance(zoneless, str)
+    assert "1 offers: no offer has a latency zone; the operator sets [broker.pool_zones]" in zoneless
+    # some offers have zones, just not this one: the plain reason
+    other = match([_offer("o5", "n5", 2, zone="metro-west")], Requirements(zone="metro-east"), 1, 0.0)
+    assert isinstance(other, str) and "1 offers: other zone" in other and "pool_zones" not in other
+
+
+def test_the_readme_claim_by_requirements_matches_demo_like_offers() -> None:
+    # what `make demo` offers: H100 80GB HBM3 nodes (FB_TOTAL 81559 MiB from FB_USED + FB_FREE +
+    # FB_RESERVED), no latency zone, promises of a few minutes (README "Adding an edge site")
+    now = 0.0
+    demo = [_offer(f"o{i}", f"gpu-node-00{i}", n, leaf=None, until=now + 150.0) for i, n in ((1, 3), (2, 2))]
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = text.index("gpupool edge claim --mqtt")
+    args = shlex.split(text[start : text.index("\n", text.index("\\\n", start) + 2)].replace("\\\n", " "))
+    opts = {args[i]: args[i + 1] for i in range(3, len(args) - 1) if args[i].startswith("--")}
+    assert set(opts) == {"--mqtt", "--site", "--count", "--model", "--min-memory-mib", "--duration"}, opts
+    readme = Requirements(model_names=[opts["--model"]], min_fb_total_mib=int(opts["--min-memory-mib"]))
+    placed = _placed(match(demo, readme, int(opts["--count"]), now))
+    assert placed.tier == "node" and placed.hosts == ["gpu-node-002"]
+    # the README's extra options say what they need: a zone needs [broker.pool_zones], a
+    # minimum duration offers promised that long
+    with_zone = Requirements(model_names=[H100], min_fb_total_mib=81000, zone="metro-east")
+    assert "[broker.pool_zones]" in str(match(demo, with_zone, 2, now))
+    assert "not promised for the minimum duration" in str(match(demo, readme, 2, now, min_duration=600.0))

@@ -18,13 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from broker.acl import TlsListener, tls_listener, write_mosquitto_files
 from broker.cli import broker_app, edge_app, tls_options
 from broker.edge import EdgeClient
 from broker.service import BrokerService
-from broker.transport import TlsOptions, make_client
+from broker.transport import LoginRefused, NoMqttAnswer, TlsHandshakeFailed, TlsOptions, make_client
 from contracts import KafkaTopics, LeaseState
 from contracts.bus import MemoryBus
 from tests.mqtt_support import MOSQUITTO_SH, running
@@ -122,20 +123,30 @@ async def test_a_site_claims_over_tls_and_clients_without_the_ca_are_refused(
             assert final.state is LeaseState.RELEASED
 
         # the system's trust store does not know the throwaway CA: the handshake fails
-        with pytest.raises(ConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
+        with pytest.raises(TlsHandshakeFailed, match="TLS handshake failed: .*CERTIFICATE_VERIFY_FAILED"):
             async with _site(creds, TlsOptions(), persistent=False, connect_timeout_s=2):
                 pass
-        # plain MQTT on the TLS port is not MQTT to it
-        with pytest.raises(ConnectionError):
+        # plain MQTT on the TLS port is not MQTT to it: no CONNACK, and the error says why
+        with pytest.raises(NoMqttAnswer, match="no MQTT answer: is this a TLS port. give --mqtt-cafile"):
             async with _site(creds, None, persistent=False, connect_timeout_s=2):
                 pass
+        # TLS to the plain port: the handshake fails at once
+        t0 = time.monotonic()
+        with pytest.raises(TlsHandshakeFailed, match="TLS handshake failed"):
+            async with EdgeClient(
+                site="edge-a", host=creds["host"], port=creds["port"], username="edge-a",
+                password=creds["users"]["edge-a"], root=creds["root"], tls=_ca(creds), persistent=False,
+                connect_timeout_s=5,
+            ):  # fmt: skip
+                pass
+        assert time.monotonic() - t0 < 2.0
         # the CA is not a password: a wrong one is still refused over TLS
         wrong = EdgeClient(
             site="edge-a", host=creds["host"], port=creds["tls"]["port"], username="edge-a",
             password="not-the-password", root=creds["root"], tls=_ca(creds), persistent=False,
             connect_timeout_s=2,
         )  # fmt: skip
-        with pytest.raises(ConnectionError):
+        with pytest.raises(LoginRefused, match="refused the login of edge-a: not authorized"):
             async with wrong:
                 pass
 
@@ -149,8 +160,33 @@ def test_edge_cli_connects_over_tls_with_the_ca_only(tls_mosquitto: dict[str, An
     ok = runner.invoke(edge_app, ["--mqtt-cafile", creds["tls"]["cafile"], *common], env=env)
     assert ok.exit_code == 0, ok.output
     assert isinstance(json.loads(ok.stdout), list)
+    # the TLS flags also work after the subcommand, and there win over the ones before it
+    after = runner.invoke(edge_app, [*common, "--mqtt-cafile", creds["tls"]["cafile"]], env=env)
+    assert after.exit_code == 0, after.output
+    both = runner.invoke(
+        edge_app, ["--mqtt-cafile", "/etc/ssl/certs/ca-certificates.crt", *common, "--mqtt-cafile", creds["tls"]["cafile"]],
+        env=env,
+    )  # fmt: skip
+    assert both.exit_code == 0, both.output
+    # a flag wins over the environment, before or after the subcommand
+    env_ca = {**env, "GPUPOOL_MQTT_CAFILE": "/etc/ssl/certs/ca-certificates.crt"}
+    for args in (
+        ["--mqtt-cafile", creds["tls"]["cafile"], *common],
+        [*common, "--mqtt-cafile", creds["tls"]["cafile"]],
+    ):
+        assert runner.invoke(edge_app, args, env=env_ca).exit_code == 0
+    untrusted = runner.invoke(edge_app, common, env=env_ca)
+    assert untrusted.exit_code == 2 and "TLS handshake failed" in untrusted.stderr
     refused = runner.invoke(edge_app, common, env=env)
     assert refused.exit_code == 2 and "not reachable" in refused.stderr
+    assert "no MQTT answer: is this a TLS port? give --mqtt-cafile" in refused.stderr
+    # every edge subcommand has the three flags, each reading (and naming) its variable
+    group = typer.main.get_command(edge_app)
+    for name in ("offers", "claim", "renew", "release", "watch"):
+        params = {p.name: p for p in group.commands[name].params}  # type: ignore[attr-defined]
+        for flag, var in (("mqtt_cafile", "GPUPOOL_MQTT_CAFILE"), ("mqtt_certfile", "GPUPOOL_MQTT_CERTFILE"),
+                          ("mqtt_keyfile", "GPUPOOL_MQTT_KEYFILE")):  # fmt: skip
+            assert params[flag].envvar == var and f"env {var}" in (params[flag].help or ""), (name, flag)
     missing = runner.invoke(edge_app, ["--mqtt-cafile", "/nonexistent/ca.pem", *common], env=env)
     assert missing.exit_code == 2 and "/nonexistent/ca.pem" in missing.output
 
