@@ -51,7 +51,8 @@ DEFAULT_PARTITIONS = 6
 """Partitions per topic of ``topics create`` when not given: room for six analytics instances."""
 METADATA_WAIT_S = 15.0
 """How long ``create`` waits for the topics it created to show in the cluster metadata, seconds."""
-_FLAGS = RunFlags("gpupool topics", {"kafka": "kafka", "topic_prefix": "topic_prefix"})
+TOPICS_FLAGS = RunFlags("gpupool topics", {"kafka": "kafka", "topic_prefix": "topic_prefix"})
+"""The options of ``gpupool topics create|list`` → the settings they set (kafka, topic_prefix)."""
 
 
 def compacted_topics(topics: KafkaTopics) -> list[str]:
@@ -207,7 +208,7 @@ def create(
     wrong (telemetry partition counts differ, a compacted topic is not compacted) or Kafka
     refuses; exit 2 without Kafka bootstrap servers (--kafka, GPUPOOL_KAFKA or the settings file).
     """
-    settings = load_run_settings(_FLAGS, config, kafka=kafka, topic_prefix=topic_prefix)
+    settings = load_run_settings(TOPICS_FLAGS, config, kafka=kafka, topic_prefix=topic_prefix)
     assert settings.kafka is not None  # load_run_settings guarantees it
     topics = KafkaTopics(prefix=settings.topic_prefix)
     states = _run(create_all(settings.kafka, topics, partitions, replication_factor))
@@ -223,7 +224,7 @@ def list_(
     """List every gpupool Kafka topic of the prefix with its partitions, replication factor and
     cleanup.policy (JSON, as `topics create` prints it; created is always false). Exit 1 when one
     is missing or wrong, or Kafka cannot be reached; exit 2 without Kafka bootstrap servers."""
-    settings = load_run_settings(_FLAGS, config, kafka=kafka, topic_prefix=topic_prefix)
+    settings = load_run_settings(TOPICS_FLAGS, config, kafka=kafka, topic_prefix=topic_prefix)
     assert settings.kafka is not None
     topics = KafkaTopics(prefix=settings.topic_prefix)
     states = _run(describe_topics(settings.kafka, topics.all()))

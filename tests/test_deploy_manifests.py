@@ -48,6 +48,7 @@ import yaml
 
 import analytics.cli
 import broker.cli
+from gpupool.topics_cli import TOPICS_FLAGS
 import collectors.cli
 from broker.acl import BROKER_USER, DEFAULT_ROOT, render_acl
 from contracts.settings import DeploymentSettings
@@ -79,8 +80,12 @@ RUN_SETTINGS: dict[tuple[str, ...], Any] = {
     ("collect", "run"): collectors.cli.run_settings,
     ("analytics", "run"): analytics.cli.run_settings,
     ("broker", "run"): broker.cli.run_settings,
+    ("topics", "create"): lambda config, partitions, replication_factor, **flags: TOPICS_FLAGS.load(
+        config, **flags
+    ),
 }
-"""Sub-command of each stage → how it resolves its settings from its parsed parameters."""
+"""Sub-command of each stage (and the deployment's one-shot topic creation) → how it resolves its
+settings from its parsed parameters."""
 SETTINGS_FILES = [
     COMPOSE / "gpupool.toml",
     SYSTEMD / "gpupool.toml",
@@ -149,7 +154,7 @@ def _parse_gpupool(
         except Exception as exc:  # the CLI's usage errors
             pytest.fail(f"{where}: `gpupool {shlex.join(argv)}` does not parse: {type(exc).__name__}: {exc}")
         leaf = max(seen, key=len)
-        assert leaf in STAGE_PORTS, f"{where}: `gpupool {shlex.join(argv)}` runs {leaf}, not a stage"
+        assert leaf in RUN_SETTINGS, f"{where}: `gpupool {shlex.join(argv)}` runs {leaf}, not a stage"
         params = dict(seen[leaf])
         config = params.pop("config")
         assert config is not None and str(config) in (files or {}), f"{where}: --config {config}?"
@@ -241,13 +246,13 @@ def compose_model() -> dict[str, Any]:
 def test_compose_loader_rejects_invalid_files(tmp_path: Path, compose_model: dict[str, Any]) -> None:
     """The loader is a real schema check: a misspelt key and a value outside an enum both fail.
     (It does not check references between services: test_compose_mounts_and_dependencies does.)"""
-    for broken, word in (("helthcheck", "helthcheck"), ("service_healty", "depends_on.kafka.condition")):
+    for broken, word in (("helthcheck", "helthcheck"), ("service_healty", "depends_on.topics-init.condition")):
         base = yaml.safe_load((COMPOSE / "compose.yaml").read_text())
         analytics = base["services"]["analytics"]
         if broken == "helthcheck":
             analytics["helthcheck"] = analytics.pop("healthcheck")
         else:
-            analytics["depends_on"]["kafka"]["condition"] = "service_healty"
+            analytics["depends_on"]["topics-init"]["condition"] = "service_healty"
         (tmp_path / "broken.yaml").write_text(yaml.safe_dump(base))
         done = _compose_validate(tmp_path / "broken.yaml")
         assert done.returncode == 1 and word in done.stderr, done.stderr
@@ -257,6 +262,14 @@ def test_compose_stage_commands_parse(compose_model: dict[str, Any], monkeypatch
     services = compose_model["services"]
     kafka_env = services["kafka"]["environment"]
     assert "PLAINTEXT://kafka:9092" in kafka_env["KAFKA_ADVERTISED_LISTENERS"].split(",")
+    assert kafka_env["KAFKA_AUTO_CREATE_TOPICS_ENABLE"] == "false"
+    init = services["topics-init"]
+    assert init["depends_on"]["kafka"]["condition"] == "service_healthy" and init["restart"] == "no"
+    leaf, _, s = _parse_gpupool(
+        init["command"], {}, monkeypatch, "compose service topics-init",
+        {CONFIG_PATH: COMPOSE / "gpupool.toml"},
+    )  # fmt: skip
+    assert leaf == ("topics", "create") and s.kafka == "kafka:9092"
     leaves = {}
     for name in ("collectors", "analytics", "broker"):
         svc = services[name]
@@ -273,7 +286,8 @@ def test_compose_stage_commands_parse(compose_model: dict[str, Any], monkeypatch
         assert s.kafka == "kafka:9092", name
         probe = " ".join(svc["healthcheck"]["test"])
         assert f"http://127.0.0.1:{port}/metrics" in probe, f"{name}: healthcheck {probe}"
-        assert svc["depends_on"]["kafka"]["condition"] == "service_healthy", name
+        # every stage waits for the topics (created right, not auto-created) and so for Kafka
+        assert svc["depends_on"]["topics-init"]["condition"] == "service_completed_successfully", name
         if leaf == ("collect", "run"):
             ((host, root),) = [r.split("=", 1) for r in s.collectors.sysfs_roots]
             dcgm = services["dcgm-exporter"]
@@ -904,3 +918,21 @@ def test_dockerfile_installs_the_package() -> None:
     assert entry == list(pyproject["project"]["scripts"]), entry
     user = [r for i, r in instructions if i == "USER"]
     assert user and not user[-1].startswith("0") and user[-1] != "root"
+
+
+def test_k8s_topics_job_creates_the_topics_from_the_shipped_settings(
+    k8s: tuple[str, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The one-shot Job runs `gpupool topics create` with the deployment's gpupool.toml (same
+    Kafka and topic prefix as the stages), retries on failure and never runs as root."""
+    name, objects = k8s
+    (job,) = [o for o in objects if o["kind"] == "Job"]
+    pod = job["spec"]["template"]["spec"]
+    assert pod["restartPolicy"] == "OnFailure" and pod["securityContext"]["runAsNonRoot"] is True
+    (c,) = pod["containers"]
+    files = _configmap_files(c, pod, objects, tmp_path)
+    leaf, params, s = _parse_gpupool(list(c["args"]), {}, monkeypatch, f"{name} Job", files)
+    shipped = K8S / ("overlays/example/gpupool.toml" if "overlay" in name else "base/config/gpupool.toml")
+    toml = tomllib.loads(shipped.read_text())
+    assert leaf == ("topics", "create") and params["partitions"] >= 1
+    assert s.kafka == toml["kafka"] and s.topic_prefix == toml["topic_prefix"]

@@ -6,7 +6,7 @@
 // DIR is a folder holding a kustomization.yaml (deploy/kubernetes/base, an overlay). The build is
 // the kustomize API's (sigs.k8s.io/kustomize/api/krusty, as `kustomize build DIR`, default load
 // restrictions). Each object is then decoded with the apimachinery serializer in strict mode into
-// the Go type registered for its apiVersion and kind: core/v1, apps/v1, policy/v1, networking/v1,
+// the Go type registered for its apiVersion and kind: core/v1, apps/v1, batch/v1, policy/v1, networking/v1,
 // rbac/v1 and the Prometheus Operator's monitoring.coreos.com/v1. An unknown or duplicate field, a
 // value of the wrong type, or a kind not registered here is an error.
 //
@@ -19,6 +19,7 @@ import (
 
 	monitoringv1 "github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring/v1"
 	appsv1 "k8s.io/api/apps/v1"
+	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
 	networkingv1 "k8s.io/api/networking/v1"
 	policyv1 "k8s.io/api/policy/v1"
@@ -34,6 +35,7 @@ func newScheme() (*runtime.Scheme, error) {
 	for _, add := range []func(*runtime.Scheme) error{
 		corev1.AddToScheme,
 		appsv1.AddToScheme,
+		batchv1.AddToScheme,
 		policyv1.AddToScheme,
 		networkingv1.AddToScheme,
 		rbacv1.AddToScheme,
