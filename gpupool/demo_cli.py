@@ -43,8 +43,17 @@ def lease_table(rows: Sequence[LeaseRow], title: str, *, with_state: bool = Fals
     """A table of ``rows``: lease (first 8 hex digits of its id), site, GPUs, PKey, SL, verified
     yes/no, isolate→verified (ms); plus the lease's state when ``with_state``."""
     t = Table(title=title, title_justify="left")
+    # the GPUs column never gets narrower than "N× <longest host>," and folds between hosts, so
+    # host names stay whole even in 80-column (piped) output
+    widest = max((len(h) for r in rows for h in r.hosts()), default=8)
     for col in (*_LEASE_COLUMNS, *(("state",) if with_state else ())):
-        t.add_column(col, justify="right" if col in ("SL", _LEASE_COLUMNS[-1]) else "left")
+        gpus = col == "GPUs"
+        t.add_column(
+            col,
+            justify="right" if col in ("SL", _LEASE_COLUMNS[-1]) else "left",
+            min_width=min(widest + 4, 40) if gpus else None,
+            overflow="fold" if gpus else "ellipsis",
+        )
     for r in rows:
         t.add_row(*_lease_cells(r), *((r.state,) if with_state else ()))
     return t

@@ -247,3 +247,20 @@ def test_lease_rows_keep_the_partition_and_take_the_newest_state() -> None:
     assert (a.state, a.pkey, a.sl, a.verified, a.isolate_s, a.live) == ("released", "0x0012", 1, True, 0.05, False)
     assert (b.state, b.pkey, b.sl, b.verified, b.isolate_s, b.live) == ("granted", None, None, False, None, True)
     assert a.hosts() == ["gpu-node-001"]
+
+
+def test_lease_table_shows_whole_host_names_at_80_columns() -> None:
+    """Piped output is 80 columns wide: the GPUs column folds instead of cutting host names."""
+    from rich.console import Console
+
+    from gpupool.demo_cli import lease_table
+    from gpupool.demo_leases import LeaseRow
+
+    row = LeaseRow(
+        lease_id="lease-3ff2d059aa", site="edge-a", gpus=("gpu-node-007/GPU-1", "gpu-node-008/GPU-2"),
+        state="released", granted_at=0.0, pkey="0x0007", sl=1, verified=True, isolate_s=0.051,
+    )  # fmt: skip
+    console = Console(width=80, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
+    console.print(lease_table([row], "leases", with_state=True))
+    text = "".join(console.export_text().split())
+    assert "gpu-node-007" in text and "gpu-node-008" in text and "…" not in text
