@@ -54,6 +54,18 @@ TOPICS = KafkaTopics()
 T0 = 1_700_000_000.0
 
 
+def _fields(rng: random.Random) -> dict[str, float | int]:
+    """The DCGM fields every generated H100 sample has (random activity and framebuffer use)."""
+    return {
+        GR_ENGINE_ACTIVE: round(rng.random(), 6),
+        SM_ACTIVE: round(rng.random(), 6),
+        GPU_UTIL: rng.randrange(101),
+        FB_USED: rng.randrange(81_000),
+        "DCGM_FI_DEV_FB_FREE": 1000,
+        "DCGM_FI_DEV_POWER_USAGE": 123.456,
+    }
+
+
 def _messages(n: int, gpus: int) -> list[BusMessage]:
     """``n`` encoded GPU samples as the bus delivers them (one partition)."""
     rng = random.Random(1)
@@ -66,16 +78,7 @@ def _messages(n: int, gpus: int) -> list[BusMessage]:
             gpu_uuid=f"GPU-{g:08x}-0000-0000-0000-000000000000",
             gpu_index=g % 8,
             model_name="NVIDIA H100 80GB HBM3",
-            fields={
-                GR_ENGINE_ACTIVE: round(rng.random(), 6),
-                SM_ACTIVE: round(rng.random(), 6),
-                GPU_UTIL: rng.randrange(101),
-                FB_USED: rng.randrange(81_000),
-                "DCGM_FI_DEV_FB_FREE": 1000,
-                "DCGM_FI_DEV_POWER_USAGE": 123.456,
-                "DCGM_FI_DEV_GPU_TEMP": 41,
-                "DCGM_FI_DEV_SM_CLOCK": 1980,
-            },
+            fields={**_fields(rng), "DCGM_FI_DEV_GPU_TEMP": 41, "DCGM_FI_DEV_SM_CLOCK": 1980},
             attributes={"pod": f"pod-{g}", "namespace": "team-a"},
             target="http://127.0.0.1:9400/metrics",
             seq=i,
@@ -189,14 +192,7 @@ def _memory_messages(rows: int, gpus: int, batch: int) -> Iterator[list[BusMessa
             "gpu_instance_id": None,
             "gpu_instance_profile": None,
             "model_name": "NVIDIA H100 80GB HBM3",
-            "fields": {
-                GR_ENGINE_ACTIVE: round(rng.random(), 6),
-                SM_ACTIVE: round(rng.random(), 6),
-                GPU_UTIL: rng.randrange(101),
-                FB_USED: rng.randrange(81_000),
-                "DCGM_FI_DEV_FB_FREE": 1000,
-                "DCGM_FI_DEV_POWER_USAGE": 123.456,
-            },
+            "fields": _fields(rng),
             "invalid": {},
             "attributes": {"pod": f"pod-{g}", "namespace": "team-a"},
             "source": "dcgm-exporter",
