@@ -95,7 +95,7 @@ async def test_kafka_down_30s_nothing_lost_nothing_twice_in_order(
         assert restarted, done.stderr
         assert done.stdout.strip().splitlines()[-1] == kafka_bootstrap  # same address again
         assert time.monotonic() - down_at >= OUTAGE_S
-        await asyncio.wait_for(spool.flush(), 30)  # the backlog drains once Kafka is back
+        await asyncio.wait_for(spool.flush(), 90)  # the backlog drains once Kafka is back (a liveness bound, not a speed target)
         await asyncio.sleep(1.0)
     finally:
         stop.set()
