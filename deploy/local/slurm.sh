@@ -247,7 +247,7 @@ cmd_stop_locked() {
     local p
     for p in /proc/[0-9]*; do
         [ "${p#/proc/}" = "$$" ] && continue
-        if tr '\0' '\n' <"$p/environ" 2>/dev/null | grep -qxF "SLURM_CONF=$conf"; then
+        if { tr '\0' '\n' <"$p/environ"; } 2>/dev/null | grep -qxF "SLURM_CONF=$conf"; then
             kill -KILL "${p#/proc/}" 2>/dev/null || true
         fi
     done
