@@ -12,7 +12,8 @@ Fixtures:
   ``$GPUPOOL_STATE/mosquitto/credentials.json``:
   ``{"host": "127.0.0.1", "port": int, "users": {site or "gpupool-broker": password}, "root": "gpupool/v1"}``;
 * ``slurm_conf`` (session): the path of the ``slurm.conf`` of ``deploy/local/slurm.sh start`` (4 nodes
-  ``gpu-node-001``..``004`` × 8 GPUs as GRES ``gpu:h100``, partitions ``training`` and ``lent``); Slurm's
+  ``gpu-node-001``..``004`` × 8 GPUs as GRES ``gpu:h100``, partitions ``training`` and ``lent`` with
+  ``GraceTime`` = :data:`SLURM_GRACE_S`); Slurm's
   clients reach that cluster with ``SLURM_CONF`` set to it.
 
 A service is stopped at the end of the session only if this session started it (one already
@@ -49,6 +50,13 @@ def state_dir() -> Path:
     return Path(os.environ.get("GPUPOOL_STATE") or REPO / ".state")
 
 
+SLURM_GRACE_S = 5
+"""GraceTime of the test cluster's lent partition (= the notice of test leases), seconds."""
+
+_SERVICE_ENV = {"slurm.sh": {"GPUPOOL_SLURM_GRACE": str(SLURM_GRACE_S)}}
+"""Environment each script gets in tests, on top of this process's."""
+
+
 def run_service(script: str, action: str, timeout_s: float = 180.0) -> subprocess.CompletedProcess[str]:
     """Run ``deploy/local/<script> <action>`` (e.g. ``"kafka.sh", "stop"``) and return the
     finished process (text stdout/stderr; not checked). Tests that restart a service mid-test
@@ -60,6 +68,7 @@ def run_service(script: str, action: str, timeout_s: float = 180.0) -> subproces
         timeout=timeout_s,
         check=False,
         cwd=REPO,
+        env={**os.environ, **_SERVICE_ENV.get(script, {})},
     )
 
 
