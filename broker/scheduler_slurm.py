@@ -8,15 +8,17 @@ Slurm's own partition preemption (``PreemptType=preempt/partition_prio``, the le
 ``PreemptMode=CANCEL`` and ``GraceTime`` = the notice), whether or not gpupool runs.
 
 The batch script (:func:`lease_script`) runs the site's workload, if any, on the held GPUs
-(``CUDA_VISIBLE_DEVICES`` set by Slurm) and waits. It handles two signals:
+(``CUDA_VISIBLE_DEVICES`` set by Slurm) and waits. It handles one signal:
 
 * SIGTERM (``--signal=B:TERM@<notice>``: sent by Slurm when it chooses the job for preemption,
   with ``SlurmctldParameters=preempt_send_user_signal``, and ``notice`` seconds before the time
   limit): forwarded to the workload so it drains; the script leaves when the workload has exited
   or ``notice`` seconds have passed, whichever comes first, so training gets the GPUs at the
-  deadline rather than at Slurm's next grace-time check.
-* SIGUSR2 (``scancel --batch --signal=USR2``: gpupool releasing the lease): the workload gets
-  SIGTERM and the script leaves within :data:`RELEASE_DRAIN_S` seconds.
+  deadline rather than at Slurm's next grace-time check. A hold without a workload leaves at once.
+
+gpupool ends a hold (the lease released, expired or revoked) with a plain ``scancel``: Slurm marks
+the job cancelled at once, sends SIGTERM to every process of the job (the workload drains) and
+SIGKILL after the cluster's ``KillWait``.
 
 Preemption is read from ``scontrol show job -d -o``: a job Slurm has chosen has ``PreemptTime``
 set and ``EndTime`` moved to the end of its grace time — the deadline the site is told.
@@ -44,9 +46,6 @@ JOB_NAME = "gpupool-lease"
 
 COMMENT_PREFIX = "gpupool-lease="
 """A hold's ``Comment`` is this prefix + the lease id."""
-
-RELEASE_DRAIN_S = 2
-"""Seconds a released lease's workload gets between SIGTERM and the end of the hold."""
 
 _LEASE_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _FIELD = re.compile(r"(?:^|\s)([A-Za-z_][\w:/]*)=(\S*)")
@@ -150,20 +149,19 @@ def lease_script(request: HoldRequest) -> str:
     notice = max(0, math.ceil(request.notice_s))
     return f"""#!/bin/bash
 # gpupool lease {request.lease_id}: hold the GPUs, run the site's workload, leave on notice.
-notice={notice}
-drain={RELEASE_DRAIN_S}
+notice_ds={notice * 10}
 child=
-leave() {{
-    local deadline=$(( $(date +%s) + $1 ))
-    [ -n "$child" ] && kill -TERM "$child" 2>/dev/null
-    while [ "$(date +%s)" -lt "$deadline" ]; do
-        if [ -n "$child" ] && ! kill -0 "$child" 2>/dev/null; then break; fi
+leave() {{  # leave TENTHS: TERM the workload, wait for it at most TENTHS/10 s, exit
+    local i
+    [ -z "$child" ] && exit 0
+    kill -TERM "$child" 2>/dev/null
+    for ((i = 0; i < $1; i++)); do
+        kill -0 "$child" 2>/dev/null || exit 0
         sleep 0.1
     done
     exit 0
 }}
-trap 'leave $notice' TERM
-trap 'leave $drain' USR2
+trap 'leave $notice_ds' TERM
 export GPUPOOL_LEASE_ID={shlex.quote(request.lease_id)}
 echo "gpupool-lease start $(date +%s) CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES"
 {command + " &" if command else ":"}
@@ -284,33 +282,21 @@ class SlurmScheduler:
                 raise SchedulerError(f"hold of lease {request.lease_id} (job {job_id}) on {request.host} {why}")
             await asyncio.sleep(self.poll_s)
 
-    async def release(self, lease_id: str) -> None:
-        """See :meth:`broker.scheduler.TrainingScheduler.release`: SIGUSR2 to the batch script
-        (the workload gets SIGTERM and :data:`RELEASE_DRAIN_S` seconds), then ``scancel`` if the
-        job is still there after that."""
-        jobs = [h for h in (await self.holds()).values() if h.lease_id == lease_id]
-        for h in jobs:
-            if h.state is HoldState.PENDING:
-                await self._run("scancel", h.job_id)
-            else:
-                await self._run("scancel", "--batch", "--signal=USR2", h.job_id)
-        for h in jobs:
-            await self._wait_gone(h.job_id, RELEASE_DRAIN_S + 1.0)
-
-    async def _wait_gone(self, job_id: str, grace_s: float) -> None:
-        """Wait until ``job_id`` is no longer running; ``scancel`` it after ``grace_s``."""
-        deadline = time.monotonic() + grace_s
-        cancelled = False
+    async def release(self, lease_id: str, timeout_s: float = 2.0) -> None:
+        """See :meth:`broker.scheduler.TrainingScheduler.release`: ``scancel`` of the lease's
+        jobs (module docstring), then wait until Slurm lists none of them as pending or running.
+        Raises :class:`SchedulerError` if one is still listed after ``timeout_s`` seconds."""
+        jobs = [h.job_id for h in (await self.holds()).values() if h.lease_id == lease_id]
+        if not jobs:
+            return
+        await self._run("scancel", *jobs)
+        deadline = time.monotonic() + timeout_s
         while True:
-            found = await self._jobs(job_id)
-            if not found or found[0].state is HoldState.ENDED:
+            left = [h for h in (await self.holds()).values() if h.job_id in jobs]
+            if not left:
                 return
             if time.monotonic() >= deadline:
-                if cancelled:
-                    raise SchedulerError(f"job {job_id} still running after scancel")
-                await self._run("scancel", job_id)
-                cancelled = True
-                deadline = time.monotonic() + 10.0
+                raise SchedulerError(f"lease {lease_id}: jobs {[h.job_id for h in left]} still listed after scancel")
             await asyncio.sleep(self.poll_s)
 
     async def holds(self) -> dict[str, Hold]:

@@ -14,7 +14,6 @@ import pytest
 
 from broker.scheduler import HoldRequest, HoldState, NoScheduler, SchedulerError
 from broker.scheduler_slurm import (
-    RELEASE_DRAIN_S,
     SlurmScheduler,
     expand_indices,
     hold_from_record,
@@ -95,7 +94,7 @@ def test_lease_script_quotes_the_workload() -> None:
     req = HoldRequest("l1", "gpu-node-001", 2, time.time() + 600, 5.0, ("server", "--name", "a b; rm -rf /"))
     script = lease_script(req)
     assert "server --name 'a b; rm -rf /' &" in script
-    assert "notice=5" in script and f"drain={RELEASE_DRAIN_S}" in script
+    assert "notice_ds=50" in script
     assert ":\n" in lease_script(HoldRequest("l2", "h", 1, 0.0, 0.0))  # hold only: no command line
 
 
@@ -149,7 +148,7 @@ async def test_hold_fences_release_frees(slurm_conf: Path, tmp_path: Path) -> No
     await s.release("fence-1")
     released_s = time.monotonic() - t1
     assert "fence-1" not in await s.holds()
-    assert released_s <= RELEASE_DRAIN_S + 1.0
+    assert released_s <= 3.0  # liveness only: bench/slurm.py measures it
     _scancel(slurm_conf, beside)
     print(f"hold running after {held_s:.3f} s; released in {released_s:.3f} s")
 
@@ -184,7 +183,7 @@ async def test_training_preempts_a_hold_the_deadline_is_read_and_the_workload_dr
     assert seen is not None, "the hold was never marked preempted"
     assert seen.preempted_at is not None and seen.deadline is not None
     assert seen.deadline - seen.preempted_at == pytest.approx(SLURM_GRACE_S, abs=1.0)
-    assert observed_s <= 2.0
+    assert observed_s <= 5.0  # liveness only: bench/slurm.py measures it
     for _ in range(300):  # the workload got SIGTERM, drained, and the training job runs
         if _state(slurm_conf, train) == "RUNNING":
             break

@@ -210,8 +210,8 @@ cmd_start() {
     _ports
     _write_config
     _start_munge
-    # -i: ignore the state of jobs from an earlier run whose daemons are gone (a fresh cluster).
-    slurmctld -i -f "$conf" 9>&- >>"$state/log/slurmctld.out" 2>&1 || { _log_tails; _die "slurmctld did not start"; }
+    # -c: a fresh cluster at each start (no jobs of an earlier run, whose processes are gone).
+    slurmctld -c -f "$conf" 9>&- >>"$state/log/slurmctld.out" 2>&1 || { _log_tails; _die "slurmctld did not start"; }
     local n
     for n in $(_node_names); do
         slurmd -N "$n" -f "$conf" 9>&- >>"$state/log/slurmd.out" 2>&1 || { _log_tails; _die "slurmd $n did not start"; }
