@@ -13,7 +13,7 @@ The batch script (:func:`lease_script`) runs the site's workload, if any, on the
 * SIGTERM (``--signal=B:TERM@<notice>``: sent by Slurm when it chooses the job for preemption,
   with ``SlurmctldParameters=preempt_send_user_signal``, and ``notice`` seconds before the time
   limit): forwarded to the workload so it drains; the script leaves when the workload has exited
-  or ``notice`` seconds have passed, whichever comes first, so training gets the GPUs at the
+  or ``notice`` seconds have passed (then it is killed), whichever comes first, so training gets the GPUs at the
   deadline rather than at Slurm's next grace-time check. A hold without a workload leaves at once.
 
 gpupool ends a hold (the lease released, expired or revoked) with a plain ``scancel``: Slurm marks
@@ -151,14 +151,20 @@ def lease_script(request: HoldRequest) -> str:
 # gpupool lease {request.lease_id}: hold the GPUs, run the site's workload, leave on notice.
 notice_ds={notice * 10}
 child=
-leave() {{  # leave TENTHS: TERM the workload, wait for it at most TENTHS/10 s, exit
+leave() {{  # leave TENTHS: TERM the workload, wait for it at most TENTHS/10 s, KILL it, exit
     local i
-    [ -z "$child" ] && exit 0
-    kill -TERM "$child" 2>/dev/null
-    for ((i = 0; i < $1; i++)); do
-        kill -0 "$child" 2>/dev/null || exit 0
-        sleep 0.1
-    done
+    if [ -n "$child" ]; then
+        kill -TERM "$child" 2>/dev/null
+        for ((i = 0; i < $1; i++)); do
+            kill -0 "$child" 2>/dev/null || break
+            sleep 0.1
+        done
+        kill -KILL "$child" 2>/dev/null
+    fi
+    # Reap every child before leaving: an orphan (even a finished one, where PID 1 does not
+    # reap) keeps the job's process group alive and Slurm then waits for KillWait.
+    kill -KILL $sleeper 2>/dev/null
+    wait
     exit 0
 }}
 trap 'leave $notice_ds' TERM
@@ -166,7 +172,8 @@ export GPUPOOL_LEASE_ID={shlex.quote(request.lease_id)}
 echo "gpupool-lease start $(date +%s) CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES"
 {command + " &" if command else ":"}
 {"child=$!" if command else ""}
-while true; do sleep 0.2 & wait $!; done
+sleeper=
+while true; do sleep 0.2 & sleeper=$!; wait $sleeper; done
 """
 
 

@@ -197,8 +197,8 @@ _start_munge() {
 }
 
 cmd_start() {
-    command -v slurmctld >/dev/null 2>&1 && command -v munged >/dev/null 2>&1 \
-        || _die "slurmctld/slurmd/munge not installed (bash deploy/local/install-system.sh)"
+    command -v slurmctld >/dev/null 2>&1 && command -v munged >/dev/null 2>&1 && command -v tini >/dev/null 2>&1 \
+        || _die "slurmctld/slurmd/munge/tini not installed (bash deploy/local/install-system.sh)"
     _lock 60
     if _pid >/dev/null && _ready 5; then
         _address
@@ -213,8 +213,12 @@ cmd_start() {
     # -c: a fresh cluster at each start (no jobs of an earlier run, whose processes are gone).
     slurmctld -c -f "$conf" 9>&- >>"$state/log/slurmctld.out" 2>&1 || { _log_tails; _die "slurmctld did not start"; }
     local n
+    # Each slurmd runs in the foreground under `tini -s`, a child subreaper: job processes whose
+    # parent died are reaped by it, as a node's init does. Where PID 1 does not reap (containers,
+    # this sandbox), an orphan would stay a zombie in the job's process group and Slurm would
+    # wait KillWait for it at every job end.
     for n in $(_node_names); do
-        slurmd -N "$n" -f "$conf" 9>&- >>"$state/log/slurmd.out" 2>&1 || { _log_tails; _die "slurmd $n did not start"; }
+        tini -s -- slurmd -D -N "$n" -f "$conf" </dev/null 9>&- >>"$state/log/slurmd.out" 2>&1 &
     done
     if ! _ready "$start_timeout"; then
         sinfo -N >&2 2>&1 || true
