@@ -30,6 +30,7 @@ time zone (the same host for the local cluster; set ``TZ`` to the controller's f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import re
@@ -236,7 +237,8 @@ class SlurmScheduler:
                 proc.communicate(stdin.encode() if stdin is not None else None), self.command_timeout_s
             )
         except TimeoutError as e:
-            proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
             await proc.wait()
             raise SchedulerError(f"{shlex.join(argv)}: no answer within {self.command_timeout_s} s") from e
         if proc.returncode != 0:

@@ -210,6 +210,8 @@ cmd_start() {
     _ports
     _write_config
     _start_munge
+    # A marker in the daemons' environment (slurmstepd inherits it): `stop` finds what is left.
+    export GPUPOOL_SLURM_CLUSTER="$state"
     # -c: a fresh cluster at each start (no jobs of an earlier run, whose processes are gone).
     slurmctld -c -f "$conf" 9>&- >>"$state/log/slurmctld.out" 2>&1 || { _log_tails; _die "slurmctld did not start"; }
     local n
@@ -228,8 +230,36 @@ cmd_start() {
     _address
 }
 
+_descendants() {
+    # _descendants PID...: the PIDs given and every process below them (from /proc/*/stat).
+    local all
+    all="$(awk '{print $4, $1}' /proc/[0-9]*/stat 2>/dev/null)"
+    local queue=("$@") out=() pid child
+    while ((${#queue[@]})); do
+        pid="${queue[0]}"
+        queue=("${queue[@]:1}")
+        out+=("$pid")
+        for child in $(awk -v p="$pid" '$1 == p {print $2}' <<<"$all"); do queue+=("$child"); done
+    done
+    echo "${out[@]}"
+}
+
 cmd_stop_locked() {
-    local f pid pids=()
+    local f pid pids=() i
+    # Jobs first: slurmd leaves running jobs alone when it stops (they survive a restart), so
+    # cancel them while the controller still answers and give them KillWait to end.
+    if _pid >/dev/null; then
+        local jobs
+        jobs="$(squeue -h -o %A 2>/dev/null || true)"
+        if [ -n "$jobs" ]; then
+            # shellcheck disable=SC2086
+            scancel $jobs 2>/dev/null || true
+            for ((i = 0; i < 100; i++)); do
+                [ -z "$(squeue -h -o %A 2>/dev/null)" ] && break
+                sleep 0.1
+            done
+        fi
+    fi
     for f in "$state"/pid/slurmd-*.pid "$state/pid/slurmctld.pid" "$munge_pid"; do
         [ -f "$f" ] || continue
         if pid="$(_alive "$f" slurm)" || pid="$(_alive "$f" munged)"; then
@@ -238,7 +268,6 @@ cmd_stop_locked() {
         fi
         rm -f "$f"
     done
-    local i
     for ((i = 0; i < 100; i++)); do
         local left=0
         for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && left=1; done
@@ -246,15 +275,20 @@ cmd_stop_locked() {
         sleep 0.1
     done
     for pid in "${pids[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
-    # Job processes that outlived their slurmd (slurmstepd and the job itself): slurmd passes on
-    # the SLURM_CONF this script exported, so they are the processes whose environment has it.
-    local p
+    # What is left of this cluster: processes started with its marker in their environment
+    # (the daemons, and slurmstepd, which slurmd forks) and everything below them.
+    local marked=() p
     for p in /proc/[0-9]*; do
-        [ "${p#/proc/}" = "$$" ] && continue
-        if { tr '\0' '\n' <"$p/environ"; } 2>/dev/null | grep -qxF "SLURM_CONF=$conf"; then
-            kill -KILL "${p#/proc/}" 2>/dev/null || true
+        pid="${p#/proc/}"
+        [ "$pid" = "$$" ] && continue
+        if { tr '\0' '\n' <"$p/environ"; } 2>/dev/null | grep -qxF "GPUPOOL_SLURM_CLUSTER=$state"; then
+            marked+=("$pid")
         fi
     done
+    if ((${#marked[@]})); then
+        # shellcheck disable=SC2046
+        kill -KILL $(_descendants "${marked[@]}") 2>/dev/null || true
+    fi
     echo "$svc: stopped" >&2
 }
 
