@@ -115,6 +115,7 @@ async def _round(cluster: Cluster, sched: SlurmScheduler, host: str, n: int, gpu
             if h is not None and h.state is HoldState.PREEMPTED:
                 out["observed"].append(time.monotonic() - t0)
                 seen = True
+                await sched.confirm_notice(h)  # what the broker does when it sees a preemption
             elif h is None:  # gone before it was ever seen preempted: a notice gpupool missed
                 out["missed"].append(time.monotonic() - t0)
                 seen = True

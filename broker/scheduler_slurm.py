@@ -12,7 +12,7 @@ The batch script (:func:`lease_script`) runs the site's workload, if any, on the
 
 * SIGTERM (``--signal=B:TERM@<notice>``: sent by Slurm when it chooses the job for preemption,
   with ``SlurmctldParameters=preempt_send_user_signal``, and ``notice`` seconds before the time
-  limit): forwarded to the workload so it drains; the script leaves when the workload has exited
+  limit; sent again by :meth:`SlurmScheduler.confirm_notice`, and then ignored): forwarded to the workload so it drains; the script leaves when the workload has exited
   or ``notice`` seconds have passed (then it is killed), whichever comes first, so training gets the GPUs at the
   deadline rather than at Slurm's next grace-time check. A hold without a workload leaves at once.
 
@@ -107,8 +107,8 @@ def parse_job_lines(text: str) -> list[dict[str, str]]:
 def hold_from_record(rec: Mapping[str, str]) -> Hold | None:
     """A :class:`Hold` from one parsed job line, or ``None`` if the job is not a lease hold.
 
-    State: ``PENDING`` -> pending; ``RUNNING``/``SUSPENDED`` -> running, or preempted when Slurm
-    set ``PreemptTime``; any terminal state or ``COMPLETING`` -> ended. ``deadline`` is
+    State: ``PENDING`` -> pending; ``RUNNING``/``SUSPENDED``/``SIGNALING``/``STOPPED`` -> running,
+    or preempted when Slurm set ``PreemptTime``; any terminal state or ``COMPLETING`` -> ended. ``deadline`` is
     ``EndTime``. Raises ``ValueError`` on a malformed time or GRES index list.
     """
     comment = rec.get("Comment", "")
@@ -116,7 +116,7 @@ def hold_from_record(rec: Mapping[str, str]) -> Hold | None:
         return None
     slurm_state = rec.get("JobState", "")
     preempted_at = parse_time(rec.get("PreemptTime", "None"))
-    if slurm_state in ("RUNNING", "SUSPENDED"):
+    if slurm_state in ("RUNNING", "SUSPENDED", "SIGNALING", "STOPPED"):
         state = HoldState.PREEMPTED if preempted_at is not None else HoldState.RUNNING
     elif slurm_state in ("PENDING", "CONFIGURING", "REQUEUED", "RESIZING"):
         state = HoldState.PENDING
@@ -152,8 +152,11 @@ def lease_script(request: HoldRequest) -> str:
 # gpupool lease {request.lease_id}: hold the GPUs, run the site's workload, leave on notice.
 notice_ds={notice * 10}
 child=
+leaving=
 leave() {{  # leave TENTHS: TERM the workload, wait for it at most TENTHS/10 s, KILL it, exit
     local i
+    [ -n "$leaving" ] && return 0  # a second SIGTERM (gpupool's confirmation) changes nothing
+    leaving=1
     if [ -n "$child" ]; then
         kill -TERM "$child" 2>/dev/null
         for ((i = 0; i < $1; i++)); do
@@ -301,12 +304,26 @@ class SlurmScheduler:
         await self._run("scancel", *jobs)
         deadline = time.monotonic() + timeout_s
         while True:
-            left = [h for h in (await self.holds()).values() if h.job_id in jobs]
+            left = [h for j in jobs for h in await self._jobs(j) if h.state is not HoldState.ENDED]
             if not left:
                 return
             if time.monotonic() >= deadline:
                 raise SchedulerError(f"lease {lease_id}: jobs {[h.job_id for h in left]} still listed after scancel")
             await asyncio.sleep(self.poll_s)
+
+    async def confirm_notice(self, hold: Hold) -> None:
+        """Send SIGTERM to a preempted hold's batch script (``scancel --batch --signal=TERM``).
+
+        Slurm sends it at preemption; a signal that reaches a job step still starting is lost,
+        and the hold would then stay until Slurm's periodic grace-time check (up to about 30 s
+        late). The broker calls this once when it first sees a hold preempted; the script
+        ignores a second SIGTERM, so its deadline never moves. Raises :class:`SchedulerError`
+        if ``scancel`` fails for another reason than the job being gone."""
+        try:
+            await self._run("scancel", "--batch", "--signal=TERM", hold.job_id)
+        except SchedulerError as e:
+            if "Invalid job id" not in str(e) and "already completing" not in str(e):
+                raise
 
     async def holds(self) -> dict[str, Hold]:
         """See :meth:`broker.scheduler.TrainingScheduler.holds` (ended jobs are left out)."""

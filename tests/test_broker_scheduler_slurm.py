@@ -81,6 +81,9 @@ def test_hold_states_and_other_jobs() -> None:
     pending = hold_from_record({**rec, "JobState": "PENDING", "NodeList": "(null)"})
     assert pending is not None and pending.state is HoldState.PENDING and pending.host == ""
     assert pending.gpu_indices == ()
+    for live in ("SIGNALING", "SUSPENDED", "STOPPED"):
+        h = hold_from_record({**rec, "JobState": live})
+        assert h is not None and h.state is HoldState.PREEMPTED
     for ended in ("COMPLETED", "CANCELLED", "COMPLETING", "TIMEOUT", "PREEMPTED"):
         h = hold_from_record({**rec, "JobState": ended})
         assert h is not None and h.state is HoldState.ENDED
@@ -183,6 +186,7 @@ async def test_training_preempts_a_hold_the_deadline_is_read_and_the_workload_dr
     assert seen is not None, "the hold was never marked preempted"
     assert seen.preempted_at is not None and seen.deadline is not None
     assert seen.deadline - seen.preempted_at == pytest.approx(SLURM_GRACE_S, abs=1.0)
+    await s.confirm_notice(seen)  # the broker's confirmation: the script already leaving ignores it
     assert observed_s <= 5.0  # liveness only: bench/slurm.py measures it
     for _ in range(300):  # the workload got SIGTERM, drained, and the training job runs
         if _state(slurm_conf, train) == "RUNNING":
@@ -190,7 +194,7 @@ async def test_training_preempts_a_hold_the_deadline_is_read_and_the_workload_dr
         await asyncio.sleep(0.1)
     running_s = time.time() - submitted
     assert _state(slurm_conf, train) == "RUNNING"
-    assert "TERM" in marker.read_text()
+    assert marker.read_text().count("TERM") == 1  # forwarded once, however many SIGTERMs came
     assert running_s <= SLURM_GRACE_S + 5.0
     assert "pre-1" not in await s.holds()
     _scancel(slurm_conf, train)
