@@ -1,4 +1,4 @@
-"""pytest plugin: real Kafka and Mosquitto from deploy/local, started once per test session.
+"""pytest plugin: real Kafka, Mosquitto and Slurm from deploy/local, started once per test session.
 
 Fixtures:
 
@@ -10,7 +10,11 @@ Fixtures:
   after the test;
 * ``mosquitto`` (session): the credentials of ``deploy/local/mosquitto.sh start`` as written to
   ``$GPUPOOL_STATE/mosquitto/credentials.json``:
-  ``{"host": "127.0.0.1", "port": int, "users": {site or "gpupool-broker": password}, "root": "gpupool/v1"}``.
+  ``{"host": "127.0.0.1", "port": int, "users": {site or "gpupool-broker": password}, "root": "gpupool/v1"}``;
+* ``slurm_conf`` (session): the path of the ``slurm.conf`` of ``deploy/local/slurm.sh start`` (4 nodes
+  ``gpu-node-001``..``004`` × 8 GPUs as GRES ``gpu:h100``, partitions ``training`` and ``lent`` with
+  ``GraceTime`` = :data:`SLURM_GRACE_S`); Slurm's
+  clients reach that cluster with ``SLURM_CONF`` set to it.
 
 A service is stopped at the end of the session only if this session started it (one already
 running, e.g. from ``make services-up``, is left running). A service that does not start fails
@@ -38,12 +42,19 @@ from contracts.topics import KafkaTopics
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy" / "local"
-_SERVICE_FIXTURES = {"kafka_bootstrap", "kafka_bus", "mosquitto"}
+_SERVICE_FIXTURES = {"kafka_bootstrap", "kafka_bus", "mosquitto", "slurm_conf"}
 
 
 def state_dir() -> Path:
     """``$GPUPOOL_STATE`` or ``<repo>/.state``: where the scripts keep each service's files."""
     return Path(os.environ.get("GPUPOOL_STATE") or REPO / ".state")
+
+
+SLURM_GRACE_S = 5
+"""GraceTime of the test cluster's lent partition (= the notice of test leases), seconds."""
+
+_SERVICE_ENV = {"slurm.sh": {"GPUPOOL_SLURM_GRACE": str(SLURM_GRACE_S)}}
+"""Environment each script gets in tests, on top of this process's."""
 
 
 def run_service(script: str, action: str, timeout_s: float = 180.0) -> subprocess.CompletedProcess[str]:
@@ -57,6 +68,7 @@ def run_service(script: str, action: str, timeout_s: float = 180.0) -> subproces
         timeout=timeout_s,
         check=False,
         cwd=REPO,
+        env={**os.environ, **_SERVICE_ENV.get(script, {})},
     )
 
 
@@ -99,6 +111,16 @@ def mosquitto() -> Iterator[dict[str, Any]]:
     yield creds
     if started:
         run_service("mosquitto.sh", "stop")
+
+
+@pytest.fixture(scope="session")
+def slurm_conf() -> Iterator[Path]:
+    """Path of the local Slurm cluster's ``slurm.conf`` (started if needed; stopped after the
+    session if this session started it)."""
+    conf, started = _start("slurm.sh")
+    yield Path(conf)
+    if started:
+        run_service("slurm.sh", "stop")
 
 
 @pytest.fixture

@@ -9,6 +9,8 @@
 #   maven                             fetches the Kafka jars (deploy/local/kafka-fetch.sh)
 #   chromium                          headless browser: renders `gpupool report` in its tests
 #   prometheus-node-exporter          node_exporter on the simulated sysfs (live dashboard test)
+#   munge, slurmctld, slurmd,         the training scheduler: a Slurm 22.05 cluster on loopback
+#   slurm-client, tini                (deploy/local/slurm.sh; tini reaps the jobs' orphans)
 #
 # Idempotent: packages are checked with one `dpkg-query` call and `command -v java`; when nothing is
 # missing the script prints nothing and exits 0 at once. Otherwise it runs `apt-get update` and
@@ -16,7 +18,8 @@
 # non-zero with apt's output when that fails.
 set -euo pipefail
 
-packages=(mosquitto mosquitto-clients prometheus ibsim-utils libumad2sim0 opensm infiniband-diags maven chromium prometheus-node-exporter)
+packages=(mosquitto mosquitto-clients prometheus ibsim-utils libumad2sim0 opensm infiniband-diags maven chromium prometheus-node-exporter
+    munge slurmctld slurmd slurm-client tini)
 
 _java_major() {
     # Major version of the java on PATH ("17" from 'openjdk version "17.0.15"'), or 0 if none.

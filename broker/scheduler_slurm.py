@@ -1,0 +1,337 @@
+"""Lease holds as Slurm jobs in the lent partition (DESIGN.md "The training scheduler").
+
+A hold is one batch job per lease and node: ``sbatch -p <lent> -w <host> --gres=gpu[:type]:<n>``
+named ``gpupool-lease`` with ``--comment=gpupool-lease=<lease id>``, its time limit the lease's end
+(rounded up to Slurm's whole minutes; gpupool itself ends the hold at the exact second). While it
+runs, Slurm places no other job on its GPUs. A pending training job that needs them preempts it by
+Slurm's own partition preemption (``PreemptType=preempt/partition_prio``, the lent partition's
+``PreemptMode=CANCEL`` and ``GraceTime`` = the notice), whether or not gpupool runs.
+
+The batch script (:func:`lease_script`) runs the site's workload, if any, on the held GPUs
+(``CUDA_VISIBLE_DEVICES`` set by Slurm) and waits. It handles one signal:
+
+* SIGTERM (``--signal=B:TERM@<notice>``: sent by Slurm when it chooses the job for preemption,
+  with ``SlurmctldParameters=preempt_send_user_signal``, and ``notice`` seconds before the time
+  limit; sent again by :meth:`SlurmScheduler.confirm_notice`, and then ignored): forwarded to the workload so it drains; the script leaves when the workload has exited
+  or ``notice`` seconds have passed (then it is killed), whichever comes first, so training gets the GPUs at the
+  deadline rather than at Slurm's next grace-time check. A hold without a workload leaves at once.
+
+gpupool ends a hold (the lease released, expired or revoked) with a plain ``scancel``: Slurm marks
+the job cancelled at once, sends SIGTERM to every process of the job (the workload drains) and
+SIGKILL after the cluster's ``KillWait``.
+
+Preemption is read from ``scontrol show job -d -o``: a job Slurm has chosen has ``PreemptTime``
+set and ``EndTime`` moved to the end of its grace time — the deadline the site is told.
+
+Times printed by Slurm are the controller's local time; they are read in this process's local
+time zone (the same host for the local cluster; set ``TZ`` to the controller's for a remote one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import re
+import shlex
+import time
+from collections.abc import Collection, Mapping
+from datetime import datetime
+from pathlib import Path
+
+from broker.scheduler import Hold, HoldRequest, HoldState, SchedulerError
+
+JOB_NAME = "gpupool-lease"
+"""Job name of every lease hold (``squeue -n gpupool-lease`` lists them)."""
+
+COMMENT_PREFIX = "gpupool-lease="
+"""A hold's ``Comment`` is this prefix + the lease id."""
+
+_LEASE_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_FIELD = re.compile(r"(?:^|\s)([A-Za-z_][\w:/]*)=(\S*)")
+_GRES_IDX = re.compile(r"gpu(?::[^:(\s]+)?:(\d+)\(IDX:([\d,\-]+)\)")
+_ENDED = {
+    "BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
+    "PREEMPTED", "TIMEOUT", "COMPLETING", "SPECIAL_EXIT", "REVOKED",
+}
+
+
+def expand_indices(spec: str) -> tuple[int, ...]:
+    """``"0-2,5"`` -> ``(0, 1, 2, 5)``: Slurm's GRES index list (``IDX:`` in ``scontrol -d``),
+    sorted and without duplicates. Raises ``ValueError`` on anything else (empty parts, a range
+    whose end is before its start, non-digits)."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"not a GRES index list: {spec!r}")
+        a, b = int(lo), int(hi) if sep else int(lo)
+        if b < a:
+            raise ValueError(f"range {part!r} ends before it starts in {spec!r}")
+        out.update(range(a, b + 1))
+    return tuple(sorted(out))
+
+
+def parse_time(value: str) -> float | None:
+    """Slurm's ``2026-12-01T14:02:00`` (controller-local time) as Unix seconds; ``None`` for
+    ``None``, ``Unknown``, ``N/A`` or an empty value. Raises ``ValueError`` on another form."""
+    if value in ("", "None", "Unknown", "N/A", "(null)"):
+        return None
+    return datetime.strptime(value, "%Y-%m-%dT%H:%M:%S").timestamp()
+
+
+def parse_job_lines(text: str) -> list[dict[str, str]]:
+    """``scontrol show job -d -o`` output -> one ``{key: value}`` per job line.
+
+    Format: Slurm's ``scontrol`` one-liner, space-separated ``Key=Value`` pairs (see scontrol(1));
+    with ``-d`` a per-node detail (``Nodes=... GRES=gpu:h100:4(IDX:0-3)``) follows on the same
+    line. Values that contain spaces (``Command``, ``WorkDir`` with spaces) are cut at the first
+    space: the keys read here never contain any. A key that repeats keeps its first value, except
+    ``GRES`` (the per-node detail), whose values are joined with ``;``.
+    """
+    jobs = []
+    for line in text.splitlines():
+        if not line.strip() or "JobId=" not in line:
+            continue
+        rec: dict[str, str] = {}
+        for key, value in _FIELD.findall(line):
+            if key == "GRES" and "GRES" in rec:
+                rec["GRES"] += ";" + value
+            else:
+                rec.setdefault(key, value)
+        jobs.append(rec)
+    return jobs
+
+
+def hold_from_record(rec: Mapping[str, str]) -> Hold | None:
+    """A :class:`Hold` from one parsed job line, or ``None`` if the job is not a lease hold.
+
+    State: ``PENDING`` -> pending; ``RUNNING``/``SUSPENDED``/``SIGNALING``/``STOPPED`` -> running,
+    or preempted when Slurm set ``PreemptTime``; any terminal state or ``COMPLETING`` -> ended. ``deadline`` is
+    ``EndTime``. Raises ``ValueError`` on a malformed time or GRES index list.
+    """
+    comment = rec.get("Comment", "")
+    if rec.get("JobName") != JOB_NAME or not comment.startswith(COMMENT_PREFIX):
+        return None
+    slurm_state = rec.get("JobState", "")
+    preempted_at = parse_time(rec.get("PreemptTime", "None"))
+    if slurm_state in ("RUNNING", "SUSPENDED", "SIGNALING", "STOPPED"):
+        state = HoldState.PREEMPTED if preempted_at is not None else HoldState.RUNNING
+    elif slurm_state in ("PENDING", "CONFIGURING", "REQUEUED", "RESIZING"):
+        state = HoldState.PENDING
+    else:
+        state = HoldState.ENDED
+    indices: tuple[int, ...] = ()
+    match = _GRES_IDX.search(rec.get("GRES", ""))
+    if match and state is not HoldState.PENDING:
+        indices = expand_indices(match.group(2))
+        if len(indices) != int(match.group(1)):
+            raise ValueError(f"GRES count {match.group(1)} but indices {match.group(2)}")
+    host = rec.get("NodeList", "")
+    return Hold(
+        lease_id=comment[len(COMMENT_PREFIX):],
+        job_id=rec.get("JobId", ""),
+        host="" if host in ("(null)", "") else host,
+        gpu_indices=indices,
+        state=state,
+        deadline=parse_time(rec.get("EndTime", "Unknown")),
+        preempted_at=preempted_at,
+    )
+
+
+def lease_script(request: HoldRequest) -> str:
+    """The batch script of a hold (see the module docstring for its signals).
+
+    The workload argv is quoted with :func:`shlex.quote`; it comes from the operator's workload
+    profile, never from a site.
+    """
+    command = shlex.join(request.command) if request.command else ""
+    notice = max(0, math.ceil(request.notice_s))
+    return f"""#!/bin/bash
+# gpupool lease {request.lease_id}: hold the GPUs, run the site's workload, leave on notice.
+notice_ds={notice * 10}
+child=
+leaving=
+leave() {{  # leave TENTHS: TERM the workload, wait for it at most TENTHS/10 s, KILL it, exit
+    local i
+    [ -n "$leaving" ] && return 0  # a second SIGTERM (gpupool's confirmation) changes nothing
+    leaving=1
+    if [ -n "$child" ]; then
+        kill -TERM "$child" 2>/dev/null
+        for ((i = 0; i < $1; i++)); do
+            kill -0 "$child" 2>/dev/null || break
+            sleep 0.1
+        done
+        kill -KILL "$child" 2>/dev/null
+    fi
+    # Reap every child before leaving: an orphan (even a finished one, where PID 1 does not
+    # reap) keeps the job's process group alive and Slurm then waits for KillWait.
+    kill -KILL $sleeper 2>/dev/null
+    wait
+    exit 0
+}}
+trap 'leave $notice_ds' TERM
+export GPUPOOL_LEASE_ID={shlex.quote(request.lease_id)}
+echo "gpupool-lease start $(date +%s) CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES"
+{command + " &" if command else ":"}
+{"child=$!" if command else ""}
+sleeper=
+while true; do sleep 0.2 & sleeper=$!; wait $sleeper; done
+"""
+
+
+class SlurmScheduler:
+    """Lease holds as jobs in Slurm's lent partition (module docstring: the job, the script).
+
+    Args:
+        slurm_conf: the cluster's ``slurm.conf`` (``SLURM_CONF`` for every command); ``None``:
+            the environment's.
+        partition: the lent partition (low ``PriorityTier``, ``PreemptMode=CANCEL``, ``GraceTime``
+            = the notice).
+        gres_type: GRES type of the GPUs (``h100`` -> ``--gres=gpu:h100:N``); ``None``: any.
+        cpus_per_gpu: CPUs asked per held GPU (``-c``).
+        poll_s: seconds between reads while waiting for a hold to start or end.
+        command_timeout_s: limit for each Slurm command; a command past it raises
+            :class:`SchedulerError`.
+        output_dir: where the batch jobs write their output (``lease-<job id>.out``); ``None``:
+            ``/dev/null``.
+    """
+
+    enforced = True
+
+    def __init__(
+        self,
+        slurm_conf: Path | None = None,
+        *,
+        partition: str = "lent",
+        gres_type: str | None = "h100",
+        cpus_per_gpu: int = 1,
+        poll_s: float = 0.05,
+        command_timeout_s: float = 10.0,
+        output_dir: Path | None = None,
+    ) -> None:
+        self.slurm_conf = slurm_conf
+        self.partition = partition
+        self.gres_type = gres_type
+        self.cpus_per_gpu = cpus_per_gpu
+        self.poll_s = poll_s
+        self.command_timeout_s = command_timeout_s
+        self.output_dir = output_dir
+        self._env = dict(os.environ)
+        if slurm_conf is not None:
+            self._env["SLURM_CONF"] = str(slurm_conf)
+
+    async def _run(self, *argv: str, stdin: str | None = None) -> str:
+        """Run one Slurm command; its stdout. Raises :class:`SchedulerError` on a non-zero exit,
+        a missing command or a time-out."""
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=self._env,
+            )
+        except OSError as e:
+            raise SchedulerError(f"{argv[0]}: {e}") from e
+        try:
+            out, err = await asyncio.wait_for(
+                proc.communicate(stdin.encode() if stdin is not None else None), self.command_timeout_s
+            )
+        except TimeoutError as e:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            raise SchedulerError(f"{shlex.join(argv)}: no answer within {self.command_timeout_s} s") from e
+        if proc.returncode != 0:
+            raise SchedulerError(f"{shlex.join(argv)} exited {proc.returncode}: {err.decode(errors='replace').strip()}")
+        return out.decode(errors="replace")
+
+    async def _jobs(self, job_id: str | None = None) -> list[Hold]:
+        """The lease holds Slurm lists (one job, or every job)."""
+        argv = ["scontrol", "show", "job", "-d", "-o"] + ([job_id] if job_id else [])
+        try:
+            text = await self._run(*argv)
+        except SchedulerError as e:
+            if job_id and "Invalid job id" in str(e):
+                return []
+            raise
+        try:
+            holds = [hold_from_record(rec) for rec in parse_job_lines(text)]
+        except ValueError as e:
+            raise SchedulerError(f"unreadable scontrol output: {e}") from e
+        return [h for h in holds if h is not None]
+
+    async def hold(self, request: HoldRequest, timeout_s: float = 10.0) -> Hold:
+        """See :meth:`broker.scheduler.TrainingScheduler.hold`. Raises :class:`SchedulerError`
+        also for a lease id outside ``[A-Za-z0-9._-]{1,64}`` or a count below 1."""
+        if not _LEASE_ID.match(request.lease_id):
+            raise SchedulerError(f"lease id {request.lease_id!r} is not [A-Za-z0-9._-]{{1,64}}")
+        if request.count < 1:
+            raise SchedulerError(f"count must be >= 1, got {request.count}")
+        minutes = max(1, math.ceil((request.end_at - time.time()) / 60.0))
+        gres = f"gpu:{self.gres_type}:{request.count}" if self.gres_type else f"gpu:{request.count}"
+        output = str(self.output_dir / "lease-%j.out") if self.output_dir else "/dev/null"
+        argv = [
+            "sbatch", "--parsable", f"--partition={self.partition}", f"--nodelist={request.host}",
+            "--nodes=1", f"--gres={gres}", f"--cpus-per-task={self.cpus_per_gpu * request.count}",
+            f"--time={minutes}", f"--signal=B:TERM@{max(1, math.ceil(request.notice_s))}",
+            f"--job-name={JOB_NAME}", f"--comment={COMMENT_PREFIX}{request.lease_id}",
+            f"--output={output}", "--no-requeue",
+        ]
+        job_id = (await self._run(*argv, stdin=lease_script(request))).strip().split(";")[0]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = await self._jobs(job_id)
+            hold = found[0] if found else None
+            if hold is not None and hold.state is HoldState.RUNNING and hold.gpu_indices:
+                return hold
+            if hold is None or hold.state is HoldState.ENDED or time.monotonic() >= deadline:
+                await self._run("scancel", job_id)
+                why = "ended before it ran" if hold is None or hold.state is HoldState.ENDED else (
+                    f"did not run within {timeout_s} s")
+                raise SchedulerError(f"hold of lease {request.lease_id} (job {job_id}) on {request.host} {why}")
+            await asyncio.sleep(self.poll_s)
+
+    async def release(self, lease_id: str, timeout_s: float = 2.0) -> None:
+        """See :meth:`broker.scheduler.TrainingScheduler.release`: ``scancel`` of the lease's
+        jobs (module docstring), then wait until Slurm lists none of them as pending or running.
+        Raises :class:`SchedulerError` if one is still listed after ``timeout_s`` seconds."""
+        jobs = [h.job_id for h in (await self.holds()).values() if h.lease_id == lease_id]
+        if not jobs:
+            return
+        await self._run("scancel", *jobs)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = [h for j in jobs for h in await self._jobs(j) if h.state is not HoldState.ENDED]
+            if not left:
+                return
+            if time.monotonic() >= deadline:
+                raise SchedulerError(f"lease {lease_id}: jobs {[h.job_id for h in left]} still listed after scancel")
+            await asyncio.sleep(self.poll_s)
+
+    async def confirm_notice(self, hold: Hold) -> None:
+        """Send SIGTERM to a preempted hold's batch script (``scancel --batch --signal=TERM``).
+
+        Slurm sends it at preemption; a signal that reaches a job step still starting is lost,
+        and the hold would then stay until Slurm's periodic grace-time check (up to about 30 s
+        late). The broker calls this once when it first sees a hold preempted; the script
+        ignores a second SIGTERM, so its deadline never moves. Raises :class:`SchedulerError`
+        if ``scancel`` fails for another reason than the job being gone."""
+        try:
+            await self._run("scancel", "--batch", "--signal=TERM", hold.job_id)
+        except SchedulerError as e:
+            if "Invalid job id" not in str(e) and "already completing" not in str(e):
+                raise
+
+    async def holds(self) -> dict[str, Hold]:
+        """See :meth:`broker.scheduler.TrainingScheduler.holds` (ended jobs are left out)."""
+        return {h.lease_id: h for h in await self._jobs() if h.state is not HoldState.ENDED}
+
+    async def remove_stale(self, keep: Collection[str]) -> list[str]:
+        """See :meth:`broker.scheduler.TrainingScheduler.remove_stale`."""
+        stale = sorted(set(await self.holds()) - set(keep))
+        for lease_id in stale:
+            await self.release(lease_id)
+        return stale

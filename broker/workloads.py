@@ -1,0 +1,102 @@
+"""Workload profiles: what runs on a lease's GPUs, declared by the operator, never sent by a site.
+
+A profile is an argv template, a port range, a health check and resource limits. A claim names a
+profile (``Claim.workload``); the broker checks that the site may use it, renders the argv for
+the lease (:func:`render`) and hands it to the training scheduler, which runs it on the held GPUs
+(:class:`broker.scheduler.HoldRequest.command`). A site can choose among the profiles allowed to
+it and nothing else: no command, argument, environment or path comes from a claim.
+
+Template fields (Python ``str.format`` names, each replaced by a value the broker computes):
+``{port}`` (the port chosen for the lease from the profile's range), ``{lease_id}``, ``{site}``,
+``{gpus}`` (GPU count). Anything else in braces is an error when the profile is loaded.
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Collection
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+TEMPLATE_FIELDS = frozenset({"port", "lease_id", "site", "gpus"})
+"""The names a profile's argv template may use."""
+
+
+class WorkloadError(ValueError):
+    """A profile is invalid, unknown, not allowed to the site, or has no free port."""
+
+
+class WorkloadProfile(BaseModel):
+    """One operator-declared workload.
+
+    Attributes:
+        name: profile name a claim uses (``[a-z0-9][a-z0-9._-]{0,62}``).
+        argv: the command as an argument list, with template fields (module docstring); run
+            without a shell.
+        port_min, port_max: the inclusive port range the workload listens on; one port per live
+            lease of this profile on a node.
+        health_path: HTTP path answering 200 when the workload serves (``/health``).
+        health_timeout_s: seconds after the hold starts within which the health check must pass,
+            or the lease's endpoint is reported unhealthy.
+        cpus_per_gpu: CPUs the hold asks per GPU.
+        sites: the sites allowed to use it; empty: every site.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")
+    argv: tuple[str, ...] = Field(min_length=1)
+    port_min: int = Field(ge=1024, le=65535)
+    port_max: int = Field(ge=1024, le=65535)
+    health_path: str = Field(default="/health", pattern=r"^/[A-Za-z0-9._~/-]*$")
+    health_timeout_s: float = Field(default=60.0, gt=0, le=3600)
+    cpus_per_gpu: int = Field(default=1, ge=1, le=256)
+    sites: tuple[str, ...] = ()
+
+    @field_validator("argv")
+    @classmethod
+    def _template_fields_known(cls, argv: tuple[str, ...]) -> tuple[str, ...]:
+        for arg in argv:
+            try:
+                names = {f for _, f, _, _ in string.Formatter().parse(arg) if f is not None}
+            except ValueError as e:
+                raise ValueError(f"argument {arg!r}: {e}") from e
+            unknown = names - TEMPLATE_FIELDS
+            if unknown:
+                raise ValueError(f"argument {arg!r} uses {sorted(unknown)}; allowed: {sorted(TEMPLATE_FIELDS)}")
+        return argv
+
+    @model_validator(mode="after")
+    def _port_range(self) -> WorkloadProfile:
+        if self.port_max < self.port_min:
+            raise ValueError(f"port_max {self.port_max} < port_min {self.port_min}")
+        return self
+
+
+def allowed(profiles: Collection[WorkloadProfile], site: str, name: str) -> WorkloadProfile:
+    """The profile ``name`` if ``site`` may use it. Raises :class:`WorkloadError` naming the
+    reason: unknown profile, or not allowed to this site."""
+    for p in profiles:
+        if p.name == name:
+            if p.sites and site not in p.sites:
+                raise WorkloadError(f"workload profile {name!r} is not allowed to site {site!r}")
+            return p
+    raise WorkloadError(f"unknown workload profile {name!r}")
+
+
+def pick_port(profile: WorkloadProfile, in_use: Collection[int]) -> int:
+    """The lowest port of ``profile``'s range not in ``in_use`` (the ports of the profile's live
+    leases on the same node). Raises :class:`WorkloadError` when every port is taken."""
+    taken = set(in_use)
+    for port in range(profile.port_min, profile.port_max + 1):
+        if port not in taken:
+            return port
+    raise WorkloadError(
+        f"workload profile {profile.name!r}: every port {profile.port_min}-{profile.port_max} is in use"
+    )
+
+
+def render(profile: WorkloadProfile, *, port: int, lease_id: str, site: str, gpus: int) -> tuple[str, ...]:
+    """The argv of ``profile`` for one lease, every template field replaced."""
+    values = {"port": port, "lease_id": lease_id, "site": site, "gpus": gpus}
+    return tuple(arg.format(**values) for arg in profile.argv)

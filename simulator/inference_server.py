@@ -1,0 +1,129 @@
+"""A simulated inference server: what an edge site's workload looks like on a lease's GPUs.
+
+Run as ``python -m simulator.inference_server --port N`` (the lease job of a workload profile
+starts it on the held GPUs). It serves, over HTTP on ``--bind``:``--port``:
+
+* ``GET /health`` — ``200 {"status": "ok", ...}`` while serving, ``503 {"status": "draining"}``
+  once it got SIGTERM (a load balancer or the edge SDK stops sending new requests);
+* ``POST /v1/infer`` (any JSON body, or none) — ``200 {"gpus": [...], "lease_id": ..., "pid": ...,
+  "served": N}`` after ``--latency-ms`` milliseconds: the GPUs it was given are the indices in
+  ``CUDA_VISIBLE_DEVICES`` (as Slurm sets them), the lease the value of ``GPUPOOL_LEASE_ID``.
+
+On SIGTERM it drains: health turns 503, requests keep being answered (those in flight and those
+that still arrive), and it exits 0 once no request came for ``--quiet-s`` seconds or
+``--drain-s`` seconds have passed, whichever is first. SIGINT stops it the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import time
+
+from aiohttp import web
+
+
+def visible_gpus(value: str | None) -> list[int]:
+    """``CUDA_VISIBLE_DEVICES`` as GPU indices: ``"0,2,3"`` -> ``[0, 2, 3]``; unset, empty or
+    ``NoDevFiles`` -> ``[]``. Raises ``ValueError`` on a non-numeric entry (UUID forms are not
+    what Slurm sets for GRES)."""
+    if not value or value == "NoDevFiles":
+        return []
+    return [int(v) for v in value.split(",")]
+
+
+class InferenceServer:
+    """The server's state and handlers (see the module docstring for the HTTP interface).
+
+    Args:
+        gpus: the GPU indices it was given.
+        lease_id: the lease it runs for (``""`` outside a lease).
+        latency_s: simulated work per request, seconds.
+    """
+
+    def __init__(self, gpus: list[int], lease_id: str, latency_s: float) -> None:
+        self.gpus = gpus
+        self.lease_id = lease_id
+        self.latency_s = latency_s
+        self.served = 0
+        self.in_flight = 0
+        self.draining = False
+        self.last_request = time.monotonic()
+
+    async def health(self, request: web.Request) -> web.Response:
+        """``GET /health``: 200 while serving, 503 while draining."""
+        body = {"status": "draining" if self.draining else "ok", "gpus": self.gpus,
+                "lease_id": self.lease_id, "served": self.served}
+        return web.json_response(body, status=503 if self.draining else 200)
+
+    async def infer(self, request: web.Request) -> web.Response:
+        """``POST /v1/infer``: answer after the simulated latency with the GPUs used."""
+        self.in_flight += 1
+        self.last_request = time.monotonic()
+        try:
+            await request.read()
+            await asyncio.sleep(self.latency_s)
+            self.served += 1
+            return web.json_response(
+                {"gpus": self.gpus, "lease_id": self.lease_id, "pid": os.getpid(), "served": self.served}
+            )
+        finally:
+            self.in_flight -= 1
+            self.last_request = time.monotonic()
+
+    def app(self) -> web.Application:
+        """The aiohttp application with both routes."""
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_post("/v1/infer", self.infer)
+        return app
+
+
+async def serve(bind: str, port: int, server: InferenceServer, drain_s: float, quiet_s: float) -> None:
+    """Serve until SIGTERM/SIGINT, then drain (module docstring) and return."""
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, bind, port)
+    await site.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(json.dumps({"event": "inference_serving", "bind": bind, "port": port, "gpus": server.gpus,
+                      "lease_id": server.lease_id}), flush=True)
+    await stop.wait()
+    server.draining = True
+    began = time.monotonic()
+    while time.monotonic() - began < drain_s:
+        if server.in_flight == 0 and time.monotonic() - server.last_request >= quiet_s:
+            break
+        await asyncio.sleep(0.05)
+    await runner.cleanup()
+    print(json.dumps({"event": "inference_stopped", "served": server.served,
+                      "drained_s": round(time.monotonic() - began, 3)}), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: ``--port`` (required), ``--bind`` (127.0.0.1), ``--latency-ms`` (5),
+    ``--drain-s`` (30), ``--quiet-s`` (0.5). Exit 0 after a drain; 2 on bad arguments."""
+    p = argparse.ArgumentParser(prog="python -m simulator.inference_server", description=__doc__.split("\n")[0])
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--bind", default="127.0.0.1")
+    p.add_argument("--latency-ms", type=float, default=5.0)
+    p.add_argument("--drain-s", type=float, default=30.0)
+    p.add_argument("--quiet-s", type=float, default=0.5)
+    args = p.parse_args(argv)
+    try:
+        gpus = visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    except ValueError:
+        p.error(f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r} is not a list of indices")
+    server = InferenceServer(gpus, os.environ.get("GPUPOOL_LEASE_ID", ""), args.latency_ms / 1000.0)
+    asyncio.run(serve(args.bind, args.port, server, args.drain_s, args.quiet_s))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

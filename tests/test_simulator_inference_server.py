@@ -1,0 +1,91 @@
+"""The simulated inference server: the GPUs it reports, draining on SIGTERM without a failed
+request, and running as a lease's workload on GPUs held in the real Slurm cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from broker.scheduler import HoldRequest
+from broker.scheduler_slurm import SlurmScheduler
+from simulator.inference_server import visible_gpus
+from tests.services import REPO, SLURM_GRACE_S
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _wait_health(url: str, timeout_s: float = 15.0) -> httpx.Response:
+    async with httpx.AsyncClient() as client:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return await client.get(f"{url}/health")
+            except httpx.TransportError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
+
+
+def test_visible_gpus() -> None:
+    assert visible_gpus("0,2,3") == [0, 2, 3]
+    assert visible_gpus("5") == [5]
+    assert visible_gpus(None) == visible_gpus("") == visible_gpus("NoDevFiles") == []
+    with pytest.raises(ValueError):
+        visible_gpus("GPU-1234")
+
+
+async def test_reports_its_gpus_and_drains_without_a_failed_request() -> None:
+    port = _free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "simulator.inference_server", "--port", str(port), "--latency-ms", "200",
+        "--quiet-s", "0.3", cwd=REPO,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "1,3", "GPUPOOL_LEASE_ID": "l-7"},
+        stdout=asyncio.subprocess.PIPE,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        health = await _wait_health(url)
+        assert health.status_code == 200 and health.json()["gpus"] == [1, 3]
+        async with httpx.AsyncClient() as client:
+            r = await client.post(f"{url}/v1/infer", json={"prompt": "x"})
+            assert r.status_code == 200 and r.json()["gpus"] == [1, 3] and r.json()["lease_id"] == "l-7"
+            in_flight = [asyncio.create_task(client.post(f"{url}/v1/infer")) for _ in range(5)]
+            await asyncio.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.05)
+            assert (await client.get(f"{url}/health")).status_code == 503  # draining
+            late = await client.post(f"{url}/v1/infer")  # still answered while draining
+            results = await asyncio.gather(*in_flight)
+        assert [r.status_code for r in results] == [200] * 5 and late.status_code == 200
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_runs_as_a_lease_workload_on_the_held_gpus(slurm_conf: Path, tmp_path: Path) -> None:
+    port = _free_port()
+    command = (sys.executable, "-m", "simulator.inference_server", "--port", str(port), "--drain-s", "2")
+    s = SlurmScheduler(slurm_conf, output_dir=tmp_path)
+    hold = await s.hold(HoldRequest("infer-1", "gpu-node-002", 3, time.time() + 600, SLURM_GRACE_S, command))
+    try:
+        health = await _wait_health(f"http://127.0.0.1:{port}")
+        assert health.status_code == 200
+        assert tuple(health.json()["gpus"]) == hold.gpu_indices and len(hold.gpu_indices) == 3
+        assert health.json()["lease_id"] == "infer-1"
+    finally:
+        await s.release("infer-1")
+    assert "infer-1" not in await s.holds()
