@@ -199,6 +199,7 @@ class AnalyticsService:
         self._leaves = LeafMap()
         self._leaf_headroom: dict[str, LeafHeadroom] = {}
         self._topology_consumer: Consumer | None = None
+        self._leaf_labels: set[str] = set()
         self._headroom_refresh_s = headroom_refresh_s
         self._headroom_window_s = headroom_window_s
         self._headroom: dict[str, float] = {}
@@ -270,6 +271,7 @@ class AnalyticsService:
             client_id=self._client_id,
         )
         await self._topology_consumer.start()
+        metrics.LENT_SHARE.set(self.lent_share)
         log.info(
             "analytics_started",
             extra={
@@ -299,6 +301,8 @@ class AnalyticsService:
             self._store = None
         metrics.CAPACITY.withdraw(self)
         self._set_lag({})
+        self._leaf_headroom = {}
+        self._set_leaf_gauges()
         log.info("analytics_stopped", extra={"db": self._db_path})
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -507,6 +511,7 @@ class AnalyticsService:
         uplinks = sorted(self._leaves.uplink_ports())
         if not uplinks:
             self._leaf_headroom = {}
+            self._set_leaf_gauges()
             return
         try:
             _, rows = await self._in_thread(
@@ -522,6 +527,7 @@ class AnalyticsService:
             str(k): (None if h is None else float(h), None if w is None else float(w)) for k, h, w in rows
         }
         self._leaf_headroom = leaf_headroom(self._leaves, ports)
+        self._set_leaf_gauges()
         blocked = sorted(
             leaf
             for leaf, fig in self._leaf_headroom.items()
@@ -536,6 +542,28 @@ class AnalyticsService:
                     "max_xmit_wait": self.max_uplink_xmit_wait,
                 },
             )
+
+    def _set_leaf_gauges(self) -> None:
+        """Make the leaf gauges show exactly the known figures of :attr:`_leaf_headroom` (series
+        of leaves gone or unknown are removed)."""
+        known: set[str] = set()
+        for leaf, fig in self._leaf_headroom.items():
+            if fig.headroom is not None:
+                metrics.LEAF_UPLINK_HEADROOM.labels(leaf=leaf).set(fig.headroom)
+                known.add(leaf)
+            if fig.xmit_wait is not None:
+                metrics.LEAF_UPLINK_XMIT_WAIT.labels(leaf=leaf).set(fig.xmit_wait)
+                known.add(leaf)
+        for leaf in self._leaf_labels:
+            fig = self._leaf_headroom.get(leaf)
+            for gauge, value in (
+                (metrics.LEAF_UPLINK_HEADROOM, None if fig is None else fig.headroom),
+                (metrics.LEAF_UPLINK_XMIT_WAIT, None if fig is None else fig.xmit_wait),
+            ):
+                if value is None:
+                    with contextlib.suppress(KeyError):
+                        gauge.remove(leaf)
+        self._leaf_labels = known
 
     async def _read_topology(self) -> bool:
         """Take the newest valid ``fabric.topology`` snapshot read since the last call, if any,

@@ -36,14 +36,13 @@ from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import aiohttp
 import httpx
 
 from collectors import metrics
 from collectors.dcgm import DcgmParseResult, parse_dcgm_exporter
-from collectors.fabric_collector import FabricCollector
 from collectors.nvml import NvmlReader, NvmlUnavailableError
 from collectors.nvsmi import DEFAULT_COMMAND, read_nvidia_smi
 from collectors.scrape import DEFAULT_MAX_BODY_BYTES, Scraper, ScrapeResult
@@ -53,6 +52,9 @@ from collectors.targets import Target, TargetSet
 from collectors.xid import XidTracker
 from contracts import GpuSample, IbPortSample, KafkaTopics, encode, tracing
 from contracts.bus import Bus, Producer
+
+if TYPE_CHECKING:  # imported by the caller only when the fabric is collected (its metrics with it)
+    from collectors.fabric_collector import FabricCollector
 
 log = logging.getLogger(__name__)
 _TRACER = tracing.tracer(__name__)

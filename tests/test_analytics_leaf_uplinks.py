@@ -101,6 +101,9 @@ async def test_leaf_uplinks_without_room_for_the_lent_share_hold_the_leaf_back()
         figures = svc.leaf_headroom()
         assert figures["leaf-1"].headroom == pytest.approx(0.15, abs=1e-6) and figures["leaf-1"].ports == 2
         assert figures["leaf-2"].headroom == pytest.approx(0.90, abs=1e-6)
+        gauge = metrics.LEAF_UPLINK_HEADROOM.labels(leaf="leaf-1")._value.get()
+        assert gauge == pytest.approx(0.15, abs=1e-6) and metrics.LENT_SHARE._value.get() == 0.2
+        assert metrics.LEAF_UPLINK_XMIT_WAIT.labels(leaf="leaf-2")._value.get() == 0.0
         ups = latest(bus)
         for host in ("node001", "node002"):
             u = ups[host]
@@ -126,6 +129,8 @@ async def test_leaf_uplinks_without_room_for_the_lent_share_hold_the_leaf_back()
         assert svc.leaf_headroom()["leaf-2"].xmit_wait == pytest.approx(2 / 3, rel=0.05)
     finally:
         await svc.stop()
+    leaves = {s.labels["leaf"] for m in metrics.LEAF_UPLINK_HEADROOM.collect() for s in m.samples}
+    assert leaves == set(), "a stopped instance's leaf series must go"
 
 
 async def test_no_topology_no_leaf_and_zero_share_never_blocks() -> None:
