@@ -199,6 +199,7 @@ class AnalyticsService:
         self._leaves = LeafMap()
         self._leaf_headroom: dict[str, LeafHeadroom] = {}
         self._topology_consumer: Consumer | None = None
+        self._topology_started: asyncio.Future[None] | None = None
         self._leaf_labels: set[str] = set()
         self._headroom_refresh_s = headroom_refresh_s
         self._headroom_window_s = headroom_window_s
@@ -270,7 +271,9 @@ class AnalyticsService:
             f"{self._group_id}-topology-{uuid.uuid4().hex[:12]}",
             client_id=self._client_id,
         )
-        await self._topology_consumer.start()
+        # In the background: a deployment without the fabric collector (or its topic) starts as fast
+        # as before, and the leaf map follows once the consumer is assigned.
+        self._topology_started = asyncio.ensure_future(self._topology_consumer.start())
         metrics.LENT_SHARE.set(self.lent_share)
         log.info(
             "analytics_started",
@@ -286,6 +289,12 @@ class AnalyticsService:
         bus while stopping is logged; the store is closed regardless."""
         consumer, producer, topology = self._consumer, self._producer, self._topology_consumer
         self._consumer = self._producer = self._topology_consumer = None
+        started, self._topology_started = self._topology_started, None
+        if started is not None and not started.done():
+            started.cancel()
+        if started is not None:
+            with contextlib.suppress(BaseException):
+                await started
         for name, part in (("consumer", consumer), ("topology consumer", topology), ("producer", producer)):
             if part is None:
                 continue
@@ -567,11 +576,18 @@ class AnalyticsService:
 
     async def _read_topology(self) -> bool:
         """Take the newest valid ``fabric.topology`` snapshot read since the last call, if any,
-        as the :class:`LeafMap`; return whether it changed. A record that does not decode is
-        counted (``gpupool_analytics_rejected_records_total{reason="invalid_topology"}``) and
-        skipped; a bus error is logged and leaves the map as it is."""
-        consumer = self._topology_consumer
-        if consumer is None:
+        as the :class:`LeafMap`; return whether it changed. Nothing is read until the topology
+        consumer (started in the background by :meth:`start`) has started; if its start failed,
+        that is logged once and the map stays as it is. A record that does not decode is counted
+        (``gpupool_analytics_rejected_records_total{reason="invalid_topology"}``) and skipped; a
+        bus error is logged and leaves the map as it is."""
+        consumer, started = self._topology_consumer, self._topology_started
+        if consumer is None or started is None or not started.done():
+            return False
+        if started.cancelled() or started.exception() is not None:
+            exc = None if started.cancelled() else started.exception()
+            log.warning("analytics_topology_consumer_failed", extra={"error": repr(exc)})
+            self._topology_consumer = None  # the leaf map stays as it is; a restart retries
             return False
         try:
             msgs = await consumer.getmany(timeout_s=0, max_records=64)
