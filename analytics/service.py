@@ -34,7 +34,8 @@ With each headroom refresh, a second query over ``fabric_headroom_over(headroom_
 reads those uplink ports (switch ports, read by the switch-side fabric collector) and gives every
 leaf the headroom of its busiest uplink and its worst XmitWait fraction
 (:func:`analytics.fabric_leaf.leaf_headroom`). Every capacity update carries its host's ``leaf``
-and ``leaf_headroom`` (``None`` when unknown: no topology yet, a host not in it, or no uplink read).
+and ``leaf_headroom`` (``None`` when unknown: no topology yet, a host not in it, or no uplink read);
+a GPU whose leaf changes (a first or new topology) is re-published at once.
 Switch ports are keyed by the switch on ``telemetry.ib_port``: with several instances, an
 instance knows the uplinks of the switches whose partitions it owns, and a leaf whose switch
 another instance owns is unknown here (it never blocks).
@@ -812,6 +813,7 @@ class AnalyticsService:
                 last is None
                 or last.state is not state
                 or last.grade != grade
+                or last.leaf != self._leaves.leaf_of.get(st.host)  # a new topology: at once
                 or now - self._published_at.get(key, float("-inf")) >= self._refresh_s
             ):
                 due.append(self._update(st))

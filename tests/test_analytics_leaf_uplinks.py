@@ -144,6 +144,7 @@ async def test_no_topology_no_leaf_and_zero_share_never_blocks() -> None:
         assert all(u.leaf is None and u.leaf_headroom is None for u in svc.current_states().values())
         await bus.producer().send(TOPICS.fabric_topology, encode(_topology()), key="topology")
         await drain(svc)  # a new topology refreshes the leaf figures at once
+        assert {u.leaf for u in latest(bus).values()} == {"leaf-1", "leaf-2"}  # and re-publishes
         states = svc.current_states()
         assert {u.leaf for u in states.values()} == {"leaf-1", "leaf-2"}
         assert all(u.state is GpuState.IDLE for u in states.values())  # 0 and 1 turn the checks off
