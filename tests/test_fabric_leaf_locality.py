@@ -22,7 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +39,7 @@ from collectors.fabric_collector import FabricCollector
 from collectors.service import CollectorService
 from contracts import CapacityUpdate, GpuSample, GpuState, IbPortSample, KafkaTopics, decode, encode
 from contracts.bus import MemoryBus
+from contracts.bus.kafka import KafkaBus
 from contracts.mqtt import Claim, Requirements
 from tests.fabric_fixture import SimFabric, sim_fabric  # noqa: F401 - the session fixture
 
@@ -162,3 +168,55 @@ async def test_matched_claim_for_more_than_one_node_lands_under_one_leaf(
     assert step.record.reason == "match:leaf"
     answer, _ = book.grant(step, now)
     assert answer.ok and book.violations() == []
+
+
+async def test_collect_run_fabric_feeds_analytics_leaves_over_kafka(
+    sim_fabric: SimFabric,  # noqa: F811
+    kafka_bootstrap: str,
+    kafka_bus: KafkaBus,
+    kafka_topics: KafkaTopics,
+    tmp_path: Path,
+) -> None:
+    """``gpupool collect run --fabric`` (the command the deployments run) on the simulated fabric,
+    real Kafka, and the analytics stage reading its topology: capacity updates carry the leaf."""
+    t = kafka_topics
+    await kafka_bus.create_topics(t.all(), partitions=2, compacted=[t.leases_log, t.fabric_topology])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPOOL_")}
+    env.update(sim_fabric.env)
+    argv = [
+        str(Path(sys.executable).parent / "gpupool"), "collect", "run", "--kafka", kafka_bootstrap,
+        "--topic-prefix", t.prefix, "--fabric", "--fabric-interval", "1", "--fabric-concurrency", "4",
+        "--fabric-timeout", "10", "--metrics-port", "0",
+    ]  # fmt: skip
+    log = (tmp_path / "collect.log").open("w")
+    proc = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    producer = kafka_bus.producer("gpupool-test")
+    await producer.start()
+    try:
+        for s in _gpu_samples(time.time()):
+            if s.host in ("node001", "node002"):
+                await producer.send(t.telemetry_gpu, encode(s), key=s.partition_key)
+        await producer.flush()
+    finally:
+        await producer.stop()
+    analytics = AnalyticsService(
+        bus=kafka_bus, topics=t, db_path=str(tmp_path / "a.duckdb"), group_id=f"{t.prefix}analytics",
+        idle=IdleConfig(min_idle_s=20.0, stale_after_s=300.0), headroom_refresh_s=0.5,
+    )  # fmt: skip
+    await analytics.start()
+    try:
+        deadline = time.monotonic() + 90.0
+        leaves: dict[str, str | None] = {}
+        while time.monotonic() < deadline and not leaves.get("node002/GPU-node002-7"):
+            await analytics.step(timeout_s=0.5)
+            leaves = {k: u.leaf for k, u in analytics.current_states().items()}
+        assert proc.poll() is None, (tmp_path / "collect.log").read_text()[-2000:]
+    finally:
+        await analytics.stop()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=30)
+        log.close()
+    assert rc == 0, (tmp_path / "collect.log").read_text()[-2000:]
+    assert set(leaves.values()) == {"leaf-1"} and len(leaves) == 16, leaves
+    assert analytics.leaves().leaf_of["node016"] == "leaf-4"
+    assert set(analytics.leaves().uplinks) == {"leaf-1", "leaf-2", "leaf-3", "leaf-4"}
