@@ -565,10 +565,10 @@ class AnalyticsService:
                 metrics.LEAF_UPLINK_XMIT_WAIT.labels(leaf=leaf).set(fig.xmit_wait)
                 known.add(leaf)
         for leaf in self._leaf_labels:
-            fig = self._leaf_headroom.get(leaf)
+            now = self._leaf_headroom.get(leaf)
             for gauge, value in (
-                (metrics.LEAF_UPLINK_HEADROOM, None if fig is None else fig.headroom),
-                (metrics.LEAF_UPLINK_XMIT_WAIT, None if fig is None else fig.xmit_wait),
+                (metrics.LEAF_UPLINK_HEADROOM, None if now is None else now.headroom),
+                (metrics.LEAF_UPLINK_XMIT_WAIT, None if now is None else now.xmit_wait),
             ):
                 if value is None:
                     with contextlib.suppress(KeyError):

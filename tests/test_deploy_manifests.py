@@ -332,7 +332,8 @@ def test_compose_fabric_collector_runs_collect_run_fabric_alone(
     leaf, _, s = _parse_gpupool(svc["command"], env, monkeypatch, "compose service fabric-collector", files)
     cs = s.collectors
     assert leaf == ("collect", "run") and cs.fabric and s.kafka == "kafka:9092"
-    assert (cs.dcgm_targets, cs.sysfs_roots, cs.file_sd, cs.nvidia_smi, cs.nvml_host) == ([], [], [], [], None)
+    sources = (cs.dcgm_targets, cs.sysfs_roots, cs.file_sd, cs.nvidia_smi, cs.nvml_host)
+    assert sources == ([], [], [], [], None)
     assert cs.spool_dir is not None and any(
         v["type"] == "volume" and cs.spool_dir.is_relative_to(v["target"]) for v in svc["volumes"]
     ), "the spool is not on a volume"
@@ -778,7 +779,8 @@ def test_k8s_stage_shapes(k8s: tuple[str, list[dict[str, Any]]], monkeypatch: py
     assert pod["nodeSelector"] == {"gpupool.io/fabric-collector": "true"}
     (c,) = pod["containers"]
     dev = next(m for m in c["volumeMounts"] if m["mountPath"] == "/dev/infiniband")
-    assert next(v for v in pod["volumes"] if v["name"] == dev["name"])["hostPath"]["path"] == "/dev/infiniband"
+    volume = next(v for v in pod["volumes"] if v["name"] == dev["name"])
+    assert volume["hostPath"]["path"] == "/dev/infiniband"
 
 
 def test_k8s_prometheusrules_wrap_the_rule_files(k8s: tuple[str, list[dict[str, Any]]]) -> None:
