@@ -624,6 +624,12 @@ class AnalyticsService:
                 "topology_ts": newest.ts,
             },
         )
+        # GPU hosts the fabric does not name: their HCAs' node descriptions (rdma-ndd's %h) and
+        # their GPU samples' host names differ, so they get no leaf and no leaf-local matching.
+        gpu_hosts = {st.host for st in self._classifier.statuses().values()}
+        missing = sorted(gpu_hosts - self._leaves.leaf_of.keys())
+        if missing:
+            log.warning("analytics_hosts_without_leaf", extra={"hosts": len(missing), "first": missing[:10]})
         return True
 
     def _blocked(self, st: GpuStatus) -> str | None:

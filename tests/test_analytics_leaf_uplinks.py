@@ -133,19 +133,23 @@ async def test_leaf_uplinks_without_room_for_the_lent_share_hold_the_leaf_back()
     assert leaves == set(), "a stopped instance's leaf series must go"
 
 
-async def test_no_topology_no_leaf_and_zero_share_never_blocks() -> None:
+async def test_no_topology_no_leaf_and_zero_share_never_blocks(caplog: pytest.LogCaptureFixture) -> None:
     bus, clock = MemoryBus(), Clock(T0)
     svc = _service(bus, clock, lent_share=0.0, max_uplink_xmit_wait=1.0)
     await svc.start()
     try:
         await _feed(bus, 0, leaf1=0.99, leaf2=0.99, wait2=5.0)
+        await send(bus, gpu(T0 + 60, "node-x"))  # a GPU host the fabric does not name
         clock.t = T0 + 70
         await drain(svc)
         assert all(u.leaf is None and u.leaf_headroom is None for u in svc.current_states().values())
         await bus.producer().send(TOPICS.fabric_topology, encode(_topology()), key="topology")
         await drain(svc)  # a new topology refreshes the leaf figures at once
-        assert {u.leaf for u in latest(bus).values()} == {"leaf-1", "leaf-2"}  # and re-publishes
+        assert {u.leaf for u in latest(bus).values()} == {"leaf-1", "leaf-2", None}  # and re-publishes
+        (warning,) = [r for r in caplog.records if r.getMessage() == "analytics_hosts_without_leaf"]
+        assert (warning.hosts, warning.first) == (1, ["node-x"])  # type: ignore[attr-defined]
         states = svc.current_states()
+        assert states.pop("node-x/GPU-node-x").leaf is None
         assert {u.leaf for u in states.values()} == {"leaf-1", "leaf-2"}
         assert all(u.state is GpuState.IDLE for u in states.values())  # 0 and 1 turn the checks off
         assert states["node001/GPU-node001"].leaf_headroom == pytest.approx(0.01, abs=1e-6)
