@@ -79,6 +79,8 @@ RUN_SETTINGS: dict[str, str] = {
     "stale_after_s": "idle.stale_after_s",
     "refresh_s": "idle.refresh_s",
     "memory_limit": "analytics.memory_limit",
+    "lent_share": "broker.lent_share",
+    "max_uplink_xmit_wait": "analytics.max_uplink_xmit_wait",
 }
 """Parameter of ``run`` → the :class:`contracts.settings.DeploymentSettings` field it sets."""
 
@@ -160,6 +162,27 @@ def run(
             "(default: DuckDB's own limit)." + _setting("memory_limit")
         ),
     ] = None,
+    lent_share: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="Share of a link lent traffic may take, 0..1: a node is offered only while the "
+            "busiest uplink of its leaf switch (from fabric.topology and the switch ports' "
+            "counters) has at least this much headroom left by training; 0: no check (default 0.2)."
+            + _setting("lent_share"),
+        ),
+    ] = None,
+    max_uplink_xmit_wait: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="A node is not offered while an uplink of its leaf waits for credits more than "
+            "this: XmitWait / (XmitWait + XmitData), 0..1; 1: no check (default 0.5)."
+            + _setting("max_uplink_xmit_wait"),
+        ),
+    ] = None,
 ) -> None:
     """Run the analytics stage against Kafka until SIGINT/SIGTERM.
 
@@ -188,6 +211,8 @@ def run(
         stale_after_s=stale_after_s,
         refresh_s=refresh_s,
         memory_limit=memory_limit,
+        lent_share=lent_share,
+        max_uplink_xmit_wait=max_uplink_xmit_wait,
     )
     s_idle = settings.idle
     try:
@@ -213,6 +238,8 @@ def run(
             s_idle.pool,
             s_idle.refresh_s,
             settings.analytics.memory_limit,
+            settings.broker.lent_share,
+            settings.analytics.max_uplink_xmit_wait,
         )
     )
 
@@ -226,6 +253,8 @@ async def _run(
     pool: str,
     refresh_s: float,
     memory_limit: str | None,
+    lent_share: float,
+    max_uplink_xmit_wait: float,
 ) -> None:
     bus = make_bus(kafka, client_id="gpupool-analytics")
     service = AnalyticsService(
@@ -237,6 +266,8 @@ async def _run(
         pool=pool,
         refresh_s=refresh_s,
         memory_limit=memory_limit,
+        lent_share=lent_share,
+        max_uplink_xmit_wait=max_uplink_xmit_wait,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -25,7 +25,7 @@ RECORDS_CONSUMED = Counter(
 REJECTED_RECORDS = Counter(
     "gpupool_analytics_rejected_records_total",
     "Records or values skipped, by reason (tombstone, malformed_json, invalid_record, "
-    "unsupported_version, unknown_topic, duplicate, counter_out_of_range).",
+    "unsupported_version, unknown_topic, duplicate, counter_out_of_range, invalid_topology).",
     ["reason"],
 )
 INGEST_ROWS = Counter(
@@ -56,6 +56,22 @@ IDLE_GPU_MEMORY = Gauge(
     "gpupool_analytics_idle_gpu_memory_bytes",
     "Framebuffer total of idle GPUs (and MIG instances), bytes, by pool, GPU model and idle grade.",
     ["pool", "model", "grade"],
+)
+LEAF_UPLINK_HEADROOM = Gauge(
+    "gpupool_analytics_leaf_uplink_headroom_ratio",
+    "Headroom training leaves on the busiest uplink of each leaf switch (1 - p95 utilisation in the "
+    "busier direction over the headroom window), by leaf; absent when unknown.",
+    ["leaf"],
+)
+LEAF_UPLINK_XMIT_WAIT = Gauge(
+    "gpupool_analytics_leaf_uplink_xmit_wait_ratio",
+    "Worst XmitWait fraction among the uplink ports of each leaf switch, "
+    "ΔPortXmitWait / (ΔPortXmitWait + ΔPortXmitData) over the headroom window, by leaf.",
+    ["leaf"],
+)
+LENT_SHARE = Gauge(
+    "gpupool_analytics_lent_share_ratio",
+    "Share of a link lent traffic may take: a leaf whose uplink headroom is below it is not offered.",
 )
 CAPACITY_UPDATES = Counter(
     "gpupool_analytics_capacity_updates_total",

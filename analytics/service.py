@@ -27,11 +27,28 @@ PortRcvData) over the window. Every capacity update carries its host's value in 
 (``None`` when unknown: no IB reads of that host, or none with a valid interval yet). A GPU whose
 state does not change carries a new value with its next periodic re-publication (``refresh_s``).
 
-A node whose known headroom is below ``min_headroom`` is not offerable. This is decided here, not
-in the broker (which stays simple: it never offers ``unknown``): the host's idle GPUs are published
-as ``unknown`` with reason ``fabric_headroom`` (``since`` = when the block began, no grade, no
-prediction) and go back to ``idle`` when the headroom recovers. Unknown headroom (hosts without
-IB, or no interval yet) never blocks an offer. The classifier is not affected: a blocked GPU's
+Leaf and uplinks: every instance reads the compacted ``fabric.topology`` topic whole (a consumer
+of its own, never committed, so each instance sees every snapshot; the newest wins) and derives
+each host's leaf switch and that leaf's uplink ports (:func:`analytics.fabric_leaf.leaf_map`).
+With each headroom refresh, a second query over ``fabric_headroom_over(headroom_window_s)``
+reads those uplink ports (switch ports, read by the switch-side fabric collector) and gives every
+leaf the headroom of its busiest uplink and its worst XmitWait fraction
+(:func:`analytics.fabric_leaf.leaf_headroom`). Every capacity update carries its host's ``leaf``
+and ``leaf_headroom`` (``None`` when unknown: no topology yet, a host not in it, or no uplink read);
+a GPU whose leaf changes (a first or new topology) is re-published at once.
+Switch ports are keyed by the switch on ``telemetry.ib_port``: with several instances, an
+instance knows the uplinks of the switches whose partitions it owns, and a leaf whose switch
+another instance owns is unknown here (it never blocks).
+
+A node whose known headroom is below ``min_headroom`` is not offerable, and neither is a node
+whose leaf's busiest uplink has less headroom than ``lent_share`` (the share of a link lent
+traffic may take) or whose uplinks wait for credits above ``max_uplink_xmit_wait``
+(:func:`analytics.fabric_leaf.uplink_block_reason`). This is decided here, not in the broker
+(which stays simple: it never offers ``unknown``): the host's idle GPUs are published as
+``unknown`` with reason ``fabric_headroom`` (node) or ``leaf_uplink_headroom`` /
+``leaf_uplink_xmit_wait`` (uplinks) (``since`` = when the block began, no grade, no prediction)
+and go back to ``idle`` when the headroom recovers. Unknown headroom (hosts without IB, or no
+interval yet) never blocks an offer. The classifier is not affected: a blocked GPU's
 idle run goes on and is learned from as usual.
 
 Scale-out: instances of one consumer group split the partitions; each owns the GPUs and the
@@ -61,6 +78,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -72,6 +90,7 @@ from opentelemetry.context import Context
 from analytics import metrics
 from analytics.classify import GpuStatus, IdleClassifier, IdleConfig, IdleRun
 from analytics.decode import decode_batch, paused_gc
+from analytics.fabric_leaf import LeafHeadroom, LeafMap, leaf_headroom, leaf_map, uplink_block_reason
 from analytics.predict import IdlePredictor, PredictorConfig
 from analytics.retention import RetentionConfig
 from analytics.rows import gpu_samples_table, gpu_states_table, ib_port_samples_table, idle_runs_table
@@ -79,11 +98,13 @@ from analytics.store import AnalyticsStore, StoreBatch
 from analytics.views import HEADROOM_WINDOW_S
 from contracts import (
     CapacityUpdate,
+    FabricTopology,
     GpuSample,
     GpuState,
     IbPortSample,
     IdleGrade,
     KafkaTopics,
+    decode,
     encode,
     tracing,
 )
@@ -128,6 +149,8 @@ class AnalyticsService:
         min_headroom: float = 0.2,
         headroom_refresh_s: float = 30.0,
         headroom_window_s: float = HEADROOM_WINDOW_S,
+        lent_share: float = 0.2,
+        max_uplink_xmit_wait: float = 0.5,
     ) -> None:
         """Configure; nothing is opened before :meth:`start`.
 
@@ -154,10 +177,14 @@ class AnalyticsService:
                 offerable (module docstring); 0 turns the check off.
             headroom_refresh_s: period (s) of the headroom query.
             headroom_window_s: window (s) of the p95, per port, back from its latest read.
+            lent_share: share (0..1) of a link lent traffic may take; a host whose leaf's busiest
+                uplink has less known headroom is not offerable (0 turns the check off).
+            max_uplink_xmit_wait: a host whose leaf's uplinks wait for credits more than this
+                (XmitWait fraction, 0..1) is not offerable (1 turns the check off).
 
         Raises:
-            ValueError: a non-positive interval, window or ``max_records``, or ``min_headroom``
-                outside 0..1.
+            ValueError: a non-positive interval, window or ``max_records``, or ``min_headroom``,
+                ``lent_share`` or ``max_uplink_xmit_wait`` outside 0..1.
         """
         if publish_interval_s <= 0 or refresh_s <= 0 or max_records <= 0:
             raise ValueError("publish_interval_s, refresh_s and max_records must be > 0")
@@ -165,7 +192,16 @@ class AnalyticsService:
             raise ValueError("headroom_refresh_s and headroom_window_s must be > 0")
         if not 0.0 <= min_headroom <= 1.0:
             raise ValueError("min_headroom must be in 0..1")
+        if not (0.0 <= lent_share <= 1.0 and 0.0 <= max_uplink_xmit_wait <= 1.0):
+            raise ValueError("lent_share and max_uplink_xmit_wait must be in 0..1")
         self.min_headroom = min_headroom
+        self.lent_share = lent_share
+        self.max_uplink_xmit_wait = max_uplink_xmit_wait
+        self._leaves = LeafMap()
+        self._leaf_headroom: dict[str, LeafHeadroom] = {}
+        self._topology_consumer: Consumer | None = None
+        self._topology_started: asyncio.Future[None] | None = None
+        self._leaf_labels: set[str] = set()
         self._headroom_refresh_s = headroom_refresh_s
         self._headroom_window_s = headroom_window_s
         self._headroom: dict[str, float] = {}
@@ -231,6 +267,15 @@ class AnalyticsService:
         await self._producer.start()
         self._consumer = self._new_consumer()
         await self._consumer.start()
+        self._topology_consumer = self._bus.consumer(
+            [self.topics.fabric_topology],
+            f"{self._group_id}-topology-{uuid.uuid4().hex[:12]}",
+            client_id=self._client_id,
+        )
+        # In the background: a deployment without the fabric collector (or its topic) starts as fast
+        # as before, and the leaf map follows once the consumer is assigned.
+        self._topology_started = asyncio.ensure_future(self._topology_consumer.start())
+        metrics.LENT_SHARE.set(self.lent_share)
         log.info(
             "analytics_started",
             extra={
@@ -243,9 +288,15 @@ class AnalyticsService:
     async def stop(self) -> None:
         """Leave the group, flush the producer and close the store (idempotent). An error of the
         bus while stopping is logged; the store is closed regardless."""
-        consumer, producer = self._consumer, self._producer
-        self._consumer = self._producer = None
-        for name, part in (("consumer", consumer), ("producer", producer)):
+        consumer, producer, topology = self._consumer, self._producer, self._topology_consumer
+        self._consumer = self._producer = self._topology_consumer = None
+        started, self._topology_started = self._topology_started, None
+        if started is not None and not started.done():
+            started.cancel()
+        if started is not None:
+            with contextlib.suppress(BaseException):
+                await started
+        for name, part in (("consumer", consumer), ("topology consumer", topology), ("producer", producer)):
             if part is None:
                 continue
             try:
@@ -260,6 +311,8 @@ class AnalyticsService:
             self._store = None
         metrics.CAPACITY.withdraw(self)
         self._set_lag({})
+        self._leaf_headroom = {}
+        self._set_leaf_gauges()
         log.info("analytics_stopped", extra={"db": self._db_path})
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -295,6 +348,8 @@ class AnalyticsService:
         for sample in decoded.gpu:
             self._classifier.observe(sample)
         now = self._clock()
+        if await self._read_topology():
+            self._last_headroom = float("-inf")  # new leaves and uplinks: their headroom now
         if now - self._last_headroom >= self._headroom_refresh_s:
             await self._refresh_headroom(now)
         ticked = now - self._last_tick >= self._publish_interval_s
@@ -350,6 +405,14 @@ class AnalyticsService:
         hosts of unknown headroom are absent, and so are hosts whose partition a rebalance took
         away, until one of their samples is read again)."""
         return dict(self._headroom)
+
+    def leaves(self) -> LeafMap:
+        """The host → leaf and leaf → uplink map of the newest topology read (empty before one)."""
+        return self._leaves
+
+    def leaf_headroom(self) -> dict[str, LeafHeadroom]:
+        """Each leaf's uplink figures as of the latest refresh (a copy; unknown leaves absent)."""
+        return dict(self._leaf_headroom)
 
     def partitions(self) -> set[TopicPartition]:
         """The telemetry partitions this instance owns now (empty before :meth:`start`)."""
@@ -450,14 +513,140 @@ class AnalyticsService:
         low = sorted(h for h, v in self._headroom.items() if v < self.min_headroom)
         if low:
             log.info("analytics_headroom_low", extra={"hosts": low, "min_headroom": self.min_headroom})
+        await self._refresh_leaf_headroom(store)
 
-    def _blocked(self, st: GpuStatus) -> bool:
-        """True when idle GPU ``st`` is held back because its host's known headroom is below
-        ``min_headroom`` (unknown headroom never blocks)."""
-        if st.state is not GpuState.IDLE:
+    async def _refresh_leaf_headroom(self, store: AnalyticsStore) -> None:
+        """Reload every leaf's uplink figures (one query over the uplink ports of the current
+        :class:`LeafMap`); a failure is logged and keeps the previous values."""
+        uplinks = sorted(self._leaves.uplink_ports())
+        if not uplinks:
+            self._leaf_headroom = {}
+            self._set_leaf_gauges()
+            return
+        try:
+            _, rows = await self._in_thread(
+                store.sql,
+                "SELECT port_key, port_headroom, xmit_wait_fraction FROM fabric_headroom_over(?) "
+                "WHERE list_contains(?, port_key)",
+                [self._headroom_window_s, uplinks],
+            )
+        except Exception as exc:
+            log.error("analytics_leaf_headroom_failed", extra={"error": repr(exc)})
+            return
+        ports = {
+            str(k): (None if h is None else float(h), None if w is None else float(w)) for k, h, w in rows
+        }
+        self._leaf_headroom = leaf_headroom(self._leaves, ports)
+        self._set_leaf_gauges()
+        blocked = sorted(
+            leaf
+            for leaf, fig in self._leaf_headroom.items()
+            if uplink_block_reason(fig, lent_share=self.lent_share, max_xmit_wait=self.max_uplink_xmit_wait)
+        )
+        if blocked:
+            log.info(
+                "analytics_leaf_uplinks_busy",
+                extra={
+                    "leaves": blocked,
+                    "lent_share": self.lent_share,
+                    "max_xmit_wait": self.max_uplink_xmit_wait,
+                },
+            )
+
+    def _set_leaf_gauges(self) -> None:
+        """Make the leaf gauges show exactly the known figures of :attr:`_leaf_headroom` (series
+        of leaves gone or unknown are removed)."""
+        known: set[str] = set()
+        for leaf, fig in self._leaf_headroom.items():
+            if fig.headroom is not None:
+                metrics.LEAF_UPLINK_HEADROOM.labels(leaf=leaf).set(fig.headroom)
+                known.add(leaf)
+            if fig.xmit_wait is not None:
+                metrics.LEAF_UPLINK_XMIT_WAIT.labels(leaf=leaf).set(fig.xmit_wait)
+                known.add(leaf)
+        for leaf in self._leaf_labels:
+            now = self._leaf_headroom.get(leaf)
+            for gauge, value in (
+                (metrics.LEAF_UPLINK_HEADROOM, None if now is None else now.headroom),
+                (metrics.LEAF_UPLINK_XMIT_WAIT, None if now is None else now.xmit_wait),
+            ):
+                if value is None:
+                    with contextlib.suppress(KeyError):
+                        gauge.remove(leaf)
+        self._leaf_labels = known
+
+    async def _read_topology(self) -> bool:
+        """Take the newest valid ``fabric.topology`` snapshot read since the last call, if any,
+        as the :class:`LeafMap`; return whether it changed. Nothing is read until the topology
+        consumer (started in the background by :meth:`start`) has started; if its start failed,
+        that is logged once and the map stays as it is. A record that does not decode is counted
+        (``gpupool_analytics_rejected_records_total{reason="invalid_topology"}``) and skipped; a
+        bus error is logged and leaves the map as it is."""
+        consumer, started = self._topology_consumer, self._topology_started
+        if consumer is None or started is None or not started.done():
             return False
+        if started.cancelled() or started.exception() is not None:
+            exc = None if started.cancelled() else started.exception()
+            log.warning("analytics_topology_consumer_failed", extra={"error": repr(exc)})
+            self._topology_consumer = None  # the leaf map stays as it is; a restart retries
+            return False
+        try:
+            msgs = await consumer.getmany(timeout_s=0, max_records=64)
+        except Exception as exc:
+            log.warning("analytics_topology_read_failed", extra={"error": repr(exc)})
+            return False
+        newest: FabricTopology | None = None
+        for msg in msgs:
+            if msg.value is None:
+                continue
+            try:
+                newest = decode(FabricTopology, msg.value)
+            except ValueError as exc:
+                metrics.REJECTED_RECORDS.labels(reason="invalid_topology").inc()
+                log.warning(
+                    "analytics_record_rejected",
+                    extra={
+                        "reason": "invalid_topology",
+                        "detail": str(exc)[:300],
+                        "messaging.destination.name": msg.topic,
+                        "messaging.kafka.message.offset": msg.offset,
+                    },
+                )
+        if newest is None:
+            return False
+        self._leaves = leaf_map(newest)
+        log.info(
+            "analytics_topology",
+            extra={
+                "hosts": len(self._leaves.leaf_of),
+                "leaves": len(self._leaves.uplinks),
+                "uplink_ports": len(self._leaves.uplink_ports()),
+                "topology_ts": newest.ts,
+            },
+        )
+        # GPU hosts the fabric does not name: their HCAs' node descriptions (rdma-ndd's %h) and
+        # their GPU samples' host names differ, so they get no leaf and no leaf-local matching.
+        gpu_hosts = {st.host for st in self._classifier.statuses().values()}
+        missing = sorted(gpu_hosts - self._leaves.leaf_of.keys())
+        if missing:
+            log.warning("analytics_hosts_without_leaf", extra={"hosts": len(missing), "first": missing[:10]})
+        return True
+
+    def _blocked(self, st: GpuStatus) -> str | None:
+        """Why idle GPU ``st`` is held back, or ``None``: ``fabric_headroom`` when its host's known
+        headroom is below ``min_headroom``, else the uplink reason of its leaf
+        (:func:`analytics.fabric_leaf.uplink_block_reason`). Unknown headroom never blocks."""
+        if st.state is not GpuState.IDLE:
+            return None
         h = self._headroom.get(st.host)
-        return h is not None and h < self.min_headroom
+        if h is not None and h < self.min_headroom:
+            return "fabric_headroom"
+        leaf = self._leaves.leaf_of.get(st.host)
+        if leaf is None:
+            return None
+        return uplink_block_reason(
+            self._leaf_headroom.get(leaf), lent_share=self.lent_share, max_xmit_wait=self.max_uplink_xmit_wait
+        )
 
     async def _in_thread(self, fn: Callable[..., _T], *args: object) -> _T:
         """Run a store call in a worker thread. Shielded: if the step is cancelled the call still
@@ -571,7 +760,11 @@ class AnalyticsService:
 
     def _update(self, st: GpuStatus) -> CapacityUpdate:
         headroom = self._headroom.get(st.host)
-        if self._blocked(st):
+        leaf = self._leaves.leaf_of.get(st.host)
+        figures = self._leaf_headroom.get(leaf) if leaf is not None else None
+        leaf_room = figures.headroom if figures is not None else None
+        blocked = self._blocked(st)
+        if blocked:
             return CapacityUpdate(
                 ts=st.ts,
                 host=st.host,
@@ -580,10 +773,12 @@ class AnalyticsService:
                 model_name=st.model_name,
                 state=GpuState.UNKNOWN,
                 since=self._blocked_since.get(st.key, st.ts),
-                reason="fabric_headroom",
+                reason=blocked,
                 fb_total_mib=st.fb_total_mib,
                 headroom=headroom,
                 pool=self.pool,
+                leaf=leaf,
+                leaf_headroom=leaf_room,
             )
         until = confidence = None
         if st.state is GpuState.IDLE:
@@ -604,6 +799,8 @@ class AnalyticsService:
             fb_total_mib=st.fb_total_mib,
             headroom=headroom,
             pool=self.pool,
+            leaf=leaf,
+            leaf_headroom=leaf_room,
         )
 
     def _due_updates(self, now: float) -> list[CapacityUpdate]:
@@ -611,7 +808,7 @@ class AnalyticsService:
         for key, st in self._classifier.statuses().items():
             if st.state is GpuState.IDLE:
                 self._seen_idle.add(key)
-            blocked = self._blocked(st)
+            blocked = self._blocked(st) is not None
             if blocked:
                 self._blocked_since.setdefault(key, st.ts)
             else:
@@ -622,6 +819,7 @@ class AnalyticsService:
                 last is None
                 or last.state is not state
                 or last.grade != grade
+                or last.leaf != self._leaves.leaf_of.get(st.host)  # a new topology: at once
                 or now - self._published_at.get(key, float("-inf")) >= self._refresh_s
             ):
                 due.append(self._update(st))

@@ -9,7 +9,7 @@ import shlex
 import signal
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -23,7 +23,11 @@ from contracts.run_options import (
     load_run_settings,
     metrics_port_option,
 )
-from contracts.settings import RunFlags
+from contracts.settings import CollectorsSettings, RunFlags
+
+if TYPE_CHECKING:
+    from collectors.fabric_collector import FabricCollector
+    from contracts.bus import Bus
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +64,11 @@ RUN_SETTINGS: dict[str, str] = {
     "interval": "collectors.interval_s",
     "timeout": "collectors.timeout_s",
     "concurrency": "collectors.concurrency",
+    "fabric": "collectors.fabric",
+    "fabric_interval": "collectors.fabric_interval_s",
+    "fabric_discover_every": "collectors.fabric_discover_every",
+    "fabric_concurrency": "collectors.fabric_concurrency",
+    "fabric_timeout": "collectors.fabric_timeout_s",
     "metrics_port": "metrics.collectors",
     "metrics_addr": "metrics.addr",
 }
@@ -150,6 +159,39 @@ def run(
     concurrency: Annotated[
         int | None, typer.Option(help="Scrapes in flight at most (default 64)." + _setting("concurrency"))
     ] = None,
+    fabric: Annotated[
+        bool | None,
+        typer.Option(
+            "--fabric/--no-fabric",
+            help="Also run the switch-side fabric collector: ibnetdiscover -p (topology to "
+            "fabric.topology) and perfquery -x on every switch and HCA port (to telemetry.ib_port). "
+            "On one host per fabric whose HCA reaches the subnet (a /dev/infiniband/umad* device, "
+            "infiniband-diags installed); default off." + _setting("fabric"),
+        ),
+    ] = None,
+    fabric_interval: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds between the starts of two fabric sweeps (default 30)." + _setting("fabric_interval")
+        ),
+    ] = None,
+    fabric_discover_every: Annotated[
+        int | None,
+        typer.Option(
+            help="Re-discover the fabric's topology every Nth sweep (default 10)."
+            + _setting("fabric_discover_every")
+        ),
+    ] = None,
+    fabric_concurrency: Annotated[
+        int | None,
+        typer.Option(help="perfquery processes at once (default 8)." + _setting("fabric_concurrency")),
+    ] = None,
+    fabric_timeout: Annotated[
+        float | None,
+        typer.Option(
+            help="Deadline of one perfquery run, seconds (default 5)." + _setting("fabric_timeout")
+        ),
+    ] = None,
     topic_prefix: TopicPrefixOption = None,
     metrics_port: Annotated[int | None, metrics_port_option("collectors", 9410)] = None,
     metrics_addr: MetricsAddrOption = None,
@@ -163,12 +205,19 @@ def run(
     wins over the --config TOML file (the collectors table, kafka, topic_prefix, metrics), which
     wins over the defaults.
 
+    With --fabric the switch-side fabric collector runs too (it needs no other source): every
+    --fabric-interval seconds one perfquery per switch and HCA (switches first, --fabric-concurrency
+    at once), a new ibnetdiscover every --fabric-discover-every sweeps. Diag commands get
+    [collectors] fabric_command_prefix (e.g. ["sudo", "-n"]) and this process's environment
+    (IBSIM_SOCKNAME and LD_PRELOAD for a simulated fabric).
+
     Every --file-sd target is scraped at its own __scrape_interval__ and __scrape_timeout__
     (default --interval / --timeout) and its labels go into GpuSample.attributes as target_<name>.
 
     Exits with status 2 when the settings are invalid, Kafka is not configured or no source is
-    given; 1 when Kafka is unreachable (with --spool-dir records wait for Kafka instead), when the
-    --spool-dir folder is unusable, or when the /metrics port cannot be bound.
+    given (--fabric counts as one); 1 when Kafka is unreachable (with --spool-dir records wait for
+    Kafka instead), when the --spool-dir folder is unusable, or when the /metrics port cannot be
+    bound.
     """
     from collectors.service import CollectorService
 
@@ -189,6 +238,11 @@ def run(
         interval=interval,
         timeout=timeout,
         concurrency=concurrency,
+        fabric=fabric,
+        fabric_interval=fabric_interval,
+        fabric_discover_every=fabric_discover_every,
+        fabric_concurrency=fabric_concurrency,
+        fabric_timeout=fabric_timeout,
         metrics_port=metrics_port,
         metrics_addr=metrics_addr,
     )
@@ -198,18 +252,20 @@ def run(
     roots = [_sysfs_root(s) for s in cs.sysfs_roots]
     commands = [_nvsmi_command(s) for s in cs.nvidia_smi]
     sd_files = list(cs.file_sd)
-    if not targets and not roots and not commands and not cs.nvml_host and not sd_files:
+    if not targets and not roots and not commands and not cs.nvml_host and not sd_files and not cs.fabric:
         raise typer.BadParameter(
-            "give at least one --dcgm-target, --file-sd, --sysfs-root, --nvidia-smi or --nvml-host "
-            "(or [collectors] dcgm_targets, file_sd, sysfs_roots, nvidia_smi, nvml_host in the settings)"
+            "give at least one --dcgm-target, --file-sd, --sysfs-root, --nvidia-smi, --nvml-host or "
+            "--fabric (or [collectors] dcgm_targets, file_sd, sysfs_roots, nvidia_smi, nvml_host, "
+            "fabric in the settings)"
         )
     _serve_metrics(settings.metrics.collectors, settings.metrics.addr)
 
     async def _main() -> None:
         bus = make_bus(bootstrap, client_id="gpupool-collector")
+        topics = KafkaTopics(prefix=settings.topic_prefix)
         service = CollectorService(
             bus=bus,
-            topics=KafkaTopics(prefix=settings.topic_prefix),
+            topics=topics,
             dcgm_targets=targets,
             sysfs_roots=roots,
             interval_s=cs.interval_s,
@@ -222,6 +278,9 @@ def run(
             spool_dir=cs.spool_dir,
             spool_memory_records=cs.spool_memory_records,
             spool_disk_bytes=cs.spool_disk_bytes,
+            fabric=_fabric_collector(bus, topics, cs),
+            fabric_interval_s=cs.fabric_interval_s,
+            fabric_discover_every=cs.fabric_discover_every,
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -238,6 +297,7 @@ def run(
             extra={
                 "targets": len(service.targets.targets),
                 "sysfs_roots": len(roots),
+                "fabric": cs.fabric,
                 "spool_dir": str(cs.spool_dir) if cs.spool_dir else None,
                 "config": str(settings.config) if settings.config else None,
             },
@@ -249,6 +309,22 @@ def run(
             await bus.close()
 
     asyncio.run(_main())
+
+
+def _fabric_collector(bus: Bus, topics: KafkaTopics, cs: CollectorsSettings) -> FabricCollector | None:
+    """The :class:`collectors.fabric_collector.FabricCollector` the ``[collectors]`` settings ask
+    for, or ``None`` when ``fabric`` is off."""
+    if not cs.fabric:
+        return None
+    from collectors.fabric_collector import FabricCollector
+
+    return FabricCollector(
+        bus,
+        topics,
+        run_prefix=cs.fabric_command_prefix,
+        concurrency=cs.fabric_concurrency,
+        timeout_s=cs.fabric_timeout_s,
+    )
 
 
 def _serve_metrics(port: int, addr: str) -> None:

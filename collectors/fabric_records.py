@@ -5,7 +5,7 @@ physical link up (``phys_state`` 5 ``LinkUp``; the logical state, INIT..ACTIVE, 
 output and stays ``None``); a port without a peer, or one seen connected before and missing now,
 is down (``state`` 1 ``DOWN``; its physical state, Polling/Disabled/Sleep, is unknown).
 
-Host of a fabric-read port (:func:`split_description`), which is also its Kafka key on
+Host of a fabric-read port (:func:`contracts.fabric.split_description`), which is also its Kafka key on
 ``telemetry.ib_port`` (:attr:`contracts.telemetry.IbPortSample.partition_key`): an HCA's host is
 the first word of its node description, the host name its GPU samples carry (when rdma-ndd's
 ``%h`` and dcgm-exporter's ``Hostname`` agree, as node headroom needs anyway), so its ports
@@ -25,26 +25,12 @@ from collections.abc import Iterable
 from typing import Literal
 
 from collectors.fabric_parse import PerfqueryBlock, Topology, TopologyNode, link_rate_bytes_per_second
-from contracts.fabric import FabricLink, FabricNode, FabricPort, FabricTopology
+from contracts.fabric import FabricLink, FabricNode, FabricPort, FabricTopology, split_description
 from contracts.telemetry import IbPortSample
 
 __all__ = ["port_sample", "split_description", "topology_record"]
 
 _KIND_PRIORITY = {"extended": 0, "legacy": 1}
-
-
-def split_description(node_type: str, description: str) -> tuple[str, str]:
-    """``(host, device)`` of a node description.
-
-    CA descriptions are ``"<host> <device>"`` by default (rdma-ndd's ``%h %d``): split at the first
-    space. A switch, router or one-word CA description is both host and device. The host is the
-    port's Kafka key on ``telemetry.ib_port`` (module docstring).
-    """
-    if node_type == "CA":
-        host, sep, device = description.partition(" ")
-        if sep and host and device.strip():
-            return host, device.strip()
-    return description, description
 
 
 def topology_record(topo: Topology, *, ts: float, seq: int = 0) -> FabricTopology:

@@ -36,7 +36,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import aiohttp
 import httpx
@@ -52,6 +52,9 @@ from collectors.targets import Target, TargetSet
 from collectors.xid import XidTracker
 from contracts import GpuSample, IbPortSample, KafkaTopics, encode, tracing
 from contracts.bus import Bus, Producer
+
+if TYPE_CHECKING:  # imported by the caller only when the fabric is collected (its metrics with it)
+    from collectors.fabric_collector import FabricCollector
 
 log = logging.getLogger(__name__)
 _TRACER = tracing.tracer(__name__)
@@ -146,9 +149,16 @@ class CollectorService:
             (memory, then segment files in this folder): nothing is lost while the bus is
             unreachable, and a restart resumes what is on disk. ``None``: straight to the bus.
         spool_memory_records / spool_disk_bytes: the spool's memory and disk bounds.
+        fabric: a switch-side :class:`collectors.fabric_collector.FabricCollector` (its own
+            producer: topology to ``fabric.topology``, port counters to ``telemetry.ib_port``)
+            started and stopped with the service and run by :meth:`run` beside the cycles;
+            ``None``: no fabric collection.
+        fabric_interval_s: seconds between the starts of two fabric sweeps.
+        fabric_discover_every: the fabric is re-discovered every Nth sweep.
 
     Raises:
-        ValueError: ``interval_s``, ``timeout_s`` or ``concurrency`` not positive.
+        ValueError: ``interval_s``, ``timeout_s``, ``concurrency``, ``fabric_interval_s`` or
+            ``fabric_discover_every`` not positive.
     """
 
     def __init__(
@@ -171,9 +181,17 @@ class CollectorService:
         spool_dir: Path | None = None,
         spool_memory_records: int = 100_000,
         spool_disk_bytes: int = GIB,
+        fabric: FabricCollector | None = None,
+        fabric_interval_s: float = 30.0,
+        fabric_discover_every: int = 10,
     ) -> None:
         if interval_s <= 0 or timeout_s <= 0 or concurrency < 1:
             raise ValueError("interval_s and timeout_s must be > 0 and concurrency >= 1")
+        if fabric_interval_s <= 0 or fabric_discover_every < 1:
+            raise ValueError("fabric_interval_s must be > 0 and fabric_discover_every >= 1")
+        self.fabric = fabric
+        self.fabric_interval_s = fabric_interval_s
+        self.fabric_discover_every = fabric_discover_every
         self.bus = bus
         self.topics = topics
         self.dcgm_targets = list(dcgm_targets)
@@ -227,6 +245,12 @@ class CollectorService:
                 disk_bytes=self.spool_disk_bytes,
             )
         await producer.start()
+        if self.fabric is not None:
+            try:
+                await self.fabric.start()
+            except BaseException:
+                await producer.stop()
+                raise
         self._producer = producer
         self._scraper = self._scraper_for(self.timeout_s)
 
@@ -237,6 +261,11 @@ class CollectorService:
         nvml, self._nvml = self._nvml, None
         if nvml is not None:
             await asyncio.to_thread(nvml.close)
+        if producer is not None and self.fabric is not None:
+            try:
+                await self.fabric.stop()
+            except Exception as e:  # noqa: BLE001 — the main producer must still be flushed
+                log.warning("fabric_stop_failed", extra={"error": repr(e)})
         scrapers, self._scrapers = list(self._scrapers.values()), {}
         for s in [*scrapers, *([scraper] if scraper is not None and scraper not in scrapers else [])]:
             await s.aclose()
@@ -296,14 +325,23 @@ class CollectorService:
     async def run(self, stop: asyncio.Event) -> None:
         """Call :meth:`collect_once` every ``interval_s`` until ``stop`` is set; meanwhile re-read
         the file_sd files every ``file_sd_refresh_s`` and scrape the targets that have an
-        interval of their own on their own schedule. An exception of a cycle is logged and
-        counted (``gpupool_collector_loop_errors_total``), never raised."""
+        interval of their own on their own schedule, and sweep the fabric every
+        ``fabric_interval_s`` when a fabric collector is configured. An exception of a cycle is
+        logged and counted (``gpupool_collector_loop_errors_total``; fabric rounds:
+        ``gpupool_collector_fabric_errors_total``), never raised."""
         loops: dict[float, asyncio.Task[None]] = {}
         watcher = asyncio.create_task(self._watch_targets(stop, loops))
+        fabric = (
+            asyncio.create_task(
+                self.fabric.run(self.fabric_interval_s, discover_every=self.fabric_discover_every, stop=stop)
+            )
+            if self.fabric is not None
+            else None
+        )
         try:
             await self._run_cycles(stop)
         finally:
-            tasks = [watcher, *loops.values()]
+            tasks = [watcher, *loops.values(), *([fabric] if fabric is not None else [])]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -42,7 +42,13 @@ class CapacityUpdate(Record):
         fb_total_mib: framebuffer size in MiB where known.
         headroom: fraction (0..1) of the node's uplink bandwidth unused (p95), ``None`` if unknown.
         pool: name of the pool the GPU belongs to.
-        leaf: the leaf switch the node hangs off, for locality; ``None`` if unknown.
+        leaf: the leaf switch the node hangs off, for locality (from ``fabric.topology``: the
+            switch its HCA ports connect to; ``"a+b"`` when its HCAs connect to several leaves, a
+            rail-optimised fabric); ``None`` if unknown.
+        leaf_headroom: fraction (0..1, not clamped) of the busiest uplink of that leaf left unused
+            by training (1 - p95 utilisation in its busier direction, the switch-to-switch ports
+            of the leaf read by the fabric collector); ``None`` if unknown. An idle GPU is offered
+            only while it is at least the lent share (``[broker] lent_share``).
     """
 
     ts: float
@@ -60,6 +66,7 @@ class CapacityUpdate(Record):
     headroom: float | None = None
     pool: str = "default"
     leaf: str | None = None
+    leaf_headroom: float | None = None
 
     @property
     def key(self) -> str:

@@ -17,6 +17,21 @@ TOPOLOGY_KEY = "topology"
 """The one Kafka key of ``fabric.topology``: compaction keeps only the newest snapshot."""
 
 
+def split_description(node_type: str, description: str) -> tuple[str, str]:
+    """``(host, device)`` of a node description (NodeDescription, IBTA vol. 1 14.2.5.2).
+
+    CA descriptions are ``"<host> <device>"`` by default (rdma-ndd's ``%h %d``): split at the first
+    space. A switch, router or one-word CA description is both host and device. The host is the
+    Kafka key of a port read from the fabric (:mod:`collectors.fabric_records`) and the name
+    analytics joins a CA to the GPUs of that host by (:mod:`analytics.fabric_leaf`).
+    """
+    if node_type == "CA":
+        host, sep, device = description.partition(" ")
+        if sep and host and device.strip():
+            return host, device.strip()
+    return description, description
+
+
 class FabricPort(Record):
     """One port of a node as discovered.
 

@@ -136,6 +136,16 @@ class CollectorsSettings(BaseModel):
         interval_s: seconds between the starts of two collection cycles.
         timeout_s: deadline of one scrape, seconds.
         concurrency: scrapes in flight at most.
+        fabric: also run the switch-side fabric collector (:mod:`collectors.fabric_collector`):
+            ``ibnetdiscover -p`` → ``fabric.topology``, ``perfquery -x`` on every switch and HCA
+            port → ``telemetry.ib_port``. Only on a host whose HCA reaches the fabric's subnet
+            management (a ``/dev/infiniband/umad*`` device, infiniband-diags installed), and on
+            one such host per fabric.
+        fabric_interval_s: seconds between the starts of two fabric sweeps.
+        fabric_discover_every: re-discover the topology every Nth sweep (1 = every sweep).
+        fabric_concurrency: perfquery processes at once.
+        fabric_timeout_s: deadline of one perfquery run, seconds (its process group is killed).
+        fabric_command_prefix: argv prefix of every diag command (e.g. ``["sudo", "-n"]``).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -152,6 +162,12 @@ class CollectorsSettings(BaseModel):
     interval_s: float = Field(default=5.0, gt=0)
     timeout_s: float = Field(default=2.0, gt=0)
     concurrency: int = Field(default=64, ge=1)
+    fabric: bool = False
+    fabric_interval_s: float = Field(default=30.0, gt=0)
+    fabric_discover_every: int = Field(default=10, ge=1)
+    fabric_concurrency: int = Field(default=8, ge=1)
+    fabric_timeout_s: float = Field(default=5.0, gt=0)
+    fabric_command_prefix: list[str] = Field(default_factory=list)
 
 
 class AnalyticsSettings(BaseModel):
@@ -163,12 +179,17 @@ class AnalyticsSettings(BaseModel):
         memory_limit: memory the whole analytics process may use (e.g. ``"2GB"``); DuckDB gets
             ``analytics.store.DUCKDB_MEMORY_SHARE`` of it, the rest is left for Python; ``None``:
             DuckDB's default.
+        max_uplink_xmit_wait: an idle GPU is not offered while an uplink of its leaf switch waits
+            more than this: ΔPortXmitWait / (ΔPortXmitWait + ΔPortXmitData) over the headroom
+            window, 0..1 (0.5 = one tick waited per word sent, the GpupoolIbXmitWaitHigh alert's
+            threshold); 1 turns the check off.
     """
 
     model_config = ConfigDict(extra="forbid")
 
     group_id: str = "gpupool-analytics"
     memory_limit: str | None = None
+    max_uplink_xmit_wait: float = Field(default=0.5, ge=0, le=1)
 
 
 class BrokerSettings(BaseModel):
@@ -198,6 +219,9 @@ class BrokerSettings(BaseModel):
         site_weights: site → fair-share weight, > 0 (``[broker.site_weights]``; default 1).
         fair_share_window_s: a site refused this recently still counts as waiting for its share,
             seconds (policy: :mod:`broker.quota`).
+        lent_share: the share (0..1) of a link lent traffic may take. Analytics offers a node's
+            idle GPUs only while the busiest uplink of its leaf switch has at least this much
+            headroom left by training (``CapacityUpdate.leaf_headroom``); 0 turns that check off.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -220,6 +244,7 @@ class BrokerSettings(BaseModel):
     default_site_quota: int | None = Field(default=None, ge=0)
     site_weights: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
     fair_share_window_s: float = Field(default=60.0, ge=0)
+    lent_share: float = Field(default=0.2, ge=0, le=1)
 
 
 class DeploymentSettings(BaseSettings):

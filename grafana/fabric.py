@@ -4,8 +4,11 @@ congestion (PortXmitWait), symbol errors, link downs and port state from node_ex
 gpupool sends per-port counters to Kafka, not to Prometheus; operators scrape node_exporter, whose
 infiniband collector reads the same sysfs counters (``node_infiniband_*{device, port}``;
 prometheus/node_exporter ``collector/infiniband_linux.go``): data counters in bytes (PortXmitData
-× 4), ``rate_bytes_per_second`` the link rate, ``state_id`` 4 = Active. Fabric headroom per leaf is
-not exported as a metric yet, so no panel shows it.
+× 4), ``rate_bytes_per_second`` the link rate, ``state_id`` 4 = Active. Per leaf switch, the
+analytics stage exports what training leaves on the leaf's busiest uplink
+(``gpupool_analytics_leaf_uplink_headroom_ratio{leaf}``, with the lent share bound
+``gpupool_analytics_lent_share_ratio``) and the uplinks' XmitWait fraction: a leaf under the bound
+(or over the XmitWait limit) is not offered.
 """
 
 from __future__ import annotations
@@ -118,6 +121,34 @@ def dashboard() -> dashboard_b.Dashboard:
                 ],
                 description="95th percentiles of a fabric sweep, an ibnetdiscover run, and reading one device's ports.",
                 unit="s",
+            )
+        )
+        .with_row(panels.row("Leaf uplinks (analytics)"))
+        .with_panel(
+            panels.timeseries(
+                "Leaf uplink headroom and the lent share",
+                [
+                    Query("max by (leaf) (gpupool_analytics_leaf_uplink_headroom_ratio)", "{{leaf}}"),
+                    Query("max(gpupool_analytics_lent_share_ratio)", "lent share bound"),
+                ],
+                description="Per leaf switch: 1 - p95 utilisation of its busiest uplink (switch-to-switch "
+                "port, busier direction) over the headroom window, from the fabric collector's switch "
+                "reads. A leaf below the lent share bound ([broker] lent_share) is not offered.",
+                unit="percentunit",
+                min_value=0,
+                max_value=1,
+            )
+        )
+        .with_panel(
+            panels.timeseries(
+                "Leaf uplink XmitWait",
+                [Query("max by (leaf) (gpupool_analytics_leaf_uplink_xmit_wait_ratio)", "{{leaf}}")],
+                description="Per leaf switch: the worst XmitWait / (XmitWait + XmitData) among its uplink "
+                "ports over the headroom window; above [analytics] max_uplink_xmit_wait the leaf is not "
+                "offered.",
+                unit="percentunit",
+                min_value=0,
+                max_value=1,
             )
         )
         .with_row(panels.row("Ports (node_exporter)"))

@@ -76,3 +76,34 @@ def test_run_takes_what_no_flag_gives_from_the_settings(
     res = runner.invoke(app, ["run"])
     assert res.exit_code == 2 and "interval_s" in res.output
 
+
+
+def test_run_fabric_alone_is_a_source_and_its_options_are_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from collectors.cli import _fabric_collector
+    from contracts import KafkaTopics
+    from contracts.bus import MemoryBus
+
+    for name in [k for k in os.environ if k.upper().startswith("GPUPOOL_")]:
+        monkeypatch.delenv(name)
+    # --fabric is enough to run: the command gets as far as Kafka (unreachable: exit 1, not 2)
+    res = runner.invoke(app, ["run", "--kafka", "127.0.0.1:1", "--fabric", "--metrics-port", "0"])
+    assert res.exit_code == 1, res.output
+    res = runner.invoke(app, ["run", "--kafka", "127.0.0.1:1", "--fabric", "--fabric-interval", "0"])
+    assert res.exit_code == 2 and "fabric_interval_s" in res.output
+    toml = tmp_path / "gpupool.toml"
+    toml.write_text(
+        'kafka = "127.0.0.1:1"\n[collectors]\nfabric = true\nfabric_interval_s = 60\n'
+        'fabric_command_prefix = ["sudo", "-n"]\nfabric_concurrency = 3\n'
+    )
+    monkeypatch.setenv("GPUPOOL_COLLECTORS__FABRIC_TIMEOUT_S", "2.5")
+    s = run_settings(toml, fabric_discover_every=4)
+    cs = s.collectors
+    assert (cs.fabric, cs.fabric_interval_s, cs.fabric_discover_every) == (True, 60.0, 4)
+    assert (cs.fabric_concurrency, cs.fabric_timeout_s, cs.fabric_command_prefix) == (3, 2.5, ["sudo", "-n"])
+    assert not run_settings(toml, fabric=False).collectors.fabric  # --no-fabric wins over the file
+    fc = _fabric_collector(MemoryBus(), KafkaTopics(), cs)
+    assert fc is not None
+    assert (fc._run_prefix, fc._concurrency, fc._timeout_s) == (["sudo", "-n"], 3, 2.5)
+    assert _fabric_collector(MemoryBus(), KafkaTopics(), run_settings(None).collectors) is None

@@ -317,6 +317,38 @@ def test_compose_stage_commands_parse(compose_model: dict[str, Any], monkeypatch
     assert set(leaves) == set(STAGE_PORTS)
 
 
+def test_compose_fabric_collector_runs_collect_run_fabric_alone(
+    compose_model: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The opt-in fabric collector: collect run --fabric with the shared settings, no GPU source,
+    the MAD devices, scraped as gpupool-collectors when it runs."""
+    svc = compose_model["services"]["fabric-collector"]
+    assert svc["profiles"] == ["fabric"], "the fabric collector must be opt-in (one host per fabric)"
+    env = {k: v for k, v in (svc.get("environment") or {}).items() if v is not None}
+    files = {
+        ref["target"]: Path(compose_model["configs"][ref["source"]]["file"]) for ref in svc.get("configs", [])
+    }
+    assert files == {CONFIG_PATH: COMPOSE / "gpupool.toml"}
+    leaf, _, s = _parse_gpupool(svc["command"], env, monkeypatch, "compose service fabric-collector", files)
+    cs = s.collectors
+    assert leaf == ("collect", "run") and cs.fabric and s.kafka == "kafka:9092"
+    sources = (cs.dcgm_targets, cs.sysfs_roots, cs.file_sd, cs.nvidia_smi, cs.nvml_host)
+    assert sources == ([], [], [], [], None)
+    assert cs.spool_dir is not None and any(
+        v["type"] == "volume" and cs.spool_dir.is_relative_to(v["target"]) for v in svc["volumes"]
+    ), "the spool is not on a volume"
+    assert [d["source"] for d in svc["devices"]] == ["/dev/infiniband"]
+    assert svc["depends_on"]["topics-init"]["condition"] == "service_completed_successfully"
+    port = s.metrics.collectors
+    assert f"http://127.0.0.1:{port}/metrics" in " ".join(svc["healthcheck"]["test"])
+    (job,) = [
+        j
+        for j in yaml.safe_load((COMPOSE / "prometheus.yml").read_text())["scrape_configs"]
+        if j["job_name"] == "gpupool-collectors"
+    ]
+    assert job["dns_sd_configs"] == [{"names": ["fabric-collector"], "type": "A", "port": port}]
+
+
 def test_compose_images_pinned_and_built(compose_model: dict[str, Any]) -> None:
     for name, svc in compose_model["services"].items():
         assert _image_pinned(svc["image"]), f"{name}: image {svc['image']} is not pinned"
@@ -589,9 +621,10 @@ def test_k8s_stage_args_parse(
     assert config["data"] == {"gpupool.toml": shipped.read_text()}, f"{name}: gpupool-config is not {shipped}"
     toml = tomllib.loads(shipped.read_text())
     expected = {
-        "DaemonSet": ("collect", "run"),
-        "StatefulSet": ("analytics", "run"),
-        "Deployment": ("broker", "run"),
+        "gpupool-collectors": ("collect", "run"),
+        "gpupool-fabric-collector": ("collect", "run"),
+        "gpupool-analytics": ("analytics", "run"),
+        "gpupool-broker": ("broker", "run"),
     }
     seen = set()
     for wl in _workloads(objects):
@@ -616,13 +649,17 @@ def test_k8s_stage_args_parse(
             leaf, _, s = _parse_gpupool(
                 argv, env, monkeypatch, f"{name} {wl['kind']} {wl['metadata']['name']}", files
             )
-            assert leaf == expected[wl["kind"]], (wl["kind"], leaf)
+            assert leaf == expected[wl["metadata"]["name"]], (wl["metadata"]["name"], leaf)
             ports = {p["name"]: p["containerPort"] for p in c["ports"]}
             assert _metrics_port(leaf, s) == ports["metrics"] == STAGE_PORTS[leaf]
             assert s.metrics.addr == "0.0.0.0"
             assert s.kafka == toml["kafka"] and s.topic_prefix == toml["topic_prefix"]
             assert s.idle.pool == ("training-a" if "overlay" in name else "default")
-            if leaf == ("collect", "run"):
+            if wl["metadata"]["name"] == "gpupool-fabric-collector":
+                cs = s.collectors
+                assert cs.fabric and not (cs.dcgm_targets or cs.sysfs_roots or cs.file_sd), cs
+            elif leaf == ("collect", "run"):
+                assert not s.collectors.fabric, "every collectors pod would read the whole fabric"
                 volumes = {v["name"]: v for v in wl["spec"]["template"]["spec"]["volumes"]}
                 spool_dir = s.collectors.spool_dir
                 assert spool_dir is not None
@@ -666,6 +703,9 @@ def test_k8s_references_resolve(k8s: tuple[str, list[dict[str, Any]]]) -> None:
                     port = (c[probe].get("httpGet") or c[probe].get("tcpSocket"))["port"]
                     assert port in ports, f"{where}: {probe} on unknown port {port}"
             sc = c.get("securityContext", {})
+            if sc.get("privileged"):  # only to open the host's InfiniBand MAD devices
+                assert wl["metadata"]["name"] == "gpupool-fabric-collector", where
+                continue
             assert (
                 sc.get("allowPrivilegeEscalation") is False or "SYS_ADMIN" in sc["capabilities"]["add"]
             ), where
@@ -731,6 +771,16 @@ def test_k8s_stage_shapes(k8s: tuple[str, list[dict[str, Any]]], monkeypatch: py
     dcgm_port = next(p["containerPort"] for p in dcgm["ports"])
     listen = next(e["value"] for e in dcgm["env"] if e["name"] == "DCGM_EXPORTER_LISTEN")
     assert args["--dcgm-target"] == f"http://localhost:{dcgm_port}/metrics" and listen == f":{dcgm_port}"
+
+    # the fabric collector: one replica, never two at once, on a labelled node, with the MAD devices
+    fabric = _by_kind(objects, "Deployment")["gpupool-fabric-collector"]
+    assert fabric["spec"]["replicas"] == 1 and fabric["spec"]["strategy"]["type"] == "Recreate"
+    pod = fabric["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"gpupool.io/fabric-collector": "true"}
+    (c,) = pod["containers"]
+    dev = next(m for m in c["volumeMounts"] if m["mountPath"] == "/dev/infiniband")
+    volume = next(v for v in pod["volumes"] if v["name"] == dev["name"])
+    assert volume["hostPath"]["path"] == "/dev/infiniband"
 
 
 def test_k8s_prometheusrules_wrap_the_rule_files(k8s: tuple[str, list[dict[str, Any]]]) -> None:
@@ -849,8 +899,18 @@ def test_systemd_execstart_parses(unit: Path, monkeypatch: pytest.MonkeyPatch) -
     argv = [re.sub(r"\$\{(\w+)\}", lambda m: env[m.group(1)], a) for a in argv[1:]]
     argv = [re.sub(r"%[HS]", lambda m: specifiers[m.group(0)], a) for a in argv]
     leaf, _, s = _parse_gpupool(argv, env, monkeypatch, unit.name, {CONFIG_PATH: SYSTEMD / "gpupool.toml"})
-    assert unit.name == f"{STAGE_JOBS[leaf]}.service"
-    assert _metrics_port(leaf, s) == STAGE_PORTS[leaf]
+    fabric = unit.name == "gpupool-fabric-collector.service"
+    if fabric:  # beside gpupool-collectors on one host: its own port, listed in prometheus.yml
+        assert leaf == ("collect", "run") and s.metrics.collectors == 9413
+        prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+        (job,) = [j for j in prom["scrape_configs"] if j["job_name"] == STAGE_JOBS[leaf]]
+        assert any("gpupool-fabric-collector" in f for sd in job["file_sd_configs"] for f in sd["files"])
+        assert conf["[Service]SupplementaryGroups"] == ["gpupool-ib"]
+        rules = (SYSTEMD / "90-gpupool-umad.rules").read_text()
+        assert 'GROUP="gpupool-ib"' in rules and 'KERNEL=="umad*"' in rules
+    else:
+        assert unit.name == f"{STAGE_JOBS[leaf]}.service"
+        assert _metrics_port(leaf, s) == STAGE_PORTS[leaf]
     for key, value in {
         "DynamicUser": "yes",
         "ProtectSystem": "strict",
@@ -864,7 +924,11 @@ def test_systemd_execstart_parses(unit: Path, monkeypatch: pytest.MonkeyPatch) -
         (state,) = conf["[Service]StateDirectory"]
         assert s.analytics_db.parent == Path("/var/lib") / state
     if leaf == ("collect", "run"):
-        assert s.collectors.sysfs_roots == ["gpu-node-1=/sys"]
+        cs = s.collectors
+        if fabric:
+            assert cs.fabric and not (cs.dcgm_targets or cs.sysfs_roots or cs.file_sd), cs
+        else:
+            assert cs.sysfs_roots == ["gpu-node-1=/sys"] and not cs.fabric
         (state,) = conf["[Service]StateDirectory"]
         assert s.collectors.spool_dir is not None
         assert s.collectors.spool_dir.is_relative_to(Path("/var/lib") / state)

@@ -103,6 +103,13 @@ ALLOWANCES: dict[tuple[str, str, str], Allowance] = {
     ("fabric.json", "Sweep, discovery and per-device time", "A"): _NO_FABRIC_COLLECTOR,
     ("fabric.json", "Sweep, discovery and per-device time", "B"): _NO_FABRIC_COLLECTOR,
     ("fabric.json", "Sweep, discovery and per-device time", "C"): _NO_FABRIC_COLLECTOR,
+    ("fabric.json", "Leaf uplink headroom and the lent share", "A"): Allowance(
+        "the leaf of a host and its uplinks come from fabric.topology and the switch ports' reads, "
+        "which only the fabric collector produces; the demo runs none"
+    ),
+    ("fabric.json", "Leaf uplink XmitWait", "A"): Allowance(
+        "no leaf uplink reads without the fabric collector (see the headroom panel)"
+    ),
     ("fleet.json", "XID errors by code", "A"): Allowance(
         "the simulated GPUs never raise an XID (simulator/fleet.py: DCGM_FI_DEV_XID_ERRORS is always "
         "0), and gpupool_collector_xid_events_total{xid} appears at the first XID"

@@ -337,3 +337,23 @@ async def test_restart_keeps_address_records_and_offsets(
     finally:
         await second.stop()
     assert [(m.offset, m.value) for m in rest] == [(3, b"3"), (4, b"4"), (5, b"5")]
+
+
+async def test_a_fabric_sized_topology_record_goes_through(
+    kafka_bus: KafkaBus, kafka_topics: KafkaTopics
+) -> None:
+    """A ``fabric.topology`` snapshot of a 1,000-node fabric is over aiokafka's default 1 MiB
+    request size uncompressed (well under the broker's limit compressed): it must go through."""
+    topic = kafka_topics.fabric_topology
+    await kafka_bus.create_topics([topic], partitions=1, compacted=[topic])
+    ports = (b'"port-%d": {"connected": true, "peer_port": 1}' % i for i in range(60_000))
+    value = b"{" + b",".join(ports) + b"}"
+    assert len(value) > 2 * 1024 * 1024
+    await _produce(kafka_bus, topic, [("topology", value)])
+    consumer = kafka_bus.consumer([topic], _group())
+    await consumer.start()
+    try:
+        (got,) = await _read(consumer, 1)
+    finally:
+        await consumer.stop()
+    assert (got.key, got.value) == ("topology", value)

@@ -50,6 +50,13 @@ _MAX_BATCH_BYTES = 256 * 1024
 Well under the broker's default ``message.max.bytes`` (1 MiB)."""
 
 
+MAX_RECORD_BYTES = 32 * 1024 * 1024
+"""Largest record a producer accepts, uncompressed (aiokafka's ``max_request_size`` checks the
+serialised record before compression; its default, 1 MiB, refuses the ``fabric.topology`` snapshot
+of a fabric of about 1,000 HCAs: 1.55 MB of JSON for 1,280 HCAs and 100 switches, 95 kB with lz4).
+The broker's own limit (``message.max.bytes``, default 1 MiB) applies to the compressed batch."""
+
+
 def _aio_tp(tp: TopicPartition) -> _AioTopicPartition:
     return _AioTopicPartition(tp.topic, tp.partition)
 
@@ -198,6 +205,7 @@ class KafkaBusProducer:
             linger_ms=self.linger_ms,
             compression_type=COMPRESSION,
             max_batch_size=_MAX_BATCH_BYTES,
+            max_request_size=MAX_RECORD_BYTES,
         )
         try:
             await producer.start()
