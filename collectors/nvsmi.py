@@ -66,6 +66,7 @@ __all__ = [
     "NvsmiReadResult",
     "check_value",
     "parse_nvidia_smi_xml",
+    "parse_value_text",
     "read_nvidia_smi",
     "value_range",
 ]
@@ -341,6 +342,14 @@ def _parse_text(text: str | None, spec: FieldSpec) -> _Value:
         value = float(num) if "." in num else int(num)
     reason = check_value(spec.field, value)
     return _Value(None, reason, raw) if reason else _Value(value, None, raw)
+
+
+def parse_value_text(text: str | None, spec: FieldSpec) -> tuple[int | float | None, str | None]:
+    """One nvidia-smi value text read as ``spec`` says (the rules of the module docstring):
+    ``(value, None)`` when usable, ``(None, reason)`` when it is invalid, ``(None, None)`` when
+    absent (``N/A``, ``[Not Supported]``...). Shared with :mod:`collectors.nvsmi_csv`."""
+    v = _parse_text(text, spec)
+    return v.value, v.reason
 
 
 @dataclass(slots=True)
