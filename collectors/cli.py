@@ -51,6 +51,7 @@ RUN_SETTINGS: dict[str, str] = {
     "dcgm_target": "collectors.dcgm_targets",
     "sysfs_root": "collectors.sysfs_roots",
     "nvidia_smi": "collectors.nvidia_smi",
+    "ufm_telemetry": "collectors.ufm_telemetry",
     "nvml_host": "collectors.nvml_host",
     "file_sd": "collectors.file_sd",
     "file_sd_refresh": "collectors.file_sd_refresh_s",
@@ -94,8 +95,17 @@ def run(
         list[str] | None,
         typer.Option(
             "--nvidia-smi",
-            help='HOST=COMMAND printing nvidia-smi -q -x XML, e.g. node-1="nvidia-smi -q -x" (repeatable).'
-            + _setting("nvidia_smi"),
+            help='HOST=COMMAND printing nvidia-smi -q -x XML, e.g. node-1="nvidia-smi -q -x", or a CSV '
+            'query, e.g. node-1="nvidia-smi --query-gpu=index,uuid,utilization.gpu,memory.used,memory.total '
+            '--format=csv,noheader,nounits" (repeatable).' + _setting("nvidia_smi"),
+        ),
+    ] = None,
+    ufm_telemetry: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--ufm-telemetry",
+            help="UFM Telemetry Prometheus endpoint URL: InfiniBand port counters of the fabric "
+            "(repeatable)." + _setting("ufm_telemetry"),
         ),
     ] = None,
     nvml_host: Annotated[
@@ -180,6 +190,7 @@ def run(
         dcgm_target=dcgm_target,
         sysfs_root=sysfs_root,
         nvidia_smi=nvidia_smi,
+        ufm_telemetry=ufm_telemetry,
         nvml_host=nvml_host,
         file_sd=file_sd,
         file_sd_refresh=file_sd_refresh,
@@ -198,10 +209,12 @@ def run(
     roots = [_sysfs_root(s) for s in cs.sysfs_roots]
     commands = [_nvsmi_command(s) for s in cs.nvidia_smi]
     sd_files = list(cs.file_sd)
-    if not targets and not roots and not commands and not cs.nvml_host and not sd_files:
+    ufm = list(cs.ufm_telemetry)
+    if not targets and not roots and not commands and not cs.nvml_host and not sd_files and not ufm:
         raise typer.BadParameter(
-            "give at least one --dcgm-target, --file-sd, --sysfs-root, --nvidia-smi or --nvml-host "
-            "(or [collectors] dcgm_targets, file_sd, sysfs_roots, nvidia_smi, nvml_host in the settings)"
+            "give at least one --dcgm-target, --file-sd, --sysfs-root, --nvidia-smi, --ufm-telemetry or "
+            "--nvml-host (or [collectors] dcgm_targets, file_sd, sysfs_roots, nvidia_smi, ufm_telemetry, "
+            "nvml_host in the settings)"
         )
     _serve_metrics(settings.metrics.collectors, settings.metrics.addr)
 
@@ -216,6 +229,7 @@ def run(
             timeout_s=cs.timeout_s,
             concurrency=cs.concurrency,
             nvsmi_commands=commands,
+            ufm_targets=ufm,
             nvml_host=cs.nvml_host,
             file_sd=sd_files,
             file_sd_refresh_s=cs.file_sd_refresh_s,

@@ -589,7 +589,8 @@ class NvsmiReadResult:
         reason: ``ok``, or why there is no data: ``binary_not_found`` (no such command: a host
             without the NVIDIA driver), ``exec_error`` (could not start it), ``timeout`` (killed
             at the deadline), ``exit_status`` (non-zero exit, e.g. "couldn't communicate with the
-            NVIDIA driver"), ``malformed_xml`` / ``not_nvidia_smi`` (output unusable).
+            NVIDIA driver"), ``malformed_xml`` / ``not_nvidia_smi`` (output unusable), for a CSV
+            query ``empty_output`` / ``no_properties``.
         parsed: the parse of the output when it ran and exited 0.
         duration_s: wall time of the run, seconds.
         returncode: the exit status, when it ran to its end.
@@ -617,7 +618,8 @@ async def read_nvidia_smi(
     seq_start: int = 0,
 ) -> NvsmiReadResult:
     """Run ``cmd`` (``nvidia-smi -q -x``, possibly behind a wrapper such as ``ssh node``) and parse
-    its output.
+    its output: as XML, or as CSV when ``cmd`` has a ``--query-gpu`` list
+    (:func:`collectors.nvsmi_csv.parse_nvidia_smi_csv`, ``--format=csv[,noheader][,nounits]``).
 
     Counts every run in ``gpupool_collector_scrapes_total{target, result}``, every failure in
     ``gpupool_collector_scrape_errors_total{target, reason}``, its wall time in
@@ -647,13 +649,26 @@ async def read_nvidia_smi(
     t0 = time.monotonic()
     res, stdout = await _run(cmd, timeout_s)
     if stdout is not None:
-        res.parsed = parse_nvidia_smi_xml(
-            stdout,
-            host=host or socket.gethostname(),
-            ts=started,
-            target=target,
-            seq_start=seq_start,
-        )
+        from collectors.nvsmi_csv import parse_nvidia_smi_csv, query_properties  # it imports this module
+
+        properties = query_properties(cmd)
+        if properties is not None:
+            res.parsed = parse_nvidia_smi_csv(
+                stdout.decode(errors="replace"),
+                host=host or socket.gethostname(),
+                ts=started,
+                properties=properties,
+                target=target,
+                seq_start=seq_start,
+            )
+        else:
+            res.parsed = parse_nvidia_smi_xml(
+                stdout,
+                host=host or socket.gethostname(),
+                ts=started,
+                target=target,
+                seq_start=seq_start,
+            )
         if res.parsed.error is not None:
             res.reason, res.detail = res.parsed.error, res.parsed.detail
     res.duration_s = time.monotonic() - t0
