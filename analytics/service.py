@@ -72,6 +72,7 @@ from opentelemetry.context import Context
 from analytics import metrics
 from analytics.classify import GpuStatus, IdleClassifier, IdleConfig, IdleRun
 from analytics.decode import decode_batch, paused_gc
+from analytics.identity import GpuIdentities
 from analytics.predict import IdlePredictor, PredictorConfig
 from analytics.retention import RetentionConfig
 from analytics.rows import gpu_samples_table, gpu_states_table, ib_port_samples_table, idle_runs_table
@@ -103,6 +104,7 @@ class _Decoded:
     ib: list[IbPortSample] = field(default_factory=list)
     ib_pos: list[tuple[int, int]] = field(default_factory=list)
     offsets: dict[TopicPartition, int] = field(default_factory=dict)
+    renames: list[tuple[str, str, str]] = field(default_factory=list)  # (stand-in key, key, UUID)
 
 
 class AnalyticsService:
@@ -185,6 +187,7 @@ class AnalyticsService:
         self._memory_limit = memory_limit
         self.retention = retention if retention is not None else RetentionConfig()
         self._classifier = IdleClassifier(self.idle)
+        self._identities = GpuIdentities()
         self._predictor = IdlePredictor(
             predictor if predictor is not None else PredictorConfig(default_remaining_s=self.idle.min_idle_s)
         )
@@ -289,6 +292,7 @@ class AnalyticsService:
         msgs = await consumer.getmany(timeout_s=timeout_s, max_records=self._max_records)
         self._step_started_ns = time.time_ns()
         decoded = self._decode(msgs)
+        retired = [await self._rename_gpu(*r) for r in decoded.renames]
         with paused_gc():  # see analytics.decode.paused_gc
             gpu_table = _safe_table(gpu_samples_table, decoded.gpu, decoded.gpu_pos)
             ib_table = _safe_table(ib_port_samples_table, decoded.ib, decoded.ib_pos)
@@ -333,6 +337,10 @@ class AnalyticsService:
                 except Exception as exc:  # DuckDB holds the offsets; the group offset is a fallback
                     log.warning("analytics_commit_failed", extra={"error": repr(exc)})
             await self._publish(producer, due, now)
+            await self._publish(producer, [u for u in retired if u is not None], now)
+            for old, _, _ in decoded.renames:
+                self._published.pop(old, None)
+                self._published_at.pop(old, None)
         if ticked:
             await self._refresh_lag()
         if now - self._last_maintenance >= self.retention.interval_s:
@@ -418,6 +426,27 @@ class AnalyticsService:
         for host in hosts:
             self._headroom.pop(host, None)
         self._released_hosts |= hosts
+
+    async def _rename_gpu(self, old: str, new: str, gpu_uuid: str) -> CapacityUpdate | None:
+        """A GPU known by its index (``old``) showed its UUID: move its idle track, predictor runs
+        and stored rows to ``new`` (:mod:`analytics.identity`). Returns the capacity update that
+        retires ``old`` (unknown, reason ``renamed``) when one was published for it."""
+        assert self._store is not None
+        self._classifier.rename(old, new, gpu_uuid)
+        self._predictor.rename(old, new)
+        for table in (self._partition_of, self._trace_headers, self._stored_state, self._blocked_since):
+            value = table.pop(old, None)  # type: ignore[attr-defined]
+            if value is not None:
+                table.setdefault(new, value)  # type: ignore[attr-defined]
+        moved = await self._in_thread(self._store.rekey_gpu, old, new, gpu_uuid)
+        log.info("gpu_key_renamed", extra={"from": old, "to": new, "rows": moved})
+        last = self._published.get(old)
+        if last is None:
+            return None
+        return last.model_copy(
+            update={"state": GpuState.UNKNOWN, "reason": "renamed", "grade": None,
+                    "predicted_idle_until": None, "confidence": None, "since": last.ts}
+        )  # fmt: skip
 
     def _forget(self, key: str) -> None:
         """Drop everything this instance holds about GPU ``key`` but its prediction history."""
@@ -552,9 +581,12 @@ class AnalyticsService:
                     "messaging.kafka.message.offset": msg.offset,
                 },
             )
-        out.gpu = batch.gpu
         out.gpu_pos = [(msg.partition, msg.offset) for msg in batch.gpu_msgs]
-        for record, msg in zip(batch.gpu, batch.gpu_msgs, strict=True):
+        for raw, msg in zip(batch.gpu, batch.gpu_msgs, strict=True):
+            record, stand_in = self._identities.resolve(raw)  # one key per GPU (analytics.identity)
+            if stand_in is not None:
+                out.renames.append((stand_in, record.key, record.gpu_uuid or ""))
+            out.gpu.append(record)
             tp = TopicPartition(msg.topic, msg.partition)
             self._partition_of[record.key] = tp
             self._own_host(tp, record.host)
