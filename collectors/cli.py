@@ -314,3 +314,55 @@ def read_sysfs(
         typer.echo(p.model_dump_json())
     for e in res.errors:
         typer.echo(json.dumps({"error": e._asdict()}))
+
+
+@app.command("parse-output")
+def parse_output(
+    kind: Annotated[
+        str,
+        typer.Argument(help="ibstat, dcgmi-dmon, nvidia-smi-csv or ufm-telemetry."),
+    ],
+    file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="A saved output or body.")],
+    host: Annotated[str, typer.Option(help="Host name for the records (not for ufm-telemetry).")] = "localhost",
+    command: Annotated[
+        str | None,
+        typer.Option(
+            help="The command line that printed it: its --query-gpu list (nvidia-smi noheader output) "
+            "or -e field ids (dcgmi dmon) are read from it."
+        ),
+    ] = None,
+) -> None:
+    """Parse a saved ibstat / dcgmi dmon / nvidia-smi --query-gpu CSV output or UFM Telemetry body
+    and print one record per line as JSON (IbPortSample or GpuSample), then what was rejected
+    (one ``{"rejected": ...}`` object per line). Exits 2 for an unknown kind."""
+    from collectors.dcgmi_dmon import field_ids, parse_dcgmi_dmon
+    from collectors.ibstat import parse_ibstat
+    from collectors.nvsmi_csv import parse_nvidia_smi_csv, query_properties
+    from collectors.ufm_telemetry import parse_ufm_telemetry
+
+    text = file.read_text(encoding="utf-8", errors="replace")
+    argv = shlex.split(command) if command else []
+    now = time.time()
+    records: list[Any]
+    rejected: list[dict[str, Any]]
+    if kind == "ibstat":
+        ib = parse_ibstat(text, host=host, ts=now)
+        records, rejected = ib.ports, [{"lineno": p.lineno, "reason": p.reason, "line": p.line} for p in ib.problems]
+    elif kind == "ufm-telemetry":
+        ufm = parse_ufm_telemetry(text, ts=now)
+        records, rejected = ufm.ports, [r._asdict() for r in ufm.rejected]
+    elif kind in ("dcgmi-dmon", "nvidia-smi-csv"):
+        gpus = (
+            parse_dcgmi_dmon(text, host=host, ts=now, ids=field_ids(argv))
+            if kind == "dcgmi-dmon"
+            else parse_nvidia_smi_csv(text, host=host, ts=now, properties=query_properties(argv))
+        )
+        records, rejected = gpus.samples, [r._asdict() for r in gpus.rejected]
+        if gpus.error:
+            rejected.append({"reason": gpus.error, "detail": gpus.detail})
+    else:
+        raise typer.BadParameter(f"unknown kind {kind!r}: ibstat, dcgmi-dmon, nvidia-smi-csv or ufm-telemetry")
+    for rec in records:
+        typer.echo(rec.model_dump_json())
+    for r in rejected:
+        typer.echo(json.dumps({"rejected": r}))

@@ -99,3 +99,27 @@ async def test_nvidia_smi_csv_query_command(tmp_path: Path) -> None:
     a, b = (decode(GpuSample, m.value) for m in bus.records(TOPICS.telemetry_gpu))
     assert (a.host, a.gpu_index, a.fields["DCGM_FI_DEV_GPU_UTIL"], a.source) == ("n2", 0, 87, "nvidia-smi")
     assert b.invalid == {"DCGM_FI_DEV_GPU_UTIL": "unknown_error"}
+
+
+@pytest.mark.parametrize(
+    ("kind", "file", "records", "rejected"),
+    [
+        ("ibstat", "ibstat/partial_then_ibpanic.txt", 1, 1),
+        ("ufm-telemetry", "ufm_telemetry/switch_ports.prom", 3, 0),
+        ("dcgmi-dmon", "dcgmi_dmon/power_temp_util.txt", 2, 1),
+        ("nvidia-smi-csv", "nvidia_smi_csv/header_units.csv", 2, 0),
+    ],
+)
+def test_parse_output_command(kind: str, file: str, records: int, rejected: int) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from gpupool.cli import app
+
+    result = CliRunner().invoke(app, ["collect", "parse-output", kind, str(FIX / file), "--host", "n9"])
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.output.splitlines()]
+    assert sum("rejected" not in d for d in lines) == records and sum("rejected" in d for d in lines) == rejected
+    bad = CliRunner().invoke(app, ["collect", "parse-output", "xml", str(FIX / file)])
+    assert bad.exit_code == 2
