@@ -157,14 +157,18 @@ class _Acc:
     """Everything gathered for one GPU (or NVSwitch) identity while reading a body.
 
     ``fields`` holds each field's first series (the sum for windowed counts), ``sigs`` that
-    series' labels; ``series`` every series of a field split by a label (or carrying a
-    per-series label), by labels.
+    series' labels when they are not ``base`` (the labels of the GPU's first label set, which
+    most series share: the common case records nothing); ``series`` every series of a field
+    split by a label (or carrying a per-series label), by labels.
     """
 
-    __slots__ = ("attributes", "fields", "ident", "invalid", "series", "sigs", "ts_ms", "xid_counts", "xid_msg")
+    __slots__ = (
+        "attributes", "base", "fields", "ident", "invalid", "series", "sigs", "ts_ms", "xid_counts", "xid_msg",
+    )  # fmt: skip
 
     def __init__(self, ident: _Ident) -> None:
         self.ident = ident
+        self.base = ident.sig
         self.fields: dict[str, int | float] = {}
         self.sigs: dict[str, _Sig] = {}
         self.series: dict[str, dict[_Sig, int | float]] = {}
@@ -297,7 +301,7 @@ def parse_dcgm_exporter(
     result = DcgmParseResult()
     rejected = result.rejected
     accs: dict[str, _Acc] = {}
-    series: dict[str, tuple[_Acc, _Ident] | Rejection] = {}  # label text → its GPU, per body
+    series: dict[str, tuple[_Acc, _Ident, bool] | Rejection] = {}  # label text → its GPU, per body
     lines = body.split("\n")
     last = len(lines) - 1
     sample_lines = 0
@@ -356,7 +360,7 @@ def parse_dcgm_exporter(
                 rej: Rejection = hit
                 rejected.append(Rejection(rej.reason, metric.field, f"line {index + 1}: {rej.detail}"))
                 continue
-            acc, ident = hit  # type: ignore[misc]
+            acc, ident, base = hit  # type: ignore[misc]
             # --- value and optional timestamp
             vtext = tokens[0]
             value: int | float = int(vtext) if vtext.isdigit() and vtext.isascii() else parse_value(vtext)
@@ -371,10 +375,11 @@ def parse_dcgm_exporter(
                     acc.invalid[metric.field] = reason
                 continue
             fname = metric.field
-            if metric.kind == _PLAIN and fname not in acc.sigs and not ident.per_series:
-                # the common case, inline: the first series of a plain field on this GPU
-                acc.fields[fname] = value
-                acc.sigs[fname] = ident.sig
+            fields = acc.fields
+            if base and metric.kind == _PLAIN and fname not in fields:
+                # the common case, inline: the first series of a plain field on this GPU, with
+                # the GPU's base labels (so nothing to record in ``sigs``)
+                fields[fname] = value
                 if acc.invalid:
                     acc.invalid.pop(fname, None)
             else:
@@ -408,8 +413,10 @@ def _check_type_line(line: str, lineno: int, rejected: list[Rejection]) -> None:
 
 def _resolve(
     label_text: str, default_host: str | None, accs: dict[str, _Acc]
-) -> tuple[_Acc, _Ident] | Rejection:
-    """The accumulator of the GPU a label set names (created on first sight), or a rejection."""
+) -> tuple[_Acc, _Ident, bool] | Rejection:
+    """The accumulator of the GPU a label set names (created on first sight) and whether the set
+    has the GPU's base labels and no per-series label (its plain fields take the fast path), or
+    a rejection."""
     ident = _identity(label_text, default_host)
     if ident.__class__ is Rejection:
         return ident
@@ -420,7 +427,7 @@ def _resolve(
     else:  # another label set of a GPU already seen (pod labels on some series, XID labels...)
         for k, v in idt.attributes.items():
             acc.attributes.setdefault(k, v)
-    return acc, idt
+    return acc, idt, not idt.per_series and idt.sig == acc.base
 
 
 def _store(
@@ -442,19 +449,19 @@ def _store(
     """
     fname = metric.field
     fields = acc.fields
-    first = acc.sigs.get(fname)
     adds = metric.kind == _COUNT or metric.kind == _XID_COUNT
-    if first is None:
+    if fname not in fields:
         fields[fname] = value
-        acc.sigs[fname] = sig
+        if sig != acc.base:
+            acc.sigs[fname] = sig
         if per_series:
             acc.series[fname] = {sig: value}
         if metric.kind == _XID_LAST and ident is not None:
             acc.xid_msg = ident.err_msg
     else:
         split = acc.series.get(fname)
-        if split is None:
-            split = {first: fields[fname]}  # one series so far: its value (or count)
+        if split is None:  # one series so far: its labels and value (or count)
+            split = {acc.sigs.get(fname, acc.base): fields[fname]}
         if sig in split:
             old = split[sig]
             what = "repeats it" if old == value else f"has {old!r}, dropped {value!r}"
@@ -490,7 +497,7 @@ def _merge_indexed(accs: dict[str, _Acc], rejected: list[Rejection]) -> list[_Ac
         for fname, value in acc.fields.items():
             metric = _metric(fname)
             assert metric is not None
-            series = acc.series.get(fname) or {acc.sigs[fname]: value}
+            series = acc.series.get(fname) or {acc.sigs.get(fname, acc.base): value}
             for sig, v in series.items():
                 _store(target, sig, fname in acc.series, metric, v, i.key, rejected)
         for fname, reason in acc.invalid.items():
