@@ -29,7 +29,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple, TypeVar
 
 from collectors.dcgm_fields import (
     DCGM_INT64_BLANK,
@@ -520,6 +521,18 @@ def _field_series(acc: _Acc) -> dict[str, list[SeriesValue]]:
     }
 
 
+_R = TypeVar("_R")
+
+
+def _built(result: DcgmParseResult, key: str, make: Callable[[], _R]) -> _R | None:
+    """``make()``, or ``None`` with an ``invalid_sample`` rejection when the record refuses it."""
+    try:
+        return make()
+    except ValueError as e:  # pydantic.ValidationError is a ValueError
+        result.rejected.append(Rejection("invalid_sample", "", f"{key}: {str(e)[:_MAX_DETAIL]}"))
+        return None
+
+
 def _finish(result: DcgmParseResult, accs: dict[str, _Acc], ts: float, target: str, seq_start: int) -> None:
     """Turn the accumulators into samples (numbered from ``seq_start``), switch samples (numbered
     after them) and XID observations."""
@@ -532,8 +545,10 @@ def _finish(result: DcgmParseResult, accs: dict[str, _Acc], ts: float, target: s
             continue
         sample_ts = acc.ts_ms / 1000.0 if acc.ts_ms is not None else ts
         derive_fields(acc.fields, acc.invalid)
-        try:
-            sample = GpuSample(
+        sample = _built(
+            result,
+            ident.key,
+            lambda: GpuSample(
                 ts=sample_ts,
                 host=ident.host,
                 gpu_uuid=ident.uuid,
@@ -548,9 +563,9 @@ def _finish(result: DcgmParseResult, accs: dict[str, _Acc], ts: float, target: s
                 source="dcgm-exporter",
                 target=target,
                 seq=seq,
-            )
-        except ValueError as e:  # pydantic.ValidationError is a ValueError
-            result.rejected.append(Rejection("invalid_sample", "", f"{ident.key}: {str(e)[:_MAX_DETAIL]}"))
+            ),
+        )
+        if sample is None:
             continue
         seq += 1
         result.samples.append(sample)
@@ -562,8 +577,10 @@ def _finish(result: DcgmParseResult, accs: dict[str, _Acc], ts: float, target: s
             )
     for acc in switches:
         ident = acc.ident
-        try:
-            switch = NvSwitchSample(
+        switch = _built(
+            result,
+            ident.key,
+            lambda: NvSwitchSample(
                 ts=acc.ts_ms / 1000.0 if acc.ts_ms is not None else ts,
                 host=ident.host,
                 nvswitch=ident.gpu_index,
@@ -573,9 +590,9 @@ def _finish(result: DcgmParseResult, accs: dict[str, _Acc], ts: float, target: s
                 attributes=acc.attributes,
                 target=target,
                 seq=seq,
-            )
-        except ValueError as e:
-            result.rejected.append(Rejection("invalid_sample", "", f"{ident.key}: {str(e)[:_MAX_DETAIL]}"))
+            ),
+        )
+        if switch is None:
             continue
         seq += 1
         result.switches.append(switch)

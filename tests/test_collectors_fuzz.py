@@ -57,11 +57,13 @@ _OPS = ("delete", "insert", "replace", "truncate", "dup_line", "swap_lines")
 _BODIES_PER_EXAMPLE = 3
 
 
-def _tricky_text(rnd: random.Random, size: int) -> str:
-    return "".join(rnd.choice(TRICKY) for _ in range(rnd.randint(0, size)))
+def _tricky_text(rnd: random.Random, size: int, tricky: str = TRICKY) -> str:
+    return "".join(rnd.choice(tricky) for _ in range(rnd.randint(0, size)))
 
 
-def _mutate(rnd: random.Random, body: str) -> str:
+def _mutate(rnd: random.Random, body: str, tricky: str = TRICKY) -> str:
+    """1..6 random edits of ``body``: deletions, insertions/replacements of ``tricky`` characters,
+    a cut, a duplicated or swapped line (shared with tests/test_collectors_readers_fuzz.py)."""
     for _ in range(rnd.randint(1, 6)):
         op = rnd.choice(_OPS)
         n = len(body)
@@ -71,9 +73,9 @@ def _mutate(rnd: random.Random, body: str) -> str:
         if op == "delete":
             body = body[:i] + body[j:]
         elif op == "insert":
-            body = body[:i] + _tricky_text(rnd, 12) + body[i:]
+            body = body[:i] + _tricky_text(rnd, 12, tricky) + body[i:]
         elif op == "replace":
-            text = _tricky_text(rnd, 12)
+            text = _tricky_text(rnd, 12, tricky)
             body = body[:i] + text + body[i + len(text) :]
         elif op == "truncate":
             body = body[:i]

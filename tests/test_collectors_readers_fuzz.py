@@ -18,6 +18,7 @@ from collectors.nvsmi import NvsmiParseResult, value_range
 from collectors.nvsmi_csv import parse_nvidia_smi_csv
 from collectors.ufm_telemetry import parse_ufm_telemetry
 from contracts import GpuSample, IbPortSample, decode, encode
+from tests.test_collectors_fuzz import _mutate as mutate
 
 FIX = Path(__file__).resolve().parent / "fixtures"
 CSV = [p.read_text() for p in sorted((FIX / "nvidia_smi_csv").glob("*.csv"))]
@@ -25,7 +26,6 @@ UFM = [p.read_text() for p in sorted((FIX / "ufm_telemetry").glob("*.prom"))]
 DMON = [p.read_text() for p in sorted((FIX / "dcgmi_dmon").glob("*.txt"))]
 IBSTAT = [p.read_text() for p in sorted((FIX / "ibstat").glob("*.txt"))]
 TRICKY = "{}\",=\\\n\r\t #:.-+eE0123456789[]%NaInf_/ GPU ID N/A Port State Rate MiB W \x00\u00e9"
-_OPS = ("delete", "insert", "replace", "truncate", "dup_line", "swap_lines")
 
 GPU_REASONS = frozenset(
     {"malformed_line", "missing_uuid", "not_a_number", "out_of_range", "unknown_error", "no_permission",
@@ -39,25 +39,7 @@ IBSTAT_REASONS = frozenset({"unrecognised_line", "bad_guid", "duplicate_key", "b
 
 
 def _mutate(rnd: random.Random, text: str) -> str:
-    for _ in range(rnd.randint(1, 6)):
-        op = rnd.choice(_OPS)
-        i, j = sorted((rnd.randint(0, len(text)), rnd.randint(0, len(text))))
-        lines = text.split("\n")
-        k, m = rnd.randrange(len(lines)), rnd.randrange(len(lines))
-        if op == "delete":
-            text = text[:i] + text[j:]
-        elif op in ("insert", "replace"):
-            piece = "".join(rnd.choice(TRICKY) for _ in range(rnd.randint(0, 12)))
-            text = text[:i] + piece + text[i + (len(piece) if op == "replace" else 0) :]
-        elif op == "truncate":
-            text = text[:i]
-        elif op == "dup_line":
-            lines.insert(m, lines[k])
-            text = "\n".join(lines)
-        else:
-            lines[k], lines[m] = lines[m], lines[k]
-            text = "\n".join(lines)
-    return text
+    return mutate(rnd, text, TRICKY)
 
 
 def _check_gpus(res: NvsmiParseResult) -> None:
