@@ -52,7 +52,7 @@ from typing import Literal, NamedTuple
 
 from collectors import metrics
 from collectors.dcgm import Rejection
-from collectors.dcgm_fields import field_range
+from collectors.dcgm_fields import derive_fields, field_range
 from contracts import GpuSample
 
 log = logging.getLogger(__name__)
@@ -516,6 +516,7 @@ class _Identity(NamedTuple):
     target: str
 
     def sample(self, acc: _Acc, gpu_instance_id: int | None = None) -> GpuSample:
+        derive_fields(acc.fields, acc.invalid)
         return GpuSample(
             ts=self.ts,
             host=self.host,
