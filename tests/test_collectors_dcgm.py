@@ -580,3 +580,14 @@ def test_fb_used_over_total_is_invalid_not_kept() -> None:
     [s] = _parse(body).samples
     assert "DCGM_FI_DEV_FB_USED_PERCENT" not in s.fields
     assert s.invalid == {"DCGM_FI_DEV_FB_USED_PERCENT": "out_of_range"}
+
+
+def test_series_without_uuid_stay_their_own_gpu_when_the_index_is_ambiguous() -> None:
+    body = (
+        'DCGM_FI_DEV_GPU_UTIL{gpu="0",UUID="GPU-a",Hostname="n"} 5\n'
+        'DCGM_FI_DEV_GPU_UTIL{gpu="0",UUID="GPU-b",Hostname="n"} 6\n'  # two GPUs claim index 0
+        'DCGM_FI_DEV_FB_USED{gpu="0",Hostname="n"} 100\n'
+    )
+    res = _parse(body, default_host=None)
+    assert [s.key for s in res.samples] == ["n/GPU-a", "n/GPU-b", "n/gpu0"]
+    assert res.samples[2].fields == {"DCGM_FI_DEV_FB_USED": 100} and not res.rejected
