@@ -438,8 +438,12 @@ class AnalyticsService:
             value = table.pop(old, None)  # type: ignore[attr-defined]
             if value is not None:
                 table.setdefault(new, value)  # type: ignore[attr-defined]
-        moved = await self._in_thread(self._store.rekey_gpu, old, new, gpu_uuid)
-        log.info("gpu_key_renamed", extra={"from": old, "to": new, "rows": moved})
+        try:
+            moved = await self._in_thread(self._store.rekey_gpu, old, new, gpu_uuid)
+        except Exception as exc:  # the live state moved; stored rows stay under the stand-in key
+            log.error("gpu_rekey_failed", extra={"from": old, "to": new, "error": repr(exc)})
+        else:
+            log.info("gpu_key_renamed", extra={"from": old, "to": new, "rows": moved})
         last = self._published.get(old)
         if last is None:
             return None

@@ -164,9 +164,9 @@ def run(
     metrics_port: Annotated[int | None, metrics_port_option("collectors", 9410)] = None,
     metrics_addr: MetricsAddrOption = None,
 ) -> None:
-    """Scrape every dcgm-exporter target, read every sysfs root, run every nvidia-smi command and
-    read NVML each interval and produce GpuSample / IbPortSample records to Kafka until SIGINT or
-    SIGTERM.
+    """Scrape every dcgm-exporter and UFM Telemetry target, read every sysfs root, run every
+    nvidia-smi command (-q -x XML or a --query-gpu CSV query) and read NVML each interval and
+    produce GpuSample / NvSwitchSample / IbPortSample records to Kafka until SIGINT or SIGTERM.
 
     Every option can also come from the deployment's settings (contracts/settings.py): a flag
     wins over its GPUPOOL_* variable (e.g. GPUPOOL_KAFKA, GPUPOOL_COLLECTORS__INTERVAL_S), which
