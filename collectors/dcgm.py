@@ -572,8 +572,14 @@ def _finish(result: DcgmParseResult, accs: dict[str, _Acc], ts: float, target: s
         last = acc.fields.get(XID_FIELD)
         if last is not None or acc.xid_counts:
             last_xid = int(last) if last is not None and float(last).is_integer() else None
+            split = acc.series.get(XID_FIELD)
+            codes = (
+                tuple(int(v) for v in split.values() if float(v).is_integer())
+                if split is not None and len(split) > 1
+                else ()
+            )
             result.xid.append(
-                XidObservation(ident.key, sample_ts, last_xid, acc.xid_msg, dict(acc.xid_counts))
+                XidObservation(ident.key, sample_ts, last_xid, acc.xid_msg, dict(acc.xid_counts), codes)
             )
     for acc in switches:
         ident = acc.ident

@@ -591,3 +591,14 @@ def test_series_without_uuid_stay_their_own_gpu_when_the_index_is_ambiguous() ->
     res = _parse(body, default_host=None)
     assert [s.key for s in res.samples] == ["n/GPU-a", "n/GPU-b", "n/gpu0"]
     assert res.samples[2].fields == {"DCGM_FI_DEV_FB_USED": 100} and not res.rejected
+
+
+def test_xid_field_split_by_xid_label_reports_every_code_once() -> None:
+    tracker = XidTracker()
+    one = 'DCGM_FI_DEV_XID_ERRORS{gpu="0",UUID="GPU-a",xid="31"} 31\n'
+    two = one + 'DCGM_FI_DEV_XID_ERRORS{gpu="0",UUID="GPU-a",xid="79"} 79\n'
+    assert [(e.xid, e.previous) for e in tracker.observe(_parse(one).xid)] == [(31, None)]
+    res = _parse(two)
+    assert res.xid[0].codes == (31, 79)
+    assert [(e.xid, e.previous, e.source) for e in tracker.observe(res.xid)] == [(79, 31, "last_value")]
+    assert tracker.observe(_parse(two).xid) == []  # the same two codes: no repeat
