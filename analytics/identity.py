@@ -14,9 +14,9 @@ UUID one, since that is the key the broker leases by:
   key), else the stand-in id ``gpu<index>`` as its ``gpu_uuid`` (so every row, status and
   capacity update downstream has a string id; :func:`contracts.topics.gpu_id`).
 
-The map lives in memory: after a restart a slot is learned again from its next sample with a
-UUID; history stored under a stand-in key before the restart is moved then only if a UUID-less
-sample of it is seen again first.
+The map lives in memory; at start the stage tells it which stand-in keys the store still holds
+(:meth:`GpuIdentities.remember_stand_in`), so a UUID that appears after a restart still moves
+their history. UUIDs are learned again from the next sample that carries one.
 """
 
 from __future__ import annotations
@@ -40,6 +40,15 @@ class GpuIdentities:
     def __len__(self) -> int:
         """Slots whose UUID is known."""
         return len(self._uuid)
+
+    def remember_stand_in(self, host: str, stand_in: str, gpu_instance_id: int | None) -> bool:
+        """Note that GPU ``host/<stand_in>[/gi]`` (a stand-in id ``gpu<index>``) has history, e.g.
+        rows stored before a restart. Returns False (nothing noted) when ``stand_in`` is not one."""
+        digits = stand_in[3:] if stand_in.startswith("gpu") else ""
+        if not (digits.isascii() and digits.isdigit()):
+            return False
+        self._stand_in_seen.add((host, int(digits), gpu_instance_id))
+        return True
 
     def resolve(self, sample: GpuSample) -> tuple[GpuSample, str | None]:
         """``(sample to use, stand-in key it replaces or None)``.

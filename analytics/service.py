@@ -221,8 +221,8 @@ class AnalyticsService:
         return self._store
 
     async def start(self) -> None:
-        """Open the store, reload offsets and idle-run history, start the producer and join the
-        consumer group. Raises what the bus or DuckDB raise (connection, lock, schema errors)."""
+        """Open the store, reload offsets, idle-run history and the GPUs stored under a stand-in id
+        (:mod:`analytics.identity`), start the producer and join the consumer group. Raises what the bus or DuckDB raise (connection, lock, schema errors)."""
         self._store = AnalyticsStore(self._db_path, memory_limit=self._memory_limit)
         self._next_offsets = self._store.stored_offsets(self._telemetry_topics())
         pcfg = self._predictor.config
@@ -230,6 +230,8 @@ class AnalyticsService:
         per_gpu = max(pcfg.max_runs_per_gpu, pcfg.max_runs_per_pool)
         for key, pool, duration, censored in self._store.idle_runs(per_gpu):
             self._predictor.observe(key, duration, censored=censored, pool=pool)
+        for host, stand_in, gi in self._store.stand_in_gpus():  # their UUID may appear now
+            self._identities.remember_stand_in(host, stand_in, gi)
         self._producer = self._bus.producer(self._client_id)
         await self._producer.start()
         self._consumer = self._new_consumer()

@@ -274,6 +274,16 @@ class AnalyticsStore:
         self._count_late(views)
         return written
 
+    def stand_in_gpus(self) -> list[tuple[str, str, int | None]]:
+        """``(host, gpu_uuid, gpu_instance_id)`` of every GPU whose decided states are stored under a
+        stand-in id (``gpu_uuid`` ``gpu<index>``: a GPU known without its UUID,
+        :mod:`analytics.identity`)."""
+        rows = self._con.execute(
+            "SELECT DISTINCT host, gpu_uuid, gpu_instance_id FROM gpu_states"
+            " WHERE regexp_full_match(gpu_uuid, 'gpu[0-9]+') ORDER BY ALL"
+        ).fetchall()
+        return [(h, u, gi) for h, u, gi in rows]
+
     def rekey_gpu(self, old: str, new: str, gpu_uuid: str) -> int:
         """Move every stored row of GPU ``old`` to key ``new`` and UUID ``gpu_uuid`` (a GPU known by
         its index whose UUID appeared: :mod:`analytics.identity`), in one transaction. Returns the

@@ -3,6 +3,8 @@ without a UUID keeps one history when its UUID appears, and later UUID-less samp
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from analytics.classify import FB_USED, GR_ENGINE_ACTIVE
 from analytics.identity import GpuIdentities
 from contracts import GpuSample, GpuState
@@ -70,3 +72,33 @@ async def test_history_of_a_gpu_stays_under_one_key_when_its_uuid_appears() -> N
         assert runs == 1
     finally:
         await svc.stop()
+
+
+async def test_a_uuid_that_appears_after_a_restart_still_moves_the_stored_history(tmp_path: Path) -> None:
+    db = str(tmp_path / "a.duckdb")
+    bus, clock = MemoryBus(), Clock(T0)
+    svc = make(bus, clock, db=db, refresh_s=3600.0)
+    await svc.start()
+    try:
+        await send(bus, _s(T0, None, index=1, gi=2))
+        await drain(svc)
+    finally:
+        await svc.stop()
+    svc = make(bus, clock, db=db, refresh_s=3600.0)
+    await svc.start()
+    try:
+        await send(bus, _s(T0 + 10, "GPU-z", index=1, gi=2))
+        clock.t = T0 + 10
+        await drain(svc)
+        _, keys = svc.store.sql("SELECT DISTINCT gpu_key FROM gpu_samples UNION SELECT DISTINCT gpu_key FROM gpu_states")
+        assert keys == [("node-1/GPU-z/2",)]
+        assert svc.store.stand_in_gpus() == []
+    finally:
+        await svc.stop()
+
+
+def test_remember_stand_in_only_takes_stand_in_ids() -> None:
+    ids = GpuIdentities()
+    assert ids.remember_stand_in("h", "gpu3", None) and not ids.remember_stand_in("h", "GPU-x", None)
+    assert not ids.remember_stand_in("h", "gpux", None)
+    assert ids.resolve(_s(T0, "GPU-a", index=3).model_copy(update={"host": "h"}))[1] == "h/gpu3"
