@@ -276,6 +276,17 @@ class IdleClassifier:
         """Drop GPU ``key`` (e.g. its partition moved to another analytics instance)."""
         self._tracks.pop(key, None)
 
+    def rename(self, old: str, new: str, gpu_uuid: str) -> bool:
+        """Move GPU ``old``'s track to key ``new`` with ``gpu_uuid`` (its UUID appeared:
+        :mod:`analytics.identity`), unless ``new`` already has one (then ``old`` is dropped).
+        Returns True when a track was moved."""
+        track = self._tracks.pop(old, None)
+        if track is None or new in self._tracks:
+            return False
+        track.status = replace(track.status, key=new, gpu_uuid=gpu_uuid)
+        self._tracks[new] = track
+        return True
+
     # internals -------------------------------------------------------------------------------
     def _new_track(self, sample: SampleLike) -> _Track:
         status = GpuStatus(

@@ -196,6 +196,16 @@ class IdlePredictor:
         self._curves.pop(("gpu", gpu_key), None)
         self._curves.pop(("pool", pool), None)
 
+    def rename(self, old: str, new: str) -> None:
+        """Move GPU ``old``'s runs to ``new`` (appended after ``new``'s own, if any)."""
+        runs = self._gpu.pop(old, None)
+        if runs is None:
+            return
+        target = self._gpu.setdefault(new, deque(maxlen=self.config.max_runs_per_gpu))
+        target.extend(runs)
+        self._curves.pop(("gpu", old), None)
+        self._curves.pop(("gpu", new), None)
+
     def history_size(self, gpu_key: str) -> int:
         """Number of runs kept for ``gpu_key``."""
         return len(self._gpu.get(gpu_key, ()))

@@ -91,6 +91,7 @@ from analytics import metrics
 from analytics.classify import GpuStatus, IdleClassifier, IdleConfig, IdleRun
 from analytics.decode import decode_batch, paused_gc
 from analytics.fabric_leaf import LeafHeadroom, LeafMap, leaf_headroom, leaf_map, uplink_block_reason
+from analytics.identity import GpuIdentities
 from analytics.predict import IdlePredictor, PredictorConfig
 from analytics.retention import RetentionConfig
 from analytics.rows import gpu_samples_table, gpu_states_table, ib_port_samples_table, idle_runs_table
@@ -124,6 +125,7 @@ class _Decoded:
     ib: list[IbPortSample] = field(default_factory=list)
     ib_pos: list[tuple[int, int]] = field(default_factory=list)
     offsets: dict[TopicPartition, int] = field(default_factory=dict)
+    renames: list[tuple[str, str, str]] = field(default_factory=list)  # (stand-in key, key, UUID)
 
 
 class AnalyticsService:
@@ -221,6 +223,7 @@ class AnalyticsService:
         self._memory_limit = memory_limit
         self.retention = retention if retention is not None else RetentionConfig()
         self._classifier = IdleClassifier(self.idle)
+        self._identities = GpuIdentities()
         self._predictor = IdlePredictor(
             predictor if predictor is not None else PredictorConfig(default_remaining_s=self.idle.min_idle_s)
         )
@@ -254,8 +257,8 @@ class AnalyticsService:
         return self._store
 
     async def start(self) -> None:
-        """Open the store, reload offsets and idle-run history, start the producer and join the
-        consumer group. Raises what the bus or DuckDB raise (connection, lock, schema errors)."""
+        """Open the store, reload offsets, idle-run history and the GPUs stored under a stand-in id
+        (:mod:`analytics.identity`), start the producer and join the consumer group. Raises what the bus or DuckDB raise (connection, lock, schema errors)."""
         self._store = AnalyticsStore(self._db_path, memory_limit=self._memory_limit)
         self._next_offsets = self._store.stored_offsets(self._telemetry_topics())
         pcfg = self._predictor.config
@@ -263,6 +266,8 @@ class AnalyticsService:
         per_gpu = max(pcfg.max_runs_per_gpu, pcfg.max_runs_per_pool)
         for key, pool, duration, censored in self._store.idle_runs(per_gpu):
             self._predictor.observe(key, duration, censored=censored, pool=pool)
+        for host, stand_in, gi in self._store.stand_in_gpus():  # their UUID may appear now
+            self._identities.remember_stand_in(host, stand_in, gi)
         self._producer = self._bus.producer(self._client_id)
         await self._producer.start()
         self._consumer = self._new_consumer()
@@ -342,6 +347,7 @@ class AnalyticsService:
         msgs = await consumer.getmany(timeout_s=timeout_s, max_records=self._max_records)
         self._step_started_ns = time.time_ns()
         decoded = self._decode(msgs)
+        retired = [await self._rename_gpu(*r) for r in decoded.renames]
         with paused_gc():  # see analytics.decode.paused_gc
             gpu_table = _safe_table(gpu_samples_table, decoded.gpu, decoded.gpu_pos)
             ib_table = _safe_table(ib_port_samples_table, decoded.ib, decoded.ib_pos)
@@ -388,6 +394,10 @@ class AnalyticsService:
                 except Exception as exc:  # DuckDB holds the offsets; the group offset is a fallback
                     log.warning("analytics_commit_failed", extra={"error": repr(exc)})
             await self._publish(producer, due, now)
+            await self._publish(producer, [u for u in retired if u is not None], now)
+            for old, _, _ in decoded.renames:
+                self._published.pop(old, None)
+                self._published_at.pop(old, None)
         if ticked:
             await self._refresh_lag()
         if now - self._last_maintenance >= self.retention.interval_s:
@@ -481,6 +491,31 @@ class AnalyticsService:
         for host in hosts:
             self._headroom.pop(host, None)
         self._released_hosts |= hosts
+
+    async def _rename_gpu(self, old: str, new: str, gpu_uuid: str) -> CapacityUpdate | None:
+        """A GPU known by its index (``old``) showed its UUID: move its idle track, predictor runs
+        and stored rows to ``new`` (:mod:`analytics.identity`). Returns the capacity update that
+        retires ``old`` (unknown, reason ``renamed``) when one was published for it."""
+        assert self._store is not None
+        self._classifier.rename(old, new, gpu_uuid)
+        self._predictor.rename(old, new)
+        for table in (self._partition_of, self._trace_headers, self._stored_state, self._blocked_since):
+            value = table.pop(old, None)  # type: ignore[attr-defined]
+            if value is not None:
+                table.setdefault(new, value)  # type: ignore[attr-defined]
+        try:
+            moved = await self._in_thread(self._store.rekey_gpu, old, new, gpu_uuid)
+        except Exception as exc:  # the live state moved; stored rows stay under the stand-in key
+            log.error("gpu_rekey_failed", extra={"from": old, "to": new, "error": repr(exc)})
+        else:
+            log.info("gpu_key_renamed", extra={"from": old, "to": new, "rows": moved})
+        last = self._published.get(old)
+        if last is None:
+            return None
+        return last.model_copy(
+            update={"state": GpuState.UNKNOWN, "reason": "renamed", "grade": None,
+                    "predicted_idle_until": None, "confidence": None, "since": last.ts}
+        )  # fmt: skip
 
     def _forget(self, key: str) -> None:
         """Drop everything this instance holds about GPU ``key`` but its prediction history."""
@@ -741,9 +776,12 @@ class AnalyticsService:
                     "messaging.kafka.message.offset": msg.offset,
                 },
             )
-        out.gpu = batch.gpu
         out.gpu_pos = [(msg.partition, msg.offset) for msg in batch.gpu_msgs]
-        for record, msg in zip(batch.gpu, batch.gpu_msgs, strict=True):
+        for raw, msg in zip(batch.gpu, batch.gpu_msgs, strict=True):
+            record, stand_in = self._identities.resolve(raw)  # one key per GPU (analytics.identity)
+            if stand_in is not None:
+                out.renames.append((stand_in, record.key, record.gpu_uuid or ""))
+            out.gpu.append(record)
             tp = TopicPartition(msg.topic, msg.partition)
             self._partition_of[record.key] = tp
             self._own_host(tp, record.host)

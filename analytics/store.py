@@ -79,6 +79,13 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
 }
 """Statements that bring a file of version ``k`` to ``k + 1``."""
 
+_GPU_KEYED_TABLES: tuple[tuple[str, bool], ...] = (
+    ("gpu_samples", True),
+    ("gpu_states", True),
+    ("idle_runs", False),
+    ("gpu_rollup_1m", True),
+)
+"""Tables with a ``gpu_key`` column, and whether they have a ``gpu_uuid`` too."""
 _BATCH_TABLES: tuple[str, ...] = ("gpu_samples", "ib_port_samples", "gpu_states", "idle_runs")
 
 DUCKDB_MEMORY_SHARE = 0.6
@@ -266,6 +273,35 @@ class AnalyticsStore:
             metrics.INGEST_ROWS.labels(table=name).inc(n)
         self._count_late(views)
         return written
+
+    def stand_in_gpus(self) -> list[tuple[str, str, int | None]]:
+        """``(host, gpu_uuid, gpu_instance_id)`` of every GPU whose decided states are stored under a
+        stand-in id (``gpu_uuid`` ``gpu<index>``: a GPU known without its UUID,
+        :mod:`analytics.identity`)."""
+        rows = self._con.execute(
+            "SELECT DISTINCT host, gpu_uuid, gpu_instance_id FROM gpu_states"
+            " WHERE regexp_full_match(gpu_uuid, 'gpu[0-9]+') ORDER BY ALL"
+        ).fetchall()
+        return [(h, u, gi) for h, u, gi in rows]
+
+    def rekey_gpu(self, old: str, new: str, gpu_uuid: str) -> int:
+        """Move every stored row of GPU ``old`` to key ``new`` and UUID ``gpu_uuid`` (a GPU known by
+        its index whose UUID appeared: :mod:`analytics.identity`), in one transaction. Returns the
+        rows moved. Raises ``duckdb.Error`` (rolled back)."""
+        con = self._con
+        moved = 0
+        con.begin()
+        try:
+            for table, has_uuid in _GPU_KEYED_TABLES:
+                sets = "gpu_key = ?, gpu_uuid = ?" if has_uuid else "gpu_key = ?"
+                params = [new, gpu_uuid, old] if has_uuid else [new, old]
+                row = con.execute(f"UPDATE {table} SET {sets} WHERE gpu_key = ?", params).fetchone()
+                moved += int(row[0]) if row else 0
+            con.commit()
+        except BaseException:
+            con.rollback()
+            raise
+        return moved
 
     def _count_late(self, tables: Mapping[str, pa.Table]) -> None:
         """Count raw rows older than the rollup watermark (they will miss the rollups)."""

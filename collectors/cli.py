@@ -55,6 +55,7 @@ RUN_SETTINGS: dict[str, str] = {
     "dcgm_target": "collectors.dcgm_targets",
     "sysfs_root": "collectors.sysfs_roots",
     "nvidia_smi": "collectors.nvidia_smi",
+    "ufm_telemetry": "collectors.ufm_telemetry",
     "nvml_host": "collectors.nvml_host",
     "file_sd": "collectors.file_sd",
     "file_sd_refresh": "collectors.file_sd_refresh_s",
@@ -103,8 +104,17 @@ def run(
         list[str] | None,
         typer.Option(
             "--nvidia-smi",
-            help='HOST=COMMAND printing nvidia-smi -q -x XML, e.g. node-1="nvidia-smi -q -x" (repeatable).'
-            + _setting("nvidia_smi"),
+            help='HOST=COMMAND printing nvidia-smi -q -x XML, e.g. node-1="nvidia-smi -q -x", or a CSV '
+            'query, e.g. node-1="nvidia-smi --query-gpu=index,uuid,utilization.gpu,memory.used,memory.total '
+            '--format=csv,noheader,nounits" (repeatable).' + _setting("nvidia_smi"),
+        ),
+    ] = None,
+    ufm_telemetry: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--ufm-telemetry",
+            help="UFM Telemetry Prometheus endpoint URL: InfiniBand port counters of the fabric "
+            "(repeatable)." + _setting("ufm_telemetry"),
         ),
     ] = None,
     nvml_host: Annotated[
@@ -196,9 +206,9 @@ def run(
     metrics_port: Annotated[int | None, metrics_port_option("collectors", 9410)] = None,
     metrics_addr: MetricsAddrOption = None,
 ) -> None:
-    """Scrape every dcgm-exporter target, read every sysfs root, run every nvidia-smi command and
-    read NVML each interval and produce GpuSample / IbPortSample records to Kafka until SIGINT or
-    SIGTERM.
+    """Scrape every dcgm-exporter and UFM Telemetry target, read every sysfs root, run every
+    nvidia-smi command (-q -x XML or a --query-gpu CSV query) and read NVML each interval and
+    produce GpuSample / NvSwitchSample / IbPortSample records to Kafka until SIGINT or SIGTERM.
 
     Every option can also come from the deployment's settings (contracts/settings.py): a flag
     wins over its GPUPOOL_* variable (e.g. GPUPOOL_KAFKA, GPUPOOL_COLLECTORS__INTERVAL_S), which
@@ -229,6 +239,7 @@ def run(
         dcgm_target=dcgm_target,
         sysfs_root=sysfs_root,
         nvidia_smi=nvidia_smi,
+        ufm_telemetry=ufm_telemetry,
         nvml_host=nvml_host,
         file_sd=file_sd,
         file_sd_refresh=file_sd_refresh,
@@ -252,11 +263,12 @@ def run(
     roots = [_sysfs_root(s) for s in cs.sysfs_roots]
     commands = [_nvsmi_command(s) for s in cs.nvidia_smi]
     sd_files = list(cs.file_sd)
-    if not targets and not roots and not commands and not cs.nvml_host and not sd_files and not cs.fabric:
+    ufm = list(cs.ufm_telemetry)
+    if not targets and not roots and not commands and not cs.nvml_host and not sd_files and not ufm and not cs.fabric:
         raise typer.BadParameter(
-            "give at least one --dcgm-target, --file-sd, --sysfs-root, --nvidia-smi, --nvml-host or "
-            "--fabric (or [collectors] dcgm_targets, file_sd, sysfs_roots, nvidia_smi, nvml_host, "
-            "fabric in the settings)"
+            "give at least one --dcgm-target, --file-sd, --sysfs-root, --nvidia-smi, --ufm-telemetry, "
+            "--nvml-host or --fabric (or [collectors] dcgm_targets, file_sd, sysfs_roots, nvidia_smi, "
+            "ufm_telemetry, nvml_host, fabric in the settings)"
         )
     _serve_metrics(settings.metrics.collectors, settings.metrics.addr)
 
@@ -272,6 +284,7 @@ def run(
             timeout_s=cs.timeout_s,
             concurrency=cs.concurrency,
             nvsmi_commands=commands,
+            ufm_targets=ufm,
             nvml_host=cs.nvml_host,
             file_sd=sd_files,
             file_sd_refresh_s=cs.file_sd_refresh_s,
@@ -376,3 +389,55 @@ def read_sysfs(
         typer.echo(p.model_dump_json())
     for e in res.errors:
         typer.echo(json.dumps({"error": e._asdict()}))
+
+
+@app.command("parse-output")
+def parse_output(
+    kind: Annotated[
+        str,
+        typer.Argument(help="ibstat, dcgmi-dmon, nvidia-smi-csv or ufm-telemetry."),
+    ],
+    file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="A saved output or body.")],
+    host: Annotated[str, typer.Option(help="Host name for the records (not for ufm-telemetry).")] = "localhost",
+    command: Annotated[
+        str | None,
+        typer.Option(
+            help="The command line that printed it: its --query-gpu list (nvidia-smi noheader output) "
+            "or -e field ids (dcgmi dmon) are read from it."
+        ),
+    ] = None,
+) -> None:
+    """Parse a saved ibstat / dcgmi dmon / nvidia-smi --query-gpu CSV output or UFM Telemetry body
+    and print one record per line as JSON (IbPortSample or GpuSample), then what was rejected
+    (one ``{"rejected": ...}`` object per line). Exits 2 for an unknown kind."""
+    from collectors.dcgmi_dmon import field_ids, parse_dcgmi_dmon
+    from collectors.ibstat import parse_ibstat
+    from collectors.nvsmi_csv import parse_nvidia_smi_csv, query_properties
+    from collectors.ufm_telemetry import parse_ufm_telemetry
+
+    text = file.read_text(encoding="utf-8", errors="replace")
+    argv = shlex.split(command) if command else []
+    now = time.time()
+    records: list[Any]
+    rejected: list[dict[str, Any]]
+    if kind == "ibstat":
+        ib = parse_ibstat(text, host=host, ts=now)
+        records, rejected = ib.ports, [{"lineno": p.lineno, "reason": p.reason, "line": p.line} for p in ib.problems]
+    elif kind == "ufm-telemetry":
+        ufm = parse_ufm_telemetry(text, ts=now)
+        records, rejected = ufm.ports, [r._asdict() for r in ufm.rejected]
+    elif kind in ("dcgmi-dmon", "nvidia-smi-csv"):
+        gpus = (
+            parse_dcgmi_dmon(text, host=host, ts=now, ids=field_ids(argv))
+            if kind == "dcgmi-dmon"
+            else parse_nvidia_smi_csv(text, host=host, ts=now, properties=query_properties(argv))
+        )
+        records, rejected = gpus.samples, [r._asdict() for r in gpus.rejected]
+        if gpus.error:
+            rejected.append({"reason": gpus.error, "detail": gpus.detail})
+    else:
+        raise typer.BadParameter(f"unknown kind {kind!r}: ibstat, dcgmi-dmon, nvidia-smi-csv or ufm-telemetry")
+    for rec in records:
+        typer.echo(rec.model_dump_json())
+    for r in rejected:
+        typer.echo(json.dumps({"rejected": r}))

@@ -157,3 +157,39 @@ def field_range(field: str) -> tuple[float, float] | None:
     ):
         return _NON_NEGATIVE
     return None
+
+
+FB_USED_PERCENT = "DCGM_FI_DEV_FB_USED_PERCENT"
+"""Framebuffer used, ratio 0..1: ``Used/(Total - Reserved)`` (``dcgm_fields.h``, field 254)."""
+
+
+def derive_fields(fields: dict[str, int | float], invalid: dict[str, str]) -> None:
+    """Add, in place, the fields a source did not send but that follow from those it sent.
+
+    ``DCGM_FI_DEV_FB_USED_PERCENT`` (DCGM's ``Used/(Total - Reserved)``, 0..1), unless present
+    or marked invalid: ``FB_USED / (FB_USED + FB_FREE)`` when both are known (NVML's total is
+    used + free + reserved, so this is DCGM's formula), else ``FB_USED / (FB_TOTAL -
+    FB_RESERVED)`` with ``FB_RESERVED`` taken as 0 when unknown. Nothing is added when the
+    denominator is not positive; a result above 1 (used over total: inconsistent inputs) is
+    marked ``out_of_range`` in ``invalid`` rather than kept.
+    """
+    if FB_USED_PERCENT in fields or FB_USED_PERCENT in invalid:
+        return
+    used = fields.get("DCGM_FI_DEV_FB_USED")
+    if used is None:
+        return
+    free = fields.get("DCGM_FI_DEV_FB_FREE")
+    if free is not None:
+        denominator = used + free
+    else:
+        total = fields.get("DCGM_FI_DEV_FB_TOTAL")
+        if total is None:
+            return
+        denominator = total - fields.get("DCGM_FI_DEV_FB_RESERVED", 0)
+    if not denominator > 0:
+        return
+    ratio = used / denominator
+    if 0.0 <= ratio <= 1.0:
+        fields[FB_USED_PERCENT] = ratio
+    else:
+        invalid[FB_USED_PERCENT] = "out_of_range"

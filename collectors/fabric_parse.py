@@ -27,7 +27,9 @@ fixed widths, 4..32 bits, saturating); ``# Port extended counters: ...`` is Port
 
 type, LID, port, GUID, width, speed, then either `` - `` and the peer's type, LID, port, GUID and
 ``( 'name' - 'peer name' )``, or (an unconnected port: physical link not up) the node's name,
-quoted or not. Names may contain spaces and are padded by some switches: they are stripped.
+quoted or not. Names may contain spaces; a quoted name is kept byte for byte, padding inside
+the quotes included (it is the node description as the node reports it: ``'leaf-1 '`` is
+not ``'leaf-1'``); only the blanks outside the quotes are layout. An unquoted name is stripped.
 For a CA the GUID printed is the *port* GUID; for a switch, the node GUID.
 """
 
@@ -293,7 +295,7 @@ class TopologyPort:
         port: port number.
         guid: ``0x`` + 16 lowercase hex digits (CA: port GUID, switch: node GUID).
         width / speed: active link width (``4x``) and speed (``EDR``); ``None`` for ``???``.
-        name: the node description, stripped of quotes and padding.
+        name: the node description: inside the quotes byte for byte, or an unquoted one stripped.
         connected: a peer is listed (the physical link is up).
         peer_*: the peer's type, LID, port, GUID and name when connected, else ``None``.
         lineno: 1-based line number in the output.
@@ -404,21 +406,23 @@ def _guid(text: str) -> str | None:
 
 
 def _unquote(text: str) -> str:
+    """A node name: what is between the quotes, exactly; an unquoted name stripped."""
     text = text.strip()
     if len(text) >= 2 and text[0] == text[-1] == "'":
-        text = text[1:-1]
-    return text.strip()
+        return text[1:-1]
+    return text
 
 
 def _split_names(text: str) -> tuple[str, str] | None:
-    """``( 'a' - 'b' )`` → ``(a, b)``; unquoted names are split at the first `` - ``."""
+    """``( 'a' - 'b' )`` → ``(a, b)`` (each exactly as quoted); unquoted names are split at the
+    first `` - ``."""
     text = text.strip()
     if not (text.startswith("(") and text.endswith(")")):
         return None
     inner = text[1:-1].strip()
     if inner.startswith("'") and inner.endswith("'") and "' - '" in inner:
         a, b = inner[1:-1].split("' - '", 1)
-        return a.strip(), b.strip()
+        return a, b
     a, sep, b = inner.partition(" - ")
     if not sep:
         return None

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from typing import Literal
 
 from collectors.fabric_parse import PerfqueryBlock, Topology, TopologyNode, link_rate_bytes_per_second
+from collectors.ib_counters import link_width_speed
 from contracts.fabric import FabricLink, FabricNode, FabricPort, FabricTopology, split_description
 from contracts.telemetry import IbPortSample
 
@@ -93,6 +94,7 @@ def port_sample(
     host, device = split_description(node.node_type, node.name)
     tp = node.ports.get(port)
     up = tp is not None and tp.connected
+    width, speed = link_width_speed(tp.width, tp.speed) if up and tp is not None else (None, None)
     return IbPortSample(
         ts=ts,
         host=host,
@@ -105,6 +107,8 @@ def port_sample(
         phys_state_id=5 if up else None,
         phys_state="LinkUp" if up else None,
         rate_bytes_per_second=tp.rate_bytes_per_second if up and tp is not None else None,
+        link_width=width,
+        link_speed=speed,
         counters=counters,
         counter_bits=bits,
         saturated=saturated,

@@ -91,3 +91,30 @@ def is_saturated(value: int | None, bits: int | None) -> bool:
     """True when ``value`` sits at the all-ones maximum of a ``bits``-wide PMA counter: the
     counter stopped counting (PMA counters saturate, they never wrap)."""
     return value is not None and bits is not None and value == (1 << bits) - 1
+
+
+LINK_WIDTHS = frozenset({"1X", "2X", "4X", "8X", "12X"})
+"""Active link widths as the IBTA names them (PortInfo:LinkWidthActive)."""
+LINK_SPEEDS = frozenset({"SDR", "DDR", "QDR", "FDR10", "FDR", "EDR", "HDR", "NDR", "XDR"})
+"""Active per-lane speeds as the IBTA and the kernel name them."""
+
+
+def link_width_speed(width: str | None, speed: str | None) -> tuple[str | None, str | None]:
+    """``(width, speed)`` normalised to :data:`LINK_WIDTHS` / :data:`LINK_SPEEDS` (``4x`` →
+    ``4X``); ``None`` for anything else (``???``, empty, unknown)."""
+    w = width.upper() if width else None
+    s = speed.upper() if speed else None
+    return (w if w in LINK_WIDTHS else None), (s if s in LINK_SPEEDS else None)
+
+
+def rate_width_speed(text: str) -> tuple[str | None, str | None]:
+    """Width and speed from the parenthesis of a kernel ``rate`` text (``"100 Gb/sec (4X EDR)"``
+    → ``("4X", "EDR")``; ``"10 Gb/sec (4X)"`` → ``("4X", None)``; ``"0 GB/sec"`` → ``(None,
+    None)``). Linux ``drivers/infiniband/core/sysfs.c`` ``rate_show``: ``"%d%s Gb/sec (%dX%s)"``."""
+    open_, close = text.find("("), text.rfind(")")
+    if open_ < 0 or close < open_:
+        return None, None
+    parts = text[open_ + 1 : close].split()
+    if not parts:
+        return None, None
+    return link_width_speed(parts[0], parts[1] if len(parts) > 1 else None)

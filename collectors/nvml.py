@@ -39,6 +39,7 @@ from types import ModuleType
 from typing import Any, NamedTuple, Self
 
 from collectors import metrics
+from collectors.dcgm_fields import derive_fields
 from collectors.nvsmi import DEVICE_LEVEL_FIELDS, check_value
 from contracts import GpuSample
 
@@ -386,21 +387,16 @@ class NvmlReader:
         fields, invalid = self._fields(nv, h, READS)
         instances = self._mig_handles(nv, h)
         if not instances:
+            derive_fields(fields, invalid)
             return [GpuSample(**common, fields=fields, invalid=invalid)]
         shared = {k: v for k, v in fields.items() if k in DEVICE_LEVEL_FIELDS}
         shared_invalid = {k: v for k, v in invalid.items() if k in DEVICE_LEVEL_FIELDS}
         out: list[GpuSample] = []
         for gi, profile, mh in instances:
             f, inv = self._fields(nv, mh, _INSTANCE_READS)
-            out.append(
-                GpuSample(
-                    **common,
-                    gpu_instance_id=gi,
-                    gpu_instance_profile=profile,
-                    fields={**shared, **f},
-                    invalid={**shared_invalid, **inv},
-                )
-            )
+            f, inv = {**shared, **f}, {**shared_invalid, **inv}
+            derive_fields(f, inv)
+            out.append(GpuSample(**common, gpu_instance_id=gi, gpu_instance_profile=profile, fields=f, invalid=inv))
         return out
 
     def _optional(self, nv: Nvml, call: Callable[[], Any]) -> Any:

@@ -52,7 +52,7 @@ from typing import Literal, NamedTuple
 
 from collectors import metrics
 from collectors.dcgm import Rejection
-from collectors.dcgm_fields import field_range
+from collectors.dcgm_fields import derive_fields, field_range
 from contracts import GpuSample
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ __all__ = [
     "NvsmiReadResult",
     "check_value",
     "parse_nvidia_smi_xml",
+    "parse_value_text",
     "read_nvidia_smi",
     "value_range",
 ]
@@ -343,6 +344,14 @@ def _parse_text(text: str | None, spec: FieldSpec) -> _Value:
     return _Value(None, reason, raw) if reason else _Value(value, None, raw)
 
 
+def parse_value_text(text: str | None, spec: FieldSpec) -> tuple[int | float | None, str | None]:
+    """One nvidia-smi value text read as ``spec`` says (the rules of the module docstring):
+    ``(value, None)`` when usable, ``(None, reason)`` when it is invalid, ``(None, None)`` when
+    absent (``N/A``, ``[Not Supported]``...). Shared with :mod:`collectors.nvsmi_csv`."""
+    v = _parse_text(text, spec)
+    return v.value, v.reason
+
+
 @dataclass(slots=True)
 class _Acc:
     """Fields and rejections gathered for one sample."""
@@ -507,6 +516,7 @@ class _Identity(NamedTuple):
     target: str
 
     def sample(self, acc: _Acc, gpu_instance_id: int | None = None) -> GpuSample:
+        derive_fields(acc.fields, acc.invalid)
         return GpuSample(
             ts=self.ts,
             host=self.host,
@@ -580,7 +590,8 @@ class NvsmiReadResult:
         reason: ``ok``, or why there is no data: ``binary_not_found`` (no such command: a host
             without the NVIDIA driver), ``exec_error`` (could not start it), ``timeout`` (killed
             at the deadline), ``exit_status`` (non-zero exit, e.g. "couldn't communicate with the
-            NVIDIA driver"), ``malformed_xml`` / ``not_nvidia_smi`` (output unusable).
+            NVIDIA driver"), ``malformed_xml`` / ``not_nvidia_smi`` (output unusable), for a CSV
+            query ``empty_output`` / ``no_properties``.
         parsed: the parse of the output when it ran and exited 0.
         duration_s: wall time of the run, seconds.
         returncode: the exit status, when it ran to its end.
@@ -608,7 +619,8 @@ async def read_nvidia_smi(
     seq_start: int = 0,
 ) -> NvsmiReadResult:
     """Run ``cmd`` (``nvidia-smi -q -x``, possibly behind a wrapper such as ``ssh node``) and parse
-    its output.
+    its output: as XML, or as CSV when ``cmd`` has a ``--query-gpu`` list
+    (:func:`collectors.nvsmi_csv.parse_nvidia_smi_csv`, ``--format=csv[,noheader][,nounits]``).
 
     Counts every run in ``gpupool_collector_scrapes_total{target, result}``, every failure in
     ``gpupool_collector_scrape_errors_total{target, reason}``, its wall time in
@@ -638,13 +650,26 @@ async def read_nvidia_smi(
     t0 = time.monotonic()
     res, stdout = await _run(cmd, timeout_s)
     if stdout is not None:
-        res.parsed = parse_nvidia_smi_xml(
-            stdout,
-            host=host or socket.gethostname(),
-            ts=started,
-            target=target,
-            seq_start=seq_start,
-        )
+        from collectors.nvsmi_csv import parse_nvidia_smi_csv, query_properties  # it imports this module
+
+        properties = query_properties(cmd)
+        if properties is not None:
+            res.parsed = parse_nvidia_smi_csv(
+                stdout.decode(errors="replace"),
+                host=host or socket.gethostname(),
+                ts=started,
+                properties=properties,
+                target=target,
+                seq_start=seq_start,
+            )
+        else:
+            res.parsed = parse_nvidia_smi_xml(
+                stdout,
+                host=host or socket.gethostname(),
+                ts=started,
+                target=target,
+                seq_start=seq_start,
+            )
         if res.parsed.error is not None:
             res.reason, res.detail = res.parsed.error, res.parsed.detail
     res.duration_s = time.monotonic() - t0

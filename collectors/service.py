@@ -7,7 +7,9 @@ command (:func:`collectors.nvsmi.read_nvidia_smi`) and the optional local NVML r
 (:class:`collectors.nvml.NvmlReader`, in a worker thread) and produces
 
 * :class:`contracts.GpuSample` to ``topics.telemetry_gpu`` and
-* :class:`contracts.IbPortSample` to ``topics.telemetry_ib_port``, both with the host as Kafka key
+* :class:`contracts.NvSwitchSample` (dcgm-exporter's NVSwitch series) to ``topics.telemetry_nvswitch``,
+* :class:`contracts.IbPortSample` to ``topics.telemetry_ib_port`` (sysfs roots, and UFM Telemetry
+  endpoints: :func:`collectors.ufm_telemetry.parse_ufm_telemetry`), all with the host as Kafka key
   (``partition_key``, :func:`contracts.topics.telemetry_partition_key`: a host's GPUs and ports
   share a partition number, so one analytics instance sees the whole node),
 
@@ -49,8 +51,9 @@ from collectors.scrape import DEFAULT_MAX_BODY_BYTES, Scraper, ScrapeResult
 from collectors.spool import GIB, RecordDroppedError, SpoolingProducer
 from collectors.sysfs_ib import SysfsReadResult, read_sysfs_infiniband
 from collectors.targets import Target, TargetSet
+from collectors.ufm_telemetry import parse_ufm_telemetry
 from collectors.xid import XidTracker
-from contracts import GpuSample, IbPortSample, KafkaTopics, encode, tracing
+from contracts import GpuSample, IbPortSample, KafkaTopics, NvSwitchSample, encode, tracing
 from contracts.bus import Bus, Producer
 
 if TYPE_CHECKING:  # imported by the caller only when the fabric is collected (its metrics with it)
@@ -65,7 +68,8 @@ class CollectStats:
     """What one :meth:`CollectorService.collect_once` did.
 
     Attributes:
-        targets: dcgm-exporter targets scraped, plus nvidia-smi commands run and the NVML reader.
+        targets: dcgm-exporter targets scraped, plus UFM Telemetry endpoints, nvidia-smi commands
+            run and the NVML reader.
         targets_ok: targets whose body (command output, NVML read) arrived and was usable.
         failures: failed targets by reason: the :class:`collectors.scrape.ScrapeResult` reasons
             (``timeout``, ``connect_error``, ``http_500``, ``truncated``...), ``truncated`` for a
@@ -74,7 +78,7 @@ class CollectStats:
             reasons (``binary_not_found``, ``timeout``, ``exit_status``, ``malformed_xml``...);
             for NVML the :class:`collectors.nvml.NvmlUnavailableError` reasons
             (``library_not_found``, ``driver_not_loaded``...).
-        gpu_samples / ib_ports: records built.
+        gpu_samples / nvswitches / ib_ports: records built.
         rejected: parser rejections by reason (lines and values).
         sysfs_roots: roots read; sysfs_errors: files that could not be used.
         produced: records the producer accepted; produce_errors: records it refused.
@@ -86,6 +90,7 @@ class CollectStats:
     targets_ok: int = 0
     failures: Counter[str] = field(default_factory=Counter)
     gpu_samples: int = 0
+    nvswitches: int = 0
     ib_ports: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
     sysfs_roots: int = 0
@@ -134,8 +139,12 @@ class CollectorService:
         http_session: an aiohttp session every scraper shares instead of opening its own (its
             connection pool then bounds the connections); not closed here.
         nvsmi_commands: ``(host, argv)`` pairs, each run every cycle as ``nvidia-smi -q -x``
-            (argv may wrap it, e.g. ``["ssh", "node-1", "nvidia-smi", "-q", "-x"]``); its GPUs get
-            ``host``; deadline ``timeout_s``. A missing binary is counted as a failure, never raised.
+            (argv may wrap it, e.g. ``["ssh", "node-1", "nvidia-smi", "-q", "-x"]``), or as a CSV
+            query when argv has ``--query-gpu=...`` (``--format=csv[,noheader][,nounits]``,
+            :mod:`collectors.nvsmi_csv`); its GPUs get ``host``; deadline ``timeout_s``. A missing
+            binary is counted as a failure, never raised.
+        ufm_targets: UFM Telemetry Prometheus endpoint URLs (e.g. ``http://ufm:9001/metrics``),
+            scraped every cycle; their port counters go to ``telemetry.ib_port``.
         nvml_host: read this machine's GPUs through NVML every cycle under this host name;
             ``None``: off. Where NVML is unavailable each cycle counts a failure.
         file_sd: Prometheus file_sd JSON files (the last path component may be a glob) whose
@@ -175,6 +184,7 @@ class CollectorService:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         http_session: aiohttp.ClientSession | None = None,
         nvsmi_commands: Sequence[tuple[str, Sequence[str]]] = (),
+        ufm_targets: Sequence[str] = (),
         nvml_host: str | None = None,
         file_sd: Sequence[Path | str] = (),
         file_sd_refresh_s: float = 5.0,
@@ -203,6 +213,7 @@ class CollectorService:
         self.max_body_bytes = max_body_bytes
         self._http_session = http_session
         self.nvsmi_commands = [(h, tuple(cmd) or DEFAULT_COMMAND) for h, cmd in nvsmi_commands]
+        self.ufm_targets = list(ufm_targets)
         self.nvml_host = nvml_host
         self._nvml: NvmlReader | None = None
         self.targets = TargetSet(
@@ -290,6 +301,8 @@ class CollectorService:
         stats = CollectStats(targets=len(targets), sysfs_roots=len(self.sysfs_roots))
         reads = [asyncio.create_task(self._read_root(host, root)) for host, root in self.sysfs_roots]
         gpu_reads = self._start_gpu_reads(stats)
+        ufm_reads = [asyncio.create_task(self._scrape_ufm(url)) for url in self.ufm_targets]
+        stats.targets += len(ufm_reads)
         try:
             async for res in self._scrape(targets):
                 await self._handle_scrape(res, stats)
@@ -297,8 +310,10 @@ class CollectorService:
                 await self._handle_sysfs(await read, stats)
             for gpu_read in asyncio.as_completed(gpu_reads):
                 await self._handle_gpu_read(await gpu_read, stats)
+            for ufm_read in asyncio.as_completed(ufm_reads):
+                await self._handle_ufm(await ufm_read, stats)
         finally:
-            for r in [*reads, *gpu_reads]:
+            for r in [*reads, *gpu_reads, *ufm_reads]:
                 r.cancel()
         try:
             await self._flush(self._producer)
@@ -519,7 +534,7 @@ class CollectorService:
                     # is used.
                     reason = "truncated"
                 if reason == "ok":
-                    self._seq += len(parsed.samples)
+                    self._seq += len(parsed.samples) + len(parsed.switches)
         metrics.SCRAPE_DURATION.labels("dcgm").observe(res.duration_s + time.monotonic() - t0)
         self._note_target(res, reason)
         if reason != "ok":
@@ -548,6 +563,8 @@ class CollectorService:
             )
         samples = self._with_target_labels(res.target, parsed.samples)
         await self._produce(self.topics.telemetry_gpu, samples, stats)
+        stats.nvswitches += len(parsed.switches)
+        await self._produce(self.topics.telemetry_nvswitch, parsed.switches, stats)
         return reason
 
     def _note_target(self, res: ScrapeResult, reason: str) -> None:
@@ -614,6 +631,38 @@ class CollectorService:
         stats.gpu_samples += len(records)
         await self._produce(self.topics.telemetry_gpu, records, stats)
 
+    # --- UFM Telemetry ----------------------------------------------------------------------------
+    async def _scrape_ufm(self, url: str) -> ScrapeResult:
+        async with self._scrape_slots:
+            return await self._scraper_for(self.timeout_s).scrape(url)
+
+    async def _handle_ufm(self, res: ScrapeResult, stats: CollectStats) -> None:
+        """Parse one UFM Telemetry scrape and produce its ports; a failed scrape, an empty body or
+        one no line of which is a port counter fails that target alone (counted like a
+        dcgm-exporter target)."""
+        metrics.SCRAPE_DURATION.labels("ufm-telemetry").observe(res.duration_s)
+        reason = res.reason
+        ports: list[IbPortSample] = []
+        if res.ok:
+            parsed = parse_ufm_telemetry(res.body or "", ts=res.ts, seq_start=self._seq)
+            for rej in parsed.rejected:
+                metrics.REJECTED_SAMPLES.labels(rej.reason).inc()
+            stats.rejected.update(r.reason for r in parsed.rejected)
+            if not parsed.ports:
+                reason = "garbage" if parsed.sample_lines else "empty_body"
+            ports = parsed.ports
+        self._note_target(res, reason)
+        if reason != "ok":
+            stats.failures[reason] += 1
+            metrics.SCRAPES.labels(res.target, "failure").inc()
+            metrics.SCRAPE_ERRORS.labels(res.target, reason).inc()
+            return
+        stats.targets_ok += 1
+        metrics.SCRAPES.labels(res.target, "success").inc()
+        self._seq += len(ports)
+        stats.ib_ports += len(ports)
+        await self._produce(self.topics.telemetry_ib_port, ports, stats)
+
     # --- sysfs ----------------------------------------------------------------------------------
     async def _read_root(self, host: str, root: Path) -> tuple[SysfsReadResult, float]:
         t0 = time.monotonic()
@@ -634,7 +683,7 @@ class CollectorService:
 
     # --- bus --------------------------------------------------------------------------------------
     async def _produce(
-        self, topic: str, records: Sequence[GpuSample | IbPortSample], stats: CollectStats
+        self, topic: str, records: Sequence[GpuSample | IbPortSample | NvSwitchSample], stats: CollectStats
     ) -> None:
         """Send ``records`` to ``topic`` inside one ``send <topic>`` span (PRODUCER, child of the
         current span, semconv messaging attributes); every record carries that span's
@@ -656,7 +705,7 @@ class CollectorService:
     async def _send_records(
         self,
         topic: str,
-        records: Sequence[GpuSample | IbPortSample],
+        records: Sequence[GpuSample | IbPortSample | NvSwitchSample],
         stats: CollectStats,
         headers: Sequence[tuple[str, bytes]],
     ) -> None:

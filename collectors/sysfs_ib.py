@@ -19,8 +19,9 @@ Semantics (node_exporter's, and the cases in ``../shared/data/cases/sysfs_cases`
   recorded in :attr:`SysfsReadResult.errors`; nothing else is lost;
 * counters at their all-ones maximum are listed in ``saturated`` (IB-14) with their widths in
   ``counter_bits``;
-* ``rate`` ``"<N> Gb/sec (<W>X <SPEED>)"`` → N × 125,000,000 bytes/s; ``"0 GB/sec"`` of an
-  empty cage → 0 (IB-04); ``state``/``phys_state`` ``"<id>: <NAME>"``;
+* ``rate`` ``"<N> Gb/sec (<W>X <SPEED>)"`` → N × 125,000,000 bytes/s, ``link_width`` ``<W>X``
+  and ``link_speed`` ``<SPEED>``; ``"0 GB/sec"`` of an empty cage → 0, width and speed
+  unknown (IB-04); ``state``/``phys_state`` ``"<id>: <NAME>"``;
 * ``counters/``, ``counters_ext/`` and ``hw_counters/`` are found with ``stat()``, never by
   device name (IB-06: irdma has only ``hw_counters/``); ``link_layer`` tells RoCE (``Ethernet``)
   from InfiniBand (IB-10);
@@ -44,6 +45,7 @@ from collectors.ib_counters import (
     EXTENDED_WIDTH,
     data_width,
     is_saturated,
+    rate_width_speed,
 )
 from contracts import IbPortSample
 
@@ -285,11 +287,13 @@ def _read_port(
     state_id, state = _state(reader, os.path.join(path, "state"))
     phys_state_id, phys_state = _state(reader, os.path.join(path, "phys_state"))
     rate: int | None = None
+    width = speed = None
     rate_path = os.path.join(path, "rate")
     rate_text = reader.text(rate_path)
     if rate_text is not None:
         try:
             rate = parse_rate(rate_text)
+            width, speed = rate_width_speed(rate_text)
         except ValueError:
             reader.errors.append(SysfsError(rate_path, "unparseable_rate"))
     counters, bits = _pma_counters(reader, path)
@@ -309,6 +313,8 @@ def _read_port(
         phys_state_id=phys_state_id,
         phys_state=phys_state,
         rate_bytes_per_second=rate,
+        link_width=width,
+        link_speed=speed,
         counters=counters,
         counter_bits=bits,
         saturated=[n for n, v in counters.items() if is_saturated(v, bits.get(n))],

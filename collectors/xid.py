@@ -28,6 +28,8 @@ class XidObservation:
         last_xid: value of ``DCGM_FI_DEV_XID_ERRORS`` (0 = none since driver load), or ``None``.
         message: the ``err_msg`` label of that series, if any.
         window_counts: ``xid → count`` from ``DCGM_EXP_XID_ERRORS_COUNT`` (empty if absent).
+        codes: every code of ``DCGM_FI_DEV_XID_ERRORS`` when the field came as several series
+            (split by an ``xid`` label), in series order; empty for one series.
     """
 
     key: str
@@ -35,6 +37,7 @@ class XidObservation:
     last_xid: int | None = None
     message: str | None = None
     window_counts: dict[int, int] = field(default_factory=dict)
+    codes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +70,7 @@ class XidEvent:
 class _State:
     last_xid: int | None
     window_counts: dict[int, int]
+    codes: frozenset[int] = frozenset()
 
 
 class XidTracker:
@@ -77,7 +81,9 @@ class XidTracker:
     ignored for it; otherwise an event is emitted when the last XID value changes to a non-zero
     code, or is non-zero at the first observation of that GPU (a restarted collector cannot tell
     an old code from a new one and reports it once). A value that stays the same never
-    re-alerts; a change back to 0 (driver reload) is not an event.
+    re-alerts; a change back to 0 (driver reload) is not an event. When the last-XID field came
+    as several series (``codes``), each non-zero code absent from the previous observation's
+    codes (or last value) is an event of its own.
     """
 
     def __init__(self) -> None:
@@ -100,6 +106,14 @@ class XidTracker:
                         events.append(
                             XidEvent(obs.key, obs.ts, xid, prev, count - prev, obs.message, "window_count")
                         )
+            elif obs.codes:
+                before_codes = state.codes if state is not None else frozenset()
+                if state is not None and not before_codes and state.last_xid is not None:
+                    before_codes = frozenset({state.last_xid})
+                for code in obs.codes:
+                    if code != 0 and code not in before_codes:
+                        prev = state.last_xid if state is not None else None
+                        events.append(XidEvent(obs.key, obs.ts, code, prev, 1, obs.message, "last_value"))
             elif obs.last_xid is not None:
                 prev_xid = state.last_xid if state is not None else None
                 if obs.last_xid != 0 and obs.last_xid != prev_xid:
@@ -109,5 +123,6 @@ class XidTracker:
             self._state[obs.key] = _State(
                 obs.last_xid if obs.last_xid is not None else (state.last_xid if state else None),
                 dict(obs.window_counts),
+                frozenset(obs.codes),
             )
         return events

@@ -22,7 +22,7 @@ from contracts.mqtt import (
     Reply,
     Requirements,
 )
-from contracts.telemetry import GpuSample, IbPortSample
+from contracts.telemetry import GpuSample, IbPortSample, NvSwitchSample, SeriesValue
 from contracts.topics import KafkaTopics, MqttTopics, gpu_key
 
 __all__ = [
@@ -32,6 +32,8 @@ __all__ = [
     "decode",
     "GpuSample",
     "IbPortSample",
+    "NvSwitchSample",
+    "SeriesValue",
     "CapacityUpdate",
     "GpuState",
     "IdleGrade",

@@ -27,7 +27,7 @@ from contracts.capacity import CapacityUpdate, PoolDemand
 from contracts.fabric import TOPOLOGY_KEY, FabricTopology
 from contracts.leases import LeaseLogRecord
 from contracts.mqtt import Claim, LeaseMessage, Offer, PeerState, Release, Renewal, Reply
-from contracts.telemetry import GpuSample, IbPortSample
+from contracts.telemetry import GpuSample, IbPortSample, NvSwitchSample
 from contracts.topics import KafkaTopics, MqttTopics
 
 ASYNCAPI_FILE = "asyncapi.yaml"
@@ -52,12 +52,16 @@ def kafka_records(prefix: str = "") -> dict[str, tuple[type[Record], str]]:
             GpuSample,
             "telemetry_partition_key(host): the host, as on telemetry.ib_port (a host's GPUs and ports "
             "share a partition number); the GPU's identity is "
-            "gpu_key(host, gpu_uuid[, gpu_instance_id]) of the payload",
+            "gpu_key(host, gpu_uuid or gpu<gpu_index>[, gpu_instance_id]) of the payload",
         ),
         t.telemetry_ib_port: (
             IbPortSample,
             "telemetry_partition_key(host): the host, as on telemetry.gpu (a switch port: the switch's "
             "description); the port's identity is ib_port_key(node_guid, port) of the payload",
+        ),
+        t.telemetry_nvswitch: (
+            NvSwitchSample,
+            "telemetry_partition_key(host): the host; the switch's identity is host/nvswitch<N>",
         ),
         t.fabric_topology: (FabricTopology, f"always {TOPOLOGY_KEY!r} (compacted: newest snapshot wins)"),
         t.capacity: (CapacityUpdate, "gpu_key(host, gpu_uuid[, gpu_instance_id])"),

@@ -126,7 +126,10 @@ class CollectorsSettings(BaseModel):
     Attributes:
         dcgm_targets: dcgm-exporter ``/metrics`` URLs.
         sysfs_roots: ``HOST=PATH`` of folders holding ``class/infiniband`` (e.g. ``node-1=/sys``).
-        nvidia_smi: ``HOST=COMMAND`` printing ``nvidia-smi -q -x`` XML.
+        nvidia_smi: ``HOST=COMMAND`` printing ``nvidia-smi -q -x`` XML, or a
+            ``nvidia-smi --query-gpu=... --format=csv[,noheader][,nounits]`` query.
+        ufm_telemetry: UFM Telemetry Prometheus endpoint URLs (InfiniBand port counters of the
+            whole fabric, without host-side perfquery sweeps).
         nvml_host: read this machine's GPUs through NVML under this host name; ``None``: no NVML.
         file_sd: Prometheus file_sd JSON files of dcgm-exporter targets (last component may be a glob).
         file_sd_refresh_s: seconds between two checks of the file_sd files.
@@ -153,6 +156,7 @@ class CollectorsSettings(BaseModel):
     dcgm_targets: list[str] = Field(default_factory=list)
     sysfs_roots: list[str] = Field(default_factory=list)
     nvidia_smi: list[str] = Field(default_factory=list)
+    ufm_telemetry: list[str] = Field(default_factory=list)
     nvml_host: str | None = None
     file_sd: list[Path] = Field(default_factory=list)
     file_sd_refresh_s: float = Field(default=5.0, gt=0)

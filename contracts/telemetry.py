@@ -10,12 +10,29 @@ counters pass 2**53 and must never go through float64.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Self
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from contracts.base import Record
-from contracts.topics import gpu_key, ib_port_key, telemetry_partition_key
+from contracts.topics import gpu_id, gpu_key, ib_port_key, telemetry_partition_key
+
+
+class SeriesValue(BaseModel):
+    """One series of a field that its source split by a label (one observation per label value).
+
+    Attributes:
+        labels: the series' own labels — every label of the series that is not modelled as a
+            record field (``UUID``, ``gpu``, ``Hostname``, ``GPU_I_ID``... are not repeated), e.g.
+            ``{"xid": "31", "err_msg": "..."}`` or ``{"nvlink": "3"}``.
+        value: the series' value, in the field's unit; valid values only (an invalid one is in
+            the record's ``invalid``).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    labels: dict[str, str]
+    value: float | int
 
 
 class GpuSample(Record):
@@ -24,42 +41,73 @@ class GpuSample(Record):
     Attributes:
         ts: sample time, Unix epoch seconds (the exposition timestamp when given, else scrape time).
         host: normalised host name (dcgm-exporter ``Hostname`` or ``hostname`` label).
-        gpu_uuid: ``GPU-...`` UUID of the physical GPU.
-        gpu_index: the ``gpu`` label (minor number).
+        gpu_uuid: ``GPU-...`` UUID of the physical GPU; ``None`` when the source gave none (an
+            older or trimmed exporter): the GPU is then known by ``host`` + ``gpu_index`` (+
+            ``gpu_instance_id``), and one of ``gpu_uuid`` / ``gpu_index`` is always set.
+        gpu_index: the ``gpu`` label (minor number / nvidia-smi index).
         gpu_instance_id: MIG GPU instance id (``GPU_I_ID``) or ``None`` for a whole GPU.
         gpu_instance_profile: MIG profile (``GPU_I_PROFILE``, e.g. ``3g.40gb``) or ``None``.
         model_name: e.g. ``NVIDIA H100 80GB HBM3``.
         fields: valid values only, by DCGM field name; units are DCGM's (% for ``*_UTIL``, ratio
             0..1 for ``DCGM_FI_PROF_*``, MiB for ``FB_*``, W, C, MHz). A field that was absent, a
             DCGM blank/not-supported sentinel or out of range is *not* here: see ``invalid``.
+            ``DCGM_FI_DEV_FB_USED_PERCENT`` (ratio 0..1, DCGM's ``Used/(Total - Reserved)``) is
+            derived by the collector when the source did not send it but sent ``FB_USED`` and
+            ``FB_FREE`` (``used/(used+free)``), or ``FB_USED`` and ``FB_TOTAL`` (minus
+            ``FB_RESERVED`` when known) — :func:`collectors.dcgm_fields.derive_fields`. A field
+            split into several series by a label has its first series' value here (the sum of
+            the series for the windowed ``DCGM_EXP_*_COUNT`` fields) and every series in
+            ``field_series``.
+        field_series: field name → one :class:`SeriesValue` per series, for a field that came as
+            several series on this GPU differing in a label (``xid``, ``pod`` on a shared GPU...),
+            or as one series with a per-series label (``err_code``, ``err_msg``, ``xid``,
+            ``clock_event``); empty for everything else.
         invalid: field name → reason (``sentinel``, ``out_of_range``, ``not_a_number``) for values
             the collector rejected. Absent fields appear in neither map.
-        attributes: workload labels (``pod``, ``namespace``, ``container``...) — carried, never
-            part of the identity; an empty label value means absent.
-        source: which source produced it.
+        attributes: every label of the GPU's series that is not modelled as a field (``pod``,
+            ``namespace``, ``container``, ``device``, ``pci_bus_id``...; the first value seen
+            when series differ) — carried, never part of the identity; an empty label value
+            means absent. Per-series labels (``err_code``, ``err_msg``, ``xid``,
+            ``clock_event``) are in ``field_series`` instead.
+        source: which source produced it (``nvidia-smi`` for both its XML and CSV queries,
+            ``dcgmi`` for ``dcgmi dmon``).
         target: the scrape target (URL or path) it came from.
         seq: per-producer sequence number, to account for every record end to end.
     """
 
     ts: float
     host: str
-    gpu_uuid: str
+    gpu_uuid: str | None = None
     gpu_index: int | None = None
     gpu_instance_id: int | None = None
     gpu_instance_profile: str | None = None
     model_name: str | None = None
     fields: dict[str, float | int] = Field(default_factory=dict)
+    field_series: dict[str, list[SeriesValue]] = Field(default_factory=dict)
     invalid: dict[str, str] = Field(default_factory=dict)
     attributes: dict[str, str] = Field(default_factory=dict)
-    source: Literal["dcgm-exporter", "nvml", "nvidia-smi"] = "dcgm-exporter"
+    source: Literal["dcgm-exporter", "nvml", "nvidia-smi", "dcgmi"] = "dcgm-exporter"
     target: str = ""
     seq: int = 0
 
+    @model_validator(mode="after")
+    def _identified(self) -> Self:
+        if not self.gpu_uuid and self.gpu_index is None:
+            raise ValueError("a GPU sample needs gpu_uuid or gpu_index")
+        return self
+
+    @property
+    def gpu_id(self) -> str:
+        """The GPU's id within its host: :func:`contracts.topics.gpu_id` (the UUID, else
+        ``gpu<index>``)."""
+        return gpu_id(self.gpu_uuid, self.gpu_index)
+
     @property
     def key(self) -> str:
-        """GPU identity: :func:`contracts.topics.gpu_key` (``host/uuid[/gi]``). Not the Kafka key:
-        that is :attr:`partition_key`."""
-        return gpu_key(self.host, self.gpu_uuid, self.gpu_instance_id)
+        """GPU identity: :func:`contracts.topics.gpu_key` of :attr:`gpu_id` (``host/uuid[/gi]``,
+        ``host/gpu<index>[/gi]`` without a UUID). Not the Kafka key: that is
+        :attr:`partition_key`."""
+        return gpu_key(self.host, self.gpu_id, self.gpu_instance_id)
 
     @property
     def partition_key(self) -> str:
@@ -85,13 +133,18 @@ class IbPortSample(Record):
         phys_state_id / phys_state: physical state (``5`` / ``LinkUp``).
         rate_bytes_per_second: nominal signalling rate, ``Gb/sec × 125000000`` (procfs/node_exporter
             convention); ``None`` if unreadable.
+        link_width: active link width as the IBTA names it: ``1X``, ``2X``, ``4X``, ``8X`` or
+            ``12X``; ``None`` where the source does not say (``ibstat`` prints only the rate).
+        link_speed: active per-lane speed: ``SDR``, ``DDR``, ``QDR``, ``FDR10``, ``FDR``, ``EDR``,
+            ``HDR``, ``NDR``, ``XDR``; ``None`` where unknown (``???``, or not given).
         counters: PMA counters by PMA name, raw ``int``; ``PortXmitData``/``PortRcvData`` count
             4-octet words. ``None`` marks a counter that exists but could not be read (``N/A (no
             PMA)``, EINVAL, EACCES). Missing counters are absent, never 0.
         counter_bits: width of each counter as read (64 for extended, else 32/16/8/4).
         saturated: names of counters stuck at all-ones (a saturated PMA counter gives no rate).
         hw_counters: driver-specific ``hw_counters/`` values (RoCE congestion, irdma IP counters).
-        source: ``sysfs`` or ``perfquery``.
+        source: ``sysfs``, ``perfquery`` (with ``ibnetdiscover``), ``ibstat`` (state, rate, no
+            counters) or ``ufm-telemetry`` (UFM Telemetry's Prometheus endpoint).
         seq: per-producer sequence number.
     """
 
@@ -106,11 +159,13 @@ class IbPortSample(Record):
     phys_state_id: int | None = None
     phys_state: str | None = None
     rate_bytes_per_second: int | None = None
+    link_width: str | None = None
+    link_speed: str | None = None
     counters: dict[str, int | None] = Field(default_factory=dict)
     counter_bits: dict[str, int] = Field(default_factory=dict)
     saturated: list[str] = Field(default_factory=list)
     hw_counters: dict[str, int | None] = Field(default_factory=dict)
-    source: Literal["sysfs", "perfquery"] = "sysfs"
+    source: Literal["sysfs", "perfquery", "ibstat", "ufm-telemetry"] = "sysfs"
     seq: int = 0
 
     @property
@@ -132,3 +187,43 @@ class IbPortSample(Record):
         """Bytes for a data counter (``PortXmitData`` / ``PortRcvData``): 4 × raw words, or ``None``."""
         raw = self.counters.get(counter)
         return None if raw is None else raw * 4
+
+
+class NvSwitchSample(Record):
+    """One scrape of one NVSwitch, as dcgm-exporter exports it (``{nvswitch="N"}`` series, and
+    ``{nvswitch="N",nvlink="L"}`` per-link series): switches have no GPU UUID.
+
+    Attributes:
+        ts: sample time, Unix epoch seconds.
+        host: normalised host name.
+        nvswitch: the ``nvswitch`` label (the switch's index on its host).
+        fields: valid values by DCGM field name (``DCGM_FI_DEV_NVSWITCH_*``); a per-link field
+            holds its first link's value here and every link in ``field_series``.
+        field_series: field name → one :class:`SeriesValue` per series (per ``nvlink``...).
+        invalid: field name → reason, as in :class:`GpuSample`.
+        attributes: the series' other labels.
+        source: ``dcgm-exporter``.
+        target: the scrape target.
+        seq: per-producer sequence number.
+    """
+
+    ts: float
+    host: str
+    nvswitch: int
+    fields: dict[str, float | int] = Field(default_factory=dict)
+    field_series: dict[str, list[SeriesValue]] = Field(default_factory=dict)
+    invalid: dict[str, str] = Field(default_factory=dict)
+    attributes: dict[str, str] = Field(default_factory=dict)
+    source: Literal["dcgm-exporter"] = "dcgm-exporter"
+    target: str = ""
+    seq: int = 0
+
+    @property
+    def key(self) -> str:
+        """Switch identity: ``host/nvswitch<N>``."""
+        return f"{self.host}/nvswitch{self.nvswitch}"
+
+    @property
+    def partition_key(self) -> str:
+        """Kafka record key on ``telemetry.nvswitch``: the host, as on the other telemetry topics."""
+        return telemetry_partition_key(self.host)

@@ -24,8 +24,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def gpu_id(gpu_uuid: str | None, gpu_index: int | None) -> str:
+    """A GPU's id within its host: its UUID, else ``gpu<index>`` (a source that gives no UUID,
+    e.g. an older or trimmed exporter, still gives the ``gpu`` index). A UUID never looks like
+    ``gpu<index>`` (it starts with ``GPU-`` or ``MIG-``).
+
+    Raises:
+        ValueError: neither is given.
+    """
+    if gpu_uuid:
+        return gpu_uuid
+    if gpu_index is None:
+        raise ValueError("a GPU needs a UUID or an index")
+    return f"gpu{gpu_index}"
+
+
 def gpu_key(host: str, gpu_uuid: str, gpu_instance_id: int | None = None) -> str:
-    """Identity of one GPU or one MIG GPU instance: ``host/uuid`` or ``host/uuid/gi``.
+    """Identity of one GPU or one MIG GPU instance: ``host/uuid`` or ``host/uuid/gi``
+    (``gpu_uuid`` is :func:`gpu_id`: ``host/gpu<index>`` for a GPU known without a UUID).
 
     A MIG GPU instance is a GPU of its own for idle detection and leasing.
     """
@@ -70,6 +86,11 @@ class KafkaTopics:
         return f"{self.prefix}telemetry.ib_port"
 
     @property
+    def telemetry_nvswitch(self) -> str:
+        """NVSwitch samples (:class:`contracts.telemetry.NvSwitchSample`), keyed by host."""
+        return f"{self.prefix}telemetry.nvswitch"
+
+    @property
     def fabric_topology(self) -> str:
         """Fabric topology snapshots (compacted)."""
         return f"{self.prefix}fabric.topology"
@@ -94,6 +115,7 @@ class KafkaTopics:
         return [
             self.telemetry_gpu,
             self.telemetry_ib_port,
+            self.telemetry_nvswitch,
             self.fabric_topology,
             self.capacity,
             self.pool_demand,

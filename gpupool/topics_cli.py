@@ -201,8 +201,8 @@ def create(
 ) -> None:
     """Create every gpupool Kafka topic that does not exist yet, then check them all.
 
-    Topics (under the prefix): telemetry.gpu, telemetry.ib_port, fabric.topology (compacted),
-    capacity, pool.demand, leases.log (compacted); each with --partitions partitions and
+    Topics (under the prefix): telemetry.gpu, telemetry.ib_port, telemetry.nvswitch,
+    fabric.topology (compacted), capacity, pool.demand, leases.log (compacted); each with --partitions partitions and
     --replication-factor replicas. Existing topics are left as they are. Prints JSON (name, exists,
     created, partitions, replication_factor, cleanup_policy; problems). Exit 1 when a topic is
     wrong (telemetry partition counts differ, a compacted topic is not compacted) or Kafka

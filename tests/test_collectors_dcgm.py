@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from collectors.dcgm import REJECTION_REASONS, DcgmParseResult, parse_dcgm_exporter
 from collectors.dcgm_fields import DCGM_FP64_BLANK, DCGM_INT32_BLANK, DCGM_INT64_BLANK, SENTINELS
 from collectors.xid import XidTracker
-from contracts import GpuSample, decode, encode
+from contracts import GpuSample, NvSwitchSample, decode, encode
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / ".." / "shared" / "data"
@@ -130,7 +130,8 @@ def test_gpu08_hostname_and_Hostname_are_one_identity() -> None:
     [s] = res.samples
     assert (s.host, s.gpu_uuid, s.key) == ("node-1", "GPU-x", "node-1/GPU-x")
     assert s.fields == {"DCGM_FI_DEV_GPU_TEMP": 41}
-    assert not res.rejected
+    # one identity: the second line is the same series again (an exact duplicate), counted
+    assert [(r.reason, r.metric) for r in res.rejected] == [("duplicate_series", "DCGM_FI_DEV_GPU_TEMP")]
 
 
 def test_gpu08_uuid_label_spelling_and_conflicting_repeat() -> None:
@@ -363,7 +364,7 @@ def test_truncated_last_line_and_garbage_lines_lose_only_themselves() -> None:
         'DCGM_FI_DEV_FB_USED{UUID="GPU-a" pod="x"} 1\n'
         'DCGM_FI_DEV_FB_USED{UUID="GPU-a",UUID="GPU-b"} 1\n'
         'DCGM_FI_DEV_FB_USED{1abc="x",UUID="GPU-a"} 1\n'
-        'DCGM_FI_DEV_FB_USED{gpu="0"} 1\n'
+        'DCGM_FI_DEV_FB_USED{device="nvidia0"} 1\n'
         'DCGM_FI_DEV_FB_USED{UUID="GPU-a",GPU_I_ID="x1"} 1\n'
         "# TYPE DCGM_FI_DEV_FB_USED sometype\n"
         "\x00\xff\ufffd garbage {{{ ]]]\n"
@@ -429,5 +430,175 @@ def test_bench_body_is_a_valid_h100_page() -> None:
     body = mod.build_h100_body(8)
     res = _parse(body)
     assert len(res.samples) == 8 and not res.rejected
-    assert all(len(s.fields) == 36 for s in res.samples)
+    # 36 series per GPU, plus DCGM_FI_DEV_FB_USED_PERCENT derived from FB_USED and FB_FREE
+    assert all(len(s.fields) == 37 and "DCGM_FI_DEV_FB_USED_PERCENT" in s.fields for s in res.samples)
     assert sum(len(f.samples) for f in text_string_to_metric_families(body)) == 8 * 36
+
+
+# --- issue 15: no series lost for a missing label -------------------------------------------------
+def test_gpu_without_uuid_is_known_by_host_and_index() -> None:
+    body = (
+        'DCGM_FI_DEV_GPU_UTIL{gpu="0",Hostname="node-1",device="nvidia0"} 7\n'
+        'DCGM_FI_DEV_GPU_UTIL{gpu="1",Hostname="node-1",device="nvidia1"} 8\n'
+        'DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="1",GPU_I_ID="3",Hostname="node-1"} 0.5\n'
+    )
+    res = _parse(body, default_host=None)
+    assert not res.rejected
+    assert [(s.key, s.gpu_uuid, s.gpu_index, s.gpu_instance_id) for s in res.samples] == [
+        ("node-1/gpu0", None, 0, None),
+        ("node-1/gpu1", None, 1, None),
+        ("node-1/gpu1/3", None, 1, 3),
+    ]
+    assert res.samples[0].fields == {"DCGM_FI_DEV_GPU_UTIL": 7}
+    assert res.samples[0].attributes == {"device": "nvidia0"}
+    assert decode(GpuSample, encode(res.samples[2])) == res.samples[2]
+
+
+def test_series_without_uuid_join_the_gpu_of_the_same_index_in_the_body() -> None:
+    """A UUID on some series only (trimmed relabelling): every series of gpu 0 is one GPU, keyed
+    by its UUID, whichever comes first; an index no UUID'd series has stays its own GPU."""
+    body = (
+        'DCGM_FI_DEV_FB_USED{gpu="0",Hostname="n"} 100\n'
+        'DCGM_FI_DEV_GPU_UTIL{gpu="0",UUID="GPU-a",Hostname="n"} 5\n'
+        'DCGM_FI_DEV_GPU_TEMP{gpu="0",Hostname="n"} 40\n'
+        'DCGM_FI_DEV_GPU_UTIL{gpu="0",Hostname="n"} 6\n'
+        'DCGM_FI_DEV_GPU_UTIL{gpu="2",Hostname="n"} 9\n'
+    )
+    res = _parse(body, default_host=None)
+    assert [s.key for s in res.samples] == ["n/GPU-a", "n/gpu2"]
+    a = res.samples[0]
+    assert (a.gpu_uuid, a.gpu_index) == ("GPU-a", 0)
+    assert a.fields == {"DCGM_FI_DEV_GPU_UTIL": 5, "DCGM_FI_DEV_FB_USED": 100, "DCGM_FI_DEV_GPU_TEMP": 40}
+    # the same field from the UUID-less series is the same series again: a counted duplicate
+    assert [(r.reason, r.metric) for r in res.rejected] == [("duplicate_series", "DCGM_FI_DEV_GPU_UTIL")]
+
+
+def test_series_without_any_device_identity_are_rejected() -> None:
+    res = _parse('DCGM_FI_DEV_GPU_UTIL{Hostname="n",device="nvidia0"} 5\n', default_host=None)
+    assert res.samples == [] and [r.reason for r in res.rejected] == ["missing_uuid"]
+
+
+def test_nvswitch_series_are_kept_with_per_link_values() -> None:
+    """dcgm-exporter's switch template ``{nvswitch="N"}`` and link template
+    ``{nvlink="L",nvswitch="N"}`` (internal/pkg/rendermetrics): no GPU UUID, not dropped."""
+    body = (
+        'DCGM_FI_DEV_NVSWITCH_TEMPERATURE_CURRENT{nvswitch="0",Hostname="n"} 45\n'
+        'DCGM_FI_DEV_NVSWITCH_LINK_THROUGHPUT_TX{nvlink="0",nvswitch="0",Hostname="n"} 100\n'
+        'DCGM_FI_DEV_NVSWITCH_LINK_THROUGHPUT_TX{nvlink="1",nvswitch="0",Hostname="n"} 200\n'
+        'DCGM_FI_DEV_NVSWITCH_TEMPERATURE_CURRENT{nvswitch="1",Hostname="n"} 47\n'
+        'DCGM_FI_DEV_GPU_UTIL{gpu="0",UUID="GPU-a",Hostname="n"} 5\n'
+    )
+    res = _parse(body, default_host=None, seq_start=10)
+    assert not res.rejected
+    assert [s.key for s in res.samples] == ["n/GPU-a"] and res.samples[0].seq == 10
+    assert [(w.key, w.nvswitch, w.seq) for w in res.switches] == [("n/nvswitch0", 0, 11), ("n/nvswitch1", 1, 12)]
+    sw0 = res.switches[0]
+    assert sw0.fields == {
+        "DCGM_FI_DEV_NVSWITCH_TEMPERATURE_CURRENT": 45,
+        "DCGM_FI_DEV_NVSWITCH_LINK_THROUGHPUT_TX": 100,
+    }
+    assert [(v.labels, v.value) for v in sw0.field_series["DCGM_FI_DEV_NVSWITCH_LINK_THROUGHPUT_TX"]] == [
+        ({"nvlink": "0"}, 100),
+        ({"nvlink": "1"}, 200),
+    ]
+    assert decode(NvSwitchSample, encode(sw0)) == sw0
+
+
+def test_every_label_is_kept_and_a_split_field_keeps_every_series() -> None:
+    """An XID field split by an ``xid`` label keeps every code; unknown labels are attributes."""
+    body = (
+        'DCGM_FI_DEV_XID_ERRORS{gpu="0",UUID="GPU-a",xid="31",err_msg="MMU fault",rack="r1"} 31\n'
+        'DCGM_FI_DEV_XID_ERRORS{gpu="0",UUID="GPU-a",xid="79",err_msg="fell off the bus",rack="r1"} 79\n'
+        'DCGM_FI_DEV_GPU_UTIL{gpu="0",UUID="GPU-a",rack="r1",pod="p1"} 10\n'
+        'DCGM_FI_DEV_GPU_UTIL{gpu="0",UUID="GPU-a",rack="r1",pod="p2"} 10\n'
+    )
+    res = _parse(body)
+    assert not res.rejected
+    [s] = res.samples
+    assert s.attributes == {"rack": "r1", "pod": "p1"}
+    assert s.fields == {"DCGM_FI_DEV_XID_ERRORS": 31, "DCGM_FI_DEV_GPU_UTIL": 10}
+    assert [(v.labels, v.value) for v in s.field_series["DCGM_FI_DEV_XID_ERRORS"]] == [
+        ({"err_msg": "MMU fault", "rack": "r1", "xid": "31"}, 31),
+        ({"err_msg": "fell off the bus", "rack": "r1", "xid": "79"}, 79),
+    ]
+    # a GPU shared by two pods: one series per pod, both kept
+    assert [v.labels["pod"] for v in s.field_series["DCGM_FI_DEV_GPU_UTIL"]] == ["p1", "p2"]
+    assert decode(GpuSample, encode(s)) == s
+
+
+def test_one_series_with_a_per_series_label_keeps_it() -> None:
+    [s] = _parse('DCGM_FI_DEV_XID_ERRORS{gpu="0",UUID="GPU-a",err_code="31",err_msg="x"} 31\n').samples
+    assert s.attributes == {}
+    assert [(v.labels, v.value) for v in s.field_series["DCGM_FI_DEV_XID_ERRORS"]] == [
+        ({"err_code": "31", "err_msg": "x"}, 31)
+    ]
+
+
+def test_exact_duplicate_series_are_flagged_like_conflicting_ones() -> None:
+    line = 'DCGM_FI_DEV_GPU_UTIL{gpu="0",UUID="GPU-a"} 5\n'
+    for second, detail in ((line, "repeats it"), (line.replace(" 5", " 6"), "has 5, dropped 6")):
+        res = _parse(line + second)
+        [s] = res.samples
+        assert s.fields == {"DCGM_FI_DEV_GPU_UTIL": 5} and s.field_series == {}
+        [r] = res.rejected
+        assert (r.reason, r.metric) == ("duplicate_series", "DCGM_FI_DEV_GPU_UTIL") and detail in r.detail
+
+
+def test_duplicate_windowed_count_series_are_not_added_twice() -> None:
+    body = (
+        'DCGM_EXP_XID_ERRORS_COUNT{gpu="0",UUID="GPU-x",xid="31"} 2\n'
+        'DCGM_EXP_XID_ERRORS_COUNT{gpu="0",UUID="GPU-x",xid="31"} 2\n'
+        'DCGM_EXP_XID_ERRORS_COUNT{gpu="0",UUID="GPU-x",xid="79"} 1\n'
+    )
+    res = _parse(body)
+    [s] = res.samples
+    assert s.fields["DCGM_EXP_XID_ERRORS_COUNT"] == 3
+    assert res.xid[0].window_counts == {31: 2, 79: 1}
+    assert [r.reason for r in res.rejected] == ["duplicate_series"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ('1000\nDCGM_FI_DEV_FB_FREE{UUID="GPU-a"} 3000', 0.25),  # used / (used + free)
+        ('1000\nDCGM_FI_DEV_FB_TOTAL{UUID="GPU-a"} 4000', 0.25),  # used / total
+        ('1000\nDCGM_FI_DEV_FB_TOTAL{UUID="GPU-a"} 4500\nDCGM_FI_DEV_FB_RESERVED{UUID="GPU-a"} 500', 0.25),
+        ('4000\nDCGM_FI_DEV_FB_FREE{UUID="GPU-a"} 0', 1.0),
+        ('0\nDCGM_FI_DEV_FB_FREE{UUID="GPU-a"} 0', None),  # no denominator
+        ('1000', None),  # total unknown
+        ('1000\nDCGM_FI_DEV_FB_USED_PERCENT{UUID="GPU-a"} 0.5', 0.5),  # sent: kept as sent
+    ],
+)
+def test_fb_used_fraction_derived_where_used_and_total_are_known(fields: str, expected: float | None) -> None:
+    body = 'DCGM_FI_DEV_FB_USED{UUID="GPU-a"} ' + fields + "\n"
+    [s] = _parse(body).samples
+    assert s.fields.get("DCGM_FI_DEV_FB_USED_PERCENT") == expected
+
+
+def test_fb_used_over_total_is_invalid_not_kept() -> None:
+    body = 'DCGM_FI_DEV_FB_USED{UUID="GPU-a"} 5000\nDCGM_FI_DEV_FB_TOTAL{UUID="GPU-a"} 4000\n'
+    [s] = _parse(body).samples
+    assert "DCGM_FI_DEV_FB_USED_PERCENT" not in s.fields
+    assert s.invalid == {"DCGM_FI_DEV_FB_USED_PERCENT": "out_of_range"}
+
+
+def test_series_without_uuid_stay_their_own_gpu_when_the_index_is_ambiguous() -> None:
+    body = (
+        'DCGM_FI_DEV_GPU_UTIL{gpu="0",UUID="GPU-a",Hostname="n"} 5\n'
+        'DCGM_FI_DEV_GPU_UTIL{gpu="0",UUID="GPU-b",Hostname="n"} 6\n'  # two GPUs claim index 0
+        'DCGM_FI_DEV_FB_USED{gpu="0",Hostname="n"} 100\n'
+    )
+    res = _parse(body, default_host=None)
+    assert [s.key for s in res.samples] == ["n/GPU-a", "n/GPU-b", "n/gpu0"]
+    assert res.samples[2].fields == {"DCGM_FI_DEV_FB_USED": 100} and not res.rejected
+
+
+def test_xid_field_split_by_xid_label_reports_every_code_once() -> None:
+    tracker = XidTracker()
+    one = 'DCGM_FI_DEV_XID_ERRORS{gpu="0",UUID="GPU-a",xid="31"} 31\n'
+    two = one + 'DCGM_FI_DEV_XID_ERRORS{gpu="0",UUID="GPU-a",xid="79"} 79\n'
+    assert [(e.xid, e.previous) for e in tracker.observe(_parse(one).xid)] == [(31, None)]
+    res = _parse(two)
+    assert res.xid[0].codes == (31, 79)
+    assert [(e.xid, e.previous, e.source) for e in tracker.observe(res.xid)] == [(79, 31, "last_value")]
+    assert tracker.observe(_parse(two).xid) == []  # the same two codes: no repeat

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from collectors.dcgm import REJECTION_REASONS, parse_dcgm_exporter
 from collectors.dcgm_fields import SENTINELS, field_range, is_sentinel
 from collectors.sysfs_ib import read_sysfs_infiniband
-from contracts import GpuSample, IbPortSample, decode, encode
+from contracts import GpuSample, IbPortSample, NvSwitchSample, decode, encode
 
 SAMPLES = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "cases" / "dcgm_exporter_samples"
 BODIES = [p.read_text() for p in sorted(SAMPLES.glob("*.prom"))]
@@ -36,7 +36,17 @@ def _check(body: str) -> None:
             assert math.isfinite(value) and not is_sentinel(value)
             rng = field_range(name)
             assert rng is None or rng[0] <= value <= rng[1]
+        for name, series in s.field_series.items():
+            assert len(series) >= 1 and s.fields.get(name) is not None
+            for v in series:
+                assert math.isfinite(v.value) and not is_sentinel(v.value)
+        assert s.gpu_uuid or s.gpu_index is not None
         assert decode(GpuSample, encode(s)) == s
+    switch_keys = [w.key for w in res.switches]
+    assert len(switch_keys) == len(set(switch_keys))
+    for w in res.switches:
+        assert all(math.isfinite(v) and not is_sentinel(v) for v in w.fields.values())
+        assert decode(NvSwitchSample, encode(w)) == w
 
 
 # Hypothesis draws one seed per example and the bodies are built from a ``random.Random`` of it
@@ -47,11 +57,13 @@ _OPS = ("delete", "insert", "replace", "truncate", "dup_line", "swap_lines")
 _BODIES_PER_EXAMPLE = 3
 
 
-def _tricky_text(rnd: random.Random, size: int) -> str:
-    return "".join(rnd.choice(TRICKY) for _ in range(rnd.randint(0, size)))
+def _tricky_text(rnd: random.Random, size: int, tricky: str = TRICKY) -> str:
+    return "".join(rnd.choice(tricky) for _ in range(rnd.randint(0, size)))
 
 
-def _mutate(rnd: random.Random, body: str) -> str:
+def _mutate(rnd: random.Random, body: str, tricky: str = TRICKY) -> str:
+    """1..6 random edits of ``body``: deletions, insertions/replacements of ``tricky`` characters,
+    a cut, a duplicated or swapped line (shared with tests/test_collectors_readers_fuzz.py)."""
     for _ in range(rnd.randint(1, 6)):
         op = rnd.choice(_OPS)
         n = len(body)
@@ -61,9 +73,9 @@ def _mutate(rnd: random.Random, body: str) -> str:
         if op == "delete":
             body = body[:i] + body[j:]
         elif op == "insert":
-            body = body[:i] + _tricky_text(rnd, 12) + body[i:]
+            body = body[:i] + _tricky_text(rnd, 12, tricky) + body[i:]
         elif op == "replace":
-            text = _tricky_text(rnd, 12)
+            text = _tricky_text(rnd, 12, tricky)
             body = body[:i] + text + body[i + len(text) :]
         elif op == "truncate":
             body = body[:i]
@@ -116,6 +128,9 @@ LABEL_NAMES = [
     "container",
     "err_msg",
     "xid",
+    "nvswitch",
+    "nvlink",
+    "rack",
     "1bad",
     "a-b",
 ]

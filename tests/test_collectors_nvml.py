@@ -245,6 +245,7 @@ def test_whole_gpu_maps_to_dcgm_fields_in_dcgm_units() -> None:
         "DCGM_FI_DEV_FB_USED": 1024,
         "DCGM_FI_DEV_FB_FREE": 79935,
         "DCGM_FI_DEV_FB_RESERVED": 600,
+        "DCGM_FI_DEV_FB_USED_PERCENT": 1024 / (1024 + 79935),  # derived: Used/(Total - Reserved)
         "DCGM_FI_DEV_BAR1_TOTAL": 131072,
         "DCGM_FI_DEV_BAR1_USED": 3,
         "DCGM_FI_DEV_BAR1_FREE": 131069,

@@ -61,6 +61,7 @@ def test_tesla_t4_v11() -> None:
         "DCGM_FI_DEV_FB_RESERVED": 388,
         "DCGM_FI_DEV_FB_USED": 1032,
         "DCGM_FI_DEV_FB_FREE": 13939,
+        "DCGM_FI_DEV_FB_USED_PERCENT": 1032 / (1032 + 13939),  # derived: Used/(Total - Reserved)
         "DCGM_FI_DEV_BAR1_TOTAL": 256,
         "DCGM_FI_DEV_BAR1_USED": 5,
         "DCGM_FI_DEV_BAR1_FREE": 251,

@@ -167,11 +167,13 @@ def test_ibnetdiscover_test_out() -> None:
 def test_ibnetdiscover_padded_and_unquoted_names() -> None:
     topo2 = parse_ibnetdiscover((IBX / "ibnetdiscover" / "test2.out").read_text())
     assert topo2.problems == [] and len(topo2.ports) == 6
+    # quoted names byte for byte: the switches' padding inside the quotes is part of their description
     assert [p.name for p in topo2.ports] == [
-        "Mellanox Technologies Aggregation Node", "worker20 mlx5_3", "5FB0406-spine-IB01",
-        "5FB0406-spine-IB02", "5FB0406-spine-IB03", "Infiniscale-IV Mellanox Technologies",
+        "Mellanox Technologies Aggregation Node", "worker20 mlx5_3", "5FB0406-spine-IB01 ",
+        " 5FB0406-spine-IB02 ", " 5FB0406-spine-IB03 ", "Infiniscale-IV Mellanox Technologies",
     ]  # fmt: skip
-    assert topo2.ports[1].peer_name == "5FB0405-leaf-IB01" and topo2.ports[0].speed == "HDR"
+    assert topo2.ports[1].peer_name == "5FB0405-leaf-IB01 " and topo2.ports[0].speed == "HDR"
+    assert topo2.ports[4].peer_name == "Mellanox Technologies Aggregation Node"
     topo3 = parse_ibnetdiscover((IBX / "ibnetdiscover" / "test3.out").read_text())
     (p,) = topo3.ports
     assert (p.lid, p.guid, p.name, p.connected) == (
@@ -318,3 +320,13 @@ def test_split_description() -> None:
     )  # fmt: skip
     assert split_description("CA", "node001") == ("node001", "node001")
     assert split_description("SW", "leaf 1") == ("leaf 1", "leaf 1")
+
+
+@pytest.mark.parametrize("name", ["leaf-1 ", " leaf  1 ", "a\tb", "node 1 mlx5_0", "x' y", "  "])
+def test_quoted_names_are_kept_byte_for_byte(name: str) -> None:
+    """Whatever is between the quotes is the node description, padding and inner blanks included."""
+    line_up = f"SW 5 1 0x0002c90300a00002 4x EDR - CA 3 1 0x0002c90300b00001 ( '{name}' - '{name}' )\n"
+    line_down = f"SW 5 2 0x0002c90300a00002 4x EDR   '{name}'\n"
+    topo = parse_ibnetdiscover(line_up + line_down)
+    assert topo.problems == []
+    assert (topo.ports[0].name, topo.ports[0].peer_name, topo.ports[1].name) == (name, name, name)
