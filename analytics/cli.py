@@ -47,7 +47,7 @@ from analytics.retention import RetentionConfig, read_watermark
 from analytics.service import AnalyticsService
 from analytics.store import AnalyticsStore, StoreSchemaError
 from contracts import KafkaTopics
-from contracts.bus import make_bus
+from contracts.bus import MissingTopicsError, make_bus
 from contracts.run_options import (
     ConfigOption,
     KafkaOption,
@@ -213,6 +213,7 @@ def run(
             s_idle.pool,
             s_idle.refresh_s,
             settings.analytics.memory_limit,
+            s_idle.forget_after_s,
         )
     )
 
@@ -226,6 +227,7 @@ async def _run(
     pool: str,
     refresh_s: float,
     memory_limit: str | None,
+    forget_after_s: float,
 ) -> None:
     bus = make_bus(kafka, client_id="gpupool-analytics")
     service = AnalyticsService(
@@ -237,13 +239,19 @@ async def _run(
         pool=pool,
         refresh_s=refresh_s,
         memory_limit=memory_limit,
+        forget_after_s=forget_after_s,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
-    await service.start()
+    try:
+        await service.start()
+    except MissingTopicsError as exc:
+        await bus.close()
+        typer.echo(f"gpupool analytics run: {exc}", err=True)
+        raise typer.Exit(1) from None
     try:
         await service.run(stop)
     finally:

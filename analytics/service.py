@@ -8,7 +8,8 @@ One :meth:`AnalyticsService.step`:
    counted by reason
    (``gpupool_analytics_rejected_records_total``) and skipped, never fatal;
 3. feeds GPU samples to the :class:`~analytics.classify.IdleClassifier` (in offset order) and, every
-   ``publish_interval_s``, marks GPUs not heard from for ``stale_after_s`` unknown;
+   ``publish_interval_s``, marks GPUs not heard from for ``stale_after_s`` unknown and forgets
+   those not heard from for ``forget_after_s`` (no more updates, out of the gauges);
 4. writes the rows, the decided capacity updates, ended idle runs and the offsets after the batch
    in ONE DuckDB transaction (:meth:`analytics.store.AnalyticsStore.write`);
 5. commits the consumer (secondary: DuckDB's offsets are authoritative, and the consumer resumes
@@ -87,7 +88,7 @@ from contracts import (
     encode,
     tracing,
 )
-from contracts.bus import Bus, BusMessage, Consumer, Producer, TopicPartition
+from contracts.bus import Bus, BusMessage, Consumer, Producer, TopicPartition, require_topics
 
 log = logging.getLogger(__name__)
 _TRACER = tracing.tracer(__name__)
@@ -128,6 +129,7 @@ class AnalyticsService:
         min_headroom: float = 0.2,
         headroom_refresh_s: float = 30.0,
         headroom_window_s: float = HEADROOM_WINDOW_S,
+        forget_after_s: float = 3600.0,
     ) -> None:
         """Configure; nothing is opened before :meth:`start`.
 
@@ -154,10 +156,13 @@ class AnalyticsService:
                 offerable (module docstring); 0 turns the check off.
             headroom_refresh_s: period (s) of the headroom query.
             headroom_window_s: window (s) of the p95, per port, back from its latest read.
+            forget_after_s: a GPU whose latest sample is this old (s, by ``clock``) is forgotten:
+                no more updates for it, out of the gauges, its own prediction history dropped (its
+                rows stay in DuckDB until retention). Checked every ``publish_interval_s``.
 
         Raises:
-            ValueError: a non-positive interval, window or ``max_records``, or ``min_headroom``
-                outside 0..1.
+            ValueError: a non-positive interval, window or ``max_records``, ``min_headroom``
+                outside 0..1, or ``forget_after_s`` not above the idle config's ``stale_after_s``.
         """
         if publish_interval_s <= 0 or refresh_s <= 0 or max_records <= 0:
             raise ValueError("publish_interval_s, refresh_s and max_records must be > 0")
@@ -172,6 +177,11 @@ class AnalyticsService:
         self._last_headroom = float("-inf")
         self._blocked_since: dict[str, float] = {}
         self.idle = idle if idle is not None else IdleConfig()
+        if not forget_after_s > self.idle.stale_after_s:
+            raise ValueError(
+                f"forget_after_s ({forget_after_s}) must be above stale_after_s ({self.idle.stale_after_s})"
+            )
+        self.forget_after_s = forget_after_s
         self.topics = topics
         self.pool = pool
         self._bus = bus
@@ -218,8 +228,12 @@ class AnalyticsService:
         return self._store
 
     async def start(self) -> None:
-        """Open the store, reload offsets and idle-run history, start the producer and join the
-        consumer group. Raises what the bus or DuckDB raise (connection, lock, schema errors)."""
+        """Check that the topics exist, open the store, reload offsets and idle-run history, start
+        the producer and join the consumer group. Raises
+        :class:`contracts.bus.MissingTopicsError` if a topic is missing (no stage creates topics:
+        ``gpupool topics create``; checked before anything is opened), and what the bus or DuckDB
+        raise (connection, lock, schema errors)."""
+        await require_topics(self._bus, [*self._telemetry_topics(), self.topics.capacity])
         self._store = AnalyticsStore(self._db_path, memory_limit=self._memory_limit)
         self._next_offsets = self._store.stored_offsets(self._telemetry_topics())
         pcfg = self._predictor.config
@@ -301,6 +315,7 @@ class AnalyticsService:
         if ticked:
             self._classifier.tick(now)
             self._last_tick = now
+            self._forget_gone(now)
         for run in self._classifier.drain_runs():
             self._predictor.observe(run.key, run.duration_s, censored=run.censored, pool=self.pool)
             self._pending_runs.append(run)
@@ -428,6 +443,25 @@ class AnalyticsService:
         self._trace_headers.pop(key, None)
         self._stored_state.pop(key, None)
         self._blocked_since.pop(key, None)
+
+    def _forget_gone(self, now: float) -> None:
+        """Forget every GPU not sampled for ``forget_after_s``: what :meth:`_forget` drops and its
+        prediction history; a host none of whose GPUs is left here is dropped from the partition
+        bookkeeping too (a later sample of it adds it back)."""
+        gone = self._classifier.gone(now, self.forget_after_s)
+        if not gone:
+            return
+        hosts: set[str] = set()
+        for key in gone:
+            st = self._classifier.status(key)
+            if st is not None:
+                hosts.add(st.host)
+            self._forget(key)
+            self._predictor.forget(key)
+        hosts -= {st.host for st in self._classifier.statuses().values()}
+        for owned in self._hosts_of.values():
+            owned -= hosts
+        log.info("analytics_gpus_forgotten", extra={"gpus": sorted(gone), "forget_after_s": self.forget_after_s})
 
     async def _refresh_headroom(self, now: float) -> None:
         """Reload every host's headroom with one query (``node_headroom_over``); a failure is

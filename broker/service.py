@@ -54,7 +54,6 @@ from opentelemetry.context import Context
 from broker import metrics as m
 from broker.config import BrokerConfig
 from broker.fabric import FabricError, FabricManager, NoIsolation, isolation_problem
-from broker.leaselog import read_lease_log
 from broker.leases import Answer, Changes, LeaseBook, PendingGrant, lease_message
 from broker.tally import Tally
 from broker.transport import (
@@ -87,7 +86,8 @@ from contracts import (
     encode,
     tracing,
 )
-from contracts.bus import Bus, BusMessage, Consumer, Producer, TopicPartition
+from contracts.bus import Bus, BusMessage, Consumer, Producer, TopicPartition, require_topics
+from contracts.bus.replay import read_to_end
 from contracts.leases import Partition
 
 __all__ = ["BrokerConfig", "BrokerService", "LEASE_LOG_LINGER_MS", "tune_gc"]
@@ -269,24 +269,24 @@ class BrokerService:
 
     # lifecycle ----------------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Create the topics, rebuild the lease book from ``leases.log``, start the tick loop and
+        """Check that the topics exist, rebuild the lease book from ``leases.log`` (read to its end
+        offsets, :func:`contracts.bus.replay.read_to_end`), start the tick loop and
         the MQTT connection (retried with backoff in the background), then join the consumer group
         of capacity and demand. The tick (reclaim deadlines, TTLs) and MQTT (renewals, releases)
         do not wait for the group: after a crash the dead member holds it until its session times
         out (10 s), longer than what is left of a reclaim notice.
 
-        Raises ``RuntimeError`` if already started, ``TimeoutError`` if the lease log cannot be
-        read to its end within ``config.rebuild_timeout_s``, and the bus's connection errors.
+        Raises ``RuntimeError`` if already started, :class:`contracts.bus.MissingTopicsError` if
+        a topic is missing (no stage creates topics: ``gpupool topics create``), ``TimeoutError``
+        if the lease log cannot be read to its end within ``config.rebuild_timeout_s``, and the
+        bus's connection errors.
         """
         if self._tasks:
             raise RuntimeError("BrokerService already started")
         log.info("broker_starting", extra={"fabric_enforced": self.fabric.enforced, "root": self.mqtt.root})
         if not self.fabric.enforced:
             log.warning("fabric_isolation_disabled", extra={"fabric": type(self.fabric).__name__})
-        await self.bus.create_topics(
-            [self.topics.capacity, self.topics.pool_demand, self.topics.leases_log],
-            compacted=[self.topics.leases_log],
-        )
+        await require_topics(self.bus, [self.topics.capacity, self.topics.pool_demand, self.topics.leases_log])
         self._producer = self.bus.producer(client_id=self._client_id, linger_ms=self._linger_ms)
         await self._producer.start()
         try:
@@ -298,11 +298,11 @@ class BrokerService:
 
     async def _start_after_producer(self) -> None:
         assert self._producer is not None
-        records, rejected = await read_lease_log(
+        records, rejected = await read_to_end(
             self.bus,
-            self._producer,
             self.topics.leases_log,
-            group_prefix=self.config.group_id,
+            LeaseLogRecord,
+            group_prefix=f"{self.config.group_id}-rebuild",
             client_id=self._client_id,
             timeout_s=self.config.rebuild_timeout_s,
         )

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import typer
 
 from contracts import KafkaTopics
-from contracts.bus import make_bus
+from contracts.bus import MissingTopicsError, make_bus
 from contracts.run_options import (
     ConfigOption,
     KafkaOption,
@@ -222,6 +222,7 @@ def run(
             spool_dir=cs.spool_dir,
             spool_memory_records=cs.spool_memory_records,
             spool_disk_bytes=cs.spool_disk_bytes,
+            forget_after_s=cs.forget_after_s,
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -229,6 +230,10 @@ def run(
             loop.add_signal_handler(sig, stop.set)
         try:
             await service.start()
+        except MissingTopicsError as e:
+            await bus.close()
+            typer.echo(f"gpupool collect run: {e}", err=True)
+            raise typer.Exit(1) from None
         except Exception as e:
             log.error("bus_unreachable", extra={"bootstrap": bootstrap, "error": repr(e)})
             await bus.close()

@@ -29,6 +29,7 @@ every record of the batch carries as a Kafka header — the start of the trace t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shlex
 import time
@@ -51,7 +52,7 @@ from collectors.sysfs_ib import SysfsReadResult, read_sysfs_infiniband
 from collectors.targets import Target, TargetSet
 from collectors.xid import XidTracker
 from contracts import GpuSample, IbPortSample, KafkaTopics, encode, tracing
-from contracts.bus import Bus, Producer
+from contracts.bus import Bus, MissingTopicsError, Producer, require_topics
 
 log = logging.getLogger(__name__)
 _TRACER = tracing.tracer(__name__)
@@ -146,9 +147,13 @@ class CollectorService:
             (memory, then segment files in this folder): nothing is lost while the bus is
             unreachable, and a restart resumes what is on disk. ``None``: straight to the bus.
         spool_memory_records / spool_disk_bytes: the spool's memory and disk bounds.
+        forget_after_s: a dcgm-exporter target gone from the configuration (static list and
+            file_sd) this long, seconds, is forgotten: its ``target`` series are removed
+            (:meth:`forget_removed_targets`). Back before that, its counters go on.
 
     Raises:
-        ValueError: ``interval_s``, ``timeout_s`` or ``concurrency`` not positive.
+        ValueError: ``interval_s``, ``timeout_s``, ``concurrency`` or ``forget_after_s`` not
+            positive.
     """
 
     def __init__(
@@ -171,9 +176,10 @@ class CollectorService:
         spool_dir: Path | None = None,
         spool_memory_records: int = 100_000,
         spool_disk_bytes: int = GIB,
+        forget_after_s: float = 300.0,
     ) -> None:
-        if interval_s <= 0 or timeout_s <= 0 or concurrency < 1:
-            raise ValueError("interval_s and timeout_s must be > 0 and concurrency >= 1")
+        if interval_s <= 0 or timeout_s <= 0 or concurrency < 1 or forget_after_s <= 0:
+            raise ValueError("interval_s, timeout_s and forget_after_s must be > 0 and concurrency >= 1")
         self.bus = bus
         self.topics = topics
         self.dcgm_targets = list(dcgm_targets)
@@ -204,6 +210,11 @@ class CollectorService:
         self._seq = 0
         self._xid = XidTracker()
         self._failing: dict[str, str] = {}
+        self.forget_after_s = forget_after_s
+        self._target_series: dict[str, set[str]] = {}
+        """dcgm-exporter targets with series, and the failure reasons counted for each."""
+        self._removed_at: dict[str, float] = {}
+        """Targets with series that left the configuration, and when that was first seen."""
         self.last_stats: CollectStats | None = None
         self.cycles = 0
 
@@ -213,11 +224,23 @@ class CollectorService:
         return self._seq
 
     async def start(self) -> None:
-        """Start the bus producer and the HTTP client. Raises what the producer's ``start``
-        raises when the bus is unreachable — except with a spool (``spool_dir``), where records
-        wait for the bus instead; then ``OSError`` if the spool folder is unusable."""
+        """Check that the telemetry topics exist, start the bus producer and the HTTP client.
+
+        Raises :class:`contracts.bus.MissingTopicsError` if a telemetry topic is missing (no stage
+        creates topics: ``gpupool topics create``), and what the producer's ``start`` raises when
+        the bus is unreachable — except with a spool (``spool_dir``), where records wait for the
+        bus instead (the topics are then not checked); then ``OSError`` if the spool folder is
+        unusable."""
         if self._producer is not None:
             return
+        try:
+            await require_topics(self.bus, [self.topics.telemetry_gpu, self.topics.telemetry_ib_port])
+        except MissingTopicsError:
+            raise
+        except Exception as e:
+            if self.spool_dir is None:
+                raise
+            log.warning("topics_unchecked", extra={"error": repr(e), "spool_dir": str(self.spool_dir)})
         producer: Producer = self.bus.producer(client_id=self.client_id)
         if self.spool_dir is not None:
             producer = SpoolingProducer(
@@ -379,10 +402,12 @@ class CollectorService:
             await producer.flush()
 
     async def _watch_targets(self, stop: asyncio.Event, loops: dict[float, asyncio.Task[None]]) -> None:
-        """Re-read changed file_sd files every ``file_sd_refresh_s`` and keep one
+        """Re-read changed file_sd files every ``file_sd_refresh_s`` (then forget the targets
+        removed ``forget_after_s`` ago: :meth:`forget_removed_targets`) and keep one
         :meth:`_interval_loop` per target interval other than ``interval_s`` in ``loops``."""
         while not stop.is_set():
             self.targets.refresh()
+            self.forget_removed_targets(time.monotonic())
             wanted = {t.interval_s for t in self.targets.targets} - {self.interval_s}
             for interval in set(loops):
                 if interval not in wanted or loops[interval].done():
@@ -484,10 +509,12 @@ class CollectorService:
                     self._seq += len(parsed.samples)
         metrics.SCRAPE_DURATION.labels("dcgm").observe(res.duration_s + time.monotonic() - t0)
         self._note_target(res, reason)
+        reasons = self._target_series.setdefault(res.target, set())
         if reason != "ok":
             stats.failures[reason] += 1
             metrics.SCRAPES.labels(res.target, "failure").inc()
             metrics.SCRAPE_ERRORS.labels(res.target, reason).inc()
+            reasons.add(reason)
             return reason
         stats.targets_ok += 1
         metrics.SCRAPES.labels(res.target, "success").inc()
@@ -511,6 +538,33 @@ class CollectorService:
         samples = self._with_target_labels(res.target, parsed.samples)
         await self._produce(self.topics.telemetry_gpu, samples, stats)
         return reason
+
+    def forget_removed_targets(self, now: float) -> list[str]:
+        """Forget the dcgm-exporter targets that left the configuration ``forget_after_s`` or more
+        before ``now`` (monotonic seconds; a target's leaving is dated by the first call that
+        finds it gone): remove their ``gpupool_collector_scrapes`` and
+        ``gpupool_collector_scrape_errors`` series and their failure state. Returns the targets
+        forgotten. :meth:`run` calls it after every file_sd check."""
+        configured = {t.url for t in self.targets.targets}
+        for url in self._target_series.keys() - configured:
+            self._removed_at.setdefault(url, now)
+        forgotten = []
+        for url, since in list(self._removed_at.items()):
+            if url in configured:
+                del self._removed_at[url]  # back in time: nothing forgotten
+            elif now - since >= self.forget_after_s:
+                del self._removed_at[url]
+                for result in ("success", "failure"):
+                    with contextlib.suppress(KeyError):
+                        metrics.SCRAPES.remove(url, result)
+                for reason in self._target_series.pop(url, set()):
+                    with contextlib.suppress(KeyError):
+                        metrics.SCRAPE_ERRORS.remove(url, reason)
+                self._failing.pop(url, None)
+                forgotten.append(url)
+        if forgotten:
+            log.info("targets_forgotten", extra={"targets": forgotten, "forget_after_s": self.forget_after_s})
+        return forgotten
 
     def _note_target(self, res: ScrapeResult, reason: str) -> None:
         """Log a target's failures when they start or change reason, and its recovery."""

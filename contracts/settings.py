@@ -47,7 +47,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -107,6 +107,9 @@ class IdleSettings(BaseModel):
         min_idle_s: seconds of idle samples before a GPU is idle.
         stale_after_s: a GPU not sampled this long is unknown, seconds.
         refresh_s: analytics re-publishes every GPU's capacity update at least this often, s.
+        forget_after_s: a GPU not sampled this long is forgotten, seconds (> ``stale_after_s``):
+            analytics stops re-publishing it (unknown) and drops it from its gauges; a later
+            sample makes it new again.
         pool: pool name put on capacity updates.
     """
 
@@ -117,7 +120,16 @@ class IdleSettings(BaseModel):
     min_idle_s: float = Field(default=60.0, ge=0)
     stale_after_s: float = Field(default=30.0, gt=0)
     refresh_s: float = Field(default=30.0, gt=0)
+    forget_after_s: float = Field(default=3600.0, gt=0)
     pool: str = "default"
+
+    @model_validator(mode="after")
+    def _forget_after_stale(self) -> IdleSettings:
+        if not self.forget_after_s > self.stale_after_s:
+            raise ValueError(
+                f"forget_after_s ({self.forget_after_s}) must be above stale_after_s ({self.stale_after_s})"
+            )
+        return self
 
 
 class CollectorsSettings(BaseModel):
@@ -136,6 +148,8 @@ class CollectorsSettings(BaseModel):
         interval_s: seconds between the starts of two collection cycles.
         timeout_s: deadline of one scrape, seconds.
         concurrency: scrapes in flight at most.
+        forget_after_s: a dcgm-exporter target gone from the configuration (static list and
+            file_sd) this long is forgotten, seconds: its ``target`` series are removed.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -152,6 +166,7 @@ class CollectorsSettings(BaseModel):
     interval_s: float = Field(default=5.0, gt=0)
     timeout_s: float = Field(default=2.0, gt=0)
     concurrency: int = Field(default=64, ge=1)
+    forget_after_s: float = Field(default=300.0, gt=0)
 
 
 class AnalyticsSettings(BaseModel):
