@@ -88,6 +88,7 @@ from contracts import (
     encode,
     tracing,
 )
+from contracts.backoff import Backoff
 from contracts.bus import Bus, BusMessage, Consumer, Producer, TopicPartition, require_topics
 
 log = logging.getLogger(__name__)
@@ -278,19 +279,20 @@ class AnalyticsService:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Call :meth:`step` until ``stop`` is set. An unexpected error in a step is logged and
-        retried after a short pause; it never ends the loop."""
-        backoff = 0.5
+        retried after a pause (:class:`contracts.backoff.Backoff`, 0.5 s doubling to 10 s); it
+        never ends the loop."""
+        backoff = Backoff(0.5, 10.0)
         while not stop.is_set():
             try:
                 await self.step(timeout_s=min(0.5, self._publish_interval_s))
-                backoff = 0.5
+                backoff.reset()
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.exception("analytics_step_failed", extra={"retry_in_s": backoff})
+                delay = backoff.next()
+                log.exception("analytics_step_failed", extra={"retry_in_s": round(delay, 3)})
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), backoff)
-                backoff = min(backoff * 2, 10.0)
+                    await asyncio.wait_for(stop.wait(), delay)
 
     # the loop --------------------------------------------------------------------------------
     async def step(self, timeout_s: float = 0.5) -> int:

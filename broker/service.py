@@ -57,7 +57,6 @@ from broker.fabric import FabricError, FabricManager, NoIsolation, isolation_pro
 from broker.leases import Answer, Changes, LeaseBook, PendingGrant, lease_message
 from broker.tally import Tally
 from broker.transport import (
-    Backoff,
     TlsOptions,
     birth_seq,
     make_client,
@@ -86,6 +85,7 @@ from contracts import (
     encode,
     tracing,
 )
+from contracts.backoff import Backoff
 from contracts.bus import Bus, BusMessage, Consumer, Producer, TopicPartition, require_topics
 from contracts.bus.replay import read_to_end
 from contracts.leases import Partition
@@ -254,6 +254,8 @@ class BrokerService:
         self._publishing: set[asyncio.Task[None]] = set()
         self._seq = 0
         self._sites: dict[str, PeerState] = {}
+        self._offline_since: dict[str, float] = {}
+        """Sites whose latest state is offline, and since when (clock): :meth:`_forget_sites`."""
         self._offer_trace: dict[str, Context] = {}
         self._tls = tls
         self._linger_ms = lease_log_linger_ms
@@ -723,6 +725,7 @@ class BrokerService:
         older session (lower ``seq``) ignored."""
         if not payload:
             self._sites.pop(site, None)
+            self._offline_since.pop(site, None)
             with contextlib.suppress(KeyError):
                 m.SITE_UP.remove(site)
             return
@@ -735,6 +738,10 @@ class BrokerService:
         if cur is not None and st.seq < cur.seq:
             return  # a late Last Will of an older session
         self._sites[site] = st
+        if st.online:
+            self._offline_since.pop(site, None)
+        else:
+            self._offline_since.setdefault(site, self._clock())
         m.SITE_UP.labels(site=site).set(1 if st.online else 0)
         log.info("site_state", extra={"site": site, "online": st.online, "seq": st.seq})
 
@@ -1058,11 +1065,36 @@ class BrokerService:
                 log.exception("tick_failed")
 
     async def _tick_once(self) -> None:
-        """One tick of the book under the lock, then (outside it) the GC upkeep of :func:`tune_gc`."""
+        """One tick of the book under the lock (and the sites gone: :meth:`_forget_sites`), then
+        (outside it) the GC upkeep of :func:`tune_gc`."""
         async with self._lock:
             now = self._clock()
             await self._apply(self.book.tick(now), now)
+            self._forget_sites(now)
         _GC.run_due(time.monotonic())
+
+    def _forget_sites(self, now: float) -> list[str]:
+        """Forget every site offline for ``config.site_forget_after_s`` or more before ``now``
+        that holds no live lease: drop its state and remove its ``site`` series (site up, claim
+        decisions). Returns the sites forgotten."""
+        if not self._offline_since:
+            return []
+        due = {s for s, t in self._offline_since.items() if now - t >= self.config.site_forget_after_s}
+        if not due:
+            return []
+        due -= {r.site for r in self.book.live_leases()}
+        for site in sorted(due):
+            self._offline_since.pop(site, None)
+            self._sites.pop(site, None)
+            with contextlib.suppress(KeyError):
+                m.SITE_UP.remove(site)
+            for kind in ("offer", "match"):
+                for code in ReasonCode:
+                    with contextlib.suppress(KeyError):
+                        m.CLAIM_DECISIONS.remove(site, kind, code.value)
+        if due:
+            log.info("sites_forgotten", extra={"sites": sorted(due), "forget_after_s": self.config.site_forget_after_s})
+        return sorted(due)
 
     def _until_next_tick(self) -> float:
         """Seconds to the next tick: ``tick_s``, or less when a reclaim deadline comes sooner, so

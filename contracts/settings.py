@@ -213,6 +213,8 @@ class BrokerSettings(BaseModel):
         site_weights: site → fair-share weight, > 0 (``[broker.site_weights]``; default 1).
         fair_share_window_s: a site refused this recently still counts as waiting for its share,
             seconds (policy: :mod:`broker.quota`).
+        site_forget_after_s: a site offline this long with no live lease is forgotten, seconds:
+            its ``site`` series (``gpupool_broker_site_up``, claim decisions) are removed.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -235,6 +237,7 @@ class BrokerSettings(BaseModel):
     default_site_quota: int | None = Field(default=None, ge=0)
     site_weights: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
     fair_share_window_s: float = Field(default=60.0, ge=0)
+    site_forget_after_s: float = Field(default=3600.0, gt=0)
 
 
 class DeploymentSettings(BaseSettings):
