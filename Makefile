@@ -13,7 +13,7 @@ export GPUPOOL_STATE ?= $(CURDIR)/.state
 $(BIN)/gpupool: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[server,test]'
 	touch $@
 
 venv: $(BIN)/gpupool
