@@ -47,12 +47,13 @@ from analytics.retention import RetentionConfig, read_watermark
 from analytics.service import AnalyticsService
 from analytics.store import AnalyticsStore, StoreSchemaError
 from contracts import KafkaTopics
-from contracts.bus import MissingTopicsError, make_bus
+from contracts.bus import make_bus
 from contracts.run_options import (
     ConfigOption,
     KafkaOption,
     MetricsAddrOption,
     TopicPrefixOption,
+    exit_on_missing_topics,
     load_run_settings,
     metrics_port_option,
 )
@@ -246,12 +247,8 @@ async def _run(
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
-    try:
+    async with exit_on_missing_topics("gpupool analytics run", bus):
         await service.start()
-    except MissingTopicsError as exc:
-        await bus.close()
-        typer.echo(f"gpupool analytics run: {exc}", err=True)
-        raise typer.Exit(1) from None
     try:
         await service.run(stop)
     finally:

@@ -48,6 +48,7 @@ from contracts.run_options import (
     KafkaOption,
     MetricsAddrOption,
     TopicPrefixOption,
+    exit_on_missing_topics,
     load_run_settings,
     metrics_port_option,
 )
@@ -374,12 +375,8 @@ def run(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        try:
+        async with exit_on_missing_topics("gpupool broker run", bus):
             await service.start()
-        except MissingTopicsError as e:
-            await bus.close()
-            typer.echo(f"gpupool broker run: {e}", err=True)
-            raise typer.Exit(1) from None
         if sb.tune_gc:
             _tune_gc()
         try:

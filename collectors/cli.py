@@ -14,12 +14,13 @@ from typing import Annotated, Any
 import typer
 
 from contracts import KafkaTopics
-from contracts.bus import MissingTopicsError, make_bus
+from contracts.bus import make_bus
 from contracts.run_options import (
     ConfigOption,
     KafkaOption,
     MetricsAddrOption,
     TopicPrefixOption,
+    exit_on_missing_topics,
     load_run_settings,
     metrics_port_option,
 )
@@ -229,11 +230,10 @@ def run(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         try:
-            await service.start()
-        except MissingTopicsError as e:
-            await bus.close()
-            typer.echo(f"gpupool collect run: {e}", err=True)
-            raise typer.Exit(1) from None
+            async with exit_on_missing_topics("gpupool collect run", bus):
+                await service.start()
+        except typer.Exit:
+            raise
         except Exception as e:
             log.error("bus_unreachable", extra={"bootstrap": bootstrap, "error": repr(e)})
             await bus.close()

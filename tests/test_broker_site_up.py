@@ -24,6 +24,7 @@ from contracts import KafkaTopics, MqttTopics, PeerState, encode
 from contracts.bus import MemoryBus
 from gpupool.embedded_mqtt import EmbeddedMqttBroker
 from tests.mqtt_support import running, until
+from tests.test_analytics_service import Clock
 
 MT = MqttTopics()
 CFG = BrokerConfig(tick_s=0.05, reconnect_min_s=0.05, reconnect_max_s=0.5)
@@ -86,14 +87,6 @@ async def test_site_up_follows_birth_goodbye_and_clearing() -> None:
 FORGET_S = 100.0
 
 
-class _Clock:
-    def __init__(self, t: float) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def _decided(site: str) -> float | None:
     return REGISTRY.get_sample_value(
         "gpupool_broker_claim_decisions_total", {"site": site, "kind": "offer", "result": "unknown_offer"}
@@ -107,7 +100,7 @@ async def test_a_site_offline_for_site_forget_after_s_loses_its_series() -> None
     from broker.edge import BrokerRejected
     from tests.test_broker_service import _idle, _offer_on
 
-    clock = _Clock(time.time())
+    clock = Clock(time.time())
     bus = MemoryBus()
     cfg = CFG.model_copy(update={"site_forget_after_s": FORGET_S, "lease_ttl_s": 1e6, "offer_ttl_s": 1e6})
     async with EmbeddedMqttBroker() as server:

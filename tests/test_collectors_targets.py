@@ -298,19 +298,24 @@ def _series(target: str) -> dict[str, float | None]:
     }
 
 
+def _sd_service(exporters: FakeExporters, tmp_path: Path, paths: list[str]) -> tuple[CollectorService, Path, str]:
+    """A collector whose only targets are ``paths`` of ``exporters``, from one file_sd file."""
+    host = exporters.base.removeprefix("http://")
+    sd = tmp_path / "dcgm.json"
+    _write(sd, [{"targets": [host], "labels": {"__metrics_path__": p}} for p in paths])
+    svc = CollectorService(bus=MemoryBus(), topics=TOPICS, dcgm_targets=[], sysfs_roots=[], file_sd=[sd],
+                           forget_after_s=FORGET_S)  # fmt: skip
+    return svc, sd, host
+
+
 @pytest.mark.parametrize("gone_for", [FORGET_S - 0.5, FORGET_S])
 async def test_a_target_removed_for_forget_after_s_loses_its_series(
     exporters: FakeExporters, tmp_path: Path, gone_for: float
 ) -> None:
     """A file_sd target that left the file ``forget_after_s`` ago (or more) has no series any more;
     one that left just under that ago keeps them, and a target still configured is never touched."""
-    host = exporters.base.removeprefix("http://")
-    sd = tmp_path / "dcgm.json"
-    _write(sd, [{"targets": [host], "labels": {"__metrics_path__": "/500"}},
-                {"targets": [host], "labels": {"__metrics_path__": "/ok/7"}}])  # fmt: skip
+    svc, sd, host = _sd_service(exporters, tmp_path, ["/500", "/ok/7"])
     bad, good = exporters.url("/500"), exporters.url("/ok/7")
-    svc = CollectorService(bus=MemoryBus(), topics=TOPICS, dcgm_targets=[], sysfs_roots=[], file_sd=[sd],
-                           forget_after_s=FORGET_S)  # fmt: skip
     await svc.start()
     try:
         await svc.collect_once()
@@ -336,13 +341,9 @@ async def test_a_target_removed_for_forget_after_s_loses_its_series(
 async def test_a_target_back_before_forget_after_s_keeps_counting(
     exporters: FakeExporters, tmp_path: Path
 ) -> None:
-    host = exporters.base.removeprefix("http://")
-    sd = tmp_path / "dcgm.json"
+    svc, sd, host = _sd_service(exporters, tmp_path, ["/ok/8"])
     doc = [{"targets": [host], "labels": {"__metrics_path__": "/ok/8"}}]
-    _write(sd, doc)
     url = exporters.url("/ok/8")
-    svc = CollectorService(bus=MemoryBus(), topics=TOPICS, dcgm_targets=[], sysfs_roots=[], file_sd=[sd],
-                           forget_after_s=FORGET_S)  # fmt: skip
     await svc.start()
     try:
         await svc.collect_once()
