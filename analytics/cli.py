@@ -190,6 +190,7 @@ def run(
         refresh_s=refresh_s,
         memory_limit=memory_limit,
     )
+    assert settings.kafka is not None  # load_run_settings guarantees it
     s_idle = settings.idle
     try:
         idle = idle_config_from(s_idle)

@@ -265,7 +265,7 @@ class AnalyticsService:
                 continue
             try:
                 await part.stop()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 — logged; the store is closed regardless
                 log.warning("analytics_stop_failed", extra={"part": name, "error": repr(exc)})
         if self._inflight is not None and not self._inflight.done():
             with contextlib.suppress(Exception):
@@ -335,7 +335,7 @@ class AnalyticsService:
         if not batch.empty():  # else nothing read (or only duplicates) and nothing due
             try:
                 await self._in_thread(self._store.write, batch)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 — counted; nothing stored, the batch is read again
                 metrics.INGEST_FAILURES.inc()
                 log.error("analytics_ingest_failed", extra={"error": repr(exc), "records": len(msgs)})
                 await self._reset_consumer()
@@ -347,7 +347,7 @@ class AnalyticsService:
             if msgs:
                 try:
                     await consumer.commit()
-                except Exception as exc:  # DuckDB holds the offsets; the group offset is a fallback
+                except Exception as exc:  # noqa: BLE001 — DuckDB holds the offsets; the group offset is a fallback
                     log.warning("analytics_commit_failed", extra={"error": repr(exc)})
             await self._publish(producer, due, now)
         if ticked:
@@ -478,7 +478,7 @@ class AnalyticsService:
                 "SELECT host, headroom FROM node_headroom_over(?) WHERE headroom IS NOT NULL",
                 [self._headroom_window_s],
             )
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 — logged; the previous values stay until the next period
             log.error("analytics_headroom_failed", extra={"error": repr(exc)})
             return
         released = self._released_hosts
@@ -510,7 +510,7 @@ class AnalyticsService:
             return
         try:
             ends = await consumer.end_offsets()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 — logged; the previous lag values stay
             log.warning("analytics_lag_unavailable", extra={"error": repr(exc)})
             return
         self._set_lag({tp: max(0, end - self._next_offsets.get(tp, 0)) for tp, end in ends.items()})
@@ -534,7 +534,7 @@ class AnalyticsService:
         self._last_maintenance = now
         try:
             result = await self._in_thread(store.maintain, self.retention, now)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 — logged; retried at the next interval
             log.error("analytics_maintenance_failed", extra={"error": repr(exc)})
             return
         if result.rolled_to is not None or any(result.expired_rows.values()):
@@ -553,7 +553,7 @@ class AnalyticsService:
         if self._consumer is not None:
             try:
                 await self._consumer.stop()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 — logged; a new consumer is made regardless
                 log.warning("analytics_consumer_stop_failed", extra={"error": repr(exc)})
         self._consumer = self._new_consumer()
         await self._consumer.start()
@@ -670,7 +670,7 @@ class AnalyticsService:
             for update in updates:
                 await self._send_update(producer, update)
             await producer.flush()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 — counted; the updates stay due for the next step
             metrics.PUBLISH_FAILURES.inc()
             log.warning("analytics_publish_failed", extra={"error": repr(exc), "updates": len(updates)})
             return
@@ -757,12 +757,12 @@ def _safe_table(
         return None
     try:
         return build(records, [p for p, _ in positions], [o for _, o in positions])
-    except Exception:
+    except Exception:  # noqa: BLE001 — retried record by record below
         good: list[pa.Table] = []
         for record, (partition, offset) in zip(records, positions, strict=True):
             try:
                 good.append(build([record], [partition], [offset]))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 — counted as unstorable; one bad record cannot block a partition
                 metrics.REJECTED_RECORDS.labels(reason="unstorable").inc()
                 log.warning(
                     "analytics_record_unstorable",

@@ -9,7 +9,7 @@ import shlex
 import signal
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 

@@ -139,7 +139,7 @@ async def _idle(
     return keys
 
 
-async def _until(pred, timeout_s: float = 5.0):  # noqa: ANN001, ANN202
+async def _until(pred, timeout_s: float = 5.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = pred()
