@@ -155,12 +155,16 @@ class KafkaBus:
 
     async def missing_topics(self, names: Sequence[str]) -> list[str]:
         """Those of ``names`` the cluster does not list (one Metadata request for every topic
-        through the admin client, which never auto-creates one), in order, without repeats.
+        through the admin client, which never auto-creates one, then closed), in order, without
+        repeats.
 
         Raises ``aiokafka.errors.KafkaConnectionError`` if the cluster is unreachable.
         """
         admin = await self._admin_client()
-        existing = set(await admin.list_topics())
+        try:
+            existing = set(await admin.list_topics())
+        finally:  # asked once, at a stage's start: no idle admin connection is kept for its life
+            await self.close()
         return [n for n in dict.fromkeys(names) if n not in existing]
 
     async def close(self) -> None:
