@@ -8,12 +8,12 @@ BIN := $(VENV)/bin
 export GPUPOOL_CACHE ?= $(HOME)/.cache/gpupool
 export GPUPOOL_STATE ?= $(CURDIR)/.state
 
-.PHONY: demo test venv deps-system deps-kafka deps services-up services-down bench clean
+.PHONY: demo test lint venv deps-system deps-kafka deps services-up services-down bench clean
 
 $(BIN)/gpupool: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[server,test]'
 	touch $@
 
 venv: $(BIN)/gpupool
@@ -32,8 +32,13 @@ DEMO_FABRIC ?= auto
 demo: venv
 	$(BIN)/gpupool demo --fabric $(DEMO_FABRIC) $(DEMO_ARGS)
 
+## Lint and types first (rules and strictness in pyproject.toml): ruff, then mypy.
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
 ## The whole test suite; services (Kafka, Mosquitto) are started by the tests' session fixtures.
-test: deps
+test: deps lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 services-up: deps

@@ -287,6 +287,11 @@ class IdleClassifier:
         self._tracks[new] = track
         return True
 
+    def gone(self, now: float, after_s: float) -> list[str]:
+        """Keys of the GPUs whose latest sample is ``after_s`` seconds or more before ``now``
+        (Unix s): gone that long, to be forgotten."""
+        return [k for k, t in self._tracks.items() if now - t.last_ts >= after_s]
+
     # internals -------------------------------------------------------------------------------
     def _new_track(self, sample: SampleLike) -> _Track:
         status = GpuStatus(

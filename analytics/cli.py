@@ -53,6 +53,7 @@ from contracts.run_options import (
     KafkaOption,
     MetricsAddrOption,
     TopicPrefixOption,
+    exit_on_missing_topics,
     load_run_settings,
     metrics_port_option,
 )
@@ -214,6 +215,7 @@ def run(
         lent_share=lent_share,
         max_uplink_xmit_wait=max_uplink_xmit_wait,
     )
+    assert settings.kafka is not None  # load_run_settings guarantees it
     s_idle = settings.idle
     try:
         idle = idle_config_from(s_idle)
@@ -240,6 +242,7 @@ def run(
             settings.analytics.memory_limit,
             settings.broker.lent_share,
             settings.analytics.max_uplink_xmit_wait,
+            s_idle.forget_after_s,
         )
     )
 
@@ -255,6 +258,7 @@ async def _run(
     memory_limit: str | None,
     lent_share: float,
     max_uplink_xmit_wait: float,
+    forget_after_s: float,
 ) -> None:
     bus = make_bus(kafka, client_id="gpupool-analytics")
     service = AnalyticsService(
@@ -268,13 +272,15 @@ async def _run(
         memory_limit=memory_limit,
         lent_share=lent_share,
         max_uplink_xmit_wait=max_uplink_xmit_wait,
+        forget_after_s=forget_after_s,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
-    await service.start()
+    async with exit_on_missing_topics("gpupool analytics run", bus):
+        await service.start()
     try:
         await service.run(stop)
     finally:

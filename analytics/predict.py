@@ -206,6 +206,12 @@ class IdlePredictor:
         self._curves.pop(("gpu", old), None)
         self._curves.pop(("gpu", new), None)
 
+    def forget(self, gpu_key: str) -> None:
+        """Drop GPU ``gpu_key``'s own history (its runs stay in its pool's); unknown keys are
+        ignored."""
+        self._gpu.pop(gpu_key, None)
+        self._curves.pop(("gpu", gpu_key), None)
+
     def history_size(self, gpu_key: str) -> int:
         """Number of runs kept for ``gpu_key``."""
         return len(self._gpu.get(gpu_key, ()))

@@ -8,7 +8,8 @@ One :meth:`AnalyticsService.step`:
    counted by reason
    (``gpupool_analytics_rejected_records_total``) and skipped, never fatal;
 3. feeds GPU samples to the :class:`~analytics.classify.IdleClassifier` (in offset order) and, every
-   ``publish_interval_s``, marks GPUs not heard from for ``stale_after_s`` unknown;
+   ``publish_interval_s``, marks GPUs not heard from for ``stale_after_s`` unknown and forgets
+   those not heard from for ``forget_after_s`` (no more updates, out of the gauges);
 4. writes the rows, the decided capacity updates, ended idle runs and the offsets after the batch
    in ONE DuckDB transaction (:meth:`analytics.store.AnalyticsStore.write`);
 5. commits the consumer (secondary: DuckDB's offsets are authoritative, and the consumer resumes
@@ -109,7 +110,8 @@ from contracts import (
     encode,
     tracing,
 )
-from contracts.bus import Bus, BusMessage, Consumer, Producer, TopicPartition
+from contracts.backoff import Backoff
+from contracts.bus import Bus, BusMessage, Consumer, Producer, TopicPartition, require_topics
 
 log = logging.getLogger(__name__)
 _TRACER = tracing.tracer(__name__)
@@ -153,6 +155,7 @@ class AnalyticsService:
         headroom_window_s: float = HEADROOM_WINDOW_S,
         lent_share: float = 0.2,
         max_uplink_xmit_wait: float = 0.5,
+        forget_after_s: float = 3600.0,
     ) -> None:
         """Configure; nothing is opened before :meth:`start`.
 
@@ -183,10 +186,14 @@ class AnalyticsService:
                 uplink has less known headroom is not offerable (0 turns the check off).
             max_uplink_xmit_wait: a host whose leaf's uplinks wait for credits more than this
                 (XmitWait fraction, 0..1) is not offerable (1 turns the check off).
+            forget_after_s: a GPU whose latest sample is this old (s, by ``clock``) is forgotten:
+                no more updates for it, out of the gauges, its own prediction history dropped (its
+                rows stay in DuckDB until retention). Checked every ``publish_interval_s``.
 
         Raises:
-            ValueError: a non-positive interval, window or ``max_records``, or ``min_headroom``,
-                ``lent_share`` or ``max_uplink_xmit_wait`` outside 0..1.
+            ValueError: a non-positive interval, window or ``max_records``, ``min_headroom``,
+                ``lent_share`` or ``max_uplink_xmit_wait`` outside 0..1, or ``forget_after_s`` not
+                above the idle config's ``stale_after_s``.
         """
         if publish_interval_s <= 0 or refresh_s <= 0 or max_records <= 0:
             raise ValueError("publish_interval_s, refresh_s and max_records must be > 0")
@@ -210,6 +217,11 @@ class AnalyticsService:
         self._last_headroom = float("-inf")
         self._blocked_since: dict[str, float] = {}
         self.idle = idle if idle is not None else IdleConfig()
+        if not forget_after_s > self.idle.stale_after_s:
+            raise ValueError(
+                f"forget_after_s ({forget_after_s}) must be above stale_after_s ({self.idle.stale_after_s})"
+            )
+        self.forget_after_s = forget_after_s
         self.topics = topics
         self.pool = pool
         self._bus = bus
@@ -257,8 +269,12 @@ class AnalyticsService:
         return self._store
 
     async def start(self) -> None:
-        """Open the store, reload offsets, idle-run history and the GPUs stored under a stand-in id
-        (:mod:`analytics.identity`), start the producer and join the consumer group. Raises what the bus or DuckDB raise (connection, lock, schema errors)."""
+        """Check that the topics exist, open the store, reload offsets, idle-run history and the GPUs
+        stored under a stand-in id (:mod:`analytics.identity`), start the producer and join the
+        consumer group. Raises :class:`contracts.bus.MissingTopicsError` if a topic is missing (no
+        stage creates topics: ``gpupool topics create``; checked before anything is opened), and
+        what the bus or DuckDB raise (connection, lock, schema errors)."""
+        await require_topics(self._bus, [*self._telemetry_topics(), self.topics.capacity])
         self._store = AnalyticsStore(self._db_path, memory_limit=self._memory_limit)
         self._next_offsets = self._store.stored_offsets(self._telemetry_topics())
         pcfg = self._predictor.config
@@ -306,7 +322,7 @@ class AnalyticsService:
                 continue
             try:
                 await part.stop()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 — logged; the store is closed regardless
                 log.warning("analytics_stop_failed", extra={"part": name, "error": repr(exc)})
         if self._inflight is not None and not self._inflight.done():
             with contextlib.suppress(Exception):
@@ -322,19 +338,20 @@ class AnalyticsService:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Call :meth:`step` until ``stop`` is set. An unexpected error in a step is logged and
-        retried after a short pause; it never ends the loop."""
-        backoff = 0.5
+        retried after a pause (:class:`contracts.backoff.Backoff`, 0.5 s doubling to 10 s); it
+        never ends the loop."""
+        backoff = Backoff(0.5, 10.0)
         while not stop.is_set():
             try:
                 await self.step(timeout_s=min(0.5, self._publish_interval_s))
-                backoff = 0.5
+                backoff.reset()
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.exception("analytics_step_failed", extra={"retry_in_s": backoff})
+                delay = backoff.next()
+                log.exception("analytics_step_failed", extra={"retry_in_s": round(delay, 3)})
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), backoff)
-                backoff = min(backoff * 2, 10.0)
+                    await asyncio.wait_for(stop.wait(), delay)
 
     # the loop --------------------------------------------------------------------------------
     async def step(self, timeout_s: float = 0.5) -> int:
@@ -362,6 +379,7 @@ class AnalyticsService:
         if ticked:
             self._classifier.tick(now)
             self._last_tick = now
+            self._forget_gone(now)
         for run in self._classifier.drain_runs():
             self._predictor.observe(run.key, run.duration_s, censored=run.censored, pool=self.pool)
             self._pending_runs.append(run)
@@ -379,7 +397,7 @@ class AnalyticsService:
         if not batch.empty():  # else nothing read (or only duplicates) and nothing due
             try:
                 await self._in_thread(self._store.write, batch)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 — counted; nothing stored, the batch is read again
                 metrics.INGEST_FAILURES.inc()
                 log.error("analytics_ingest_failed", extra={"error": repr(exc), "records": len(msgs)})
                 await self._reset_consumer()
@@ -391,7 +409,7 @@ class AnalyticsService:
             if msgs:
                 try:
                     await consumer.commit()
-                except Exception as exc:  # DuckDB holds the offsets; the group offset is a fallback
+                except Exception as exc:  # noqa: BLE001 — DuckDB holds the offsets; the group offset is a fallback
                     log.warning("analytics_commit_failed", extra={"error": repr(exc)})
             await self._publish(producer, due, now)
             await self._publish(producer, [u for u in retired if u is not None], now)
@@ -527,6 +545,25 @@ class AnalyticsService:
         self._stored_state.pop(key, None)
         self._blocked_since.pop(key, None)
 
+    def _forget_gone(self, now: float) -> None:
+        """Forget every GPU not sampled for ``forget_after_s``: what :meth:`_forget` drops and its
+        prediction history; a host none of whose GPUs is left here is dropped from the partition
+        bookkeeping too (a later sample of it adds it back)."""
+        gone = self._classifier.gone(now, self.forget_after_s)
+        if not gone:
+            return
+        hosts: set[str] = set()
+        for key in gone:
+            st = self._classifier.status(key)
+            if st is not None:
+                hosts.add(st.host)
+            self._forget(key)
+            self._predictor.forget(key)
+        hosts -= {st.host for st in self._classifier.statuses().values()}
+        for owned in self._hosts_of.values():
+            owned -= hosts
+        log.info("analytics_gpus_forgotten", extra={"gpus": sorted(gone), "forget_after_s": self.forget_after_s})
+
     async def _refresh_headroom(self, now: float) -> None:
         """Reload every host's headroom with one query (``node_headroom_over``); a failure is
         logged and keeps the previous values until the next period."""
@@ -540,7 +577,7 @@ class AnalyticsService:
                 "SELECT host, headroom FROM node_headroom_over(?) WHERE headroom IS NOT NULL",
                 [self._headroom_window_s],
             )
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 — logged; the previous values stay until the next period
             log.error("analytics_headroom_failed", extra={"error": repr(exc)})
             return
         released = self._released_hosts
@@ -698,7 +735,7 @@ class AnalyticsService:
             return
         try:
             ends = await consumer.end_offsets()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 — logged; the previous lag values stay
             log.warning("analytics_lag_unavailable", extra={"error": repr(exc)})
             return
         self._set_lag({tp: max(0, end - self._next_offsets.get(tp, 0)) for tp, end in ends.items()})
@@ -722,7 +759,7 @@ class AnalyticsService:
         self._last_maintenance = now
         try:
             result = await self._in_thread(store.maintain, self.retention, now)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 — logged; retried at the next interval
             log.error("analytics_maintenance_failed", extra={"error": repr(exc)})
             return
         if result.rolled_to is not None or any(result.expired_rows.values()):
@@ -741,7 +778,7 @@ class AnalyticsService:
         if self._consumer is not None:
             try:
                 await self._consumer.stop()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 — logged; a new consumer is made regardless
                 log.warning("analytics_consumer_stop_failed", extra={"error": repr(exc)})
         self._consumer = self._new_consumer()
         await self._consumer.start()
@@ -870,7 +907,7 @@ class AnalyticsService:
             for update in updates:
                 await self._send_update(producer, update)
             await producer.flush()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 — counted; the updates stay due for the next step
             metrics.PUBLISH_FAILURES.inc()
             log.warning("analytics_publish_failed", extra={"error": repr(exc), "updates": len(updates)})
             return
@@ -957,12 +994,12 @@ def _safe_table(
         return None
     try:
         return build(records, [p for p, _ in positions], [o for _, o in positions])
-    except Exception:
+    except Exception:  # noqa: BLE001 — retried record by record below
         good: list[pa.Table] = []
         for record, (partition, offset) in zip(records, positions, strict=True):
             try:
                 good.append(build([record], [partition], [offset]))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 — counted as unstorable; one bad record cannot block a partition
                 metrics.REJECTED_RECORDS.labels(reason="unstorable").inc()
                 log.warning(
                     "analytics_record_unstorable",

@@ -41,13 +41,14 @@ from contracts import (
     decode,
     encode,
 )
-from contracts.bus import Bus, Consumer, TopicPartition
+from contracts.bus import Bus, Consumer, MissingTopicsError, TopicPartition, require_topics
 from contracts.mqtt import Requirements
 from contracts.run_options import (
     ConfigOption,
     KafkaOption,
     MetricsAddrOption,
     TopicPrefixOption,
+    exit_on_missing_topics,
     load_run_settings,
     metrics_port_option,
 )
@@ -374,7 +375,8 @@ def run(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await service.start()
+        async with exit_on_missing_topics("gpupool broker run", bus):
+            await service.start()
         if sb.tune_gc:
             _tune_gc()
         try:
@@ -454,8 +456,9 @@ def demand(
     read from its end as it was when the demand was sent) is followed for up to S seconds: each
     lease the broker turned reclaiming for this demand (record reason demand:<demand_id>...) is
     printed as one JSON line (LeaseLogRecord, contracts/leases.py), and a count goes to stderr;
-    it stops early once --count GPUs (or every --gpu) are reclaiming. Exit 2 for bad options or
-    settings, or when Kafka cannot be reached.
+    it stops early once --count GPUs (or every --gpu) are reclaiming. Exit 1 when a topic is
+    missing (create them first: gpupool topics create); 2 for bad options or settings, or when
+    Kafka cannot be reached.
     """
     from contracts.bus import make_bus
 
@@ -480,6 +483,7 @@ def demand(
         bus = make_bus(settings.kafka, client_id="gpupool-cli")
         try:
             if wait <= 0:
+                await require_topics(bus, [topics.pool_demand])
                 await publish_demand(bus, topics, record)
                 return
             async with contextlib.aclosing(demand_and_follow(bus, topics, record, wait)) as events:
@@ -495,6 +499,9 @@ def demand(
 
     try:
         asyncio.run(_main())
+    except MissingTopicsError as e:
+        typer.echo(f"gpupool broker demand: {e}", err=True)
+        raise typer.Exit(1) from None
     except (OSError, KafkaError) as e:
         typer.echo(f"gpupool broker demand: Kafka {settings.kafka}: {e!r}", err=True)
         raise typer.Exit(2) from None
@@ -518,10 +525,11 @@ async def demand_and_follow(
     once per lease. Stops early when the demand is met: ``record.count`` GPUs, or every one of
     ``record.gpus``, reclaiming (a demand for all leased GPUs waits the whole ``wait_s``).
 
-    Creates the lease-log topic if missing (compacted, as the broker does), reads it in a
-    consumer group of its own (``gpupool-demand-<demand_id>``, nothing committed); undecodable
-    records are skipped. Raises the bus's connection and delivery errors."""
-    await bus.create_topics([topics.leases_log], compacted=[topics.leases_log])
+    Reads the lease log in a consumer group of its own (``gpupool-demand-<demand_id>``, nothing
+    committed); undecodable records are skipped. Raises :class:`contracts.bus.MissingTopicsError`
+    if ``pool.demand`` or ``leases.log`` is missing (never creates them), and the bus's connection
+    and delivery errors."""
+    await require_topics(bus, [topics.pool_demand, topics.leases_log])
     consumer: Consumer
 
     async def _at_end(assigned: set[TopicPartition]) -> dict[TopicPartition, int]:

@@ -43,6 +43,10 @@ class BrokerConfig(BaseModel):
             :mod:`broker.quota` for the policy (weighted max-min).
         fair_share_window_s: a site whose claim was refused this recently (for want of GPUs or
             quota) still counts as waiting for its fair share.
+        site_forget_after_s: a site offline (its Last Will, or a death) this long, by the
+            broker's clock, and holding no live lease is forgotten: its ``site``
+            series (``gpupool_broker_site_up``, ``gpupool_broker_claim_decisions_total``) are
+            removed. A later birth makes it new again.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -64,6 +68,7 @@ class BrokerConfig(BaseModel):
     default_site_quota: int | None = Field(default=None, ge=0)
     site_weights: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
     fair_share_window_s: float = Field(default=60.0, ge=0)
+    site_forget_after_s: float = Field(default=3600.0, gt=0)
 
     def quota_of(self, site: str) -> int | None:
         """The most GPUs ``site`` may hold at once; ``None``: unlimited."""
@@ -92,4 +97,5 @@ def broker_config_from(settings: BrokerSettings) -> BrokerConfig:
         default_site_quota=settings.default_site_quota,
         site_weights=settings.site_weights,
         fair_share_window_s=settings.fair_share_window_s,
+        site_forget_after_s=settings.site_forget_after_s,
     )

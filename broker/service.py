@@ -54,11 +54,9 @@ from opentelemetry.context import Context
 from broker import metrics as m
 from broker.config import BrokerConfig
 from broker.fabric import FabricError, FabricManager, NoIsolation, isolation_problem
-from broker.leaselog import read_lease_log
 from broker.leases import Answer, Changes, LeaseBook, PendingGrant, lease_message
 from broker.tally import Tally
 from broker.transport import (
-    Backoff,
     TlsOptions,
     birth_seq,
     make_client,
@@ -87,7 +85,9 @@ from contracts import (
     encode,
     tracing,
 )
-from contracts.bus import Bus, BusMessage, Consumer, Producer, TopicPartition
+from contracts.backoff import Backoff
+from contracts.bus import Bus, BusMessage, Consumer, Producer, TopicPartition, require_topics
+from contracts.bus.replay import read_to_end
 from contracts.leases import Partition
 
 __all__ = ["BrokerConfig", "BrokerService", "LEASE_LOG_LINGER_MS", "tune_gc"]
@@ -254,6 +254,8 @@ class BrokerService:
         self._publishing: set[asyncio.Task[None]] = set()
         self._seq = 0
         self._sites: dict[str, PeerState] = {}
+        self._offline_since: dict[str, float] = {}
+        """Sites whose latest state is offline, and since when (clock): :meth:`_forget_sites`."""
         self._offer_trace: dict[str, Context] = {}
         self._tls = tls
         self._linger_ms = lease_log_linger_ms
@@ -269,24 +271,24 @@ class BrokerService:
 
     # lifecycle ----------------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Create the topics, rebuild the lease book from ``leases.log``, start the tick loop and
+        """Check that the topics exist, rebuild the lease book from ``leases.log`` (read to its end
+        offsets, :func:`contracts.bus.replay.read_to_end`), start the tick loop and
         the MQTT connection (retried with backoff in the background), then join the consumer group
         of capacity and demand. The tick (reclaim deadlines, TTLs) and MQTT (renewals, releases)
         do not wait for the group: after a crash the dead member holds it until its session times
         out (10 s), longer than what is left of a reclaim notice.
 
-        Raises ``RuntimeError`` if already started, ``TimeoutError`` if the lease log cannot be
-        read to its end within ``config.rebuild_timeout_s``, and the bus's connection errors.
+        Raises ``RuntimeError`` if already started, :class:`contracts.bus.MissingTopicsError` if
+        a topic is missing (no stage creates topics: ``gpupool topics create``), ``TimeoutError``
+        if the lease log cannot be read to its end within ``config.rebuild_timeout_s``, and the
+        bus's connection errors.
         """
         if self._tasks:
             raise RuntimeError("BrokerService already started")
         log.info("broker_starting", extra={"fabric_enforced": self.fabric.enforced, "root": self.mqtt.root})
         if not self.fabric.enforced:
             log.warning("fabric_isolation_disabled", extra={"fabric": type(self.fabric).__name__})
-        await self.bus.create_topics(
-            [self.topics.capacity, self.topics.pool_demand, self.topics.leases_log],
-            compacted=[self.topics.leases_log],
-        )
+        await require_topics(self.bus, [self.topics.capacity, self.topics.pool_demand, self.topics.leases_log])
         self._producer = self.bus.producer(client_id=self._client_id, linger_ms=self._linger_ms)
         await self._producer.start()
         try:
@@ -298,11 +300,11 @@ class BrokerService:
 
     async def _start_after_producer(self) -> None:
         assert self._producer is not None
-        records, rejected = await read_lease_log(
+        records, rejected = await read_to_end(
             self.bus,
-            self._producer,
             self.topics.leases_log,
-            group_prefix=self.config.group_id,
+            LeaseLogRecord,
+            group_prefix=f"{self.config.group_id}-rebuild",
             client_id=self._client_id,
             timeout_s=self.config.rebuild_timeout_s,
         )
@@ -723,6 +725,7 @@ class BrokerService:
         older session (lower ``seq``) ignored."""
         if not payload:
             self._sites.pop(site, None)
+            self._offline_since.pop(site, None)
             with contextlib.suppress(KeyError):
                 m.SITE_UP.remove(site)
             return
@@ -735,6 +738,10 @@ class BrokerService:
         if cur is not None and st.seq < cur.seq:
             return  # a late Last Will of an older session
         self._sites[site] = st
+        if st.online:
+            self._offline_since.pop(site, None)
+        else:
+            self._offline_since.setdefault(site, self._clock())
         m.SITE_UP.labels(site=site).set(1 if st.online else 0)
         log.info("site_state", extra={"site": site, "online": st.online, "seq": st.seq})
 
@@ -1058,11 +1065,36 @@ class BrokerService:
                 log.exception("tick_failed")
 
     async def _tick_once(self) -> None:
-        """One tick of the book under the lock, then (outside it) the GC upkeep of :func:`tune_gc`."""
+        """One tick of the book under the lock (and the sites gone: :meth:`_forget_sites`), then
+        (outside it) the GC upkeep of :func:`tune_gc`."""
         async with self._lock:
             now = self._clock()
             await self._apply(self.book.tick(now), now)
+            self._forget_sites(now)
         _GC.run_due(time.monotonic())
+
+    def _forget_sites(self, now: float) -> list[str]:
+        """Forget every site offline for ``config.site_forget_after_s`` or more before ``now``
+        that holds no live lease: drop its state and remove its ``site`` series (site up, claim
+        decisions). Returns the sites forgotten."""
+        if not self._offline_since:
+            return []
+        due = {s for s, t in self._offline_since.items() if now - t >= self.config.site_forget_after_s}
+        if not due:
+            return []
+        due -= {r.site for r in self.book.live_leases()}
+        for site in sorted(due):
+            self._offline_since.pop(site, None)
+            self._sites.pop(site, None)
+            with contextlib.suppress(KeyError):
+                m.SITE_UP.remove(site)
+            for kind in ("offer", "match"):
+                for code in ReasonCode:
+                    with contextlib.suppress(KeyError):
+                        m.CLAIM_DECISIONS.remove(site, kind, code.value)
+        if due:
+            log.info("sites_forgotten", extra={"sites": sorted(due), "forget_after_s": self.config.site_forget_after_s})
+        return sorted(due)
 
     def _until_next_tick(self) -> float:
         """Seconds to the next tick: ``tick_s``, or less when a reclaim deadline comes sooner, so

@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import random
 import socket
 import ssl
 import time
@@ -34,6 +33,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from contracts import PeerState, encode
+from contracts.backoff import Backoff as Backoff  # re-exported: the MQTT reconnect loops take it from here
 
 
 def protocol_version(protocol: int) -> aiomqtt.ProtocolVersion:
@@ -276,23 +276,3 @@ def user_properties(message: aiomqtt.Message) -> list[tuple[str, str]]:
     props = message.properties
     found = getattr(props, "UserProperty", None) if props is not None else None
     return [(str(k), str(v)) for k, v in found] if found else []
-
-
-class Backoff:
-    """Exponential backoff with jitter: ``next()`` gives ``min_s``, then doubles up to ``max_s``,
-    each delay scaled by a random factor in [0.5, 1]; ``reset()`` after a success."""
-
-    def __init__(self, min_s: float, max_s: float, rng: random.Random | None = None) -> None:
-        self.min_s, self.max_s = min_s, max_s
-        self._rng = rng or random.Random()
-        self._next = min_s
-
-    def next(self) -> float:
-        """The delay to sleep now, seconds."""
-        delay = self._next * (0.5 + 0.5 * self._rng.random())
-        self._next = min(self.max_s, self._next * 2)
-        return delay
-
-    def reset(self) -> None:
-        """Start again from ``min_s``."""
-        self._next = self.min_s

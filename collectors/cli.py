@@ -20,6 +20,7 @@ from contracts.run_options import (
     KafkaOption,
     MetricsAddrOption,
     TopicPrefixOption,
+    exit_on_missing_topics,
     load_run_settings,
     metrics_port_option,
 )
@@ -294,13 +295,17 @@ def run(
             fabric=_fabric_collector(bus, topics, cs),
             fabric_interval_s=cs.fabric_interval_s,
             fabric_discover_every=cs.fabric_discover_every,
+            forget_after_s=cs.forget_after_s,
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         try:
-            await service.start()
+            async with exit_on_missing_topics("gpupool collect run", bus):
+                await service.start()
+        except typer.Exit:
+            raise
         except Exception as e:
             log.error("bus_unreachable", extra={"bootstrap": bootstrap, "error": repr(e)})
             await bus.close()

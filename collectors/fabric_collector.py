@@ -59,6 +59,7 @@ from collectors.fabric_parse import (
     parse_perfquery,
 )
 from collectors.fabric_records import port_sample, topology_record
+from contracts.backoff import Backoff
 from contracts.base import encode
 from contracts.bus.api import Bus, Producer
 from contracts.fabric import FabricTopology
@@ -273,11 +274,14 @@ class FabricCollector:
         )
 
     async def _exec_retrying(self, args: Sequence[str], timeout_s: float) -> DiagResult:
+        """:meth:`_exec`, run again up to ``retries`` times after a transport failure (MAD
+        timeouts and the like), with :class:`contracts.backoff.Backoff` (50 ms doubling) between."""
         res = await self._exec(args, timeout_s)
-        for attempt in range(self._retries):
+        backoff = Backoff(0.05, 1.0)
+        for _ in range(self._retries):
             if res.reason != "transport":
                 break
-            await asyncio.sleep(0.05 * (attempt + 1))
+            await asyncio.sleep(backoff.next())
             res = await self._exec(args, timeout_s)
         return res
 

@@ -31,6 +31,7 @@ every record of the batch carries as a Kafka header — the start of the trace t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shlex
 import time
@@ -54,7 +55,7 @@ from collectors.targets import Target, TargetSet
 from collectors.ufm_telemetry import parse_ufm_telemetry
 from collectors.xid import XidTracker
 from contracts import GpuSample, IbPortSample, KafkaTopics, NvSwitchSample, encode, tracing
-from contracts.bus import Bus, Producer
+from contracts.bus import Bus, MissingTopicsError, Producer, require_topics
 
 if TYPE_CHECKING:  # imported by the caller only when the fabric is collected (its metrics with it)
     from collectors.fabric_collector import FabricCollector
@@ -164,10 +165,13 @@ class CollectorService:
             ``None``: no fabric collection.
         fabric_interval_s: seconds between the starts of two fabric sweeps.
         fabric_discover_every: the fabric is re-discovered every Nth sweep.
+        forget_after_s: a dcgm-exporter target gone from the configuration (static list and
+            file_sd) this long, seconds, is forgotten: its ``target`` series are removed
+            (:meth:`forget_removed_targets`). Back before that, its counters go on.
 
     Raises:
-        ValueError: ``interval_s``, ``timeout_s``, ``concurrency``, ``fabric_interval_s`` or
-            ``fabric_discover_every`` not positive.
+        ValueError: ``interval_s``, ``timeout_s``, ``concurrency``, ``forget_after_s``,
+            ``fabric_interval_s`` or ``fabric_discover_every`` not positive.
     """
 
     def __init__(
@@ -194,9 +198,10 @@ class CollectorService:
         fabric: FabricCollector | None = None,
         fabric_interval_s: float = 30.0,
         fabric_discover_every: int = 10,
+        forget_after_s: float = 300.0,
     ) -> None:
-        if interval_s <= 0 or timeout_s <= 0 or concurrency < 1:
-            raise ValueError("interval_s and timeout_s must be > 0 and concurrency >= 1")
+        if interval_s <= 0 or timeout_s <= 0 or concurrency < 1 or forget_after_s <= 0:
+            raise ValueError("interval_s, timeout_s and forget_after_s must be > 0 and concurrency >= 1")
         if fabric_interval_s <= 0 or fabric_discover_every < 1:
             raise ValueError("fabric_interval_s must be > 0 and fabric_discover_every >= 1")
         self.fabric = fabric
@@ -233,6 +238,11 @@ class CollectorService:
         self._seq = 0
         self._xid = XidTracker()
         self._failing: dict[str, str] = {}
+        self.forget_after_s = forget_after_s
+        self._target_series: dict[str, set[str]] = {}
+        """dcgm-exporter targets with series, and the failure reasons counted for each."""
+        self._removed_at: dict[str, float] = {}
+        """Targets with series that left the configuration, and when that was first seen."""
         self.last_stats: CollectStats | None = None
         self.cycles = 0
 
@@ -242,11 +252,25 @@ class CollectorService:
         return self._seq
 
     async def start(self) -> None:
-        """Start the bus producer and the HTTP client. Raises what the producer's ``start``
-        raises when the bus is unreachable — except with a spool (``spool_dir``), where records
-        wait for the bus instead; then ``OSError`` if the spool folder is unusable."""
+        """Check that the topics it writes exist (telemetry; ``fabric.topology`` with a fabric
+        collector), start the bus producer and the HTTP client.
+
+        Raises :class:`contracts.bus.MissingTopicsError` if a telemetry topic is missing (no stage
+        creates topics: ``gpupool topics create``), and what the producer's ``start`` raises when
+        the bus is unreachable — except with a spool (``spool_dir``), where records wait for the
+        bus instead (the topics are then not checked); then ``OSError`` if the spool folder is
+        unusable."""
         if self._producer is not None:
             return
+        try:
+            needed = [self.topics.telemetry_gpu, self.topics.telemetry_ib_port, self.topics.telemetry_nvswitch]
+            await require_topics(self.bus, needed + ([self.topics.fabric_topology] if self.fabric else []))
+        except MissingTopicsError:
+            raise
+        except Exception as e:
+            if self.spool_dir is None:
+                raise
+            log.warning("topics_unchecked", extra={"error": repr(e), "spool_dir": str(self.spool_dir)})
         producer: Producer = self.bus.producer(client_id=self.client_id)
         if self.spool_dir is not None:
             producer = SpoolingProducer(
@@ -432,10 +456,12 @@ class CollectorService:
             await producer.flush()
 
     async def _watch_targets(self, stop: asyncio.Event, loops: dict[float, asyncio.Task[None]]) -> None:
-        """Re-read changed file_sd files every ``file_sd_refresh_s`` and keep one
+        """Re-read changed file_sd files every ``file_sd_refresh_s`` (then forget the targets
+        removed ``forget_after_s`` ago: :meth:`forget_removed_targets`) and keep one
         :meth:`_interval_loop` per target interval other than ``interval_s`` in ``loops``."""
         while not stop.is_set():
             self.targets.refresh()
+            self.forget_removed_targets(time.monotonic())
             wanted = {t.interval_s for t in self.targets.targets} - {self.interval_s}
             for interval in set(loops):
                 if interval not in wanted or loops[interval].done():
@@ -537,10 +563,12 @@ class CollectorService:
                     self._seq += len(parsed.samples) + len(parsed.switches)
         metrics.SCRAPE_DURATION.labels("dcgm").observe(res.duration_s + time.monotonic() - t0)
         self._note_target(res, reason)
+        reasons = self._target_series.setdefault(res.target, set())
         if reason != "ok":
             stats.failures[reason] += 1
             metrics.SCRAPES.labels(res.target, "failure").inc()
             metrics.SCRAPE_ERRORS.labels(res.target, reason).inc()
+            reasons.add(reason)
             return reason
         stats.targets_ok += 1
         metrics.SCRAPES.labels(res.target, "success").inc()
@@ -566,6 +594,33 @@ class CollectorService:
         stats.nvswitches += len(parsed.switches)
         await self._produce(self.topics.telemetry_nvswitch, parsed.switches, stats)
         return reason
+
+    def forget_removed_targets(self, now: float) -> list[str]:
+        """Forget the dcgm-exporter targets that left the configuration ``forget_after_s`` or more
+        before ``now`` (monotonic seconds; a target's leaving is dated by the first call that
+        finds it gone): remove their ``gpupool_collector_scrapes`` and
+        ``gpupool_collector_scrape_errors`` series and their failure state. Returns the targets
+        forgotten. :meth:`run` calls it after every file_sd check."""
+        configured = {t.url for t in self.targets.targets}
+        for url in self._target_series.keys() - configured:
+            self._removed_at.setdefault(url, now)
+        forgotten = []
+        for url, since in list(self._removed_at.items()):
+            if url in configured:
+                del self._removed_at[url]  # back in time: nothing forgotten
+            elif now - since >= self.forget_after_s:
+                del self._removed_at[url]
+                for result in ("success", "failure"):
+                    with contextlib.suppress(KeyError):
+                        metrics.SCRAPES.remove(url, result)
+                for reason in self._target_series.pop(url, set()):
+                    with contextlib.suppress(KeyError):
+                        metrics.SCRAPE_ERRORS.remove(url, reason)
+                self._failing.pop(url, None)
+                forgotten.append(url)
+        if forgotten:
+            log.info("targets_forgotten", extra={"targets": forgotten, "forget_after_s": self.forget_after_s})
+        return forgotten
 
     def _note_target(self, res: ScrapeResult, reason: str) -> None:
         """Log a target's failures when they start or change reason, and its recovery."""

@@ -67,6 +67,7 @@ from aiokafka.errors import KafkaTimeoutError
 
 from collectors import metrics
 from collectors.spool_disk import DiskSpool, DiskUnit, SpoolRecord, encode_frame, make_record, sync_paths
+from contracts.backoff import Backoff
 from contracts.bus import Producer
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,8 @@ class SpoolingProducer:
         send_timeout_s: deadline for handing one unit (the inner ``send`` may wait for buffer
             space); what was not handed by then stays queued.
         flush_poll_s: how long one inner ``flush`` is awaited before it is awaited again.
-        backoff_s: ``(first, max)`` seconds between attempts after an error (doubling).
+        backoff_s: ``(first, max)`` seconds between attempts after an error (doubling, jittered:
+            :class:`contracts.backoff.Backoff`).
         max_attempts: permanent errors of one record before it is dropped (``rejected``).
         fsync_interval_s: seconds between fsyncs of the disk tier.
         drain_timeout_s: how long :meth:`stop` keeps delivering before it writes the rest to disk.
@@ -190,7 +192,7 @@ class SpoolingProducer:
         self._unit: _Unit | None = None
         self._probe = False  # one record per unit until a flush succeeds again
         self._head_failures = 0  # permanent errors of the head record
-        self._backoff = backoff_s[0]
+        self._backoff = Backoff(*backoff_s)
         self._inner_up = False
         self._shedding = False
         self._closing = False
@@ -438,11 +440,8 @@ class SpoolingProducer:
 
     async def _pause(self) -> None:
         """Sleep the current backoff (doubling it), or less if stopping."""
-        if self._closing:
-            await asyncio.sleep(min(self._backoff, 0.05))
-        else:
-            await asyncio.sleep(self._backoff)
-        self._backoff = min(self._backoff * 2, self.backoff_s[1])
+        delay = self._backoff.next()
+        await asyncio.sleep(min(delay, 0.05) if self._closing else delay)
 
     def _next_unit(self) -> _Unit | None:
         """The records at the head of the queue to hand next (not removed)."""
@@ -507,7 +506,7 @@ class SpoolingProducer:
             metrics.SPOOL_BUS_UP.set(1)
             self._probe = False
             self._head_failures = 0
-            self._backoff = self.backoff_s[0]
+            self._backoff.reset()
             if error is not None and unit.handed < len(unit.records):
                 await self._pause()  # the inner producer refused more: give it a moment
             return

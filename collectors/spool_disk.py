@@ -377,7 +377,7 @@ class DiskSpool:
             return [], None, 0
         if self._reader is None or self._reader[0] != sid:
             self._close_reader()
-            self._reader = (sid, open(seg.path, "rb"))  # noqa: SIM115 — kept open while head
+            self._reader = (sid, open(seg.path, "rb"))  # kept open while head
         f = self._reader[1]
         f.seek(self._head_off)
         data = f.read(min(max_bytes, left))

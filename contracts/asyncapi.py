@@ -166,7 +166,9 @@ def _messages() -> dict[str, Any]:
 def _channels(root: str) -> dict[str, Any]:
     t = MqttTopics(root=root)
     site = _param("Edge site name; also its MQTT user name (the ACL allows it only its own subtree).")
-    msg = lambda name: {name: _ref("components", "messages", name)}  # noqa: E731
+
+    def msg(name: str) -> dict[str, Any]:
+        return {name: _ref("components", "messages", name)}
 
     def channel(address: str, description: str, messages: dict[str, Any], **params: Any) -> dict[str, Any]:
         ch: dict[str, Any] = {"address": address, "description": description, "messages": messages}

@@ -7,11 +7,14 @@ the value from ``GPUPOOL_*``, then the ``--config`` TOML file, then the default 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from contracts.bus.api import Bus, MissingTopicsError
 from contracts.settings import CONFIG_OPTION_HELP, DeploymentSettings, RunFlags, SettingsError
 
 ConfigOption = Annotated[Path | None, typer.Option("--config", help=CONFIG_OPTION_HELP)]
@@ -66,3 +69,20 @@ def load_run_settings(flags: RunFlags, config: Path | None, **values: Any) -> De
             param_hint="--kafka",
         )
     return settings
+
+
+@contextlib.asynccontextmanager
+async def exit_on_missing_topics(command: str, bus: Bus) -> AsyncIterator[None]:
+    """Around a stage's start: a :class:`contracts.bus.MissingTopicsError` closes ``bus``, prints
+    ``<command>: <message>`` (which names ``gpupool topics create``) on stderr and exits with
+    status 1, without a traceback.
+
+    Raises:
+        click.exceptions.Exit: status 1, when a topic is missing.
+    """
+    try:
+        yield
+    except MissingTopicsError as e:
+        await bus.close()
+        typer.echo(f"{command}: {e}", err=True)
+        raise typer.Exit(1) from None

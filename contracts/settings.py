@@ -47,7 +47,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -107,6 +107,9 @@ class IdleSettings(BaseModel):
         min_idle_s: seconds of idle samples before a GPU is idle.
         stale_after_s: a GPU not sampled this long is unknown, seconds.
         refresh_s: analytics re-publishes every GPU's capacity update at least this often, s.
+        forget_after_s: a GPU not sampled this long is forgotten, seconds (> ``stale_after_s``):
+            analytics stops re-publishing it (unknown) and drops it from its gauges; a later
+            sample makes it new again.
         pool: pool name put on capacity updates.
     """
 
@@ -117,7 +120,16 @@ class IdleSettings(BaseModel):
     min_idle_s: float = Field(default=60.0, ge=0)
     stale_after_s: float = Field(default=30.0, gt=0)
     refresh_s: float = Field(default=30.0, gt=0)
+    forget_after_s: float = Field(default=3600.0, gt=0)
     pool: str = "default"
+
+    @model_validator(mode="after")
+    def _forget_after_stale(self) -> IdleSettings:
+        if not self.forget_after_s > self.stale_after_s:
+            raise ValueError(
+                f"forget_after_s ({self.forget_after_s}) must be above stale_after_s ({self.stale_after_s})"
+            )
+        return self
 
 
 class CollectorsSettings(BaseModel):
@@ -149,6 +161,8 @@ class CollectorsSettings(BaseModel):
         fabric_concurrency: perfquery processes at once.
         fabric_timeout_s: deadline of one perfquery run, seconds (its process group is killed).
         fabric_command_prefix: argv prefix of every diag command (e.g. ``["sudo", "-n"]``).
+        forget_after_s: a dcgm-exporter target gone from the configuration (static list and
+            file_sd) this long is forgotten, seconds: its ``target`` series are removed.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -172,6 +186,7 @@ class CollectorsSettings(BaseModel):
     fabric_concurrency: int = Field(default=8, ge=1)
     fabric_timeout_s: float = Field(default=5.0, gt=0)
     fabric_command_prefix: list[str] = Field(default_factory=list)
+    forget_after_s: float = Field(default=300.0, gt=0)
 
 
 class AnalyticsSettings(BaseModel):
@@ -226,6 +241,8 @@ class BrokerSettings(BaseModel):
         lent_share: the share (0..1) of a link lent traffic may take. Analytics offers a node's
             idle GPUs only while the busiest uplink of its leaf switch has at least this much
             headroom left by training (``CapacityUpdate.leaf_headroom``); 0 turns that check off.
+        site_forget_after_s: a site offline this long with no live lease is forgotten, seconds:
+            its ``site`` series (``gpupool_broker_site_up``, claim decisions) are removed.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -249,6 +266,7 @@ class BrokerSettings(BaseModel):
     site_weights: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
     fair_share_window_s: float = Field(default=60.0, ge=0)
     lent_share: float = Field(default=0.2, ge=0, le=1)
+    site_forget_after_s: float = Field(default=3600.0, gt=0)
 
 
 class DeploymentSettings(BaseSettings):

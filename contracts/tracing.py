@@ -116,7 +116,7 @@ class _Tracer(trace.Tracer):
             return trace.INVALID_SPAN
         return self._current().start_span(*args, **kwargs)
 
-    def start_as_current_span(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def start_as_current_span(self, *args: Any, **kwargs: Any) -> Any:
         """Context manager of a span made current (same arguments as
         ``Tracer.start_as_current_span``; use it in a ``with`` statement, not as a decorator)."""
         if not _SLOT.enabled:

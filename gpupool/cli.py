@@ -38,15 +38,33 @@ _LAZY: dict[str, tuple[str, str, str]] = {
 with that help) or a command function (its docstring is its help)."""
 
 
+_PROJECT_PACKAGES = frozenset({"contracts", "collectors", "analytics", "broker", "simulator", "gpupool"})
+"""This project's own top-level packages (a missing one is a broken install, not a missing extra)."""
+
+
 def _load_command(name: str) -> Any:
     """Import the module of command ``name`` and build its click command (typer's vendored click).
 
     Raises:
         KeyError: ``name`` is not a gpupool command.
-        ImportError: its module cannot be imported.
+        click.exceptions.Exit: (status 2, after one line on stderr) its module needs a package of
+            the ``server`` extra that is not installed (an edge-site install has ``gpupool edge``
+            only).
+        ImportError: its module cannot be imported otherwise.
     """
     module, attr, help_text = _LAZY[name]
-    obj = getattr(importlib.import_module(module), attr)
+    try:
+        obj = getattr(importlib.import_module(module), attr)
+    except ModuleNotFoundError as e:
+        if not e.name or e.name.split(".")[0] in _PROJECT_PACKAGES:
+            raise
+        typer.echo(
+            f"gpupool {name}: the Python package {e.name.split('.')[0]!r} is not installed; the stages "
+            "need the server dependencies: pip install 'gpupool[server]' (an edge site needs only "
+            "`gpupool edge`)",
+            err=True,
+        )
+        raise typer.Exit(2) from None
     wrapper = typer.Typer(add_completion=False, rich_markup_mode=None)
     wrapper.callback()(_noop)  # a callback keeps the wrapper a group, so `name` stays a sub-command
     if isinstance(obj, typer.Typer):

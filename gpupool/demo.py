@@ -132,7 +132,7 @@ class OfferAudit:
     races: int = 0
     distinct_gpus: set[str] = field(default_factory=set)
 
-    def check(self, offer: Offer, is_busy_at, allowance_s: float) -> None:  # noqa: ANN001
+    def check(self, offer: Offer, is_busy_at, allowance_s: float) -> None:
         """Audit one offer against ``is_busy_at(gpu_key, t) -> bool``."""
         self.offers += 1
         for g in offer.gpus:
@@ -216,7 +216,7 @@ class DemoSummary:
 
 async def _audit_offers(
     host: str, port: int, creds: tuple[str | None, str | None], protocol: int, root: str,
-    audit: OfferAudit, is_busy_at, allowance_s: float, stop: asyncio.Event,  # noqa: ANN001
+    audit: OfferAudit, is_busy_at, allowance_s: float, stop: asyncio.Event,
     fleet_keys: frozenset[str], started_at: float,
 ) -> None:
     """Subscribe to every offer and audit each new one about ``fleet_keys`` published since
@@ -233,7 +233,7 @@ async def _audit_offers(
             if not msg.payload:
                 continue
             try:
-                offer = decode(Offer, bytes(msg.payload))  # type: ignore[arg-type]
+                offer = decode(Offer, bytes(msg.payload))
             except ValueError:
                 continue
             if offer.offer_id in seen:
@@ -289,7 +289,7 @@ async def _open_fabric(cfg: DemoConfig, run_id: str) -> tuple[FabricStatus, Demo
     return FabricStatus(True, cfg.fabric.value, detail, round(own.start_seconds, 3)), own
 
 
-async def _run_pipeline(  # noqa: C901
+async def _run_pipeline(
     cfg: DemoConfig, progress: Progress | None, run_id: str, status: FabricStatus, own: DemoFabric | None,
 ) -> DemoSummary:
     """The demo proper (see :func:`run_demo`), with fabric isolation as ``status`` says."""
@@ -474,7 +474,7 @@ async def _run_pipeline(  # noqa: C901
     )
 
 
-def _snapshot(analytics, broker, audit: OfferAudit, elapsed: float, status: FabricStatus,  # noqa: ANN001
+def _snapshot(analytics, broker, audit: OfferAudit, elapsed: float, status: FabricStatus,
               rows: list[LeaseRow], isolate_s: dict[str, float]) -> dict[str, object]:
     states = Counter(u.state.value for u in analytics.current_states().values())
     st = broker.stats()

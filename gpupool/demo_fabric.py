@@ -228,7 +228,7 @@ class TimedOpenSmFabric(OpenSmFabric):
     Constructor arguments and errors: those of :class:`OpenSmFabric`.
     """
 
-    def __init__(self, state: Path, **kwargs: Any) -> None:  # noqa: ANN401 — OpenSmFabric's keywords
+    def __init__(self, state: Path, **kwargs: Any) -> None:  # OpenSmFabric's keywords
         super().__init__(state, **kwargs)
         self.isolate_seconds: dict[str, float] = {}
 

@@ -153,7 +153,7 @@ class LeaseWatch:
         try:
             while not stop.is_set():
                 for msg in await consumer.getmany(timeout_s=0.25):
-                    if msg.value is None:  # end markers of lease-log readers, tombstones
+                    if msg.value is None:  # tombstones
                         continue
                     try:
                         self.records.append(decode(LeaseLogRecord, msg.value))

@@ -17,7 +17,7 @@ from typing import TextIO
 from pythonjsonlogger.json import JsonFormatter
 
 
-class StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+class StderrHandler(logging.StreamHandler):
     """A stream handler writing to whatever ``sys.stderr`` is *when a record is emitted*.
 
     A handler bound to the ``sys.stderr`` of the moment it was installed keeps writing to that
@@ -45,7 +45,7 @@ def setup_logging(level: str | int = "INFO", stream: TextIO | None = None) -> No
         stream: where to write; stderr keeps stdout free for command output.
     Idempotent: replaces the handlers a previous call installed.
     """
-    handler = logging.StreamHandler(stream) if stream is not None else StderrHandler()
+    handler: logging.Handler = logging.StreamHandler(stream) if stream is not None else StderrHandler()
     handler.setFormatter(
         JsonFormatter(
             "{asctime}{levelname}{name}{message}",

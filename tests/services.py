@@ -8,6 +8,9 @@ Fixtures:
   ``t<32 hex>.`` prefix, so tests never see each other's records;
 * ``kafka_bus`` (function): a :class:`contracts.bus.kafka.KafkaBus` on ``kafka_bootstrap``, closed
   after the test;
+* ``kafka_stage_topics`` (function): ``kafka_topics`` with every topic created the way an operator
+  does before starting a stage (:func:`create_stage_topics`, ``gpupool topics create``'s own code:
+  no stage creates topics);
 * ``mosquitto`` (session): the credentials of ``deploy/local/mosquitto.sh start`` as written to
   ``$GPUPOOL_STATE/mosquitto/credentials.json``:
   ``{"host": "127.0.0.1", "port": int, "users": {site or "gpupool-broker": password}, "root": "gpupool/v1"}``;
@@ -42,7 +45,7 @@ from contracts.topics import KafkaTopics
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy" / "local"
-_SERVICE_FIXTURES = {"kafka_bootstrap", "kafka_bus", "mosquitto", "slurm_conf"}
+_SERVICE_FIXTURES = {"kafka_bootstrap", "kafka_bus", "kafka_stage_topics", "mosquitto", "slurm_conf"}
 
 
 def state_dir() -> Path:
@@ -135,6 +138,24 @@ async def kafka_bus(kafka_bootstrap: str) -> AsyncIterator[KafkaBus]:
     bus = KafkaBus(kafka_bootstrap, client_id="gpupool-test")
     yield bus
     await bus.close()
+
+
+async def create_stage_topics(bootstrap: str, topics: KafkaTopics, partitions: int = 4) -> None:
+    """Create every topic of ``topics`` on the cluster at ``bootstrap`` as ``gpupool topics create
+    --partitions N`` does (:func:`gpupool.topics_cli.create_all`: compacted lease log and topology,
+    one replica) and fail the test if a check of that command fails."""
+    from gpupool.topics_cli import check_topics, create_all
+
+    states = await create_all(bootstrap, topics, partitions, replication_factor=1)
+    problems = check_topics(topics, states)
+    assert not problems, problems
+
+
+@pytest.fixture
+async def kafka_stage_topics(kafka_bootstrap: str, kafka_topics: KafkaTopics) -> KafkaTopics:
+    """``kafka_topics``, every topic created with 4 partitions by :func:`create_stage_topics`."""
+    await create_stage_topics(kafka_bootstrap, kafka_topics)
+    return kafka_topics
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

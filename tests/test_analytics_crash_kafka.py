@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from analytics.classify import FB_USED, GPU_UTIL, GR_ENGINE_ACTIVE
 from contracts import GpuSample, KafkaTopics, encode
 from contracts.bus.kafka import KafkaBus
+from tests.services import create_stage_topics
 
 GPUS = 200
 PER_GPU = 100
@@ -145,9 +146,7 @@ async def test_sigkill_mid_stream_then_restart_stores_every_sample_once(
     kafka_bootstrap: str, kafka_bus: KafkaBus, kafka_topics: KafkaTopics, tmp_path: Path
 ) -> None:
     topics = kafka_topics
-    await kafka_bus.create_topics(
-        [topics.telemetry_gpu, topics.telemetry_ib_port, topics.capacity], PARTITIONS
-    )
+    await create_stage_topics(kafka_bootstrap, topics, PARTITIONS)
     samples = _samples()
     db, log = tmp_path / "analytics.duckdb", tmp_path / "stage.log"
     group = f"analytics-crash-{uuid.uuid4().hex}"

@@ -37,7 +37,7 @@ def _pod(name: str, first: int, utils: list[float]) -> PodSeries:
     return PodSeries(pod=name, ts=ts, util_pct=tuple(utils), fb_used_mib=(1000.0,) * len(utils))
 
 
-B, I = 50.0, 0.0  # busy, idle duty cycle (%)
+B, I = 50.0, 0.0  # noqa: E741 — busy, idle duty cycle (%), short to keep the traces readable
 
 
 def _three_pods() -> list[PodSeries]:

@@ -34,6 +34,7 @@ from analytics.service import AnalyticsService
 from contracts import CapacityUpdate, GpuSample, IbPortSample, KafkaTopics, decode, encode
 from contracts.bus import TopicPartition, partition_for
 from contracts.bus.kafka import KafkaBus
+from tests.services import create_stage_topics
 
 T0 = 1_700_000_000.0
 PARTITIONS = 4
@@ -247,7 +248,7 @@ async def test_two_instances_split_the_partitions_and_publish_what_one_does(
     run = uuid.uuid4().hex
     pair_topics, one_topics = KafkaTopics(f"t{run}.pair."), KafkaTopics(f"t{run}.one.")
     for t in (pair_topics, one_topics):
-        await kafka_bus.create_topics([t.telemetry_gpu, t.telemetry_ib_port, t.capacity], PARTITIONS)
+        await create_stage_topics(kafka_bootstrap, t, PARTITIONS)
     gpus, ports = _inputs()
 
     clock = _Clock(T0)

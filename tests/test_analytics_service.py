@@ -266,3 +266,67 @@ async def test_step_before_start_raises() -> None:
         await svc.step()
     with pytest.raises(ValueError):
         make(MemoryBus(), Clock(T0), refresh_s=0.0)
+
+
+FORGET_S = 100.0
+
+
+def _a100(ts: float, uuid: str) -> GpuSample:
+    return GpuSample(ts=ts, host="node-2", gpu_uuid=uuid, model_name="NVIDIA A100-SXM4-80GB",
+                     fields={GR_ENGINE_ACTIVE: 0.0, FB_USED: 10})  # fmt: skip
+
+
+@pytest.mark.parametrize("gone_for", [FORGET_S - 0.5, FORGET_S])
+async def test_a_gpu_gone_for_forget_after_s_is_forgotten_with_its_series(gone_for: float) -> None:
+    """A GPU not sampled for ``forget_after_s`` (by the clock, from its latest sample) is dropped:
+    no longer in the states, no more (refresh) updates, and its model's idle-GPU series are gone
+    once it was the model's last GPU. Just under that it is still there, stale (unknown)."""
+    bus, clock = MemoryBus(), Clock(T0)
+    svc = make(bus, clock, refresh_s=10.0, forget_after_s=FORGET_S)
+    gone, model = "node-2/GPU-gone", "NVIDIA A100-SXM4-80GB"
+    idle_series = {"pool": "default", "model": model, "grade": "free"}
+    await svc.start()
+    try:
+        for t in range(0, 50, 10):  # both idle from T0; the A100 is last sampled at T0 + 40
+            await send(bus, sample(T0 + t, "GPU-stay", 0.0))
+            await send(bus, _a100(T0 + t, "GPU-gone"))
+            clock.t = T0 + t
+            await drain(svc)
+        assert svc.current_states()[gone].state is GpuState.IDLE
+        assert metric("gpupool_analytics_idle_gpus", **idle_series) == 1
+        t = 40.0
+        while t + 10 < 40 + gone_for:
+            t += 10
+            await send(bus, sample(T0 + t, "GPU-stay", 0.0))
+            clock.t = T0 + t
+            await drain(svc)
+        clock.t = T0 + 40 + gone_for
+        await drain(svc)
+        states = svc.current_states()
+        if gone_for < FORGET_S:
+            assert states[gone].state is GpuState.UNKNOWN and states[gone].reason == "stale"
+            assert REGISTRY.get_sample_value("gpupool_analytics_idle_gpus", idle_series) == 0.0
+            assert metric("gpupool_analytics_gpus", state="unknown") == 1
+            return
+        assert gone not in states and "node-1/GPU-stay" in states
+        assert REGISTRY.get_sample_value("gpupool_analytics_idle_gpus", idle_series) is None
+        assert REGISTRY.get_sample_value("gpupool_analytics_idle_gpu_memory_bytes", idle_series) is None
+        assert metric("gpupool_analytics_gpus", state="unknown") == 0
+        sent = len([u for u in updates(bus) if u.key == gone])
+        for _ in range(5):  # five refresh periods later: not one more update of the forgotten GPU
+            clock.t += 10
+            await send(bus, sample(clock.t, "GPU-stay", 0.0))
+            await drain(svc)
+        assert "node-1/GPU-stay" in svc.current_states()
+        assert len([u for u in updates(bus) if u.key == gone]) == sent
+        await send(bus, _a100(clock.t, "GPU-gone"))  # back: a new GPU, unknown until idle long enough
+        await drain(svc)
+        assert svc.current_states()[gone].state is GpuState.UNKNOWN
+        assert REGISTRY.get_sample_value("gpupool_analytics_idle_gpus", idle_series) == 0.0
+    finally:
+        await svc.stop()
+
+
+def test_forget_after_s_must_be_above_stale_after_s() -> None:
+    with pytest.raises(ValueError, match="forget_after_s"):
+        make(MemoryBus(), Clock(T0), forget_after_s=IDLE.stale_after_s)

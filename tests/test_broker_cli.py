@@ -35,6 +35,7 @@ from contracts import (
     encode,
 )
 from contracts.bus import MemoryBus
+from tests.services import create_stage_topics
 
 runner = CliRunner()
 
@@ -174,6 +175,7 @@ def test_broker_demand_lands_on_the_real_pool_demand_topic(kafka_bootstrap: str)
     from contracts.bus.kafka import KafkaBus
 
     prefix = f"t{uuid.uuid4().hex}."
+    asyncio.run(create_stage_topics(kafka_bootstrap, KafkaTopics(prefix)))
     res = runner.invoke(
         broker_app,
         [
@@ -210,6 +212,34 @@ def test_broker_demand_lands_on_the_real_pool_demand_topic(kafka_bootstrap: str)
             await bus.close()
 
     assert asyncio.run(read()) == [sent]
+
+
+@pytest.mark.parametrize("wait", ["0", "5"])
+def test_broker_demand_without_topics_names_topics_create_and_creates_nothing(
+    kafka_bootstrap: str, wait: str
+) -> None:
+    """No topics under the prefix: exit 1 with one message naming `gpupool topics create`, no
+    traceback, and neither pool.demand nor leases.log is created (the cluster auto-creates topics
+    on produce, so a send would have made one)."""
+    from contracts.bus.kafka import KafkaBus
+
+    topics = KafkaTopics(f"t{uuid.uuid4().hex}.")
+    res = runner.invoke(
+        broker_app,
+        ["demand", "--kafka", kafka_bootstrap, "--topic-prefix", topics.prefix, "--count", "1", "--wait", wait],
+    )
+    assert res.exit_code == 1, res.output
+    assert "gpupool topics create" in res.stderr and topics.pool_demand in res.stderr
+    assert "Traceback" not in res.output and res.stdout == ""
+
+    async def missing() -> list[str]:
+        bus = KafkaBus(kafka_bootstrap)
+        try:
+            return await bus.missing_topics(topics.all())
+        finally:
+            await bus.close()
+
+    assert asyncio.run(missing()) == topics.all()
 
 
 # broker run: settings -------------------------------------------------------------------------------
@@ -254,7 +284,7 @@ def test_broker_run_takes_what_no_flag_gives_from_the_settings(
 async def test_broker_demand_takes_kafka_from_the_config_and_waits_for_the_reclaim(
     kafka_bootstrap: str,
     kafka_bus: Any,
-    kafka_topics: KafkaTopics,
+    kafka_stage_topics: KafkaTopics,
     mosquitto: dict[str, Any],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -268,6 +298,7 @@ async def test_broker_demand_takes_kafka_from_the_config_and_waits_for_the_recla
     from tests.mqtt_support import running
     from tests.test_broker_service import CFG, _idle, _offer_on
 
+    kafka_topics = kafka_stage_topics
     for name in [k for k in os.environ if k.upper().startswith("GPUPOOL_")]:
         monkeypatch.delenv(name)
     toml = tmp_path / "gpupool.toml"

@@ -29,7 +29,6 @@ from typing import Any, TypeVar
 import pytest
 
 from broker.edge import EdgeClient
-from broker.leaselog import read_lease_log
 from contracts import (
     CapacityUpdate,
     GpuState,
@@ -41,8 +40,10 @@ from contracts import (
     encode,
 )
 from contracts.bus.kafka import KafkaBus
+from contracts.bus.replay import read_to_end
 
 from tests.mqtt_support import retained_leases, until
+from tests.services import create_stage_topics
 
 pytestmark = pytest.mark.integration
 
@@ -105,14 +106,11 @@ class _BrokerProcess:
 async def _lease_log(bootstrap: str, topics: KafkaTopics) -> list[LeaseLogRecord]:
     """Every record of the lease log on Kafka, read to its end (the broker's own reader)."""
     bus = KafkaBus(bootstrap, client_id="crash-test-reader")
-    producer = bus.producer(client_id="crash-test-reader")
-    await producer.start()
     try:
-        records, rejected = await read_lease_log(
-            bus, producer, topics.leases_log, group_prefix="crash-test", client_id="crash-test", timeout_s=30
+        records, rejected = await read_to_end(
+            bus, topics.leases_log, LeaseLogRecord, group_prefix="crash-test", client_id="crash-test", timeout_s=30
         )
     finally:
-        await producer.stop()
         await bus.close()
     assert rejected == 0
     return records
@@ -183,11 +181,8 @@ async def test_sigkill_during_a_reclaim_keeps_leases_and_the_deadline(
         )
         for h in hosts
     ]
-    admin = KafkaBus(kafka_bootstrap, client_id="crash-test-admin")
-    try:  # the lease log with 2 partitions: the rebuild must find the end of each
-        await admin.create_topics(kafka_topics.all(), partitions=2, compacted=[kafka_topics.leases_log])
-    finally:
-        await admin.close()
+    # the lease log with 2 partitions: the rebuild must find the end of each
+    await create_stage_topics(kafka_bootstrap, kafka_topics, partitions=2)
     await _send(kafka_bootstrap, kafka_topics.capacity, [(c.key, encode(c)) for c in caps])
     site = EdgeClient(
         site="edge-a",

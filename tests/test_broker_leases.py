@@ -470,7 +470,9 @@ def test_tick_reoffers_at_hold_end_and_withdraws_stale_gpus_without_new_capacity
     lid = book.claim("edge-a", _claim(oid, count=1), 0.0)[0].lease_id or ""
     book.reclaim(1.0, count=1, reason="r")
     book.release("edge-a", Release(lease_id=lid, site="edge-a", ts=0), 2.0)
-    offered = lambda: sorted(g.gpu for o in book.offers.values() for g in o.gpus)
+    def offered() -> list[str]:
+        return sorted(g.gpu for o in book.offers.values() for g in o.gpus)
+
     assert offered() == ["n1/GPU-n1-1"]
     assert book.tick(2.0 + CFG.reclaim_hold_s - 0.001).published == []
     book.tick(2.0 + CFG.reclaim_hold_s)

@@ -40,7 +40,9 @@ def test_weighted_max_min_fills_progressively_and_caps_at_demand() -> None:
 
 
 def test_fair_share_refuses_only_when_scarce_and_someone_below_share_waits() -> None:
-    w = lambda s: 1.0
+    def w(site: str) -> float:
+        return 1.0
+
     # nobody waits: anything goes
     assert fair_share("a", 2, {"a": 6}, 2, {}, w).ok
     # b waits for 4, holds 0: a (holding 6 of 8) may not take the last 2

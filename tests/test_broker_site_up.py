@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import aiomqtt
+import pytest
 from prometheus_client import REGISTRY
 
 from broker.config import BrokerConfig
@@ -22,6 +24,7 @@ from contracts import KafkaTopics, MqttTopics, PeerState, encode
 from contracts.bus import MemoryBus
 from gpupool.embedded_mqtt import EmbeddedMqttBroker
 from tests.mqtt_support import running, until
+from tests.test_analytics_service import Clock
 
 MT = MqttTopics()
 CFG = BrokerConfig(tick_s=0.05, reconnect_min_s=0.05, reconnect_max_s=0.5)
@@ -79,3 +82,50 @@ async def test_site_up_follows_birth_goodbye_and_clearing() -> None:
         await _publish_state(server.port, "edge-up-b", b"")
         await until(lambda: _up("edge-up-b") is None, 5, "series removed when the state is cleared")
         assert _up("edge-up-a") == 0.0
+
+
+FORGET_S = 100.0
+
+
+def _decided(site: str) -> float | None:
+    return REGISTRY.get_sample_value(
+        "gpupool_broker_claim_decisions_total", {"site": site, "kind": "offer", "result": "unknown_offer"}
+    )
+
+
+async def test_a_site_offline_for_site_forget_after_s_loses_its_series() -> None:
+    """A site offline (its goodbye) for ``site_forget_after_s`` by the broker's clock is forgotten:
+    its site_up and claim-decision series are gone; just under that it is still there (0). A
+    site holding a live lease is kept however long it is offline; a birth makes a site new."""
+    from broker.edge import BrokerRejected
+    from tests.test_broker_service import _idle, _offer_on
+
+    clock = Clock(time.time())
+    bus = MemoryBus()
+    cfg = CFG.model_copy(update={"site_forget_after_s": FORGET_S, "lease_ttl_s": 1e6, "offer_ttl_s": 1e6})
+    async with EmbeddedMqttBroker() as server:
+        svc = BrokerService(bus=bus, topics=KafkaTopics(), mqtt_host="127.0.0.1", mqtt_port=server.port,
+                            protocol=4, config=cfg, clock=clock)  # fmt: skip
+        async with running(svc):
+            gone = EdgeClient(site="edge-gone", host="127.0.0.1", port=server.port, protocol=4)
+            holder = EdgeClient(site="edge-holds", host="127.0.0.1", port=server.port, protocol=4)
+            async with gone, holder:
+                with pytest.raises(BrokerRejected):
+                    await gone.claim("no-such-offer")
+                await _idle(bus, "n1", 1)
+                await holder.claim((await _offer_on(holder, "n1")).offer_id, count=1, duration_seconds=1e5)
+                await until(lambda: _up("edge-gone") == 1.0 and _up("edge-holds") == 1.0, 5, "both online")
+            await until(lambda: _up("edge-gone") == 0.0 and _up("edge-holds") == 0.0, 5, "both offline")
+            assert _decided("edge-gone") == 1.0
+            clock.t += FORGET_S - 0.5
+            await asyncio.sleep(0.3)  # a few ticks (tick_s 0.05)
+            assert _up("edge-gone") == 0.0 and _decided("edge-gone") == 1.0  # just under: kept
+            clock.t += 0.5
+            await until(lambda: _up("edge-gone") is None, 5, "edge-gone forgotten")
+            assert _decided("edge-gone") is None
+            assert _up("edge-holds") == 0.0  # offline as long, but it holds a live lease
+            clock.t += 10 * FORGET_S
+            await asyncio.sleep(0.3)
+            assert _up("edge-holds") == 0.0
+            async with EdgeClient(site="edge-gone", host="127.0.0.1", port=server.port, protocol=4):
+                await until(lambda: _up("edge-gone") == 1.0, 5, "edge-gone back as a new site")

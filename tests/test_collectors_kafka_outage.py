@@ -21,7 +21,7 @@ from contracts import GpuSample, IbPortSample, decode
 from contracts.bus import BusMessage
 from contracts.bus.kafka import KafkaBus
 from contracts.topics import KafkaTopics
-from tests.services import run_service
+from tests.services import create_stage_topics, run_service
 from tests.test_collectors_scrape import FakeExporters
 
 SYSFS_CASES = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "cases" / "sysfs_cases"
@@ -53,7 +53,7 @@ async def test_kafka_down_30s_nothing_lost_nothing_twice_in_order(
     kafka_bootstrap: str, kafka_bus: KafkaBus, kafka_topics: KafkaTopics, tmp_path: Path
 ) -> None:
     topics = [kafka_topics.telemetry_gpu, kafka_topics.telemetry_ib_port]
-    await kafka_bus.create_topics(topics, partitions=4)
+    await create_stage_topics(kafka_bootstrap, kafka_topics, partitions=4)
     exporters = FakeExporters()
     await exporters.start()
     svc = CollectorService(

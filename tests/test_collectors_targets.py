@@ -283,3 +283,77 @@ def test_cli_counts_file_sd_as_a_source(tmp_path: Path) -> None:
     assert res.exit_code == 1, res.output
     res = runner.invoke(app, ["run", "--kafka", "127.0.0.1:1", "--metrics-port", "0"])
     assert res.exit_code == 2 and "--file-sd" in res.output
+
+
+FORGET_S = 60.0
+
+
+def _series(target: str) -> dict[str, float | None]:
+    return {
+        "success": REGISTRY.get_sample_value("gpupool_collector_scrapes_total", {"target": target, "result": "success"}),
+        "failure": REGISTRY.get_sample_value("gpupool_collector_scrapes_total", {"target": target, "result": "failure"}),
+        "http_500": REGISTRY.get_sample_value(
+            "gpupool_collector_scrape_errors_total", {"target": target, "reason": "http_500"}
+        ),
+    }
+
+
+def _sd_service(exporters: FakeExporters, tmp_path: Path, paths: list[str]) -> tuple[CollectorService, Path, str]:
+    """A collector whose only targets are ``paths`` of ``exporters``, from one file_sd file."""
+    host = exporters.base.removeprefix("http://")
+    sd = tmp_path / "dcgm.json"
+    _write(sd, [{"targets": [host], "labels": {"__metrics_path__": p}} for p in paths])
+    svc = CollectorService(bus=MemoryBus(), topics=TOPICS, dcgm_targets=[], sysfs_roots=[], file_sd=[sd],
+                           forget_after_s=FORGET_S)  # fmt: skip
+    return svc, sd, host
+
+
+@pytest.mark.parametrize("gone_for", [FORGET_S - 0.5, FORGET_S])
+async def test_a_target_removed_for_forget_after_s_loses_its_series(
+    exporters: FakeExporters, tmp_path: Path, gone_for: float
+) -> None:
+    """A file_sd target that left the file ``forget_after_s`` ago (or more) has no series any more;
+    one that left just under that ago keeps them, and a target still configured is never touched."""
+    svc, sd, host = _sd_service(exporters, tmp_path, ["/500", "/ok/7"])
+    bad, good = exporters.url("/500"), exporters.url("/ok/7")
+    await svc.start()
+    try:
+        await svc.collect_once()
+        await svc.collect_once()
+        assert _series(bad)["failure"] == 2 and _series(bad)["http_500"] == 2
+        assert _series(good)["success"] == 2
+        assert svc.forget_removed_targets(1000.0) == []  # every target still configured
+        _write(sd, [{"targets": [host], "labels": {"__metrics_path__": "/ok/7"}}])
+        assert svc.targets.refresh()
+        assert svc.forget_removed_targets(1000.0) == []  # gone from now on
+        forgotten = svc.forget_removed_targets(1000.0 + gone_for)
+        if gone_for < FORGET_S:
+            assert forgotten == [] and _series(bad)["http_500"] == 2
+        else:
+            assert forgotten == [bad]
+            assert _series(bad) == {"success": None, "failure": None, "http_500": None}
+        assert _series(good)["success"] == 2  # the configured target keeps its series
+        assert svc.forget_removed_targets(1e9) == ([bad] if gone_for < FORGET_S else [])
+    finally:
+        await svc.stop()
+
+
+async def test_a_target_back_before_forget_after_s_keeps_counting(
+    exporters: FakeExporters, tmp_path: Path
+) -> None:
+    svc, sd, host = _sd_service(exporters, tmp_path, ["/ok/8"])
+    doc = [{"targets": [host], "labels": {"__metrics_path__": "/ok/8"}}]
+    url = exporters.url("/ok/8")
+    await svc.start()
+    try:
+        await svc.collect_once()
+        _write(sd, [])
+        svc.targets.refresh()
+        svc.forget_removed_targets(0.0)
+        _write(sd, doc)  # back (a rolling rewrite of the file) before it was forgotten
+        svc.targets.refresh()
+        assert svc.forget_removed_targets(FORGET_S * 10) == []
+        await svc.collect_once()
+        assert _series(url)["success"] == 2
+    finally:
+        await svc.stop()

@@ -260,7 +260,7 @@ def test_lease_table_shows_whole_host_names_at_80_columns() -> None:
         lease_id="lease-3ff2d059aa", site="edge-a", gpus=("gpu-node-007/GPU-1", "gpu-node-008/GPU-2"),
         state="released", granted_at=0.0, pkey="0x0007", sl=1, verified=True, isolate_s=0.051,
     )  # fmt: skip
-    console = Console(width=80, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
+    console = Console(width=80, record=True, file=open("/dev/null", "w"))
     console.print(lease_table([row], "leases", with_state=True))
     text = "".join(console.export_text().split())
     assert "gpu-node-007" in text and "gpu-node-008" in text and "…" not in text

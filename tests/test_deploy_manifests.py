@@ -151,7 +151,7 @@ def _parse_gpupool(
             m.setenv(key, value)
         try:
             group.main(list(argv), prog_name="gpupool", standalone_mode=False)
-        except Exception as exc:  # the CLI's usage errors
+        except Exception as exc:  # noqa: BLE001 — the CLI's usage errors, reported as the failure
             pytest.fail(f"{where}: `gpupool {shlex.join(argv)}` does not parse: {type(exc).__name__}: {exc}")
         leaf = max(seen, key=len)
         assert leaf in RUN_SETTINGS, f"{where}: `gpupool {shlex.join(argv)}` runs {leaf}, not a stage"

@@ -52,7 +52,7 @@ async def _read_all(bus: KafkaBus, topic: str, idle_s: float = 3.0) -> list[byte
     return out
 
 
-async def _wait_lease_log(bus: KafkaBus, topic: str, pred, timeout_s: float) -> list[LeaseLogRecord]:  # noqa: ANN001
+async def _wait_lease_log(bus: KafkaBus, topic: str, pred, timeout_s: float) -> list[LeaseLogRecord]:
     """Follow ``leases.log`` until ``pred(records)`` is true; returns all records read."""
     c = bus.consumer([topic], group_id=f"e2e-follow-{uuid.uuid4().hex[:6]}")
     await c.start()

@@ -608,7 +608,7 @@ async def test_cli_reads_the_lease_log_from_kafka(
     try:
         for rec in _lease_log():
             await producer.send(topic, encode(rec), key=rec.lease_id)
-        await producer.send(topic, None, key="__gpupool_rebuild_marker__/old/0")  # a broker's end marker
+        await producer.send(topic, None, key="lease-gone")  # a tombstone last in its partition
         await producer.flush()
     finally:
         await producer.stop()

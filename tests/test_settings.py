@@ -131,6 +131,9 @@ lease_ttl_s = 90
         ({"GPUPOOL_MQTT_PROTOCOL": "3"}, "mqtt_protocol"),
         ({"GPUPOOL_BROKER__LEASE_TTL_S": "0"}, "lease_ttl_s"),
         ({"GPUPOOL_METRICS__ANALYTICS": "70000"}, "analytics"),
+        ({"GPUPOOL_IDLE__FORGET_AFTER_S": "30", "GPUPOOL_IDLE__STALE_AFTER_S": "30"}, "forget_after_s"),
+        ({"GPUPOOL_COLLECTORS__FORGET_AFTER_S": "0"}, "forget_after_s"),
+        ({"GPUPOOL_BROKER__SITE_FORGET_AFTER_S": "-1"}, "site_forget_after_s"),
     ],
 )
 def test_invalid_values_are_refused(env: dict[str, str], field: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -138,6 +141,23 @@ def test_invalid_values_are_refused(env: dict[str, str], field: str, monkeypatch
         monkeypatch.setenv(k, v)
     with pytest.raises(ValidationError, match=field):
         load_settings()
+
+
+def test_forget_times_reach_the_stages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The three forget times come from the settings (env here) and reach what the stages build."""
+    from broker.config import broker_config_from
+
+    monkeypatch.setenv("GPUPOOL_IDLE__FORGET_AFTER_S", "30.5")
+    monkeypatch.setenv("GPUPOOL_COLLECTORS__FORGET_AFTER_S", "42")
+    monkeypatch.setenv("GPUPOOL_BROKER__SITE_FORGET_AFTER_S", "7")
+    s = load_settings()
+    assert (s.idle.forget_after_s, s.collectors.forget_after_s) == (30.5, 42.0)
+    assert broker_config_from(s.broker).site_forget_after_s == 7.0
+    monkeypatch.delenv("GPUPOOL_IDLE__FORGET_AFTER_S")
+    monkeypatch.delenv("GPUPOOL_COLLECTORS__FORGET_AFTER_S")
+    monkeypatch.delenv("GPUPOOL_BROKER__SITE_FORGET_AFTER_S")
+    d = load_settings()
+    assert (d.idle.forget_after_s, d.collectors.forget_after_s, d.broker.site_forget_after_s) == (3600.0, 300.0, 3600.0)
 
 
 def test_toml_errors(tmp_path: Path) -> None:

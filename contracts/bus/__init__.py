@@ -11,10 +11,29 @@ explicitly, so anything not committed is delivered again after a restart (at-lea
 that stores offsets with its rows gets exactly-once).
 """
 
-from contracts.bus.api import Bus, BusMessage, Consumer, Producer, TopicPartition, partition_for
+from contracts.bus.api import (
+    Bus,
+    BusMessage,
+    Consumer,
+    MissingTopicsError,
+    Producer,
+    TopicPartition,
+    partition_for,
+    require_topics,
+)
 from contracts.bus.memory import MemoryBus
 
-__all__ = ["Bus", "BusMessage", "Consumer", "Producer", "TopicPartition", "partition_for", "MemoryBus"]
+__all__ = [
+    "Bus",
+    "BusMessage",
+    "Consumer",
+    "MissingTopicsError",
+    "Producer",
+    "TopicPartition",
+    "partition_for",
+    "require_topics",
+    "MemoryBus",
+]
 
 
 def make_bus(bootstrap_servers: str | None, *, client_id: str = "gpupool") -> Bus:

@@ -42,38 +42,15 @@ data, for exactly-once). Partitions it leaves out start from the committed group
 
 def partition_for(key: str | None, partitions: int, _counter: list[int] = [0]) -> int:  # noqa: B006
     """Partition of ``key`` among ``partitions``: Kafka's default partitioner (murmur2 of the
-    key bytes, positive, modulo the count; Kafka ``Utils.murmur2``), round robin for ``None``."""
+    UTF-8 key bytes, positive, modulo the count: aiokafka's ``aiokafka.partitioner.murmur2``, the
+    same as the Java client's ``Utils.murmur2``), round robin for ``None``. Imports aiokafka on
+    first use (the in-process bus partitions like Kafka)."""
     if key is None:
         _counter[0] += 1
         return _counter[0] % partitions
-    return (_murmur2(key.encode()) & 0x7FFFFFFF) % partitions
+    from aiokafka.partitioner import murmur2
 
-
-def _murmur2(data: bytes) -> int:
-    """Kafka's murmur2 (32-bit, seed 0x9747b28c), as in ``org.apache.kafka.common.utils.Utils``."""
-    length = len(data)
-    m, r = 0x5BD1E995, 24
-    h = (0x9747B28C ^ length) & 0xFFFFFFFF
-    nblocks = length // 4
-    for i in range(nblocks):
-        k = int.from_bytes(data[4 * i : 4 * i + 4], "little")
-        k = (k * m) & 0xFFFFFFFF
-        k ^= k >> r
-        k = (k * m) & 0xFFFFFFFF
-        h = (h * m) & 0xFFFFFFFF
-        h ^= k
-    tail = data[4 * nblocks :]
-    if len(tail) >= 3:
-        h ^= tail[2] << 16
-    if len(tail) >= 2:
-        h ^= tail[1] << 8
-    if tail:
-        h ^= tail[0]
-        h = (h * m) & 0xFFFFFFFF
-    h ^= h >> 13
-    h = (h * m) & 0xFFFFFFFF
-    h ^= h >> 15
-    return h
+    return (int(murmur2(key.encode())) & 0x7FFFFFFF) % partitions
 
 
 def check_linger(linger_ms: float | None) -> float | None:
@@ -126,6 +103,11 @@ class Consumer(Protocol):
         high watermark on Kafka): ``end - next offset to read`` is the consumer lag. Raises the
         bus's error if it cannot be asked (Kafka: ``aiokafka.errors.KafkaError``)."""
 
+    async def position(self, tp: TopicPartition) -> int:
+        """The offset of the next record :meth:`getmany` will return from owned partition ``tp``
+        (past any offsets compaction removed). Raises the bus's error if ``tp`` is not owned
+        (Kafka: ``aiokafka.errors.IllegalStateError``)."""
+
 
 class Bus(Protocol):
     """Factory of producers and consumers on one cluster (or one process)."""
@@ -154,7 +136,43 @@ class Bus(Protocol):
     async def create_topics(
         self, names: Sequence[str], partitions: int = 1, compacted: Sequence[str] = ()
     ) -> None:
-        """Create the topics that do not exist yet (``compacted``: ``cleanup.policy=compact``)."""
+        """Create the topics that do not exist yet (``compacted``: ``cleanup.policy=compact``).
+        For the operator's tools (``gpupool topics create``) and tests; no stage calls it."""
+
+    async def missing_topics(self, names: Sequence[str]) -> list[str]:
+        """Those of ``names`` the bus does not have (in order, without repeats); asking never
+        creates one. Raises the bus's connection errors (Kafka: ``aiokafka.errors.KafkaError``)."""
 
     async def close(self) -> None:
         """Release shared resources (admin clients)."""
+
+
+class MissingTopicsError(LookupError):
+    """Topics a stage needs do not exist on the bus. No stage creates topics (an auto-created topic
+    gets the cluster's default partitions, replication and cleanup policy): the operator creates
+    them once with ``gpupool topics create``.
+
+    Attributes:
+        missing: the full names of the missing topics.
+    """
+
+    def __init__(self, missing: Sequence[str]) -> None:
+        self.missing = list(missing)
+        super().__init__(
+            f"Kafka topic{'s' if len(self.missing) != 1 else ''} missing: {', '.join(self.missing)}. "
+            "No gpupool stage creates topics: create them first with `gpupool topics create "
+            "--kafka HOST:PORT --partitions N --replication-factor R` (same topic_prefix and "
+            "settings file as the stages)"
+        )
+
+
+async def require_topics(bus: Bus, names: Sequence[str]) -> None:
+    """Return if every topic of ``names`` exists on ``bus``; never creates one.
+
+    Raises:
+        MissingTopicsError: some are missing (the message names ``gpupool topics create``).
+        The bus's connection errors (Kafka: ``aiokafka.errors.KafkaError``) if it cannot be asked.
+    """
+    missing = await bus.missing_topics(names)
+    if missing:
+        raise MissingTopicsError(missing)

@@ -160,6 +160,20 @@ class KafkaBus:
             raise for_code(code)(f"create topic {topic!r}: {message}")
         log.debug("kafka_topics_created", extra={"topics": names, "partitions": partitions})
 
+    async def missing_topics(self, names: Sequence[str]) -> list[str]:
+        """Those of ``names`` the cluster does not list (one Metadata request for every topic
+        through the admin client, which never auto-creates one, then closed), in order, without
+        repeats.
+
+        Raises ``aiokafka.errors.KafkaConnectionError`` if the cluster is unreachable.
+        """
+        admin = await self._admin_client()
+        try:
+            existing = set(await admin.list_topics())
+        finally:  # asked once, at a stage's start: no idle admin connection is kept for its life
+            await self.close()
+        return [n for n in dict.fromkeys(names) if n not in existing]
+
     async def close(self) -> None:
         """Close the admin client (producers and consumers are stopped by their owners)."""
         if self._admin is not None:
@@ -449,6 +463,14 @@ class KafkaBusConsumer:
             return {}
         ends = await self._consumer.end_offsets(owned)
         return {_bus_tp(tp): int(off) for tp, off in ends.items()}
+
+    async def position(self, tp: TopicPartition) -> int:
+        """The offset of the next record to fetch from owned partition ``tp`` (aiokafka's
+        ``position``: past offsets compaction removed). Raises ``RuntimeError`` if not started,
+        ``aiokafka.errors.IllegalStateError`` if ``tp`` is not owned."""
+        if self._consumer is None:
+            raise RuntimeError("consumer not started")
+        return int(await self._consumer.position(_aio_tp(tp)))
 
     async def stop(self) -> None:
         """Leave the group without committing."""

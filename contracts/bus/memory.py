@@ -88,6 +88,10 @@ class MemoryBus:
             if n not in self._topics:
                 self._topics[n] = _Topic(n, partitions)
 
+    async def missing_topics(self, names: Sequence[str]) -> list[str]:
+        """None: the in-process bus makes a topic on first use (it has no operator)."""
+        return []
+
     async def close(self) -> None:
         """Nothing to release."""
 
@@ -164,6 +168,15 @@ class MemoryConsumer:
     async def end_offsets(self) -> dict[TopicPartition, int]:
         """Length of each owned partition's log."""
         return {tp: len(self._bus.topic(tp.topic).logs[tp.partition]) for tp in self._assigned}
+
+    async def position(self, tp: TopicPartition) -> int:
+        """The offset of the next record of owned partition ``tp``. Raises ``KeyError`` if it is
+        not owned."""
+        if tp not in self._assigned:
+            raise KeyError(f"{tp} is not assigned to this consumer")
+        if self._needs_positions:
+            await self._refresh_positions()
+        return self._positions.get(tp, 0)
 
     async def _refresh_positions(self) -> None:
         self._needs_positions = False

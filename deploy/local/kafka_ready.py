@@ -58,7 +58,7 @@ async def wait_ready(bootstrap: str, timeout_s: float, pid: int | None) -> int:
             if await _probe(bootstrap, min(3.0, max(0.5, deadline - time.monotonic()))) > 0:
                 return 0
             last = "metadata lists no broker yet"
-        except Exception as e:  # any failure means "not ready yet"; the last one is reported
+        except Exception as e:  # noqa: BLE001 — any failure means "not ready yet"; the last one is reported
             last = f"{type(e).__name__}: {e}"
         if time.monotonic() >= deadline:
             print(

@@ -17,15 +17,14 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-import time
-import uuid
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from contracts import LeaseLogRecord, LeaseState, decode, encode
-from contracts.bus import Bus, BusMessage, TopicPartition
+from contracts.bus import Bus
+from contracts.bus.replay import read_to_end
 from gpupool.report import metrics
 
 log = logging.getLogger(__name__)
@@ -123,59 +122,18 @@ def write_jsonl(records: Sequence[LeaseLogRecord], path: Path) -> None:
 
 async def read_from_bus(bus: Bus, topic: str, *, timeout_s: float = 30.0) -> tuple[list[LeaseLogRecord], int]:
     """Every record of the lease log ``topic`` on ``bus`` written before this call, read to its
-    end without writing anything to the topic.
-
-    A fresh consumer group ``gpupool-report-<random>`` (never committed, so it reads from the
-    earliest record) takes every partition; the end of each partition is its end offset at that
-    moment (:meth:`contracts.bus.Consumer.end_offsets`, the high watermark on Kafka), and a
-    partition is read once a record at ``end - 1`` or later has been seen (compaction leaves gaps
-    in the offsets, never removes the newest record). Records without a value (tombstones, the
-    broker's end markers) are skipped. Returns ``(records, rejected)``, in offset
-    order within each partition; rejected records (not a :class:`contracts.LeaseLogRecord`) are logged
-    (``lease_log_record_rejected``) and counted in
+    end without writing anything to the topic (:func:`contracts.bus.replay.read_to_end`, consumer
+    group ``gpupool-report-<random>``, never committed). Returns ``(records, rejected)``, in offset
+    order within each partition; rejected records (not a :class:`contracts.LeaseLogRecord`) are
+    logged (``bus_record_rejected``) and counted in
     ``gpupool_report_rejected_records_total{reason="bad_record"}``.
 
     Raises ``TimeoutError`` if no partition is assigned or the ends are not reached within
     ``timeout_s`` seconds, and the bus's errors (Kafka: ``aiokafka.errors.KafkaError``).
     """
-    consumer = bus.consumer([topic], f"{CLIENT_ID}-{uuid.uuid4().hex[:12]}", client_id=CLIENT_ID)
-    deadline = time.monotonic() + timeout_s
-    await consumer.start()
-    try:
-        batch: list[BusMessage] = []
-        while not consumer.assignment():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no partition of {topic} assigned to read the lease log")
-            batch += await consumer.getmany(timeout_s=0.2)
-        ends = {tp: end for tp, end in (await consumer.end_offsets()).items() if tp.topic == topic}
-        pending = {tp for tp, end in ends.items() if end > 0}
-        records: list[LeaseLogRecord] = []
-        rejected = 0
-        while True:
-            for msg in batch:
-                tp = TopicPartition(msg.topic, msg.partition)
-                if tp not in ends or msg.offset >= ends[tp]:
-                    continue  # written after this call started
-                if msg.offset >= ends[tp] - 1:
-                    pending.discard(tp)
-                if msg.value is None:
-                    continue
-                try:
-                    records.append(decode(LeaseLogRecord, msg.value))
-                except ValueError as exc:
-                    rejected += 1
-                    log.warning(
-                        "lease_log_record_rejected",
-                        extra={"topic": topic, "partition": msg.partition, "offset": msg.offset,
-                               "error": str(exc)[:300]},
-                    )
-            if not pending:
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"did not reach the end of {topic} within {timeout_s} s")
-            batch = await consumer.getmany(timeout_s=0.5)
-    finally:
-        await consumer.stop()
+    records, rejected = await read_to_end(
+        bus, topic, LeaseLogRecord, group_prefix=CLIENT_ID, client_id=CLIENT_ID, timeout_s=timeout_s
+    )
     if rejected:
         metrics.REJECTED_RECORDS.labels(reason="bad_record").inc(rejected)
     return records, rejected
