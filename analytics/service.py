@@ -523,7 +523,7 @@ class AnalyticsService:
                 table.setdefault(new, value)  # type: ignore[attr-defined]
         try:
             moved = await self._in_thread(self._store.rekey_gpu, old, new, gpu_uuid)
-        except Exception as exc:  # the live state moved; stored rows stay under the stand-in key
+        except Exception as exc:  # noqa: BLE001 — the live state moved; stored rows stay under the stand-in key
             log.error("gpu_rekey_failed", extra={"from": old, "to": new, "error": repr(exc)})
         else:
             log.info("gpu_key_renamed", extra={"from": old, "to": new, "rows": moved})
@@ -602,7 +602,7 @@ class AnalyticsService:
                 "WHERE list_contains(?, port_key)",
                 [self._headroom_window_s, uplinks],
             )
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 — a failed query leaves the last figures; logged
             log.error("analytics_leaf_headroom_failed", extra={"error": repr(exc)})
             return
         ports = {
@@ -664,7 +664,7 @@ class AnalyticsService:
             return False
         try:
             msgs = await consumer.getmany(timeout_s=0, max_records=64)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 — the topology stays as it is; logged, retried
             log.warning("analytics_topology_read_failed", extra={"error": repr(exc)})
             return False
         newest: FabricTopology | None = None

@@ -25,6 +25,8 @@ parsed once per body and its identity cached; metric names are resolved once per
 
 from __future__ import annotations
 
+import functools
+
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -548,7 +550,8 @@ def _finish(result: DcgmParseResult, accs: dict[str, _Acc], ts: float, target: s
         sample = _built(
             result,
             ident.key,
-            lambda: GpuSample(
+            functools.partial(
+                GpuSample,
                 ts=sample_ts,
                 host=ident.host,
                 gpu_uuid=ident.uuid,
@@ -586,7 +589,8 @@ def _finish(result: DcgmParseResult, accs: dict[str, _Acc], ts: float, target: s
         switch = _built(
             result,
             ident.key,
-            lambda: NvSwitchSample(
+            functools.partial(
+                NvSwitchSample,
                 ts=acc.ts_ms / 1000.0 if acc.ts_ms is not None else ts,
                 host=ident.host,
                 nvswitch=ident.gpu_index,
