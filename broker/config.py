@@ -9,6 +9,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from contracts.settings import BrokerSettings
 
 
+DEFAULT_SITE_QUOTA = 64
+"""GPUs a site may hold at once unless configured (``[broker] default_site_quota``)."""
+
+
 class BrokerConfig(BaseModel):
     """How the broker offers, leases and reclaims; shared by :class:`broker.leases.LeaseBook` and
     :class:`broker.service.BrokerService`.
@@ -38,11 +42,21 @@ class BrokerConfig(BaseModel):
             can ask for a zone; a pool not listed has no zone.
         site_quotas: site → the most GPUs it may hold at once (live leases plus claims being
             granted); a site not listed gets ``default_site_quota``.
-        default_site_quota: quota of sites not in ``site_quotas``; ``None``: unlimited.
+        default_site_quota: quota of sites not in ``site_quotas`` (default
+            :data:`DEFAULT_SITE_QUOTA`, 64 GPUs, so no site takes a whole pool by flooding);
+            ``None``: unlimited.
         site_weights: site → fair-share weight (> 0); a site not listed weighs 1. See
             :mod:`broker.quota` for the policy (weighted max-min).
         fair_share_window_s: a site whose claim was refused this recently (for want of GPUs or
             quota) still counts as waiting for its fair share.
+        site_request_rate_per_s / site_request_burst: per-site token bucket of claims, renewals
+            and releases together (:mod:`broker.ratelimit`); past it a request is answered
+            ``rate_limited``.
+        request_max_age_s: a claim, renewal or release whose ``ts`` is older than this when it
+            arrives is ignored (counted as ``stale``): a site's queued backlog after an outage is
+            not acted on long after it was meant.
+        lease_log_timeout_s: how long writing a change to the lease log may take; past it (or on
+            any refusal) the change is undone and the request answered ``internal``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -61,9 +75,13 @@ class BrokerConfig(BaseModel):
     rebuild_timeout_s: float = Field(default=60.0, gt=0)
     pool_zones: dict[str, str] = Field(default_factory=dict)
     site_quotas: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
-    default_site_quota: int | None = Field(default=None, ge=0)
+    default_site_quota: int | None = Field(default=DEFAULT_SITE_QUOTA, ge=0)
     site_weights: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
     fair_share_window_s: float = Field(default=60.0, ge=0)
+    site_request_rate_per_s: float = Field(default=50.0, gt=0)
+    site_request_burst: float = Field(default=100.0, ge=1)
+    request_max_age_s: float = Field(default=300.0, gt=0)
+    lease_log_timeout_s: float = Field(default=5.0, gt=0)
 
     def quota_of(self, site: str) -> int | None:
         """The most GPUs ``site`` may hold at once; ``None``: unlimited."""

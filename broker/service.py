@@ -39,6 +39,7 @@ replies published meanwhile carry that context, and so do the lease-log records.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import gc
 import logging
@@ -56,6 +57,7 @@ from broker.config import BrokerConfig
 from broker.fabric import FabricError, FabricManager, NoIsolation, isolation_problem
 from broker.leaselog import read_lease_log
 from broker.leases import Answer, Changes, LeaseBook, PendingGrant, lease_message
+from broker.ratelimit import SiteRateLimiter
 from broker.tally import Tally
 from broker.transport import (
     Backoff,
@@ -68,7 +70,7 @@ from broker.transport import (
     subscriptions,
     user_properties,
 )
-from broker.wire import Malformed, parse_site_message, payload_bytes
+from broker.wire import Malformed, parse_site_message, payload_bytes, peek_id
 from contracts import (
     CapacityUpdate,
     Claim,
@@ -88,7 +90,7 @@ from contracts import (
     tracing,
 )
 from contracts.bus import Bus, BusMessage, Consumer, Producer, TopicPartition
-from contracts.leases import Partition
+from contracts.leases import LeaseReason, Partition
 
 __all__ = ["BrokerConfig", "BrokerService", "LEASE_LOG_LINGER_MS", "tune_gc"]
 
@@ -115,6 +117,27 @@ Measured with ``bench/broker.py --kafka`` (1,000 sites, 100 claims/s): claim p99
 
 _ClaimKey = tuple[str, str]
 """(site, claim_id)."""
+
+_OUTBOX_MAX = 10_000
+"""Replies kept for the next MQTT connection at most; older ones are dropped (counted)."""
+
+_PUBLISH_ATTEMPTS = 5
+"""Sends of one publish on a live connection before it is left to the reconnect resync (retained
+state) or the outbox (replies)."""
+
+_CONNECT_STEP_TIMEOUT_S = 30.0
+"""Bound on each step of a (re)connection (birth, subscriptions, resync) and of leaving a dead
+one, so a wedged step can never keep the MQTT loop from reconnecting."""
+
+_REQUESTS = {"claims": "claim", "renewals": "renewal", "releases": "release"}
+"""Site request topics (last level) → the request they carry."""
+
+
+def _unless_undone(answer: Answer, undone: set[str]) -> Answer:
+    """``answer``, or ``internal`` if the change it reports was undone (the lease log refused it)."""
+    if answer.ok and answer.lease_id is not None and answer.lease_id in undone:
+        return Answer(ReasonCode.INTERNAL, "the lease log did not take this change; nothing changed; retry")
+    return answer
 
 
 class _GcPolicy:
@@ -266,6 +289,13 @@ class BrokerService:
         """Reclaim deadline of every lease in state reclaiming, for the tick's timer."""
         self.tally = Tally()
         """Counts since start (see :meth:`stats`)."""
+        self._limiter = SiteRateLimiter(self.config.site_request_rate_per_s, self.config.site_request_burst)
+        self._unlogged: list[LeaseLogRecord] = []
+        """Records that undo failed transitions (:meth:`LeaseBook.undo`), written before any
+        other record until the lease log takes them."""
+        self._outbox: collections.deque[tuple[str, bytes, Any]] = collections.deque()
+        """Replies that could not be sent (no connection, or it dropped): sent at the next
+        connection, oldest first (at most :data:`_OUTBOX_MAX`)."""
 
     # lifecycle ----------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -433,19 +463,31 @@ class BrokerService:
         return {tp: 0 for tp in assigned if tp.topic == self.topics.capacity}
 
     # applying changes -------------------------------------------------------------------------------
-    async def _apply(self, ch: Changes, now: float, reply: Callable[[], None] | None = None) -> None:
+    async def _apply(
+        self, ch: Changes, now: float, reply: Callable[[set[str]], None] | None = None
+    ) -> set[str]:
         """Log lease transitions (flushed), then publish them, then ``reply`` (the answer to the
         site whose request made these changes: what it waits for goes out first), then the offer
-        changes on MQTT. Partitions of leases that ended are removed in the background."""
-        if ch.records:
-            assert self._producer is not None
-            headers = tracing.inject_headers()
-            for rec in ch.records:
-                await self._producer.send(
-                    self.topics.leases_log, encode(rec), key=rec.lease_id, headers=headers
-                )
-            await self._producer.flush()
-            m.RECORDS_PRODUCED.labels(topic=self.topics.leases_log).inc(len(ch.records))
+        changes on MQTT. Partitions of leases that ended are removed in the background.
+
+        Atomic per lease: a transition the lease log does not take (:meth:`_log`) is undone in
+        the book (:meth:`LeaseBook.undo`) and never published; ``reply`` gets, and this returns,
+        the ids of the leases undone (empty when everything was logged)."""
+        undone: set[str] = set()
+        if ch.records or self._unlogged:
+            undone = await self._log(ch.records)
+            if undone:
+                restore, offers = self.book.undo(ch, undone, now)
+                self._unlogged.extend(restore)
+                for rec in restore:
+                    if not rec.state.live and not self._inline_isolation:  # a grant undone: unisolate
+                        self._in_background(self._remove_partition(rec), f"fabric-remove-{rec.lease_id}")
+                m.LEASE_LOG_WRITE_FAILURES.inc(len(undone))
+                log.error("lease_transitions_undone", extra={"lease_ids": sorted(undone)})
+                ch = Changes(
+                    records=[r for r in ch.records if r.lease_id not in undone],
+                    published=ch.published, withdrawn=ch.withdrawn, forgotten=ch.forgotten,
+                ).extend(offers)  # fmt: skip
         traced = (
             publish_properties(self._protocol, user_properties=tracing.mqtt_user_properties())
             if ch.records
@@ -466,7 +508,7 @@ class BrokerService:
                 if not self._inline_isolation:
                     self._in_background(self._remove_partition(rec), f"fabric-remove-{rec.lease_id}")
         if reply is not None:
-            reply()
+            reply(undone)
         # an offer made and withdrawn within one change set was never seen by anyone: skip both
         born = {o.offer_id for o in ch.published}
         died = {o.offer_id for o in ch.withdrawn}
@@ -484,8 +526,54 @@ class BrokerService:
         for rec in ch.forgotten:
             self.tally.forgotten(rec)
             self._publish(self.mqtt.lease(rec.site, rec.lease_id), b"", retain=True)
-        if ch.records or ch.forgotten:
+        if ch.records or ch.forgotten or undone:
             self.tally.lease_gauges()
+        return undone
+
+    async def _log(self, records: Sequence[LeaseLogRecord]) -> set[str]:
+        """Write the pending undo records, then ``records``, to the lease log and wait until they
+        are acknowledged (at most ``lease_log_timeout_s``). Returns the lease ids of ``records``
+        that were not taken: all of them when the log timed out, else (several records, one
+        refused, e.g. too large) only those refused again when written one by one. Undo records
+        not taken stay pending; those taken are published. Never raises."""
+        assert self._producer is not None
+        pending = [*self._unlogged, *records]
+        try:
+            await self._write(pending)
+        except Exception as e:  # noqa: BLE001 — refused, too large, unreachable, not encodable
+            log.error("lease_log_write_failed", extra={"records": len(pending), "error": repr(e)[:300]})
+            if isinstance(e, TimeoutError) or len(pending) == 1:
+                failed = pending
+            else:
+                failed = []
+                for rec in pending:
+                    try:
+                        await self._write([rec])
+                    except Exception:  # noqa: BLE001 — this record alone is refused
+                        failed.append(rec)
+        else:
+            failed = []
+        failed_ids = {id(r) for r in failed}
+        written_undo = [r for r in self._unlogged if id(r) not in failed_ids]
+        self._unlogged = [r for r in self._unlogged if id(r) in failed_ids]
+        if written_undo:
+            m.RECORDS_PRODUCED.labels(topic=self.topics.leases_log).inc(len(written_undo))
+        for rec in written_undo:
+            if rec.reason != LeaseReason.LOG_WRITE_FAILED:
+                self._publish(self.mqtt.lease(rec.site, rec.lease_id), encode(lease_message(rec)), retain=True)
+        taken = len(records) - sum(1 for r in records if id(r) in failed_ids)
+        if taken:
+            m.RECORDS_PRODUCED.labels(topic=self.topics.leases_log).inc(taken)
+        return {r.lease_id for r in records if id(r) in failed_ids}
+
+    async def _write(self, records: Sequence[LeaseLogRecord]) -> None:
+        """Send ``records`` and flush, within ``lease_log_timeout_s``; raises what failed."""
+        assert self._producer is not None
+        headers = tracing.inject_headers()
+        async with asyncio.timeout(self.config.lease_log_timeout_s):
+            for rec in records:
+                await self._producer.send(self.topics.leases_log, encode(rec), key=rec.lease_id, headers=headers)
+            await self._producer.flush()
 
     def _count_transition(self, rec: LeaseLogRecord) -> None:
         self.tally.transition(rec)
@@ -573,10 +661,13 @@ class BrokerService:
         """QoS 1 publish, sent in call order without waiting here for its PUBACK: the book's lock
         is not held across MQTT round trips, so a claim's offer changes, lease message and reply
         go out back to back (awaiting each PUBACK in turn made a claim cost four round trips).
-        ``False`` if not connected. A publish that fails later is logged (``mqtt_publish_failed``);
-        the reconnect resync republishes retained state, so a lost retained publish heals itself."""
+        ``False`` if not connected. A publish that fails is sent again on the same connection (at
+        most :data:`_PUBLISH_ATTEMPTS` times); past that, or without a connection, a retained one is
+        left to the reconnect resync (which republishes every offer and lease the book holds and
+        clears what it does not) and a reply waits in the outbox for the next connection."""
         client = self._client
         if client is None:
+            self._undelivered(topic, payload, retain, properties)
             return False
         # tasks take their first step in creation order, and that step hands the packet to paho
         task = asyncio.create_task(self._publish_now(client, topic, payload, retain, properties))
@@ -587,56 +678,86 @@ class BrokerService:
     async def _publish_now(
         self, client: aiomqtt.Client, topic: str, payload: bytes, retain: bool, properties: Any
     ) -> None:
-        try:
-            await client.publish(
-                topic, payload, qos=1, retain=retain, properties=properties, timeout=_PUBLISH_TIMEOUT_S
-            )
-        except aiomqtt.MqttError as e:
-            log.warning("mqtt_publish_failed", extra={"topic": topic, "error": str(e)})
+        for attempt in range(1, _PUBLISH_ATTEMPTS + 1):
+            try:
+                await client.publish(
+                    topic, payload, qos=1, retain=retain, properties=properties, timeout=_PUBLISH_TIMEOUT_S
+                )
+                return
+            except aiomqtt.MqttError as e:
+                log.warning("mqtt_publish_failed", extra={"topic": topic, "error": str(e), "attempt": attempt})
+                if client is not self._client or attempt == _PUBLISH_ATTEMPTS:
+                    break
+                m.MQTT_PUBLISH_FAILURES.labels(outcome="retried").inc()
+                await asyncio.sleep(0.05 * attempt)
+        self._undelivered(topic, payload, retain, properties)
+
+    def _undelivered(self, topic: str, payload: bytes, retain: bool, properties: Any) -> None:
+        """A publish that could not be delivered: retained state is republished by the resync of
+        the next connection; a reply is kept in the outbox for it (the oldest dropped, counted,
+        past :data:`_OUTBOX_MAX`)."""
+        if retain:
+            m.MQTT_PUBLISH_FAILURES.labels(outcome="resync").inc()
+            return
+        if len(self._outbox) >= _OUTBOX_MAX:
+            self._outbox.popleft()
+            m.MQTT_PUBLISH_FAILURES.labels(outcome="dropped").inc()
+        self._outbox.append((topic, payload, properties))
+        m.MQTT_PUBLISH_FAILURES.labels(outcome="queued").inc()
 
     def _peer_state(self, online: bool) -> bytes:
         return encode(PeerState(peer=self._client_id, online=online, seq=self._seq, ts=self._clock()))
 
     # MQTT -------------------------------------------------------------------------------------------------
     async def _mqtt_loop(self) -> None:
+        """Connect, serve, and reconnect with backoff — forever: every error of a connection, a
+        message or a resync ends only that connection (each connection step and leaving a dead
+        connection are bounded by :data:`_CONNECT_STEP_TIMEOUT_S`)."""
         backoff = Backoff(self.config.reconnect_min_s, self.config.reconnect_max_s)
         while True:
-            self._seq = birth_seq()
-            client = make_client(
-                self._host,
-                self._port,
-                username=self._username,
-                password=self._password,
-                identifier=self._client_id,
-                protocol=self._protocol,
-                state_topic=self.mqtt.broker_state,
-                peer=self._client_id,
-                seq=self._seq,
-                persistent=True,
-                tls=self._tls,
-            )
-            client.pending_calls_threshold = _PENDING_PUBLISHES_WARN
             connected = False
+            client: aiomqtt.Client | None = None
             try:
-                async with client:
-                    connected = True
-                    m.MQTT_CONNECTIONS.labels(result="connected").inc()
-                    backoff.reset()
-                    self._client = client
+                self._seq = birth_seq()
+                client = make_client(
+                    self._host,
+                    self._port,
+                    username=self._username,
+                    password=self._password,
+                    identifier=self._client_id,
+                    protocol=self._protocol,
+                    state_topic=self.mqtt.broker_state,
+                    peer=self._client_id,
+                    seq=self._seq,
+                    persistent=True,
+                    tls=self._tls,
+                )
+                client.pending_calls_threshold = _PENDING_PUBLISHES_WARN
+                async with asyncio.timeout(_CONNECT_STEP_TIMEOUT_S):
+                    await client.__aenter__()
+                connected = True
+                m.MQTT_CONNECTIONS.labels(result="connected").inc()
+                backoff.reset()
+                self._client = client
+                async with asyncio.timeout(_CONNECT_STEP_TIMEOUT_S):
                     await self._on_connect(client)
-                    async for msg in client.messages:
-                        await self._on_message(msg)
+                async for msg in client.messages:
+                    await self._on_message(msg)
             except aiomqtt.MqttError as e:
                 m.MQTT_CONNECTIONS.labels(result="lost" if connected else "failed").inc()
                 log.warning(
                     "mqtt_disconnected", extra={"host": self._host, "port": self._port, "error": str(e)}
                 )
-            except Exception:  # noqa: BLE001 — e.g. a resync publish failing oddly: reconnect, never die
+            except Exception:  # noqa: BLE001 — e.g. a resync step timing out: reconnect, never die
                 m.MQTT_CONNECTIONS.labels(result="lost" if connected else "failed").inc()
                 log.exception("mqtt_loop_error", extra={"host": self._host, "port": self._port})
             finally:
                 self._client = None
                 self._connected.clear()
+                if connected and client is not None:
+                    with contextlib.suppress(Exception):
+                        async with asyncio.timeout(_CONNECT_STEP_TIMEOUT_S):
+                            await client.__aexit__(None, None, None)
             await asyncio.sleep(backoff.next())
 
     async def _on_connect(self, client: aiomqtt.Client) -> None:
@@ -654,6 +775,9 @@ class BrokerService:
                 self._publish(
                     self.mqtt.lease(rec.site, rec.lease_id), encode(lease_message(rec)), retain=True
                 )
+            outbox, self._outbox = list(self._outbox), collections.deque()
+            for topic, payload, props in outbox:
+                self._publish(topic, payload, retain=False, properties=props)
         self._connected.set()
         log.info("mqtt_connected", extra={"host": self._host, "port": self._port, "seq": self._seq})
 
@@ -670,6 +794,9 @@ class BrokerService:
                 await self._on_own_retained(topic, payload, msg.retain)
                 return
             site, kind = site_kind
+            request = _REQUESTS.get(kind)
+            if request is not None and not self._admit(site, topic, request, payload, msg.retain, msg):
+                return
             if kind == "claims":
                 await self._on_claim(site, payload, response_route(msg), user_properties(msg))
             elif kind == "renewals":
@@ -681,6 +808,40 @@ class BrokerService:
         except Exception:  # noqa: BLE001 — one bad message must not stop the broker
             self.tally.reject(ReasonCode.INTERNAL.value)
             log.exception("mqtt_message_failed", extra={"topic": topic})
+            site_kind = self.mqtt.parse_site(topic)
+            if site_kind is not None and site_kind[1] in _REQUESTS:
+                request = _REQUESTS[site_kind[1]]
+                in_reply_to = peek_id(payload, "claim_id" if request == "claim" else "lease_id")
+                self._reply(
+                    site_kind[0], in_reply_to, Malformed(ReasonCode.INTERNAL, "internal error; retry"),
+                    response_route(msg), request,
+                )  # fmt: skip
+
+    def _admit(
+        self, site: str, topic: str, request: str, payload: bytes, retain: bool, msg: aiomqtt.Message
+    ) -> bool:
+        """Whether a site request may go on: a retained one is ignored (counted ``retained``) and
+        cleared — it would be acted on again at every broker (re)start; one past the site's rate
+        limit is answered ``rate_limited``."""
+        if retain:
+            if payload:
+                m.IGNORED_REQUESTS.labels(reason="retained").inc()
+                self.tally.reject("retained")
+                log.warning("retained_request_ignored", extra={"site": site, "topic": topic})
+                self._publish(topic, b"", retain=True)
+            return False
+        if self._limiter.allow(site, time.monotonic()):
+            return True
+        m.RATE_LIMITED.labels(site=site).inc()
+        self.tally.reject(ReasonCode.RATE_LIMITED.value)
+        in_reply_to = peek_id(payload, "claim_id" if request == "claim" else "lease_id")
+        self._reply(
+            site, in_reply_to,
+            Malformed(ReasonCode.RATE_LIMITED, f"more than {self._limiter.rate:g} requests/s "
+                      f"(burst {self._limiter.burst:g}); retry later"),
+            response_route(msg), request,
+        )  # fmt: skip
+        return False
 
     async def _on_own_retained(self, topic: str, payload: bytes, retain: bool) -> None:
         """A retained offer or lease message on the server that the book does not know (left by an
@@ -739,10 +900,23 @@ class BrokerService:
         log.info("site_state", extra={"site": site, "online": st.online, "seq": st.seq})
 
     def _reply(
-        self, site: str, in_reply_to: str, answer: Answer | Malformed, route: tuple[str | None, bytes | None]
+        self,
+        site: str,
+        in_reply_to: str,
+        answer: Answer | Malformed,
+        route: tuple[str | None, bytes | None],
+        request: str | None = None,
+        request_id: str | None = None,
     ) -> None:
-        """Publish the :class:`contracts.Reply` to a site's request (see the module docstring)."""
+        """Publish the :class:`contracts.Reply` to a site's ``request`` (``claim``, ``renewal``,
+        ``release``; see the module docstring); an ``ok`` answer about a live lease carries its
+        ``expires_at`` and the lease TTL."""
         lease_id = answer.lease_id if isinstance(answer, Answer) else None
+        rid = request_id if request_id is not None else getattr(answer, "request_id", None)
+        expires_at = ttl = None
+        rec = self.book.leases.get(lease_id) if lease_id is not None and answer.code is ReasonCode.OK else None
+        if rec is not None and rec.state.live:
+            expires_at, ttl = rec.expires_at, self.config.lease_ttl_s
         reply = encode(
             Reply(
                 in_reply_to=in_reply_to,
@@ -751,6 +925,10 @@ class BrokerService:
                 text=answer.text,
                 lease_id=lease_id,
                 ts=self._clock(),
+                request=request,
+                request_id=rid,
+                expires_at=expires_at,
+                ttl_seconds=ttl,
             )
         )
         response_topic, corr = route
@@ -762,6 +940,27 @@ class BrokerService:
         own_subtree = f"{self.mqtt.root}/sites/{site}/"
         if response_topic and response_topic != replies and response_topic.startswith(own_subtree):
             self._publish(response_topic, reply, retain=False, properties=props)
+
+    def _malformed(
+        self, site: str, request: str, bad: Malformed, route: tuple[str | None, bytes | None]
+    ) -> None:
+        """Answer, count (``gpupool_broker_malformed_messages_total``) and log a refused message."""
+        m.MALFORMED_MESSAGES.labels(request=request, check=bad.check or "schema").inc()
+        log.info(
+            "request_malformed",
+            extra={"site": site, "request": request, "code": bad.code.value, "check": bad.check,
+                   "text": bad.text},
+        )  # fmt: skip
+        self._reply(site, bad.in_reply_to, bad, route, request, bad.request_id)
+
+    def _stale(self, ts: float) -> bool:
+        """True (counted as ``stale``) if a request sent at ``ts`` is older than
+        ``request_max_age_s``: it is then ignored."""
+        if self._clock() - ts <= self.config.request_max_age_s:
+            return False
+        m.IGNORED_REQUESTS.labels(reason="stale").inc()
+        self.tally.reject("stale")
+        return True
 
     async def _on_claim(
         self,
@@ -807,10 +1006,11 @@ class BrokerService:
         (it then ends ``span``). ``t0``: the claim's arrival (``time.perf_counter``)."""
         claim = parse_site_message(Claim, payload, "claim_id")
         if isinstance(claim, Malformed):
+            self._malformed(site, "claim", claim, route)
             self.tally.claim(claim.code)
-            log.info("claim_rejected", extra={"site": site, "code": claim.code.value, "text": claim.text})
-            self._reply(site, claim.in_reply_to, claim, route)
             return claim.code
+        if self._stale(claim.ts):
+            return None
         if span.is_recording():
             span.set_attribute("messaging.message.id", claim.claim_id)
             if claim.offer_id is not None:
@@ -826,7 +1026,9 @@ class BrokerService:
             now = self._clock()
             step, ch = self.book.begin_claim(site, claim, now)
             if isinstance(step, PendingGrant) and not self._inline_isolation:
-                task = self._in_background(self._isolate_claim(step, route, span, t0), "claim-isolate")
+                task = self._in_background(
+                    self._isolate_claim(step, route, span, t0, claim.request_id), "claim-isolate"
+                )
                 self._claiming[key] = (step.record.lease_id, task)
                 await self._apply(ch, now)  # the claimed offer withdrawn, the node's rest offered
                 return None
@@ -834,7 +1036,11 @@ class BrokerService:
                 with _grant_span(step) as grant:
                     answer, ch2 = self.book.grant(step, now, None)
                     ch.extend(ch2)
-                    await self._apply(ch, now, reply=lambda: self._reply(site, claim.claim_id, answer, route))
+                    undone = await self._apply(
+                        ch, now, reply=lambda u: self._reply(site, claim.claim_id, _unless_undone(answer, u),
+                                                             route, "claim", claim.request_id),
+                    )  # fmt: skip
+                    answer = _unless_undone(answer, undone)
                     if not answer.ok:
                         tracing.mark_error(grant, answer.code.value, answer.text)
             else:
@@ -842,7 +1048,9 @@ class BrokerService:
                 rec = self.book.leases.get(answer.lease_id or "")
                 if answer.replayed and rec is not None:
                     self._publish(self.mqtt.lease(site, rec.lease_id), encode(lease_message(rec)), retain=True)
-                await self._apply(ch, now, reply=lambda: self._reply(site, claim.claim_id, answer, route))
+                await self._apply(
+                    ch, now, reply=lambda _: self._reply(site, claim.claim_id, answer, route, "claim", claim.request_id)
+                )  # fmt: skip
         self._claim_answered(site, claim.claim_id, answer, t0)
         return answer.code
 
@@ -870,7 +1078,12 @@ class BrokerService:
             _end_claim_span(span, code)
 
     async def _isolate_claim(
-        self, pending: PendingGrant, route: tuple[str | None, bytes | None], span: trace.Span, t0: float
+        self,
+        pending: PendingGrant,
+        route: tuple[str | None, bytes | None],
+        span: trace.Span,
+        t0: float,
+        request_id: str | None = None,
     ) -> None:
         """Isolate a reserved claim on the fabric without the service lock, then grant it (or
         abort with ``isolation_failed``) under the lock, reply, and end ``span``. Never raises:
@@ -886,16 +1099,23 @@ class BrokerService:
                         answer, ch = self.book.abort(pending, ReasonCode.ISOLATION_FAILED, problem, now)
                     else:
                         answer, ch = self.book.grant(pending, now, partition)
-                    await self._apply(
-                        ch, now, reply=lambda: self._reply(pending.site, pending.claim_id, answer, route)
-                    )
+                    undone = await self._apply(
+                        ch, now, reply=lambda u: self._reply(pending.site, pending.claim_id,
+                                                             _unless_undone(answer, u), route, "claim",
+                                                             request_id)
+                    )  # fmt: skip
+                    answer = _unless_undone(answer, undone)
                 if not answer.ok:
                     tracing.mark_error(grant, answer.code.value, answer.text)
             self._claim_answered(pending.site, pending.claim_id, answer, t0)
             code = answer.code
-        except Exception:  # noqa: BLE001 — e.g. the lease log unreachable: as _on_message does
+        except Exception:  # noqa: BLE001 — a bug: count, log, and still answer the site
             self.tally.reject(ReasonCode.INTERNAL.value)
             log.exception("claim_failed", extra={"site": pending.site, "claim_id": pending.claim_id})
+            self._reply(
+                pending.site, pending.claim_id, Malformed(ReasonCode.INTERNAL, "internal error; retry"), route,
+                "claim", request_id,
+            )  # fmt: skip
         finally:
             self._claiming.pop(key, None)
             _end_claim_span(span, code)
@@ -941,10 +1161,13 @@ class BrokerService:
         route: tuple[str | None, bytes | None],
         model: type[Renewal] | type[Release],
     ) -> None:
+        kind = "renewal" if model is Renewal else "release"
         req = parse_site_message(model, payload, "lease_id")
         if isinstance(req, Malformed):
+            self._malformed(site, kind, req, route)
             self.tally.reject(req.code.value)
-            self._reply(site, req.in_reply_to, req, route)
+            return
+        if self._stale(req.ts):
             return
         async with self._lock:
             now = self._clock()
@@ -952,7 +1175,11 @@ class BrokerService:
                 answer, ch = self.book.renew(site, req, now)
             else:
                 answer, ch = self.book.release(site, req, now)
-            await self._apply(ch, now, reply=lambda: self._reply(site, req.lease_id, answer, route))
+            undone = await self._apply(
+                ch, now, reply=lambda u: self._reply(site, req.lease_id, _unless_undone(answer, u), route, kind,
+                                                     req.request_id),
+            )  # fmt: skip
+            answer = _unless_undone(answer, undone)
         if not answer.ok:
             self.tally.reject(answer.code.value)
 
@@ -968,8 +1195,11 @@ class BrokerService:
                         now = self._clock()
                         ch = Changes()
                         for msg in batch:
-                            ch.extend(self._on_traced_record(msg, now))
-                        await self._apply(ch, now)
+                            try:
+                                ch.extend(self._on_traced_record(msg, now))
+                            except Exception as e:  # noqa: BLE001 — one record must not fail the batch
+                                self._bad_record("record_failed", msg, e)
+                        await self._apply(ch, now)  # a transition the log refuses is undone alone
                     await self._consumer.commit()
                 backoff.reset()
             except asyncio.CancelledError:

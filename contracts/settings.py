@@ -194,7 +194,8 @@ class BrokerSettings(BaseModel):
             ``broker.service.tune_gc``).
         pool_zones: pool name → latency zone stamped on its offers (``[broker.pool_zones]``).
         site_quotas: site → the most GPUs it may hold at once (``[broker.site_quotas]``).
-        default_site_quota: quota of sites not in ``site_quotas``; unset: unlimited.
+        default_site_quota: quota of sites not in ``site_quotas``; default 64 GPUs (so no
+            site takes a whole pool by flooding); a large number for practically unlimited.
         site_weights: site → fair-share weight, > 0 (``[broker.site_weights]``; default 1).
         fair_share_window_s: a site refused this recently still counts as waiting for its share,
             seconds (policy: :mod:`broker.quota`).
@@ -217,7 +218,7 @@ class BrokerSettings(BaseModel):
     tune_gc: bool = True
     pool_zones: dict[str, str] = Field(default_factory=dict)
     site_quotas: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
-    default_site_quota: int | None = Field(default=None, ge=0)
+    default_site_quota: int | None = Field(default=64, ge=0)
     site_weights: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
     fair_share_window_s: float = Field(default=60.0, ge=0)
 

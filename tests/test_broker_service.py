@@ -272,9 +272,9 @@ async def test_malformed_claims_get_a_reason_code_and_change_nothing(mqtt_port: 
             (b"[1, 2]", ReasonCode.MALFORMED, ""),
             (json.dumps({"claim_id": "k1", "site": "edge-a"}).encode(), ReasonCode.MALFORMED, "k1"),
             (json.dumps({**good, "claim_id": "k2", "count": -1}).encode(), ReasonCode.MALFORMED, "k2"),
-            (json.dumps({**good, "claim_id": "k3", "extra": 1}).encode(), ReasonCode.MALFORMED, "k3"),
+            (json.dumps({**good, "claim_id": "k3", "count": True}).encode(), ReasonCode.MALFORMED, "k3"),
             (
-                json.dumps({**good, "claim_id": "k4", "schema_version": 2}).encode(),
+                json.dumps({**good, "claim_id": "k4", "schema_version": 0}).encode(),
                 ReasonCode.UNSUPPORTED_VERSION,
                 "k4",
             ),
