@@ -6,6 +6,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from contracts.mqtt import LIMITS
 from contracts.settings import BrokerSettings
 
 
@@ -78,9 +79,9 @@ class BrokerConfig(BaseModel):
     default_site_quota: int | None = Field(default=DEFAULT_SITE_QUOTA, ge=0)
     site_weights: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
     fair_share_window_s: float = Field(default=60.0, ge=0)
-    site_request_rate_per_s: float = Field(default=50.0, gt=0)
-    site_request_burst: float = Field(default=100.0, ge=1)
-    request_max_age_s: float = Field(default=300.0, gt=0)
+    site_request_rate_per_s: float = Field(default=LIMITS.site_request_rate_per_s, gt=0)
+    site_request_burst: float = Field(default=LIMITS.site_request_burst, ge=1)
+    request_max_age_s: float = Field(default=LIMITS.request_max_age_seconds, gt=0)
     lease_log_timeout_s: float = Field(default=5.0, gt=0)
 
     def quota_of(self, site: str) -> int | None:

@@ -11,7 +11,8 @@ Invariants (checked by :meth:`LeaseBook.violations`, property-tested with hypoth
   or not ``idle`` in the newest capacity update (or whose newest update is older than
   ``capacity_max_age_s``: checked at every call with ``now``); a node has at most one offer;
 * an offer never promises past its GPUs' predicted idle time
-  (``Offer.available_until <= min(CapacityUpdate.predicted_idle_until)``);
+  (``Offer.available_until <= max(min(CapacityUpdate.predicted_idle_until), Offer.ts)``), and
+  ``available_until`` is never before the offer's ``ts``;
 * no site holds more GPUs (live leases and claims being granted) than its quota;
 * no lease is reclaiming with a deadline before its ``min_until`` unless a forced reclaim did it.
 
@@ -1037,7 +1038,11 @@ class LeaseBook:
                     out.append(f"offer {offer.offer_id} holds {g}, which is not idle")
                 elif cap.predicted_idle_until is not None:
                     preds.append(cap.predicted_idle_until)
-            if preds and (offer.available_until is None or offer.available_until > min(preds)):
+            if offer.available_until is not None and offer.available_until < offer.ts:
+                out.append(f"offer {offer.offer_id} is available_until before its ts")
+            if preds and (
+                offer.available_until is None or offer.available_until > max(min(preds), offer.ts)
+            ):
                 out.append(f"offer {offer.offer_id} promises past its GPUs' predicted idle time")
         out.extend(f"node {n} has {k} offers" for n, k in sorted(per_node.items()) if k > 1)
         counted = holdings(
@@ -1133,7 +1138,8 @@ class LeaseBook:
                     for c in caps
                 ]
                 preds = [c.predicted_idle_until for c in caps if c.predicted_idle_until is not None]
-                avail = min(preds) if preds else None
+                # never before the offer's ts: a prediction that has passed promises nothing beyond now
+                avail = max(min(preds), now) if preds else None
                 if (
                     cur is not None
                     and cur.gpus == gpus

@@ -126,8 +126,8 @@ _PUBLISH_ATTEMPTS = 5
 state) or the outbox (replies)."""
 
 _CONNECT_STEP_TIMEOUT_S = 30.0
-"""Bound on each step of a (re)connection (birth, subscriptions, resync) and of leaving a dead
-one, so a wedged step can never keep the MQTT loop from reconnecting."""
+"""Bound on the steps after a (re)connection (birth, subscriptions, resync), so a wedged step can
+never keep the MQTT loop from reconnecting."""
 
 _REQUESTS = {"claims": "claim", "renewals": "renewal", "releases": "release"}
 """Site request topics (last level) → the request they carry."""
@@ -711,12 +711,11 @@ class BrokerService:
     # MQTT -------------------------------------------------------------------------------------------------
     async def _mqtt_loop(self) -> None:
         """Connect, serve, and reconnect with backoff — forever: every error of a connection, a
-        message or a resync ends only that connection (each connection step and leaving a dead
-        connection are bounded by :data:`_CONNECT_STEP_TIMEOUT_S`)."""
+        message or a resync ends only that connection (the resync is bounded by
+        :data:`_CONNECT_STEP_TIMEOUT_S`)."""
         backoff = Backoff(self.config.reconnect_min_s, self.config.reconnect_max_s)
         while True:
             connected = False
-            client: aiomqtt.Client | None = None
             try:
                 self._seq = birth_seq()
                 client = make_client(
@@ -733,16 +732,15 @@ class BrokerService:
                     tls=self._tls,
                 )
                 client.pending_calls_threshold = _PENDING_PUBLISHES_WARN
-                async with asyncio.timeout(_CONNECT_STEP_TIMEOUT_S):
-                    await client.__aenter__()
-                connected = True
-                m.MQTT_CONNECTIONS.labels(result="connected").inc()
-                backoff.reset()
-                self._client = client
-                async with asyncio.timeout(_CONNECT_STEP_TIMEOUT_S):
-                    await self._on_connect(client)
-                async for msg in client.messages:
-                    await self._on_message(msg)
+                async with client:
+                    connected = True
+                    m.MQTT_CONNECTIONS.labels(result="connected").inc()
+                    backoff.reset()
+                    self._client = client
+                    async with asyncio.timeout(_CONNECT_STEP_TIMEOUT_S):
+                        await self._on_connect(client)
+                    async for msg in client.messages:
+                        await self._on_message(msg)
             except aiomqtt.MqttError as e:
                 m.MQTT_CONNECTIONS.labels(result="lost" if connected else "failed").inc()
                 log.warning(
@@ -754,10 +752,6 @@ class BrokerService:
             finally:
                 self._client = None
                 self._connected.clear()
-                if connected and client is not None:
-                    with contextlib.suppress(Exception):
-                        async with asyncio.timeout(_CONNECT_STEP_TIMEOUT_S):
-                            await client.__aexit__(None, None, None)
             await asyncio.sleep(backoff.next())
 
     async def _on_connect(self, client: aiomqtt.Client) -> None:

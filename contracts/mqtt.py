@@ -51,6 +51,21 @@ class _Limits:
     """Largest ``min_notice_seconds`` a claim may give, seconds."""
     max_extend_seconds: Final = 86_400.0
     """Largest ``extend_seconds`` of a renewal, seconds (the broker caps it at its lease TTL)."""
+    site_request_rate_per_s: Final = 50.0
+    """Default per-site rate of claims, renewals and releases together (token bucket refill, per
+    second); past it: ``rate_limited``."""
+    site_request_burst: Final = 100.0
+    """Default per-site burst (token bucket size)."""
+    request_max_age_seconds: Final = 300.0
+    """Default: a request whose ``ts`` is older than this on arrival is ignored (counted)."""
+    mosquitto_max_packet_bytes: Final = 65_536
+    """``max_packet_size`` of the generated Mosquitto config: the largest MQTT packet either way;
+    Mosquitto disconnects a client that sends a larger one."""
+    mosquitto_max_queued_messages: Final = 1000
+    """``max_queued_messages`` of the generated config: QoS 1 messages queued per client beyond
+    those in flight."""
+    mosquitto_max_queued_bytes: Final = 16 * 1024 * 1024
+    """``max_queued_bytes`` of the generated config, per client."""
 
 
 LIMITS = _Limits()

@@ -35,7 +35,7 @@ def test_writes_acl_and_hashed_passwords(tmp_path: Path) -> None:
     assert (out / "acl").read_text() == render_acl("gpupool/v1", SITES, "gpupool-broker")
 
     creds = json.loads((out / "credentials.json").read_text())
-    assert set(creds["users"]) == {*SITES, "gpupool-broker"}
+    assert set(creds["users"]) == {*SITES, "gpupool-broker", "gpupool-observer"}
     for password in creds["users"].values():
         assert password not in stdout
 
