@@ -71,10 +71,10 @@ from contracts import (
     Release,
     Renewal,
     Reply,
-    decode,
     encode,
     tracing,
 )
+from contracts.base import decode_compatible
 from contracts.mqtt import Requirements
 
 log = logging.getLogger(__name__)
@@ -608,7 +608,7 @@ class EdgeClient:
         if not payload or client is None:
             return
         try:
-            st = decode(PeerState, payload)
+            st = decode_compatible(PeerState, payload)
         except ValueError:
             self.undecodable += 1
             return
@@ -635,7 +635,7 @@ class EdgeClient:
             if not payload:
                 self._offer_trace.pop(offer_id, None)
                 return OfferWithdrawn(offer_id) if self._offers.pop(offer_id, None) is not None else None
-            offer = decode(Offer, payload)
+            offer = decode_compatible(Offer, payload)
             self._offers[offer.offer_id] = offer
             if tracing.enabled():  # the trace the offer belongs to, for the claim's span
                 self._offer_trace[offer.offer_id] = user_properties(msg)
@@ -645,14 +645,14 @@ class EdgeClient:
             if not payload:
                 self._leases.pop(topic[len(leases_prefix) :], None)
                 return None
-            lease = decode(LeaseMessage, payload)
+            lease = decode_compatible(LeaseMessage, payload)
             cur = self._leases.get(lease.lease_id)
             if cur is not None and cur.seq > lease.seq:
                 return None  # an older state delivered late
             self._leases[lease.lease_id] = lease
             return lease
         if topic == self.topics.replies(self.site):
-            reply = decode(Reply, payload)
+            reply = decode_compatible(Reply, payload)
             corr = msg.properties and getattr(msg.properties, "CorrelationData", None)
             key = bytes(corr).decode(errors="replace") if corr else reply.in_reply_to
             for fut in self._waiters.get(key, []):
@@ -661,5 +661,5 @@ class EdgeClient:
                     break
             return reply
         if topic == self.topics.broker_state and payload:
-            self._broker_state = decode(PeerState, payload)
+            self._broker_state = decode_compatible(PeerState, payload)
         return None

@@ -15,7 +15,8 @@ import logging
 import time
 import uuid
 
-from contracts import LeaseLogRecord, decode
+from contracts import LeaseLogRecord
+from contracts.base import decode_compatible
 from contracts.bus import Bus, BusMessage, Producer, partition_for
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ async def read_lease_log(
                     seen.add(msg.key)
                 elif msg.value is not None:
                     try:
-                        records.append(decode(LeaseLogRecord, msg.value))
+                        records.append(decode_compatible(LeaseLogRecord, msg.value))
                     except ValueError as e:
                         rejected += 1
                         log.warning(

@@ -85,10 +85,10 @@ from contracts import (
     Release,
     Renewal,
     Reply,
-    decode,
     encode,
     tracing,
 )
+from contracts.base import decode_compatible
 from contracts.bus import Bus, BusMessage, Consumer, Producer, TopicPartition
 from contracts.leases import LeaseReason, Partition
 
@@ -863,7 +863,7 @@ class BrokerService:
         if not payload:
             return
         try:
-            st = decode(PeerState, payload)
+            st = decode_compatible(PeerState, payload)
         except ValueError:
             self.tally.reject("malformed_state")
             return
@@ -882,7 +882,7 @@ class BrokerService:
                 m.SITE_UP.remove(site)
             return
         try:
-            st = decode(PeerState, payload)
+            st = decode_compatible(PeerState, payload)
         except ValueError:
             self.tally.reject("malformed_state")
             return
@@ -1233,7 +1233,7 @@ class BrokerService:
             return Changes()
         if msg.topic == self.topics.capacity:
             try:
-                update = decode(CapacityUpdate, msg.value)
+                update = decode_compatible(CapacityUpdate, msg.value)
             except ValueError as e:
                 self._bad_record("malformed_capacity", msg, e)
                 return Changes()
@@ -1241,7 +1241,7 @@ class BrokerService:
             return self.book.apply_capacity(update, now)
         if msg.topic == self.topics.pool_demand:
             try:
-                demand = decode(PoolDemand, msg.value)
+                demand = decode_compatible(PoolDemand, msg.value)
             except ValueError as e:
                 self._bad_record("malformed_demand", msg, e)
                 return Changes()

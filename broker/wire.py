@@ -22,9 +22,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from contracts import ReasonCode, Record
+from contracts.base import known_fields
 from contracts.mqtt import LIMITS
 
 R = TypeVar("R", bound=Record)
@@ -118,34 +119,6 @@ def _strings_valid(obj: object) -> bool:
     if isinstance(obj, list):
         return all(_strings_valid(v) for v in obj)
     return _clean_str(obj)
-
-
-def known_fields(model: type[BaseModel], obj: dict[str, Any]) -> dict[str, Any]:
-    """``obj`` without the keys ``model`` does not define, recursively into nested models and
-    lists of models (tolerant reading of additive changes)."""
-    out: dict[str, Any] = {}
-    for name, field in model.model_fields.items():
-        if name not in obj:
-            continue
-        value = obj[name]
-        sub = _model_of(field.annotation)
-        if sub is not None and isinstance(value, dict):
-            value = known_fields(sub, value)
-        elif sub is not None and isinstance(value, list):
-            value = [known_fields(sub, v) if isinstance(v, dict) else v for v in value]
-        out[name] = value
-    return out
-
-
-def _model_of(annotation: object) -> type[BaseModel] | None:
-    """The model in ``M``, ``M | None`` or ``list[M]``, else ``None``."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in getattr(annotation, "__args__", ()) or ():
-        found = _model_of(arg)
-        if found is not None:
-            return found
-    return None
 
 
 def _ident(obj: dict[str, Any], field: str) -> str | None:

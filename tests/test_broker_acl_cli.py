@@ -40,7 +40,7 @@ def test_writes_acl_and_hashed_passwords(tmp_path: Path) -> None:
         assert password not in stdout
 
     entries = [line.split(":", 1) for line in (out / "passwd").read_text().splitlines() if line]
-    assert sorted(user for user, _ in entries) == sorted([*SITES, "gpupool-broker"])
+    assert sorted(user for user, _ in entries) == sorted([*SITES, "gpupool-broker", "gpupool-observer"])
     for user, hashed in entries:
         assert hashed.startswith("$7$") or hashed.startswith("$6$"), (user, hashed)
         assert creds["users"][user] not in hashed
