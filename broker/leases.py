@@ -956,13 +956,11 @@ class LeaseBook:
         return ch.extend(self.tick(now))
 
     # undo ------------------------------------------------------------------------------------------
-    def undo(
-        self, ch: Changes, lease_ids: Iterable[str], now: float, demand_id: str | None = None
-    ) -> tuple[list[LeaseLogRecord], Changes]:
+    def undo(self, ch: Changes, lease_ids: Iterable[str], now: float) -> tuple[list[LeaseLogRecord], Changes]:
         """Take back the transitions of ``ch`` on ``lease_ids`` whose lease-log write failed: each
         lease is as before ``ch`` again (its GPUs held or free as then; a new lease's claim
-        answer forgotten, so the site may retry the same ``claim_id``), and ``demand_id`` (if the
-        changes came from that demand) may be applied again.
+        answer forgotten, so the site may retry the same ``claim_id``), and a demand whose
+        reclaim is undone may be applied again (its id is forgotten).
 
         Returns ``(restore, changes)``: ``restore`` the records to log so that the lease log
         supersedes a failed write that may still land (the prior record with ``seq`` past the
@@ -982,9 +980,9 @@ class LeaseBook:
                         del self._gpu_lease[g]
                 self._count_held(cur.site, -len(cur.gpus))
             if prior is None:
-                back = failed.model_copy(
-                    update={"state": LeaseState.REVOKED, "ts": now, "seq": failed.seq + 1,
-                            "reason": LeaseReason.LOG_WRITE_FAILED.value}
+                back = failed.model_copy(  # small: it must fit where the grant did not
+                    update={"state": LeaseState.REVOKED, "ts": now, "seq": failed.seq + 1, "gpus": [],
+                            "hosts": [], "offer_ids": [], "reason": LeaseReason.LOG_WRITE_FAILED.value}
                 )  # fmt: skip
                 answer = self._answers.get((failed.site, failed.claim_id))
                 if answer is not None and answer[0].lease_id == lease_id:
@@ -1005,8 +1003,10 @@ class LeaseBook:
                 node = self._node_of.get(g)
                 if node is not None:
                     dirty.add(node)
-        if demand_id is not None:
-            self._demands.pop(demand_id, None)
+        for rec in last.values():
+            demand = demand_of(rec.reason)
+            if demand is not None:
+                self._demands.pop(demand, None)
         self._reconcile(dirty, now, out)
         return restore, out
 
@@ -1188,6 +1188,14 @@ def _promise_holds(offered: float | None, now_predicted: float | None) -> bool:
     if offered is None or now_predicted is None:
         return offered is None and now_predicted is None
     return offered <= now_predicted
+
+
+def demand_of(reason: str) -> str | None:
+    """The demand id of a reclaim's ``reason`` (``demand:<id>[;suffix]``), else ``None``."""
+    prefix = f"{LeaseReason.DEMAND}:"
+    if not reason.startswith(prefix):
+        return None
+    return reason[len(prefix):].split(";", 1)[0]
 
 
 def renewal_time(ts: float) -> str:

@@ -56,7 +56,7 @@ from broker import metrics as m
 from broker.config import BrokerConfig
 from broker.fabric import FabricError, FabricManager, NoIsolation, isolation_problem
 from broker.leaselog import read_lease_log
-from broker.leases import Answer, Changes, LeaseBook, PendingGrant, lease_message
+from broker.leases import Answer, Changes, LeaseBook, PendingGrant, demand_of, lease_message
 from broker.ratelimit import SiteRateLimiter
 from broker.tally import Tally
 from broker.transport import (
@@ -293,6 +293,12 @@ class BrokerService:
         self._unlogged: list[LeaseLogRecord] = []
         """Records that undo failed transitions (:meth:`LeaseBook.undo`), written before any
         other record until the lease log takes them."""
+        self._producer_broken = False
+        """A refused write left the producer unusable and no new one could start yet."""
+        self._demand_retry: list[PoolDemand] = []
+        """Demands to apply again with the next bus batch (:meth:`_retry_demands`)."""
+        self._demands_seen: dict[str, PoolDemand] = {}
+        """Demands read recently, by id (what :meth:`_retry_demands` re-applies)."""
         self._outbox: collections.deque[tuple[str, bytes, Any]] = collections.deque()
         """Replies that could not be sent (no connection, or it dropped): sent at the next
         connection, oldest first (at most :data:`_OUTBOX_MAX`)."""
@@ -538,19 +544,29 @@ class BrokerService:
         not taken stay pending; those taken are published. Never raises."""
         assert self._producer is not None
         pending = [*self._unlogged, *records]
+        if self._producer_broken:
+            await self._reset_producer()
         try:
             await self._write(pending)
         except Exception as e:  # noqa: BLE001 — refused, too large, unreachable, not encodable
             log.error("lease_log_write_failed", extra={"records": len(pending), "error": repr(e)[:300]})
-            if isinstance(e, TimeoutError) or len(pending) == 1:
+            if not isinstance(e, TimeoutError):
+                await self._reset_producer()
+            if isinstance(e, TimeoutError):
                 failed = pending
             else:
                 failed = []
                 for rec in pending:
-                    try:
-                        await self._write([rec])
-                    except Exception:  # noqa: BLE001 — this record alone is refused
-                        failed.append(rec)
+                    # twice: the first attempt may only raise the delivery error of an earlier
+                    # record (the producer reports it at the next send)
+                    for attempt in (1, 2):
+                        try:
+                            await self._write([rec])
+                            break
+                        except Exception:  # noqa: BLE001 — this record alone is refused
+                            await self._reset_producer()
+                            if attempt == 2:
+                                failed.append(rec)
         else:
             failed = []
         failed_ids = {id(r) for r in failed}
@@ -565,6 +581,25 @@ class BrokerService:
         if taken:
             m.RECORDS_PRODUCED.labels(topic=self.topics.leases_log).inc(taken)
         return {r.lease_id for r in records if id(r) in failed_ids}
+
+    async def _reset_producer(self) -> None:
+        """Replace the lease-log producer after a refused write: an idempotent Kafka producer
+        whose batch was refused (e.g. too large) has a gap in its sequence numbers and every later
+        batch of it fails (``OutOfOrderSequenceNumber``). The old one is stopped in the
+        background; if no new one starts (within ``lease_log_timeout_s``) the old one is kept and
+        the next write tries again. Never raises."""
+        fresh = self.bus.producer(client_id=self._client_id, linger_ms=self._linger_ms)
+        try:
+            async with asyncio.timeout(self.config.lease_log_timeout_s):
+                await fresh.start()
+        except Exception as e:  # noqa: BLE001 — e.g. Kafka unreachable: keep the old one for now
+            self._producer_broken = True
+            log.warning("lease_log_producer_reset_failed", extra={"error": repr(e)[:300]})
+            self._in_background(_stop_quietly(fresh), "lease-log-producer-stop")
+            return
+        old, self._producer, self._producer_broken = self._producer, fresh, False
+        if old is not None:
+            self._in_background(_stop_quietly(old), "lease-log-producer-stop")
 
     async def _write(self, records: Sequence[LeaseLogRecord]) -> None:
         """Send ``records`` and flush, within ``lease_log_timeout_s``; raises what failed."""
@@ -1184,23 +1219,40 @@ class BrokerService:
         while True:
             try:
                 batch = await self._consumer.getmany(timeout_s=1.0, max_records=1000)
-                if batch:
+                if batch or self._demand_retry:
                     async with self._lock:
                         now = self._clock()
                         ch = Changes()
+                        for demand in self._demand_retry:  # demands whose reclaim the log refused
+                            ch.extend(self.book.apply_demand(demand, now)[1])
+                        self._demand_retry = []
                         for msg in batch:
                             try:
                                 ch.extend(self._on_traced_record(msg, now))
                             except Exception as e:  # noqa: BLE001 — one record must not fail the batch
                                 self._bad_record("record_failed", msg, e)
-                        await self._apply(ch, now)  # a transition the log refuses is undone alone
-                    await self._consumer.commit()
+                        undone = await self._apply(ch, now)  # a transition the log refuses is undone alone
+                        self._retry_demands(ch, undone)
+                    if batch:
+                        await self._consumer.commit()
                 backoff.reset()
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 — a bus hiccup must not stop the broker
                 log.exception("bus_batch_failed")
                 await asyncio.sleep(backoff.next())
+
+    def _retry_demands(self, ch: Changes, undone: set[str]) -> None:
+        """Apply again, with the next batch, the demands whose reclaims were undone (the lease log
+        refused them); the demand record itself is consumed and committed, so it would not come
+        back. Each demand is retried while it is younger than ``demand_max_age_s``."""
+        ids = {demand_of(r.reason) for r in ch.records if r.lease_id in undone} - {None}
+        for demand_id in sorted(i for i in ids if i is not None):
+            demand = self._demands_seen.get(demand_id)
+            if demand is not None:
+                self._demand_retry.append(demand)
+        if len(self._demands_seen) > 10_000:
+            self._demands_seen.clear()
 
     def _on_traced_record(self, msg: BusMessage, now: float) -> Changes:
         """:meth:`_on_record` inside a ``process <topic>`` span (CONSUMER) when the record carries a
@@ -1245,6 +1297,7 @@ class BrokerService:
             except ValueError as e:
                 self._bad_record("malformed_demand", msg, e)
                 return Changes()
+            self._demands_seen[demand.demand_id] = demand
             result, ch = self.book.apply_demand(demand, now)
             self.tally.demand(result)
             log.info(
@@ -1294,6 +1347,14 @@ class BrokerService:
         after it. The deadlines are kept as transitions are applied (no scan of the book)."""
         soonest = min(self._deadlines.values(), default=math.inf)
         return min(self.config.tick_s, max(0.0, soonest - self._clock()))
+
+
+async def _stop_quietly(producer: Producer) -> None:
+    """Stop a replaced lease-log producer; its errors are logged, never raised."""
+    try:
+        await producer.stop()
+    except Exception as e:  # noqa: BLE001 — it was replaced because it failed
+        log.info("lease_log_producer_stopped_with_error", extra={"error": repr(e)[:300]})
 
 
 @contextlib.contextmanager
