@@ -794,7 +794,9 @@ class BrokerService:
         await client.publish(self.mqtt.broker_state, self._peer_state(True), qos=1, retain=True)
         inbound = [*self.mqtt.site_inbound_filters, self.mqtt.broker_state]
         own = [self.mqtt.offers_filter, f"{self.mqtt.root}/sites/+/leases/+"]
-        await client.subscribe(subscriptions(self._protocol, inbound))
+        # retain as published: a request a site publishes retained is recognised (and ignored)
+        # also when it arrives live, not only when replayed at a (re)subscription
+        await client.subscribe(subscriptions(self._protocol, inbound, retain_as_published=True))
         await client.subscribe(subscriptions(self._protocol, own, no_local=True))
         async with self._lock:
             now = self._clock()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import statistics
 import time
 import uuid
@@ -29,7 +30,7 @@ from typing import Any
 
 import aiomqtt
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
@@ -87,6 +88,9 @@ class _Site:
         self.client = aiomqtt.Client(
             creds["host"], creds["port"], username=name, password=creds["users"][name],
             identifier=f"fuzz-{name}", protocol=aiomqtt.ProtocolVersion.V5 if protocol == 5 else aiomqtt.ProtocolVersion.V311,
+            # as the edge SDK does (broker/transport.py): no Nagle, or a request waits ~40 ms
+            # for the delayed ACK of the previous one
+            socket_options=((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),),
         )  # fmt: skip
         self.replies: asyncio.Queue[Reply] = asyncio.Queue()
         self.leases: list[str] = []
@@ -189,8 +193,10 @@ def _mutate(site: str, kind: str, mutation: str, noise: bytes, other_lease: str 
         return json.dumps([base]).encode()
     if mutation == "site_field":
         return json.dumps({**base, "site": next(s for s in SITES if s != site)}).encode()
-    if mutation == "other_sites_lease":
-        return json.dumps(base).encode()  # other_lease is another site's lease (or none)
+    if mutation == "other_sites_lease":  # another site's lease id (or none) where this site's belongs
+        if kind == "claims":
+            base["offer_id"] = other_lease or "lease-none"
+        return json.dumps(base).encode()
     if mutation == "missing_id":
         base.pop("claim_id" if kind == "claims" else "lease_id")
         return json.dumps(base).encode()
@@ -287,7 +293,7 @@ async def _scenario(creds: dict[str, Any], plan: list[tuple[Any, ...]]) -> None:
             else:
                 _, _, kind, mutation, noise = step
                 other = sites["edge-b" if site.name == "edge-a" else "edge-a"]
-                other_lease = other.leases[0] if other.leases and kind != "claims" else None
+                other_lease = other.leases[0] if other.leases else None
                 payload = _mutate(site.name, kind, mutation, noise, other_lease)
                 if mutation in IGNORED:
                     reason = "retained" if mutation == "retained" else "stale"
@@ -303,15 +309,18 @@ async def _scenario(creds: dict[str, Any], plan: list[tuple[Any, ...]]) -> None:
                     reply = await site.reply_to(None)
                     assert reply.code is not ReasonCode.OK, (mutation, kind, reply)
                     assert reply.code in {ReasonCode.MALFORMED, ReasonCode.UNSUPPORTED_VERSION,
-                                          ReasonCode.SITE_MISMATCH, ReasonCode.UNKNOWN_LEASE}, (mutation, reply)  # fmt: skip
+                                          ReasonCode.SITE_MISMATCH, ReasonCode.UNKNOWN_LEASE,
+                                          ReasonCode.UNKNOWN_OFFER}, (mutation, reply)  # fmt: skip
                 assert dict(svc.book.leases) == before, f"{mutation} changed the book"
             assert svc.book.violations() == []
             await _consistent(svc, bus, observer)
-        # the retained requests were cleared by the broker: nothing is left to replay at a restart
-        for s in sites.values():
-            for kind in ("claims", "renewals", "releases"):
-                topic = {"claims": s.t.claims, "renewals": s.t.renewals, "releases": s.t.releases}[kind](s.name)
-                assert not await _retained_payload(creds, topic), topic
+    # the retained requests were cleared by the broker: nothing is left to replay at a restart
+    # (read once every client of this scenario is gone: a second login as a user takes the
+    # first one's session over)
+    t = MqttTopics(creds["root"])
+    for name in SITES:
+        for topic in (t.claims(name), t.renewals(name), t.releases(name)):
+            assert not await _retained_payload(creds, topic), topic
 
 
 async def _retained_payload(creds: dict[str, Any], topic: str) -> bytes:
@@ -325,7 +334,9 @@ async def _retained_payload(creds: dict[str, Any], topic: str) -> bytes:
     return b""
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+# no shrinking: each example runs real services, and the failing plan is printed whole
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck),
+          phases=(Phase.explicit, Phase.reuse, Phase.generate), print_blob=True)
 @given(plan=st.lists(steps, min_size=6, max_size=16))
 def test_random_and_mutated_requests_never_break_the_broker(mosquitto: dict[str, Any], plan: list[tuple[Any, ...]]) -> None:
     asyncio.run(_scenario(mosquitto, plan))
@@ -338,4 +349,4 @@ def test_zz_good_claims_stay_fast_under_the_fuzz_load() -> None:
     ms = sorted(x * 1000 for x in GOOD_LATENCIES)
     p50, p95 = statistics.median(ms), ms[int(0.95 * (len(ms) - 1))]
     print(f"\ngood claims under fuzz: n={len(ms)} p50={p50:.1f} ms p95={p95:.1f} ms max={ms[-1]:.1f} ms")
-    assert p50 < 250.0  # the target is 50 ms; loose on a shared 2-core machine (measured: see README)
+    assert p50 < 50.0  # the target; measured p50 about 10 ms, p95 15 ms on 2 shared cores (README)
