@@ -13,9 +13,16 @@ Protocol v1 (DESIGN.md "Broker protocol", topics from :class:`contracts.MqttTopi
   and its Last Will (death), both :class:`contracts.PeerState` with a growing ``seq``.
 
 Durability: at :meth:`BrokerService.start` the lease book is rebuilt from ``leases.log`` read from
-its beginning; each transition is logged (and flushed) before it is published on MQTT. On every
-(re)connection the broker republishes its offers and leases and clears retained offers and lease
-messages it does not know (left by an earlier incarnation), so MQTT converges to the book.
+its beginning; each transition is logged (and flushed) before it is published on MQTT, and a
+transition the log refuses (or does not acknowledge within ``lease_log_timeout_s``) is undone in
+the book and answered ``internal`` (:meth:`BrokerService._apply`). On every (re)connection the
+broker republishes its offers and leases, sends the replies that could not be delivered and
+clears retained offers and lease messages it does not know (left by an earlier incarnation), so
+MQTT converges to the book.
+
+Site requests (``broker/wire.py``) are decoded strictly before any decision; retained requests
+are ignored and cleared, stale ones (``request_max_age_s``) ignored, and each site is held to a
+request rate (``site_request_rate_per_s``, ``site_request_burst``).
 
 Everything runs on one event loop; handlers of MQTT messages, bus batches and ticks take turns
 under one lock, so the book sees one change at a time. Fabric work is never done under that lock

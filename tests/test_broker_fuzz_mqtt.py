@@ -80,8 +80,35 @@ def _counter(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
-class _Site:
-    """A raw MQTT client of one site that sends requests and waits for the reply to each."""
+class _Subscriber:
+    """A raw MQTT client that reads its subscriptions in a task of its own (``_on``)."""
+
+    client: aiomqtt.Client
+    filters: tuple[str, ...] = ()
+
+    async def __aenter__(self) -> Any:
+        await self.client.__aenter__()
+        for f in self.filters:
+            await self.client.subscribe(f, qos=1)
+        self._task = asyncio.create_task(self._read())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        await self.client.__aexit__(None, None, None)
+
+    async def _read(self) -> None:
+        async for msg in self.client.messages:
+            self._on(msg)
+
+    def _on(self, msg: aiomqtt.Message) -> None:
+        raise NotImplementedError
+
+
+class _Site(_Subscriber):
+    """A site that sends raw requests and waits for the reply to each."""
 
     def __init__(self, creds: dict[str, Any], name: str, protocol: int) -> None:
         self.name, self.t = name, MqttTopics(creds["root"])
@@ -92,26 +119,12 @@ class _Site:
             # for the delayed ACK of the previous one
             socket_options=((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),),
         )  # fmt: skip
+        self.filters = (self.t.replies(name),)
         self.replies: asyncio.Queue[Reply] = asyncio.Queue()
         self.leases: list[str] = []
-        self._task: asyncio.Task[None] | None = None
 
-    async def __aenter__(self) -> _Site:
-        await self.client.__aenter__()
-        await self.client.subscribe(self.t.replies(self.name), qos=1)
-        self._task = asyncio.create_task(self._read())
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._task is not None
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-        await self.client.__aexit__(None, None, None)
-
-    async def _read(self) -> None:
-        async for msg in self.client.messages:
-            self.replies.put_nowait(decode(Reply, bytes(msg.payload)))  # type: ignore[arg-type]
+    def _on(self, msg: aiomqtt.Message) -> None:
+        self.replies.put_nowait(decode(Reply, bytes(msg.payload)))  # type: ignore[arg-type]
 
     async def send(self, kind: str, payload: bytes, retain: bool = False) -> None:
         topic = {"claims": self.t.claims, "renewals": self.t.renewals, "releases": self.t.releases}[kind](self.name)
@@ -126,7 +139,7 @@ class _Site:
                     return reply
 
 
-class _Observer:
+class _Observer(_Subscriber):
     """The read-only observer user's view of every retained lease message."""
 
     def __init__(self, creds: dict[str, Any]) -> None:
@@ -134,29 +147,15 @@ class _Observer:
         self.client = aiomqtt.Client(creds["host"], creds["port"], username="gpupool-observer",
                                      password=creds["users"]["gpupool-observer"], identifier="fuzz-observer",
                                      protocol=aiomqtt.ProtocolVersion.V5)  # fmt: skip
+        self.filters = (f"{self.t.root}/sites/+/leases/+",)
         self.leases: dict[str, LeaseMessage] = {}
-        self._task: asyncio.Task[None] | None = None
 
-    async def __aenter__(self) -> _Observer:
-        await self.client.__aenter__()
-        await self.client.subscribe(f"{self.t.root}/sites/+/leases/+", qos=1)
-        self._task = asyncio.create_task(self._read())
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._task is not None
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-        await self.client.__aexit__(None, None, None)
-
-    async def _read(self) -> None:
-        async for msg in self.client.messages:
-            lease_id = msg.topic.value.rsplit("/", 1)[1]
-            if msg.payload:
-                self.leases[lease_id] = decode(LeaseMessage, bytes(msg.payload))  # type: ignore[arg-type]
-            else:
-                self.leases.pop(lease_id, None)
+    def _on(self, msg: aiomqtt.Message) -> None:
+        lease_id = msg.topic.value.rsplit("/", 1)[1]
+        if msg.payload:
+            self.leases[lease_id] = decode(LeaseMessage, bytes(msg.payload))  # type: ignore[arg-type]
+        else:
+            self.leases.pop(lease_id, None)
 
 
 def _mutate(site: str, kind: str, mutation: str, noise: bytes, other_lease: str | None) -> bytes:
