@@ -81,6 +81,12 @@ log = logging.getLogger(__name__)
 _TRACER = tracing.tracer(__name__)
 
 
+def _request_id() -> str:
+    """A fresh ``request_id`` for a request: the broker echoes it, and answers a request that has
+    one with the full :class:`contracts.Reply` (``expires_at``, ``ttl_seconds``...)."""
+    return uuid.uuid4().hex[:16]
+
+
 class BrokerRejected(Exception):
     """The broker answered a request with a reason code other than ``ok``.
 
@@ -320,6 +326,7 @@ class EdgeClient:
             min_notice_seconds=min_notice_seconds,
             min_duration_seconds=min_duration_seconds,
             ts=time.time(),
+            request_id=_request_id(),
         )
         return await self._submit(claim, timeout_s)
 
@@ -362,6 +369,7 @@ class EdgeClient:
             min_notice_seconds=min_notice_seconds,
             min_duration_seconds=min_duration_seconds,
             ts=time.time(),
+            request_id=_request_id(),
         )
         return await self._submit(claim, timeout_s)
 
@@ -408,7 +416,8 @@ class EdgeClient:
         Returns the ``ok`` reply; the lease's retained message shows the new ``expires_at``.
         Raises :class:`LeaseRequestRejected`, ``TimeoutError``."""
         body = encode(
-            Renewal(lease_id=lease_id, site=self.site, ts=time.time(), extend_seconds=extend_seconds)
+            Renewal(lease_id=lease_id, site=self.site, ts=time.time(), extend_seconds=extend_seconds,
+                    request_id=_request_id())
         )
         reply = await self._request(self.topics.renewals(self.site), lease_id, body, timeout_s)
         if reply.code is not ReasonCode.OK:
@@ -419,7 +428,7 @@ class EdgeClient:
         """Give a lease back early. A release resent after a reconnect whose first copy had
         already worked is answered ``lease_not_live``; that counts as success when the lease's
         retained state is ``released``. Raises :class:`LeaseRequestRejected`, ``TimeoutError``."""
-        body = encode(Release(lease_id=lease_id, site=self.site, ts=time.time()))
+        body = encode(Release(lease_id=lease_id, site=self.site, ts=time.time(), request_id=_request_id()))
         reply = await self._request(self.topics.releases(self.site), lease_id, body, timeout_s)
         if reply.code is ReasonCode.OK:
             return reply

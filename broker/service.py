@@ -98,6 +98,7 @@ from contracts import (
 from contracts.base import decode_compatible
 from contracts.bus import Bus, BusMessage, Consumer, Producer, TopicPartition
 from contracts.leases import LeaseReason, Partition
+from contracts.mqtt import REPLY_ADDED_FIELDS
 
 __all__ = ["BrokerConfig", "BrokerService", "LEASE_LOG_LINGER_MS", "tune_gc"]
 
@@ -955,20 +956,21 @@ class BrokerService:
         rec = self.book.leases.get(lease_id) if lease_id is not None and answer.code is ReasonCode.OK else None
         if rec is not None and rec.state.live:
             expires_at, ttl = rec.expires_at, self.config.lease_ttl_s
-        reply = encode(
-            Reply(
-                in_reply_to=in_reply_to,
-                site=site,
-                code=answer.code,
-                text=answer.text,
-                lease_id=lease_id,
-                ts=self._clock(),
-                request=request,
-                request_id=rid,
-                expires_at=expires_at,
-                ttl_seconds=ttl,
-            )
+        msg = Reply(
+            in_reply_to=in_reply_to,
+            site=site,
+            code=answer.code,
+            text=answer.text,
+            lease_id=lease_id,
+            ts=self._clock(),
+            request=request,
+            request_id=rid,
+            expires_at=expires_at,
+            ttl_seconds=ttl,
         )
+        # a request without request_id may come from an edge site of the first release, whose
+        # reader refuses unknown fields: it gets the reply fields that release knew
+        reply = encode(msg) if rid is not None else msg.model_dump_json(exclude=REPLY_ADDED_FIELDS).encode()
         response_topic, corr = route
         props = publish_properties(
             self._protocol, correlation=corr, user_properties=tracing.mqtt_user_properties()

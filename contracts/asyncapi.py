@@ -374,7 +374,9 @@ without an answer: retained requests (never acted on; the broker clears them) an
 `ts` is older than 300 s on arrival (`request_max_age_s`); both are counted in
 `gpupool_broker_ignored_requests_total{reason}`. Match a reply by `request` (`claim`, `renewal`,
 `release`) and `in_reply_to` (the `claim_id` or `lease_id`); to tell two renewals of one lease apart
-over MQTT 3.1.1, put a `request_id` in the request: the reply echoes it. `x-reason-codes` lists
+over MQTT 3.1.1, put a `request_id` in the request: the reply echoes it, and only a request with
+a `request_id` gets the reply fields added after the first release (`request`, `request_id`,
+`expires_at`, `ttl_seconds`: sites of the first release refuse unknown fields). `x-reason-codes` lists
 every `code` with its meaning and the requests it answers.
 
 ## Renewal and TTL
@@ -383,7 +385,8 @@ A lease expires at `expires_at` unless renewed. A renewal moves `expires_at` to
 `now + min(extend_seconds, TTL)` (TTL: the broker's `lease_ttl_s`, 60 s by default; `extend_seconds`
 absent: the full TTL), never past `ends_at` (grant + the claim's `duration_seconds`) and never
 backwards; the first renewal makes a `granted` lease `active`. The `ok` reply carries the new
-`expires_at` and `ttl_seconds` (machine-readable; the `text` repeats them for people), and the
+`expires_at` and `ttl_seconds` (machine-readable, for a request with a `request_id`; the `text`
+repeats them for people), and the
 retained lease message is republished with the same `expires_at`. Renew well before it, e.g.
 every TTL/3.
 

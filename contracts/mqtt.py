@@ -394,8 +394,10 @@ class Reply(Message):
     with MQTT 5 also the request's correlation data, and a copy on its response topic when that
     lies in the site's own subtree). Every claim, renewal and release gets exactly one reply,
     except requests ignored as stale or retained (counted in
-    ``gpupool_broker_ignored_requests_total``). Match it by ``request`` + ``in_reply_to``, and by
-    ``request_id`` when the request carried one."""
+    ``gpupool_broker_ignored_requests_total``). Match it by ``in_reply_to``, and by ``request_id``
+    when the request carried one. ``request``, ``request_id``, ``expires_at`` and ``ttl_seconds``
+    are sent only in answer to a request that carried a ``request_id`` (edge sites of the first
+    release refuse unknown fields: a request without one gets the first release's reply)."""
 
     in_reply_to: str
     """The ``claim_id`` or ``lease_id`` answered; ``""`` when the request could not be parsed."""
@@ -420,6 +422,12 @@ class Reply(Message):
     ttl_seconds: float | None = None
     """For an ``ok`` claim or renewal: the broker's lease TTL, seconds (the most one renewal
     extends by)."""
+
+
+REPLY_ADDED_FIELDS = frozenset({"request", "request_id", "expires_at", "ttl_seconds"})
+"""Reply fields added after the first release of protocol v1: sent only in answer to a request
+that carries a ``request_id`` (a client of a later release); a request without one gets a reply
+of the first release's fields, which a reader of that release (unknown fields refused) decodes."""
 
 
 class PeerState(Message):

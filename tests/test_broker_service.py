@@ -249,14 +249,33 @@ async def test_reclaim_deadline_revokes_a_lease_the_site_keeps(mqtt_port: int) -
 
 
 async def _raw_request(port: int, topic: str, payload: bytes, site: str = "edge-a") -> Reply:
+    return decode(Reply, await _raw_reply_payload(port, topic, payload, site))
+
+
+async def _raw_reply_payload(port: int, topic: str, payload: bytes, site: str = "edge-a") -> bytes:
     async with aiomqtt.Client("127.0.0.1", port, identifier=f"raw-{uuid.uuid4().hex[:8]}") as c:
         await c.subscribe(MT.replies(site), qos=1)
         await c.publish(topic, payload, qos=1)
         async with asyncio.timeout(5):
             async for msg in c.messages:
                 if msg.topic.matches(MT.replies(site)):  # amqtt also sends others' retained messages
-                    return decode(Reply, bytes(msg.payload))  # type: ignore[arg-type]
+                    return bytes(msg.payload)  # type: ignore[arg-type]
     raise AssertionError("no reply")
+
+
+async def test_a_site_of_the_first_release_gets_replies_it_can_decode(mqtt_port: int) -> None:
+    """Edge sites of the first v1 release refuse unknown fields: a request without a request_id
+    gets a reply of exactly that release's fields; one with a request_id the whole reply."""
+    first_release_fields = {"schema_version", "in_reply_to", "site", "code", "text", "lease_id", "ts"}
+    bus = MemoryBus()
+    async with _service(bus, mqtt_port):
+        claim = {"claim_id": "old-1", "site": "edge-a", "count": 1, "ts": time.time()}
+        old = json.loads(await _raw_reply_payload(mqtt_port, MT.claims("edge-a"), json.dumps(claim).encode()))
+        assert set(old) == first_release_fields and old["code"] == "no_match"
+        claim = {**claim, "claim_id": "new-1", "request_id": "r-1"}
+        new = json.loads(await _raw_reply_payload(mqtt_port, MT.claims("edge-a"), json.dumps(claim).encode()))
+        assert set(new) == first_release_fields | {"request", "request_id", "expires_at", "ttl_seconds"}
+        assert (new["request"], new["request_id"]) == ("claim", "r-1")
 
 
 async def test_malformed_claims_get_a_reason_code_and_change_nothing(mqtt_port: int) -> None:
