@@ -673,3 +673,36 @@ def test_tune_gc_freezes_and_the_tick_refreezes_and_fully_collects() -> None:
     finally:
         _GC.set(0.0, 0.0, time.monotonic())
         gc.unfreeze()
+
+
+async def test_a_site_past_its_rate_limit_is_answered_rate_limited(mqtt_port: int) -> None:
+    """The per-site token bucket: ``burst`` requests pass at once, the next is answered
+    ``rate_limited`` (and changes nothing); another site is not affected."""
+    cfg = CFG.model_copy(update={"site_request_rate_per_s": 0.5, "site_request_burst": 2.0})
+    async with _service(MemoryBus(), mqtt_port, cfg) as svc:
+        codes = []
+        for i in range(3):
+            claim = {"claim_id": f"rl-{i}", "site": "edge-a", "count": 1, "ts": time.time(), "request_id": f"r{i}"}
+            codes.append((await _raw_request(mqtt_port, MT.claims("edge-a"), json.dumps(claim).encode())).code)
+        assert codes == [ReasonCode.NO_MATCH, ReasonCode.NO_MATCH, ReasonCode.RATE_LIMITED]
+        other = {"claim_id": "rl-b", "site": "edge-b", "count": 1, "ts": time.time()}
+        reply = await _raw_request(mqtt_port, MT.claims("edge-b"), json.dumps(other).encode(), site="edge-b")
+        assert reply.code is ReasonCode.NO_MATCH
+        assert svc.stats()["rejected_messages"].get("rate_limited") == 1
+
+
+async def test_an_unexpected_failure_is_answered_internal(mqtt_port: int) -> None:
+    """A bug in handling a request still gets the site an answer (``internal``), and the broker
+    keeps serving."""
+    bus = MemoryBus()
+    async with _service(bus, mqtt_port) as svc:
+
+        def broken(*_: object) -> object:
+            raise RuntimeError("a bug")
+
+        svc.book.renew = broken  # type: ignore[method-assign]
+        renewal = {"lease_id": "lease-x", "site": "edge-a", "ts": time.time()}
+        reply = await _raw_request(mqtt_port, MT.renewals("edge-a"), json.dumps(renewal).encode())
+        assert (reply.code, reply.in_reply_to) == (ReasonCode.INTERNAL, "lease-x")
+        claim = {"claim_id": "after", "site": "edge-a", "count": 1, "ts": time.time()}
+        assert (await _raw_request(mqtt_port, MT.claims("edge-a"), json.dumps(claim).encode())).code is ReasonCode.NO_MATCH
