@@ -706,3 +706,22 @@ async def test_an_unexpected_failure_is_answered_internal(mqtt_port: int) -> Non
         assert (reply.code, reply.in_reply_to) == (ReasonCode.INTERNAL, "lease-x")
         claim = {"claim_id": "after", "site": "edge-a", "count": 1, "ts": time.time()}
         assert (await _raw_request(mqtt_port, MT.claims("edge-a"), json.dumps(claim).encode())).code is ReasonCode.NO_MATCH
+
+
+async def test_the_mqtt_loop_reconnects_after_a_failed_resync(mqtt_port: int) -> None:
+    """An error inside a connection's resync ends only that connection: the loop reconnects."""
+    svc = BrokerService(bus=MemoryBus(), topics=TOPICS, mqtt_host="127.0.0.1", mqtt_port=mqtt_port, protocol=4,
+                        config=CFG)  # fmt: skip
+    real = svc._on_connect  # noqa: SLF001
+    calls = 0
+
+    async def flaky(client: aiomqtt.Client) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("resync failed oddly")
+        await real(client)
+
+    svc._on_connect = flaky  # type: ignore[method-assign]  # noqa: SLF001
+    async with running(svc, connect_timeout_s=15):
+        assert calls == 2 and svc.stats()["mqtt_connected"]
