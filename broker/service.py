@@ -809,16 +809,28 @@ class BrokerService:
         async with self._lock:
             now = self._clock()
             for offer in list(self.book.offers.values()):
-                self._publish_offer(offer, now)
+                with self._resync_step("offer", offer.offer_id):
+                    self._publish_offer(offer, now)
             for rec in list(self.book.leases.values()):
-                self._publish(
-                    self.mqtt.lease(rec.site, rec.lease_id), encode(lease_message(rec)), retain=True
-                )
+                with self._resync_step("lease", rec.lease_id):
+                    self._publish(
+                        self.mqtt.lease(rec.site, rec.lease_id), encode(lease_message(rec)), retain=True
+                    )
             outbox, self._outbox = list(self._outbox), collections.deque()
             for topic, payload, props in outbox:
                 self._publish(topic, payload, retain=False, properties=props)
         self._connected.set()
         log.info("mqtt_connected", extra={"host": self._host, "port": self._port, "seq": self._seq})
+
+    @contextlib.contextmanager
+    def _resync_step(self, what: str, ident: str) -> Iterator[None]:
+        """One item of the resync: an error is logged and counted and the resync goes on (one
+        item that cannot be published must not keep every other one, and the connection, down)."""
+        try:
+            yield
+        except Exception:  # noqa: BLE001 — see the docstring
+            self.tally.reject(f"resync_{what}_failed")
+            log.exception("resync_item_failed", extra={"what": what, "id": ident})
 
     async def _on_message(self, msg: aiomqtt.Message) -> None:
         """Dispatch one MQTT message; never raises (errors are logged and counted)."""

@@ -124,3 +124,30 @@ def test_tls_listener_binds_the_given_address_for_remote_sites(tmp_path: Path) -
         broker_app, ["acl", "--dir", str(tmp_path / "bad"), "--sites", "edge-a", *tls, "--tls-address", "a b"]
     )
     assert res.exit_code == 2 and not (tmp_path / "bad" / "mosquitto.conf").exists()
+
+
+def test_the_config_binds_client_ids_and_sets_limits(tmp_path: Path) -> None:
+    """Client ids are user names on every listener; packet and per-client queue limits are set
+    (contracts.mqtt.LIMITS); a site may write only its request topics."""
+    from contracts.mqtt import LIMITS
+
+    files = {n: tmp_path / f"{n}.pem" for n in ("ca", "server", "server-key")}
+    for f in files.values():
+        f.write_text("pem\n")
+    out = tmp_path / "mq"
+    code, _, stderr = _run(
+        "--dir", str(out), "--sites", "edge-a", "--port", "18883", "--tls-port", "18884",
+        "--cafile", str(files["ca"]), "--certfile", str(files["server"]), "--keyfile", str(files["server-key"]),
+    )  # fmt: skip
+    assert code == 0, stderr
+    lines = (out / "mosquitto.conf").read_text().splitlines()
+    assert f"max_packet_size {LIMITS.mosquitto_max_packet_bytes}" in lines
+    assert f"max_queued_messages {LIMITS.mosquitto_max_queued_messages}" in lines
+    assert f"max_queued_bytes {LIMITS.mosquitto_max_queued_bytes}" in lines
+    listeners = [i for i, line in enumerate(lines) if line.startswith("listener ")]
+    assert len(listeners) == 2
+    for start, end in zip(listeners, [*listeners[1:], len(lines)], strict=True):
+        assert "use_username_as_clientid true" in lines[start:end], lines[start]
+    acl = (out / "acl").read_text().splitlines()
+    writes = sorted(line for line in acl if line.startswith("pattern write"))
+    assert writes == sorted(f"pattern write gpupool/v1/sites/%u/{k}" for k in ("claims", "releases", "renewals", "state"))
