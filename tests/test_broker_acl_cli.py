@@ -141,6 +141,11 @@ def test_the_config_binds_client_ids_and_sets_limits(tmp_path: Path) -> None:
     )  # fmt: skip
     assert code == 0, stderr
     lines = (out / "mosquitto.conf").read_text().splitlines()
+    from broker.acl import MAX_PACKET_BYTES, MAX_QUEUED_BYTES, MAX_QUEUED_MESSAGES
+
+    assert (MAX_PACKET_BYTES, MAX_QUEUED_MESSAGES, MAX_QUEUED_BYTES) == (
+        LIMITS.mosquitto_max_packet_bytes, LIMITS.mosquitto_max_queued_messages, LIMITS.mosquitto_max_queued_bytes
+    )  # fmt: skip
     assert f"max_packet_size {LIMITS.mosquitto_max_packet_bytes}" in lines
     assert f"max_queued_messages {LIMITS.mosquitto_max_queued_messages}" in lines
     assert f"max_queued_bytes {LIMITS.mosquitto_max_queued_bytes}" in lines
