@@ -95,7 +95,7 @@ class BrokerConfig(BaseModel):
 
 def broker_config_from(settings: BrokerSettings) -> BrokerConfig:
     """The :class:`BrokerConfig` of the ``[broker]`` settings group (times, consumer group, zones,
-    quotas and fair-share weights; the rest at their defaults) — the one mapping used by
+    quotas, fair-share weights, request limits; the rest at their defaults) — the one mapping used by
     ``gpupool broker run`` and ``gpupool config show``.
 
     Raises:
@@ -111,4 +111,8 @@ def broker_config_from(settings: BrokerSettings) -> BrokerConfig:
         default_site_quota=settings.default_site_quota,
         site_weights=settings.site_weights,
         fair_share_window_s=settings.fair_share_window_s,
+        site_request_rate_per_s=settings.site_request_rate_per_s,
+        site_request_burst=settings.site_request_burst,
+        request_max_age_s=settings.request_max_age_s,
+        lease_log_timeout_s=settings.lease_log_timeout_s,
     )

@@ -56,6 +56,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from contracts.mqtt import LIMITS
+
 __all__ = [
     "CONFIG_ENV",
     "AnalyticsSettings",
@@ -199,6 +201,11 @@ class BrokerSettings(BaseModel):
         site_weights: site → fair-share weight, > 0 (``[broker.site_weights]``; default 1).
         fair_share_window_s: a site refused this recently still counts as waiting for its share,
             seconds (policy: :mod:`broker.quota`).
+        site_request_rate_per_s / site_request_burst: per-site token bucket of claims, renewals
+            and releases (past it: ``rate_limited``); defaults 50/s and 100.
+        request_max_age_s: requests older than this (by their ``ts``) are ignored, seconds.
+        lease_log_timeout_s: a lease-log write not acknowledged within this is undone and the
+            request answered ``internal``, seconds.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -221,6 +228,10 @@ class BrokerSettings(BaseModel):
     default_site_quota: int | None = Field(default=64, ge=0)
     site_weights: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
     fair_share_window_s: float = Field(default=60.0, ge=0)
+    site_request_rate_per_s: float = Field(default=LIMITS.site_request_rate_per_s, gt=0)
+    site_request_burst: float = Field(default=LIMITS.site_request_burst, ge=1)
+    request_max_age_s: float = Field(default=LIMITS.request_max_age_seconds, gt=0)
+    lease_log_timeout_s: float = Field(default=5.0, gt=0)
 
 
 class DeploymentSettings(BaseSettings):
