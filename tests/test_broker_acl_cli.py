@@ -71,7 +71,9 @@ def test_bad_sites_are_refused_and_nothing_written(tmp_path: Path, sites: str) -
     assert not (out / "passwd").exists() and not (out / "acl").exists()
 
 
-def test_tls_listener_is_written_with_the_plain_one(tmp_path: Path) -> None:
+def _write_with_tls(tmp_path: Path, *extra: str) -> tuple[dict[str, Path], Path]:
+    """``broker acl`` for edge-a with a plain listener on 18883 and TLS on 18884 (placeholder
+    PEM files); returns the files and the output directory."""
     files = {n: tmp_path / f"{n}.pem" for n in ("ca", "server", "server-key")}
     for f in files.values():
         f.write_text("pem\n")
@@ -79,9 +81,14 @@ def test_tls_listener_is_written_with_the_plain_one(tmp_path: Path) -> None:
     code, _, stderr = _run(
         "--dir", str(out), "--sites", "edge-a", "--port", "18883", "--tls-port", "18884",
         "--cafile", str(files["ca"]), "--certfile", str(files["server"]), "--keyfile", str(files["server-key"]),
-        "--require-certificate",
+        *extra,
     )  # fmt: skip
     assert code == 0, stderr
+    return files, out
+
+
+def test_tls_listener_is_written_with_the_plain_one(tmp_path: Path) -> None:
+    files, out = _write_with_tls(tmp_path, "--require-certificate")
     conf = (out / "mosquitto.conf").read_text()
     assert "listener 18883 127.0.0.1" in conf
     tls = conf[conf.index("listener 18884 127.0.0.1") :].splitlines()
@@ -131,15 +138,7 @@ def test_the_config_binds_client_ids_and_sets_limits(tmp_path: Path) -> None:
     (contracts.mqtt.LIMITS); a site may write only its request topics."""
     from contracts.mqtt import LIMITS
 
-    files = {n: tmp_path / f"{n}.pem" for n in ("ca", "server", "server-key")}
-    for f in files.values():
-        f.write_text("pem\n")
-    out = tmp_path / "mq"
-    code, _, stderr = _run(
-        "--dir", str(out), "--sites", "edge-a", "--port", "18883", "--tls-port", "18884",
-        "--cafile", str(files["ca"]), "--certfile", str(files["server"]), "--keyfile", str(files["server-key"]),
-    )  # fmt: skip
-    assert code == 0, stderr
+    _, out = _write_with_tls(tmp_path)
     lines = (out / "mosquitto.conf").read_text().splitlines()
     from broker.acl import MAX_PACKET_BYTES, MAX_QUEUED_BYTES, MAX_QUEUED_MESSAGES
 
