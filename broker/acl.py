@@ -3,8 +3,21 @@
 Who may do what (DESIGN.md "Broker protocol"), under the MQTT root (default ``gpupool/v1``):
 
 * the broker user (``gpupool-broker``): read and write ``{root}/#``;
-* each edge site, logged in with its site name as user name: write and read
-  ``{root}/sites/{site}/#``, read ``{root}/offers/#`` and ``{root}/broker/state``; nothing else.
+* the observer user (``gpupool-observer``): read ``{root}/#`` only (health checks, audits);
+* each edge site, logged in with its site name as user name: write only its request topics
+  ``{root}/sites/{site}/claims``, ``…/renewals``, ``…/releases`` and ``…/state`` (never its
+  ``leases/…`` or ``replies``: only the broker speaks there, so no site can forge a lease or a
+  reply, retained or not), read ``{root}/sites/{site}/#``, ``{root}/offers/#`` and
+  ``{root}/broker/state``; nothing else.
+
+Identity: the config sets ``use_username_as_clientid true``: Mosquitto replaces whatever client id
+a client sends by its user name, so no site can connect under the broker's client id and take its
+session over (one connection per user: a second connection of the same user takes the first one's
+session over, as MQTT does for a repeated client id). Limits: ``max_packet_size`` (every packet,
+both ways, bytes; a client sending a larger one is disconnected), ``max_queued_messages`` and
+``max_queued_bytes`` (per client, QoS 1 messages held while it is offline or slow), and since a
+site may write only its four request topics it can hold at most four retained messages, each at
+most ``max_packet_size`` (the broker clears retained requests it sees).
 
 A site's own subtree is granted by Mosquitto ``pattern`` lines with ``%u`` (the user name)
 rather than one ``topic`` line per site: the rule is stated once, so it cannot differ between sites
@@ -53,8 +66,28 @@ DEFAULT_ROOT = "gpupool/v1"
 BROKER_USER = "gpupool-broker"
 """User name of the gpupool broker process."""
 
+OBSERVER_USER = "gpupool-observer"
+"""A read-only user (offers, broker state, every site's subtree): health checks, audits and
+dashboards log in as it, never as the broker or a site — with client ids bound to user names, a
+second login as the broker or a site would take that one's session over."""
+
 DEFAULT_SITES = ("edge-a", "edge-b", "edge-c")
 """Edge sites of a local deployment when ``GPUPOOL_SITES`` is not set."""
+
+MAX_PACKET_BYTES = 65_536
+"""``max_packet_size``: the largest MQTT packet either way, bytes. The same values are
+``contracts.mqtt.LIMITS.mosquitto_*`` (what the AsyncAPI document states; a test keeps them equal):
+this module does not import ``contracts`` so that ``python -m broker.acl``, run at every start of
+deploy/local/mosquitto.sh, stays quick."""
+
+MAX_QUEUED_MESSAGES = 1000
+"""``max_queued_messages``: QoS 1 messages queued per client beyond those in flight."""
+
+MAX_QUEUED_BYTES = 16 * 1024 * 1024
+"""``max_queued_bytes``: bytes queued per client beyond those in flight."""
+
+SITE_WRITE_TOPICS = ("claims", "renewals", "releases", "state")
+"""The only topics under ``{root}/sites/{site}/`` a site may publish to."""
 
 CREDENTIALS_FILE = "credentials.json"
 """Name of the credentials file in the Mosquitto state directory."""
@@ -84,8 +117,8 @@ def check_root(root: str) -> str:
 def _check_users(sites: list[str], broker_user: str) -> None:
     for name in [*sites, broker_user]:
         check_user_name(name)
-    if broker_user in sites:
-        raise ValueError(f"broker user {broker_user!r} is also listed as a site")
+    if broker_user in sites or OBSERVER_USER in sites or broker_user == OBSERVER_USER:
+        raise ValueError(f"a site, the broker user {broker_user!r} and {OBSERVER_USER!r} must differ")
     if len(set(sites)) != len(sites):
         raise ValueError(f"duplicate site names in {sites}")
     if not sites:
@@ -108,12 +141,16 @@ def render_acl(root: str, sites: list[str], broker_user: str) -> str:
         f"user {broker_user}",
         f"topic readwrite {root}/#",
         "",
+        f"user {OBSERVER_USER}",
+        f"topic read {root}/#",
+        "",
     ]
     for site in sites:
         lines += [f"user {site}", f"topic read {root}/offers/#", f"topic read {root}/broker/state", ""]
     lines += [
-        "# Every user's own site subtree (%u is the user name).",
-        f"pattern write {root}/sites/%u/#",
+        "# Every user's own site subtree (%u is the user name): it reads all of it and writes only its",
+        "# requests and its state; leases and replies are the broker's.",
+        *(f"pattern write {root}/sites/%u/{kind}" for kind in SITE_WRITE_TOPICS),
         f"pattern read {root}/sites/%u/#",
         "",
     ]
@@ -164,6 +201,7 @@ class TlsListener:
             f"keyfile {self.keyfile.resolve()}",
             "tls_version tlsv1.2",
             f"require_certificate {'true' if self.require_certificate else 'false'}",
+            "use_username_as_clientid true",
         ]
 
 
@@ -175,7 +213,13 @@ def _render_conf(directory: Path, port: int, tls: TlsListener | None = None) -> 
         [
             "# Generated by broker.acl (gpupool); edits are lost at the next start.",
             "per_listener_settings false",
+            # limits: a packet (both ways), and what Mosquitto queues per client
+            f"max_packet_size {MAX_PACKET_BYTES}",
+            f"max_queued_messages {MAX_QUEUED_MESSAGES}",
+            f"max_queued_bytes {MAX_QUEUED_BYTES}",
             f"listener {port} 127.0.0.1",
+            # a client's id is its user name: no site can take the broker's session
+            "use_username_as_clientid true",
             "allow_anonymous false",
             f"password_file {d / 'passwd'}",
             f"acl_file {d / 'acl'}",
@@ -259,7 +303,7 @@ def write_mosquitto_files(
     Returns the credentials, as written to ``credentials.json``::
 
         {"host": "127.0.0.1", "port": 1883, "root": "gpupool/v1",
-         "users": {"edge-a": "...", "edge-b": "...", "gpupool-broker": "..."}}
+         "users": {"edge-a": "...", "edge-b": "...", "gpupool-broker": "...", "gpupool-observer": "..."}}
 
     plus, with ``tls``, ``"tls": {"port": 8883, "cafile": "/abs/ca.pem", "require_certificate": false}``.
 
@@ -277,7 +321,7 @@ def write_mosquitto_files(
     (directory / "data").mkdir(exist_ok=True)
     creds_path = directory / CREDENTIALS_FILE
     old = _load_passwords(creds_path)
-    users = {u: old.get(u) or secrets.token_urlsafe(18) for u in [*sites, broker_user]}
+    users = {u: old.get(u) or secrets.token_urlsafe(18) for u in [*sites, broker_user, OBSERVER_USER]}
     _write_passwd(directory / "passwd", users)
     _write_private(directory / "acl", acl)
     _write_private(directory / "mosquitto.conf", _render_conf(directory, port, tls))

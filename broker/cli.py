@@ -38,9 +38,9 @@ from contracts import (
     PoolDemand,
     Record,
     Reply,
-    decode,
     encode,
 )
+from contracts.base import decode_compatible
 from contracts.bus import Bus, Consumer, MissingTopicsError, TopicPartition, require_topics
 from contracts.mqtt import Requirements
 from contracts.run_options import (
@@ -551,7 +551,7 @@ async def demand_and_follow(
         while (left := deadline - time.monotonic()) > 0:
             for msg in await consumer.getmany(timeout_s=min(left, 0.5)):
                 try:
-                    lease = decode(LeaseLogRecord, msg.value or b"")
+                    lease = decode_compatible(LeaseLogRecord, msg.value or b"")
                 except ValueError:
                     continue
                 mine = lease.reason == tag or lease.reason.startswith(tag + ";")

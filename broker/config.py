@@ -6,7 +6,12 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from contracts.mqtt import LIMITS
 from contracts.settings import BrokerSettings
+
+
+DEFAULT_SITE_QUOTA = 64
+"""GPUs a site may hold at once unless configured (``[broker] default_site_quota``)."""
 
 
 class BrokerConfig(BaseModel):
@@ -38,7 +43,9 @@ class BrokerConfig(BaseModel):
             can ask for a zone; a pool not listed has no zone.
         site_quotas: site → the most GPUs it may hold at once (live leases plus claims being
             granted); a site not listed gets ``default_site_quota``.
-        default_site_quota: quota of sites not in ``site_quotas``; ``None``: unlimited.
+        default_site_quota: quota of sites not in ``site_quotas`` (default
+            :data:`DEFAULT_SITE_QUOTA`, 64 GPUs, so no site takes a whole pool by flooding);
+            ``None``: unlimited.
         site_weights: site → fair-share weight (> 0); a site not listed weighs 1. See
             :mod:`broker.quota` for the policy (weighted max-min).
         fair_share_window_s: a site whose claim was refused this recently (for want of GPUs or
@@ -47,6 +54,14 @@ class BrokerConfig(BaseModel):
             broker's clock, and holding no live lease is forgotten: its ``site``
             series (``gpupool_broker_site_up``, ``gpupool_broker_claim_decisions_total``) are
             removed. A later birth makes it new again.
+        site_request_rate_per_s / site_request_burst: per-site token bucket of claims, renewals
+            and releases together (:mod:`broker.ratelimit`); past it a request is answered
+            ``rate_limited``.
+        request_max_age_s: a claim, renewal or release whose ``ts`` is older than this when it
+            arrives is ignored (counted as ``stale``): a site's queued backlog after an outage is
+            not acted on long after it was meant.
+        lease_log_timeout_s: how long writing a change to the lease log may take; past it (or on
+            any refusal) the change is undone and the request answered ``internal``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -65,10 +80,14 @@ class BrokerConfig(BaseModel):
     rebuild_timeout_s: float = Field(default=60.0, gt=0)
     pool_zones: dict[str, str] = Field(default_factory=dict)
     site_quotas: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
-    default_site_quota: int | None = Field(default=None, ge=0)
+    default_site_quota: int | None = Field(default=DEFAULT_SITE_QUOTA, ge=0)
     site_weights: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
     fair_share_window_s: float = Field(default=60.0, ge=0)
     site_forget_after_s: float = Field(default=3600.0, gt=0)
+    site_request_rate_per_s: float = Field(default=LIMITS.site_request_rate_per_s, gt=0)
+    site_request_burst: float = Field(default=LIMITS.site_request_burst, ge=1)
+    request_max_age_s: float = Field(default=LIMITS.request_max_age_seconds, gt=0)
+    lease_log_timeout_s: float = Field(default=5.0, gt=0)
 
     def quota_of(self, site: str) -> int | None:
         """The most GPUs ``site`` may hold at once; ``None``: unlimited."""
@@ -81,7 +100,7 @@ class BrokerConfig(BaseModel):
 
 def broker_config_from(settings: BrokerSettings) -> BrokerConfig:
     """The :class:`BrokerConfig` of the ``[broker]`` settings group (times, consumer group, zones,
-    quotas and fair-share weights; the rest at their defaults) — the one mapping used by
+    quotas, fair-share weights, request limits; the rest at their defaults) — the one mapping used by
     ``gpupool broker run`` and ``gpupool config show``.
 
     Raises:
@@ -98,4 +117,8 @@ def broker_config_from(settings: BrokerSettings) -> BrokerConfig:
         site_weights=settings.site_weights,
         fair_share_window_s=settings.fair_share_window_s,
         site_forget_after_s=settings.site_forget_after_s,
+        site_request_rate_per_s=settings.site_request_rate_per_s,
+        site_request_burst=settings.site_request_burst,
+        request_max_age_s=settings.request_max_age_s,
+        lease_log_timeout_s=settings.lease_log_timeout_s,
     )

@@ -71,14 +71,20 @@ from contracts import (
     Release,
     Renewal,
     Reply,
-    decode,
     encode,
     tracing,
 )
+from contracts.base import decode_compatible
 from contracts.mqtt import Requirements
 
 log = logging.getLogger(__name__)
 _TRACER = tracing.tracer(__name__)
+
+
+def _request_id() -> str:
+    """A fresh ``request_id`` for a request: the broker echoes it, and answers a request that has
+    one with the full :class:`contracts.Reply` (``expires_at``, ``ttl_seconds``...)."""
+    return uuid.uuid4().hex[:16]
 
 
 class BrokerRejected(Exception):
@@ -320,6 +326,7 @@ class EdgeClient:
             min_notice_seconds=min_notice_seconds,
             min_duration_seconds=min_duration_seconds,
             ts=time.time(),
+            request_id=_request_id(),
         )
         return await self._submit(claim, timeout_s)
 
@@ -362,6 +369,7 @@ class EdgeClient:
             min_notice_seconds=min_notice_seconds,
             min_duration_seconds=min_duration_seconds,
             ts=time.time(),
+            request_id=_request_id(),
         )
         return await self._submit(claim, timeout_s)
 
@@ -408,7 +416,8 @@ class EdgeClient:
         Returns the ``ok`` reply; the lease's retained message shows the new ``expires_at``.
         Raises :class:`LeaseRequestRejected`, ``TimeoutError``."""
         body = encode(
-            Renewal(lease_id=lease_id, site=self.site, ts=time.time(), extend_seconds=extend_seconds)
+            Renewal(lease_id=lease_id, site=self.site, ts=time.time(), extend_seconds=extend_seconds,
+                    request_id=_request_id())
         )
         reply = await self._request(self.topics.renewals(self.site), lease_id, body, timeout_s)
         if reply.code is not ReasonCode.OK:
@@ -419,7 +428,7 @@ class EdgeClient:
         """Give a lease back early. A release resent after a reconnect whose first copy had
         already worked is answered ``lease_not_live``; that counts as success when the lease's
         retained state is ``released``. Raises :class:`LeaseRequestRejected`, ``TimeoutError``."""
-        body = encode(Release(lease_id=lease_id, site=self.site, ts=time.time()))
+        body = encode(Release(lease_id=lease_id, site=self.site, ts=time.time(), request_id=_request_id()))
         reply = await self._request(self.topics.releases(self.site), lease_id, body, timeout_s)
         if reply.code is ReasonCode.OK:
             return reply
@@ -608,7 +617,7 @@ class EdgeClient:
         if not payload or client is None:
             return
         try:
-            st = decode(PeerState, payload)
+            st = decode_compatible(PeerState, payload)
         except ValueError:
             self.undecodable += 1
             return
@@ -635,7 +644,7 @@ class EdgeClient:
             if not payload:
                 self._offer_trace.pop(offer_id, None)
                 return OfferWithdrawn(offer_id) if self._offers.pop(offer_id, None) is not None else None
-            offer = decode(Offer, payload)
+            offer = decode_compatible(Offer, payload)
             self._offers[offer.offer_id] = offer
             if tracing.enabled():  # the trace the offer belongs to, for the claim's span
                 self._offer_trace[offer.offer_id] = user_properties(msg)
@@ -645,14 +654,14 @@ class EdgeClient:
             if not payload:
                 self._leases.pop(topic[len(leases_prefix) :], None)
                 return None
-            lease = decode(LeaseMessage, payload)
+            lease = decode_compatible(LeaseMessage, payload)
             cur = self._leases.get(lease.lease_id)
             if cur is not None and cur.seq > lease.seq:
                 return None  # an older state delivered late
             self._leases[lease.lease_id] = lease
             return lease
         if topic == self.topics.replies(self.site):
-            reply = decode(Reply, payload)
+            reply = decode_compatible(Reply, payload)
             corr = msg.properties and getattr(msg.properties, "CorrelationData", None)
             key = bytes(corr).decode(errors="replace") if corr else reply.in_reply_to
             for fut in self._waiters.get(key, []):
@@ -661,5 +670,5 @@ class EdgeClient:
                     break
             return reply
         if topic == self.topics.broker_state and payload:
-            self._broker_state = decode(PeerState, payload)
+            self._broker_state = decode_compatible(PeerState, payload)
         return None

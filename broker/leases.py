@@ -11,7 +11,8 @@ Invariants (checked by :meth:`LeaseBook.violations`, property-tested with hypoth
   or not ``idle`` in the newest capacity update (or whose newest update is older than
   ``capacity_max_age_s``: checked at every call with ``now``); a node has at most one offer;
 * an offer never promises past its GPUs' predicted idle time
-  (``Offer.available_until <= min(CapacityUpdate.predicted_idle_until)``);
+  (``Offer.available_until <= max(min(CapacityUpdate.predicted_idle_until), Offer.ts)``), and
+  ``available_until`` is never before the offer's ``ts``;
 * no site holds more GPUs (live leases and claims being granted) than its quota;
 * no lease is reclaiming with a deadline before its ``min_until`` unless a forced reclaim did it.
 
@@ -72,7 +73,7 @@ from contracts import (
     Release,
     Renewal,
 )
-from contracts.leases import Partition
+from contracts.leases import LeaseReason, Partition
 from contracts.mqtt import Requirements
 
 log = logging.getLogger(__name__)
@@ -116,16 +117,26 @@ class Changes:
         withdrawn: offers that are gone (publish an empty retained payload on their topic).
         forgotten: terminal leases dropped from memory after ``retain_terminal_s`` (clear their
             retained lease message).
+        prior: lease id → its record before the first transition in ``records`` (``None``: the
+            lease is new), what :meth:`LeaseBook.undo` restores when the log write fails.
     """
 
     records: list[LeaseLogRecord] = field(default_factory=list)
     published: list[Offer] = field(default_factory=list)
     withdrawn: list[Offer] = field(default_factory=list)
     forgotten: list[LeaseLogRecord] = field(default_factory=list)
+    prior: dict[str, LeaseLogRecord | None] = field(default_factory=dict)
+
+    def add(self, new: LeaseLogRecord, prior: LeaseLogRecord | None) -> None:
+        """Append the transition ``prior`` → ``new`` (``prior`` ``None``: a new lease)."""
+        self.records.append(new)
+        self.prior.setdefault(new.lease_id, prior)
 
     def extend(self, other: Changes) -> Changes:
         """Append ``other``'s changes to these; returns ``self``."""
         self.records.extend(other.records)
+        for lease_id, prior in other.prior.items():
+            self.prior.setdefault(lease_id, prior)
         self.published.extend(other.published)
         self.withdrawn.extend(other.withdrawn)
         self.forgotten.extend(other.forgotten)
@@ -401,7 +412,8 @@ class LeaseBook:
             hosts=list(rec.hosts),
             min_until=rec.min_until,
         )
-        ch = Changes(records=[rec])
+        ch = Changes()
+        ch.add(rec, None)
         self._reconcile(pending.nodes, now, ch)
         return answer, ch
 
@@ -568,7 +580,7 @@ class LeaseBook:
             ends_at=ends_at,
             min_until=now + need if need > 0 else None,
             notice_seconds=min(o.notice_seconds for o in offers),
-            reason="claim" if placed is None else f"match:{placed.tier}",
+            reason=LeaseReason.CLAIM.value if placed is None else f"{LeaseReason.MATCH}:{placed.tier}",
             seq=1,
         )
         return PendingGrant(
@@ -655,9 +667,11 @@ class LeaseBook:
             expires = min(expires, rec.ends_at)
         expires = max(expires, rec.expires_at)
         state = LeaseState.ACTIVE if rec.state is LeaseState.GRANTED else rec.state
-        new = self._transition(rec, state, now, "renewal", expires_at=expires)
+        new = self._transition(rec, state, now, LeaseReason.RENEWAL, expires_at=expires)
         text = f"renewed until {renewal_time(expires)} ({expires:.3f})"
-        return Answer(ReasonCode.OK, text, rec.lease_id), Changes(records=[new])
+        ch = Changes()
+        ch.add(new, rec)
+        return Answer(ReasonCode.OK, text, rec.lease_id), ch
 
     def release(self, site: str, release: Release, now: float) -> tuple[Answer, Changes]:
         """Early release by the site: the lease becomes ``released`` and its GPUs are offered
@@ -667,7 +681,7 @@ class LeaseBook:
         if isinstance(found, Answer):
             return found, Changes()
         ch = Changes()
-        self._end(found, LeaseState.RELEASED, now, "site_release", ch)
+        self._end(found, LeaseState.RELEASED, now, LeaseReason.SITE_RELEASE, ch)
         return Answer(ReasonCode.OK, f"lease {found.lease_id} released", found.lease_id), ch
 
     # reclaims ----------------------------------------------------------------------------------------
@@ -676,7 +690,7 @@ class LeaseBook:
         now: float,
         gpus: Sequence[str] = (),
         count: int = 0,
-        reason: str = "reclaim",
+        reason: str = LeaseReason.RECLAIM.value,
         force: bool = False,
     ) -> Changes:
         """Move leases to ``reclaiming`` with ``reclaim_deadline = now + notice_seconds``.
@@ -729,7 +743,7 @@ class LeaseBook:
             else:
                 targets = ordered
         for r in targets:
-            ch.records.append(self._start_reclaim(r, now, reason, force))
+            ch.add(self._start_reclaim(r, now, reason, force), r)
         return ch
 
     def _start_reclaim(self, r: LeaseLogRecord, now: float, reason: str, force: bool) -> LeaseLogRecord:
@@ -739,13 +753,13 @@ class LeaseBook:
         if _guarded(r, now) and r.min_until is not None:
             extra = {"lease_id": r.lease_id, "site": r.site, "min_until": r.min_until, "reason": reason}
             if force:
-                why = f"{reason};guarantee_broken"
+                why = f"{reason}{LeaseReason.GUARANTEE_BROKEN}"
                 self._broken.add(r.lease_id)
                 m.GUARANTEES_BROKEN.inc()
                 log.warning("guarantee_broken", extra={**extra, "reclaim_deadline": deadline})
             else:
                 deadline = r.min_until
-                why = f"{reason};deferred_to_guarantee_end"
+                why = f"{reason}{LeaseReason.DEFERRED_TO_GUARANTEE_END}"
                 m.RECLAIMS_DEFERRED.inc()
                 log.info("reclaim_deferred", extra={**extra, "reclaim_deadline": deadline})
         log.info(
@@ -770,7 +784,7 @@ class LeaseBook:
         self._forget_by(self._demands[demand.demand_id])
         if now - demand.ts > self.config.demand_max_age_s:
             return "stale", Changes()
-        ch = self.reclaim(now, demand.gpus, demand.count, f"demand:{demand.demand_id}", demand.force)
+        ch = self.reclaim(now, demand.gpus, demand.count, f"{LeaseReason.DEMAND}:{demand.demand_id}", demand.force)
         return ("reclaimed" if ch.records else "nothing_to_reclaim"), ch
 
     # time ----------------------------------------------------------------------------------------------
@@ -792,10 +806,10 @@ class LeaseBook:
                 continue
             deadline = rec.reclaim_deadline
             if deadline is not None and deadline <= now and not rec.expires_at < deadline:
-                self._end(rec, LeaseState.REVOKED, now, "reclaim_deadline", ch)
+                self._end(rec, LeaseState.REVOKED, now, LeaseReason.RECLAIM_DEADLINE, ch)
             elif rec.expires_at <= now:
                 ended = rec.ends_at is not None and rec.expires_at >= rec.ends_at
-                self._end(rec, LeaseState.EXPIRED, now, "ended" if ended else "ttl", ch)
+                self._end(rec, LeaseState.EXPIRED, now, LeaseReason.ENDED if ended else LeaseReason.TTL, ch)
         dirty: set[_Node] = set()
         while self._node_timers and self._node_timers[0][0] <= now:
             dirty.add(heapq.heappop(self._node_timers)[1])
@@ -898,7 +912,7 @@ class LeaseBook:
         latest: dict[str, LeaseLogRecord] = {}
         self._broken.clear()
         for r in records:
-            if r.reason.endswith(";guarantee_broken"):
+            if r.reason.endswith(LeaseReason.GUARANTEE_BROKEN):
                 self._broken.add(r.lease_id)
             cur = latest.get(r.lease_id)
             if cur is None or r.seq >= cur.seq:
@@ -922,8 +936,8 @@ class LeaseBook:
             if rec.state.live:
                 if any(g in self._gpu_lease for g in rec.gpus):
                     self._leases[rec.lease_id] = rec
-                    new = self._transition(rec, LeaseState.REVOKED, now, "rebuild_conflict")
-                    ch.records.append(new)
+                    new = self._transition(rec, LeaseState.REVOKED, now, LeaseReason.REBUILD_CONFLICT)
+                    ch.add(new, rec)
                     continue
                 for g in rec.gpus:
                     self._gpu_lease[g] = rec.lease_id
@@ -940,6 +954,61 @@ class LeaseBook:
                 rec.granted_at,
             )
         return ch.extend(self.tick(now))
+
+    # undo ------------------------------------------------------------------------------------------
+    def undo(self, ch: Changes, lease_ids: Iterable[str], now: float) -> tuple[list[LeaseLogRecord], Changes]:
+        """Take back the transitions of ``ch`` on ``lease_ids`` whose lease-log write failed: each
+        lease is as before ``ch`` again (its GPUs held or free as then; a new lease's claim
+        answer forgotten, so the site may retry the same ``claim_id``), and a demand whose
+        reclaim is undone may be applied again (its id is forgotten).
+
+        Returns ``(restore, changes)``: ``restore`` the records to log so that the lease log
+        supersedes a failed write that may still land (the prior record with ``seq`` past the
+        failed one; for a new lease a ``revoked`` record with reason ``log_write_failed``: the
+        book holds those now), and the offer changes of GPUs freed or taken back."""
+        out = Changes()
+        restore: list[LeaseLogRecord] = []
+        dirty: set[_Node] = set()
+        undone = set(lease_ids)
+        last: dict[str, LeaseLogRecord] = {r.lease_id: r for r in ch.records if r.lease_id in undone}
+        for lease_id, failed in sorted(last.items()):
+            prior = ch.prior.get(lease_id)
+            cur = self._leases.get(lease_id, failed)
+            if cur.state.live:
+                for g in cur.gpus:
+                    if self._gpu_lease.get(g) == lease_id:
+                        del self._gpu_lease[g]
+                self._count_held(cur.site, -len(cur.gpus))
+            if prior is None:
+                back = failed.model_copy(  # small: it must fit where the grant did not
+                    update={"state": LeaseState.REVOKED, "ts": now, "seq": failed.seq + 1, "gpus": [],
+                            "hosts": [], "offer_ids": [], "reason": LeaseReason.LOG_WRITE_FAILED.value}
+                )  # fmt: skip
+                answer = self._answers.get((failed.site, failed.claim_id))
+                if answer is not None and answer[0].lease_id == lease_id:
+                    del self._answers[(failed.site, failed.claim_id)]
+                self._forget_by(now + self.config.retain_terminal_s)
+            else:
+                back = prior.model_copy(update={"seq": failed.seq + 1})
+                if back.state.live:
+                    for g in back.gpus:
+                        self._gpu_lease[g] = lease_id
+                    self._count_held(back.site, len(back.gpus))
+                    self._track(back)
+                if not back.reason.endswith(LeaseReason.GUARANTEE_BROKEN):
+                    self._broken.discard(lease_id)
+            self._leases[lease_id] = back
+            restore.append(back)
+            for g in failed.gpus:
+                node = self._node_of.get(g)
+                if node is not None:
+                    dirty.add(node)
+        for rec in last.values():
+            demand = demand_of(rec.reason)
+            if demand is not None:
+                self._demands.pop(demand, None)
+        self._reconcile(dirty, now, out)
+        return restore, out
 
     # invariants -------------------------------------------------------------------------------------
     def violations(self) -> list[str]:
@@ -969,7 +1038,11 @@ class LeaseBook:
                     out.append(f"offer {offer.offer_id} holds {g}, which is not idle")
                 elif cap.predicted_idle_until is not None:
                     preds.append(cap.predicted_idle_until)
-            if preds and (offer.available_until is None or offer.available_until > min(preds)):
+            if offer.available_until is not None and offer.available_until < offer.ts:
+                out.append(f"offer {offer.offer_id} is available_until before its ts")
+            if preds and (
+                offer.available_until is None or offer.available_until > max(min(preds), offer.ts)
+            ):
                 out.append(f"offer {offer.offer_id} promises past its GPUs' predicted idle time")
         out.extend(f"node {n} has {k} offers" for n, k in sorted(per_node.items()) if k > 1)
         counted = holdings(
@@ -997,7 +1070,7 @@ class LeaseBook:
         self, rec: LeaseLogRecord, state: LeaseState, now: float, reason: str, **update: object
     ) -> LeaseLogRecord:
         new = rec.model_copy(
-            update={"state": state, "ts": now, "reason": reason, "seq": rec.seq + 1, **update}
+            update={"state": state, "ts": now, "reason": str(reason), "seq": rec.seq + 1, **update}
         )
         self._leases[rec.lease_id] = new
         if state.live:
@@ -1008,7 +1081,7 @@ class LeaseBook:
 
     def _end(self, rec: LeaseLogRecord, state: LeaseState, now: float, reason: str, ch: Changes) -> None:
         new = self._transition(rec, state, now, reason)
-        ch.records.append(new)
+        ch.add(new, rec)
         self._count_held(rec.site, -len(rec.gpus))
         dirty: set[_Node] = set()
         for g in rec.gpus:
@@ -1065,7 +1138,8 @@ class LeaseBook:
                     for c in caps
                 ]
                 preds = [c.predicted_idle_until for c in caps if c.predicted_idle_until is not None]
-                avail = min(preds) if preds else None
+                # never before the offer's ts: a prediction that has passed promises nothing beyond now
+                avail = max(min(preds), now) if preds else None
                 if (
                     cur is not None
                     and cur.gpus == gpus
@@ -1114,6 +1188,14 @@ def _promise_holds(offered: float | None, now_predicted: float | None) -> bool:
     if offered is None or now_predicted is None:
         return offered is None and now_predicted is None
     return offered <= now_predicted
+
+
+def demand_of(reason: str) -> str | None:
+    """The demand id of a reclaim's ``reason`` (``demand:<id>[;suffix]``), else ``None``."""
+    prefix = f"{LeaseReason.DEMAND}:"
+    if not reason.startswith(prefix):
+        return None
+    return reason[len(prefix):].split(";", 1)[0]
 
 
 def renewal_time(ts: float) -> str:

@@ -95,3 +95,32 @@ FABRIC_STALE_REMOVED = Counter(
     "Lease partitions removed (verified gone) at start because no live lease holds them: leases that "
     "ended while no broker ran, or claims a stopped broker never granted.",
 )
+MALFORMED_MESSAGES = Counter(
+    "gpupool_broker_malformed_messages_total",
+    "Site messages answered malformed or unsupported_version, by request (claim, renewal, release) and "
+    "failed check (size, utf8, json, depth, non_finite, object, version, schema; broker/wire.py).",
+    ["request", "check"],
+)
+IGNORED_REQUESTS = Counter(
+    "gpupool_broker_ignored_requests_total",
+    "Site requests dropped without an answer, by reason: retained (a retained claim, renewal or release "
+    "is never acted on, and is cleared), stale (its ts older than request_max_age_s).",
+    ["reason"],
+)
+RATE_LIMITED = Counter(
+    "gpupool_broker_rate_limited_requests_total",
+    "Site requests answered rate_limited (the site's token bucket was empty).",
+    ["site"],
+)
+LEASE_LOG_WRITE_FAILURES = Counter(
+    "gpupool_broker_lease_log_write_failures_total",
+    "Lease transitions the lease log did not take (record refused, Kafka unreachable past "
+    "lease_log_timeout_s): undone in memory, never published, the request answered internal.",
+)
+MQTT_PUBLISH_FAILURES = Counter(
+    "gpupool_broker_mqtt_publish_failures_total",
+    "MQTT publishes that failed, by what happened next: retried (sent again on the connection), "
+    "queued (kept for the next connection), resync (retained state: republished at reconnect), "
+    "dropped (the outbox was full).",
+    ["outcome"],
+)

@@ -13,9 +13,16 @@ Protocol v1 (DESIGN.md "Broker protocol", topics from :class:`contracts.MqttTopi
   and its Last Will (death), both :class:`contracts.PeerState` with a growing ``seq``.
 
 Durability: at :meth:`BrokerService.start` the lease book is rebuilt from ``leases.log`` read from
-its beginning; each transition is logged (and flushed) before it is published on MQTT. On every
-(re)connection the broker republishes its offers and leases and clears retained offers and lease
-messages it does not know (left by an earlier incarnation), so MQTT converges to the book.
+its beginning; each transition is logged (and flushed) before it is published on MQTT, and a
+transition the log refuses (or does not acknowledge within ``lease_log_timeout_s``) is undone in
+the book and answered ``internal`` (:meth:`BrokerService._apply`). On every (re)connection the
+broker republishes its offers and leases, sends the replies that could not be delivered and
+clears retained offers and lease messages it does not know (left by an earlier incarnation), so
+MQTT converges to the book.
+
+Site requests (``broker/wire.py``) are decoded strictly before any decision; retained requests
+are ignored and cleared, stale ones (``request_max_age_s``) ignored, and each site is held to a
+request rate (``site_request_rate_per_s``, ``site_request_burst``).
 
 Everything runs on one event loop; handlers of MQTT messages, bus batches and ticks take turns
 under one lock, so the book sees one change at a time. Fabric work is never done under that lock
@@ -39,6 +46,7 @@ replies published meanwhile carry that context, and so do the lease-log records.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import gc
 import logging
@@ -54,7 +62,8 @@ from opentelemetry.context import Context
 from broker import metrics as m
 from broker.config import BrokerConfig
 from broker.fabric import FabricError, FabricManager, NoIsolation, isolation_problem
-from broker.leases import Answer, Changes, LeaseBook, PendingGrant, lease_message
+from broker.leases import Answer, Changes, LeaseBook, PendingGrant, demand_of, lease_message
+from broker.ratelimit import SiteRateLimiter
 from broker.tally import Tally
 from broker.transport import (
     TlsOptions,
@@ -66,7 +75,7 @@ from broker.transport import (
     subscriptions,
     user_properties,
 )
-from broker.wire import Malformed, parse_site_message, payload_bytes
+from broker.wire import Malformed, parse_site_message, payload_bytes, peek_id
 from contracts import (
     CapacityUpdate,
     Claim,
@@ -81,14 +90,15 @@ from contracts import (
     Release,
     Renewal,
     Reply,
-    decode,
     encode,
     tracing,
 )
 from contracts.backoff import Backoff
+from contracts.base import decode_compatible
 from contracts.bus import Bus, BusMessage, Consumer, Producer, TopicPartition, require_topics
 from contracts.bus.replay import read_to_end
-from contracts.leases import Partition
+from contracts.leases import LeaseReason, Partition
+from contracts.mqtt import REPLY_ADDED_FIELDS
 
 __all__ = ["BrokerConfig", "BrokerService", "LEASE_LOG_LINGER_MS", "tune_gc"]
 
@@ -115,6 +125,27 @@ Measured with ``bench/broker.py --kafka`` (1,000 sites, 100 claims/s): claim p99
 
 _ClaimKey = tuple[str, str]
 """(site, claim_id)."""
+
+_OUTBOX_MAX = 10_000
+"""Replies kept for the next MQTT connection at most; older ones are dropped (counted)."""
+
+_PUBLISH_ATTEMPTS = 5
+"""Sends of one publish on a live connection before it is left to the reconnect resync (retained
+state) or the outbox (replies)."""
+
+_CONNECT_STEP_TIMEOUT_S = 30.0
+"""Bound on the steps after a (re)connection (birth, subscriptions, resync), so a wedged step can
+never keep the MQTT loop from reconnecting."""
+
+_REQUESTS = {"claims": "claim", "renewals": "renewal", "releases": "release"}
+"""Site request topics (last level) → the request they carry."""
+
+
+def _unless_undone(answer: Answer, undone: set[str]) -> Answer:
+    """``answer``, or ``internal`` if the change it reports was undone (the lease log refused it)."""
+    if answer.ok and answer.lease_id is not None and answer.lease_id in undone:
+        return Answer(ReasonCode.INTERNAL, "the lease log did not take this change; nothing changed; retry")
+    return answer
 
 
 class _GcPolicy:
@@ -268,6 +299,19 @@ class BrokerService:
         """Reclaim deadline of every lease in state reclaiming, for the tick's timer."""
         self.tally = Tally()
         """Counts since start (see :meth:`stats`)."""
+        self._limiter = SiteRateLimiter(self.config.site_request_rate_per_s, self.config.site_request_burst)
+        self._unlogged: list[LeaseLogRecord] = []
+        """Records that undo failed transitions (:meth:`LeaseBook.undo`), written before any
+        other record until the lease log takes them."""
+        self._producer_broken = False
+        """A refused write left the producer unusable and no new one could start yet."""
+        self._demand_retry: list[PoolDemand] = []
+        """Demands to apply again with the next bus batch (:meth:`_retry_demands`)."""
+        self._demands_seen: dict[str, PoolDemand] = {}
+        """Demands read recently, by id (what :meth:`_retry_demands` re-applies)."""
+        self._outbox: collections.deque[tuple[str, bytes, Any]] = collections.deque()
+        """Replies that could not be sent (no connection, or it dropped): sent at the next
+        connection, oldest first (at most :data:`_OUTBOX_MAX`)."""
 
     # lifecycle ----------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -435,19 +479,31 @@ class BrokerService:
         return {tp: 0 for tp in assigned if tp.topic == self.topics.capacity}
 
     # applying changes -------------------------------------------------------------------------------
-    async def _apply(self, ch: Changes, now: float, reply: Callable[[], None] | None = None) -> None:
+    async def _apply(
+        self, ch: Changes, now: float, reply: Callable[[set[str]], None] | None = None
+    ) -> set[str]:
         """Log lease transitions (flushed), then publish them, then ``reply`` (the answer to the
         site whose request made these changes: what it waits for goes out first), then the offer
-        changes on MQTT. Partitions of leases that ended are removed in the background."""
-        if ch.records:
-            assert self._producer is not None
-            headers = tracing.inject_headers()
-            for rec in ch.records:
-                await self._producer.send(
-                    self.topics.leases_log, encode(rec), key=rec.lease_id, headers=headers
-                )
-            await self._producer.flush()
-            m.RECORDS_PRODUCED.labels(topic=self.topics.leases_log).inc(len(ch.records))
+        changes on MQTT. Partitions of leases that ended are removed in the background.
+
+        Atomic per lease: a transition the lease log does not take (:meth:`_log`) is undone in
+        the book (:meth:`LeaseBook.undo`) and never published; ``reply`` gets, and this returns,
+        the ids of the leases undone (empty when everything was logged)."""
+        undone: set[str] = set()
+        if ch.records or self._unlogged:
+            undone = await self._log(ch.records)
+            if undone:
+                restore, offers = self.book.undo(ch, undone, now)
+                self._unlogged.extend(restore)
+                for rec in restore:
+                    if not rec.state.live and not self._inline_isolation:  # a grant undone: unisolate
+                        self._in_background(self._remove_partition(rec), f"fabric-remove-{rec.lease_id}")
+                m.LEASE_LOG_WRITE_FAILURES.inc(len(undone))
+                log.error("lease_transitions_undone", extra={"lease_ids": sorted(undone)})
+                ch = Changes(
+                    records=[r for r in ch.records if r.lease_id not in undone],
+                    published=ch.published, withdrawn=ch.withdrawn, forgotten=ch.forgotten,
+                ).extend(offers)  # fmt: skip
         traced = (
             publish_properties(self._protocol, user_properties=tracing.mqtt_user_properties())
             if ch.records
@@ -468,7 +524,7 @@ class BrokerService:
                 if not self._inline_isolation:
                     self._in_background(self._remove_partition(rec), f"fabric-remove-{rec.lease_id}")
         if reply is not None:
-            reply()
+            reply(undone)
         # an offer made and withdrawn within one change set was never seen by anyone: skip both
         born = {o.offer_id for o in ch.published}
         died = {o.offer_id for o in ch.withdrawn}
@@ -486,8 +542,83 @@ class BrokerService:
         for rec in ch.forgotten:
             self.tally.forgotten(rec)
             self._publish(self.mqtt.lease(rec.site, rec.lease_id), b"", retain=True)
-        if ch.records or ch.forgotten:
+        if ch.records or ch.forgotten or undone:
             self.tally.lease_gauges()
+        return undone
+
+    async def _log(self, records: Sequence[LeaseLogRecord]) -> set[str]:
+        """Write the pending undo records, then ``records``, to the lease log and wait until they
+        are acknowledged (at most ``lease_log_timeout_s``). Returns the lease ids of ``records``
+        that were not taken: all of them when the log timed out, else (several records, one
+        refused, e.g. too large) only those refused again when written one by one. Undo records
+        not taken stay pending; those taken are published. Never raises."""
+        assert self._producer is not None
+        pending = [*self._unlogged, *records]
+        if self._producer_broken:
+            await self._reset_producer()
+        try:
+            await self._write(pending)
+        except Exception as e:  # noqa: BLE001 — refused, too large, unreachable, not encodable
+            log.error("lease_log_write_failed", extra={"records": len(pending), "error": repr(e)[:300]})
+            if not isinstance(e, TimeoutError):
+                await self._reset_producer()
+            if isinstance(e, TimeoutError):
+                failed = pending
+            else:
+                failed = []
+                for rec in pending:
+                    # twice: the first attempt may only raise the delivery error of an earlier
+                    # record (the producer reports it at the next send)
+                    for attempt in (1, 2):
+                        try:
+                            await self._write([rec])
+                            break
+                        except Exception:  # noqa: BLE001 — this record alone is refused
+                            await self._reset_producer()
+                            if attempt == 2:
+                                failed.append(rec)
+        else:
+            failed = []
+        failed_ids = {id(r) for r in failed}
+        written_undo = [r for r in self._unlogged if id(r) not in failed_ids]
+        self._unlogged = [r for r in self._unlogged if id(r) in failed_ids]
+        if written_undo:
+            m.RECORDS_PRODUCED.labels(topic=self.topics.leases_log).inc(len(written_undo))
+        for rec in written_undo:
+            if rec.reason != LeaseReason.LOG_WRITE_FAILED:
+                self._publish(self.mqtt.lease(rec.site, rec.lease_id), encode(lease_message(rec)), retain=True)
+        taken = len(records) - sum(1 for r in records if id(r) in failed_ids)
+        if taken:
+            m.RECORDS_PRODUCED.labels(topic=self.topics.leases_log).inc(taken)
+        return {r.lease_id for r in records if id(r) in failed_ids}
+
+    async def _reset_producer(self) -> None:
+        """Replace the lease-log producer after a refused write: an idempotent Kafka producer
+        whose batch was refused (e.g. too large) has a gap in its sequence numbers and every later
+        batch of it fails (``OutOfOrderSequenceNumber``). The old one is stopped in the
+        background; if no new one starts (within ``lease_log_timeout_s``) the old one is kept and
+        the next write tries again. Never raises."""
+        fresh = self.bus.producer(client_id=self._client_id, linger_ms=self._linger_ms)
+        try:
+            async with asyncio.timeout(self.config.lease_log_timeout_s):
+                await fresh.start()
+        except Exception as e:  # noqa: BLE001 — e.g. Kafka unreachable: keep the old one for now
+            self._producer_broken = True
+            log.warning("lease_log_producer_reset_failed", extra={"error": repr(e)[:300]})
+            self._in_background(_stop_quietly(fresh), "lease-log-producer-stop")
+            return
+        old, self._producer, self._producer_broken = self._producer, fresh, False
+        if old is not None:
+            self._in_background(_stop_quietly(old), "lease-log-producer-stop")
+
+    async def _write(self, records: Sequence[LeaseLogRecord]) -> None:
+        """Send ``records`` and flush, within ``lease_log_timeout_s``; raises what failed."""
+        assert self._producer is not None
+        headers = tracing.inject_headers()
+        async with asyncio.timeout(self.config.lease_log_timeout_s):
+            for rec in records:
+                await self._producer.send(self.topics.leases_log, encode(rec), key=rec.lease_id, headers=headers)
+            await self._producer.flush()
 
     def _count_transition(self, rec: LeaseLogRecord) -> None:
         self.tally.transition(rec)
@@ -575,10 +706,13 @@ class BrokerService:
         """QoS 1 publish, sent in call order without waiting here for its PUBACK: the book's lock
         is not held across MQTT round trips, so a claim's offer changes, lease message and reply
         go out back to back (awaiting each PUBACK in turn made a claim cost four round trips).
-        ``False`` if not connected. A publish that fails later is logged (``mqtt_publish_failed``);
-        the reconnect resync republishes retained state, so a lost retained publish heals itself."""
+        ``False`` if not connected. A publish that fails is sent again on the same connection (at
+        most :data:`_PUBLISH_ATTEMPTS` times); past that, or without a connection, a retained one is
+        left to the reconnect resync (which republishes every offer and lease the book holds and
+        clears what it does not) and a reply waits in the outbox for the next connection."""
         client = self._client
         if client is None:
+            self._undelivered(topic, payload, retain, properties)
             return False
         # tasks take their first step in creation order, and that step hands the packet to paho
         task = asyncio.create_task(self._publish_now(client, topic, payload, retain, properties))
@@ -589,43 +723,67 @@ class BrokerService:
     async def _publish_now(
         self, client: aiomqtt.Client, topic: str, payload: bytes, retain: bool, properties: Any
     ) -> None:
-        try:
-            await client.publish(
-                topic, payload, qos=1, retain=retain, properties=properties, timeout=_PUBLISH_TIMEOUT_S
-            )
-        except aiomqtt.MqttError as e:
-            log.warning("mqtt_publish_failed", extra={"topic": topic, "error": str(e)})
+        for attempt in range(1, _PUBLISH_ATTEMPTS + 1):
+            try:
+                await client.publish(
+                    topic, payload, qos=1, retain=retain, properties=properties, timeout=_PUBLISH_TIMEOUT_S
+                )
+                return
+            except aiomqtt.MqttError as e:
+                log.warning("mqtt_publish_failed", extra={"topic": topic, "error": str(e), "attempt": attempt})
+                if client is not self._client or attempt == _PUBLISH_ATTEMPTS:
+                    break
+                m.MQTT_PUBLISH_FAILURES.labels(outcome="retried").inc()
+                await asyncio.sleep(0.05 * attempt)
+        self._undelivered(topic, payload, retain, properties)
+
+    def _undelivered(self, topic: str, payload: bytes, retain: bool, properties: Any) -> None:
+        """A publish that could not be delivered: retained state is republished by the resync of
+        the next connection; a reply is kept in the outbox for it (the oldest dropped, counted,
+        past :data:`_OUTBOX_MAX`)."""
+        if retain:
+            m.MQTT_PUBLISH_FAILURES.labels(outcome="resync").inc()
+            return
+        if len(self._outbox) >= _OUTBOX_MAX:
+            self._outbox.popleft()
+            m.MQTT_PUBLISH_FAILURES.labels(outcome="dropped").inc()
+        self._outbox.append((topic, payload, properties))
+        m.MQTT_PUBLISH_FAILURES.labels(outcome="queued").inc()
 
     def _peer_state(self, online: bool) -> bytes:
         return encode(PeerState(peer=self._client_id, online=online, seq=self._seq, ts=self._clock()))
 
     # MQTT -------------------------------------------------------------------------------------------------
     async def _mqtt_loop(self) -> None:
+        """Connect, serve, and reconnect with backoff — forever: every error of a connection, a
+        message or a resync ends only that connection (the resync is bounded by
+        :data:`_CONNECT_STEP_TIMEOUT_S`)."""
         backoff = Backoff(self.config.reconnect_min_s, self.config.reconnect_max_s)
         while True:
-            self._seq = birth_seq()
-            client = make_client(
-                self._host,
-                self._port,
-                username=self._username,
-                password=self._password,
-                identifier=self._client_id,
-                protocol=self._protocol,
-                state_topic=self.mqtt.broker_state,
-                peer=self._client_id,
-                seq=self._seq,
-                persistent=True,
-                tls=self._tls,
-            )
-            client.pending_calls_threshold = _PENDING_PUBLISHES_WARN
             connected = False
             try:
+                self._seq = birth_seq()
+                client = make_client(
+                    self._host,
+                    self._port,
+                    username=self._username,
+                    password=self._password,
+                    identifier=self._client_id,
+                    protocol=self._protocol,
+                    state_topic=self.mqtt.broker_state,
+                    peer=self._client_id,
+                    seq=self._seq,
+                    persistent=True,
+                    tls=self._tls,
+                )
+                client.pending_calls_threshold = _PENDING_PUBLISHES_WARN
                 async with client:
                     connected = True
                     m.MQTT_CONNECTIONS.labels(result="connected").inc()
                     backoff.reset()
                     self._client = client
-                    await self._on_connect(client)
+                    async with asyncio.timeout(_CONNECT_STEP_TIMEOUT_S):
+                        await self._on_connect(client)
                     async for msg in client.messages:
                         await self._on_message(msg)
             except aiomqtt.MqttError as e:
@@ -633,7 +791,7 @@ class BrokerService:
                 log.warning(
                     "mqtt_disconnected", extra={"host": self._host, "port": self._port, "error": str(e)}
                 )
-            except Exception:  # noqa: BLE001 — e.g. a resync publish failing oddly: reconnect, never die
+            except Exception:  # noqa: BLE001 — e.g. a resync step timing out: reconnect, never die
                 m.MQTT_CONNECTIONS.labels(result="lost" if connected else "failed").inc()
                 log.exception("mqtt_loop_error", extra={"host": self._host, "port": self._port})
             finally:
@@ -646,18 +804,35 @@ class BrokerService:
         await client.publish(self.mqtt.broker_state, self._peer_state(True), qos=1, retain=True)
         inbound = [*self.mqtt.site_inbound_filters, self.mqtt.broker_state]
         own = [self.mqtt.offers_filter, f"{self.mqtt.root}/sites/+/leases/+"]
-        await client.subscribe(subscriptions(self._protocol, inbound))
+        # retain as published: a request a site publishes retained is recognised (and ignored)
+        # also when it arrives live, not only when replayed at a (re)subscription
+        await client.subscribe(subscriptions(self._protocol, inbound, retain_as_published=True))
         await client.subscribe(subscriptions(self._protocol, own, no_local=True))
         async with self._lock:
             now = self._clock()
             for offer in list(self.book.offers.values()):
-                self._publish_offer(offer, now)
+                with self._resync_step("offer", offer.offer_id):
+                    self._publish_offer(offer, now)
             for rec in list(self.book.leases.values()):
-                self._publish(
-                    self.mqtt.lease(rec.site, rec.lease_id), encode(lease_message(rec)), retain=True
-                )
+                with self._resync_step("lease", rec.lease_id):
+                    self._publish(
+                        self.mqtt.lease(rec.site, rec.lease_id), encode(lease_message(rec)), retain=True
+                    )
+            outbox, self._outbox = list(self._outbox), collections.deque()
+            for topic, payload, props in outbox:
+                self._publish(topic, payload, retain=False, properties=props)
         self._connected.set()
         log.info("mqtt_connected", extra={"host": self._host, "port": self._port, "seq": self._seq})
+
+    @contextlib.contextmanager
+    def _resync_step(self, what: str, ident: str) -> Iterator[None]:
+        """One item of the resync: an error is logged and counted and the resync goes on (one
+        item that cannot be published must not keep every other one, and the connection, down)."""
+        try:
+            yield
+        except Exception:  # noqa: BLE001 — see the docstring
+            self.tally.reject(f"resync_{what}_failed")
+            log.exception("resync_item_failed", extra={"what": what, "id": ident})
 
     async def _on_message(self, msg: aiomqtt.Message) -> None:
         """Dispatch one MQTT message; never raises (errors are logged and counted)."""
@@ -672,6 +847,9 @@ class BrokerService:
                 await self._on_own_retained(topic, payload, msg.retain)
                 return
             site, kind = site_kind
+            request = _REQUESTS.get(kind)
+            if request is not None and not self._admit(site, topic, request, payload, msg.retain, msg):
+                return
             if kind == "claims":
                 await self._on_claim(site, payload, response_route(msg), user_properties(msg))
             elif kind == "renewals":
@@ -683,6 +861,40 @@ class BrokerService:
         except Exception:  # noqa: BLE001 — one bad message must not stop the broker
             self.tally.reject(ReasonCode.INTERNAL.value)
             log.exception("mqtt_message_failed", extra={"topic": topic})
+            site_kind = self.mqtt.parse_site(topic)
+            if site_kind is not None and site_kind[1] in _REQUESTS:
+                request = _REQUESTS[site_kind[1]]
+                in_reply_to = peek_id(payload, "claim_id" if request == "claim" else "lease_id")
+                self._reply(
+                    site_kind[0], in_reply_to, Malformed(ReasonCode.INTERNAL, "internal error; retry"),
+                    response_route(msg), request,
+                )  # fmt: skip
+
+    def _admit(
+        self, site: str, topic: str, request: str, payload: bytes, retain: bool, msg: aiomqtt.Message
+    ) -> bool:
+        """Whether a site request may go on: a retained one is ignored (counted ``retained``) and
+        cleared — it would be acted on again at every broker (re)start; one past the site's rate
+        limit is answered ``rate_limited``."""
+        if retain:
+            if payload:
+                m.IGNORED_REQUESTS.labels(reason="retained").inc()
+                self.tally.reject("retained")
+                log.warning("retained_request_ignored", extra={"site": site, "topic": topic})
+                self._publish(topic, b"", retain=True)
+            return False
+        if self._limiter.allow(site, time.monotonic()):
+            return True
+        m.RATE_LIMITED.labels(site=site).inc()
+        self.tally.reject(ReasonCode.RATE_LIMITED.value)
+        in_reply_to = peek_id(payload, "claim_id" if request == "claim" else "lease_id")
+        self._reply(
+            site, in_reply_to,
+            Malformed(ReasonCode.RATE_LIMITED, f"more than {self._limiter.rate:g} requests/s "
+                      f"(burst {self._limiter.burst:g}); retry later"),
+            response_route(msg), request,
+        )  # fmt: skip
+        return False
 
     async def _on_own_retained(self, topic: str, payload: bytes, retain: bool) -> None:
         """A retained offer or lease message on the server that the book does not know (left by an
@@ -710,7 +922,7 @@ class BrokerService:
         if not payload:
             return
         try:
-            st = decode(PeerState, payload)
+            st = decode_compatible(PeerState, payload)
         except ValueError:
             self.tally.reject("malformed_state")
             return
@@ -730,7 +942,7 @@ class BrokerService:
                 m.SITE_UP.remove(site)
             return
         try:
-            st = decode(PeerState, payload)
+            st = decode_compatible(PeerState, payload)
         except ValueError:
             self.tally.reject("malformed_state")
             return
@@ -746,20 +958,38 @@ class BrokerService:
         log.info("site_state", extra={"site": site, "online": st.online, "seq": st.seq})
 
     def _reply(
-        self, site: str, in_reply_to: str, answer: Answer | Malformed, route: tuple[str | None, bytes | None]
+        self,
+        site: str,
+        in_reply_to: str,
+        answer: Answer | Malformed,
+        route: tuple[str | None, bytes | None],
+        request: str | None = None,
+        request_id: str | None = None,
     ) -> None:
-        """Publish the :class:`contracts.Reply` to a site's request (see the module docstring)."""
+        """Publish the :class:`contracts.Reply` to a site's ``request`` (``claim``, ``renewal``,
+        ``release``; see the module docstring); an ``ok`` answer about a live lease carries its
+        ``expires_at`` and the lease TTL."""
         lease_id = answer.lease_id if isinstance(answer, Answer) else None
-        reply = encode(
-            Reply(
-                in_reply_to=in_reply_to,
-                site=site,
-                code=answer.code,
-                text=answer.text,
-                lease_id=lease_id,
-                ts=self._clock(),
-            )
+        rid = request_id if request_id is not None else getattr(answer, "request_id", None)
+        expires_at = ttl = None
+        rec = self.book.leases.get(lease_id) if lease_id is not None and answer.code is ReasonCode.OK else None
+        if rec is not None and rec.state.live:
+            expires_at, ttl = rec.expires_at, self.config.lease_ttl_s
+        msg = Reply(
+            in_reply_to=in_reply_to,
+            site=site,
+            code=answer.code,
+            text=answer.text,
+            lease_id=lease_id,
+            ts=self._clock(),
+            request=request,
+            request_id=rid,
+            expires_at=expires_at,
+            ttl_seconds=ttl,
         )
+        # a request without request_id may come from an edge site of the first release, whose
+        # reader refuses unknown fields: it gets the reply fields that release knew
+        reply = encode(msg) if rid is not None else msg.model_dump_json(exclude=REPLY_ADDED_FIELDS).encode()
         response_topic, corr = route
         props = publish_properties(
             self._protocol, correlation=corr, user_properties=tracing.mqtt_user_properties()
@@ -769,6 +999,27 @@ class BrokerService:
         own_subtree = f"{self.mqtt.root}/sites/{site}/"
         if response_topic and response_topic != replies and response_topic.startswith(own_subtree):
             self._publish(response_topic, reply, retain=False, properties=props)
+
+    def _malformed(
+        self, site: str, request: str, bad: Malformed, route: tuple[str | None, bytes | None]
+    ) -> None:
+        """Answer, count (``gpupool_broker_malformed_messages_total``) and log a refused message."""
+        m.MALFORMED_MESSAGES.labels(request=request, check=bad.check or "schema").inc()
+        log.info(
+            "request_malformed",
+            extra={"site": site, "request": request, "code": bad.code.value, "check": bad.check,
+                   "text": bad.text},
+        )  # fmt: skip
+        self._reply(site, bad.in_reply_to, bad, route, request, bad.request_id)
+
+    def _stale(self, ts: float) -> bool:
+        """True (counted as ``stale``) if a request sent at ``ts`` is older than
+        ``request_max_age_s``: it is then ignored."""
+        if self._clock() - ts <= self.config.request_max_age_s:
+            return False
+        m.IGNORED_REQUESTS.labels(reason="stale").inc()
+        self.tally.reject("stale")
+        return True
 
     async def _on_claim(
         self,
@@ -814,10 +1065,11 @@ class BrokerService:
         (it then ends ``span``). ``t0``: the claim's arrival (``time.perf_counter``)."""
         claim = parse_site_message(Claim, payload, "claim_id")
         if isinstance(claim, Malformed):
+            self._malformed(site, "claim", claim, route)
             self.tally.claim(claim.code)
-            log.info("claim_rejected", extra={"site": site, "code": claim.code.value, "text": claim.text})
-            self._reply(site, claim.in_reply_to, claim, route)
             return claim.code
+        if self._stale(claim.ts):
+            return None
         if span.is_recording():
             span.set_attribute("messaging.message.id", claim.claim_id)
             if claim.offer_id is not None:
@@ -833,7 +1085,9 @@ class BrokerService:
             now = self._clock()
             step, ch = self.book.begin_claim(site, claim, now)
             if isinstance(step, PendingGrant) and not self._inline_isolation:
-                task = self._in_background(self._isolate_claim(step, route, span, t0), "claim-isolate")
+                task = self._in_background(
+                    self._isolate_claim(step, route, span, t0, claim.request_id), "claim-isolate"
+                )
                 self._claiming[key] = (step.record.lease_id, task)
                 await self._apply(ch, now)  # the claimed offer withdrawn, the node's rest offered
                 return None
@@ -841,7 +1095,11 @@ class BrokerService:
                 with _grant_span(step) as grant:
                     answer, ch2 = self.book.grant(step, now, None)
                     ch.extend(ch2)
-                    await self._apply(ch, now, reply=lambda: self._reply(site, claim.claim_id, answer, route))
+                    undone = await self._apply(
+                        ch, now, reply=lambda u: self._reply(site, claim.claim_id, _unless_undone(answer, u),
+                                                             route, "claim", claim.request_id),
+                    )  # fmt: skip
+                    answer = _unless_undone(answer, undone)
                     if not answer.ok:
                         tracing.mark_error(grant, answer.code.value, answer.text)
             else:
@@ -849,7 +1107,9 @@ class BrokerService:
                 rec = self.book.leases.get(answer.lease_id or "")
                 if answer.replayed and rec is not None:
                     self._publish(self.mqtt.lease(site, rec.lease_id), encode(lease_message(rec)), retain=True)
-                await self._apply(ch, now, reply=lambda: self._reply(site, claim.claim_id, answer, route))
+                await self._apply(
+                    ch, now, reply=lambda _: self._reply(site, claim.claim_id, answer, route, "claim", claim.request_id)
+                )  # fmt: skip
         self._claim_answered(site, claim.claim_id, answer, t0)
         return answer.code
 
@@ -877,7 +1137,12 @@ class BrokerService:
             _end_claim_span(span, code)
 
     async def _isolate_claim(
-        self, pending: PendingGrant, route: tuple[str | None, bytes | None], span: trace.Span, t0: float
+        self,
+        pending: PendingGrant,
+        route: tuple[str | None, bytes | None],
+        span: trace.Span,
+        t0: float,
+        request_id: str | None = None,
     ) -> None:
         """Isolate a reserved claim on the fabric without the service lock, then grant it (or
         abort with ``isolation_failed``) under the lock, reply, and end ``span``. Never raises:
@@ -893,16 +1158,23 @@ class BrokerService:
                         answer, ch = self.book.abort(pending, ReasonCode.ISOLATION_FAILED, problem, now)
                     else:
                         answer, ch = self.book.grant(pending, now, partition)
-                    await self._apply(
-                        ch, now, reply=lambda: self._reply(pending.site, pending.claim_id, answer, route)
-                    )
+                    undone = await self._apply(
+                        ch, now, reply=lambda u: self._reply(pending.site, pending.claim_id,
+                                                             _unless_undone(answer, u), route, "claim",
+                                                             request_id)
+                    )  # fmt: skip
+                    answer = _unless_undone(answer, undone)
                 if not answer.ok:
                     tracing.mark_error(grant, answer.code.value, answer.text)
             self._claim_answered(pending.site, pending.claim_id, answer, t0)
             code = answer.code
-        except Exception:  # noqa: BLE001 — e.g. the lease log unreachable: as _on_message does
+        except Exception:  # noqa: BLE001 — a bug: count, log, and still answer the site
             self.tally.reject(ReasonCode.INTERNAL.value)
             log.exception("claim_failed", extra={"site": pending.site, "claim_id": pending.claim_id})
+            self._reply(
+                pending.site, pending.claim_id, Malformed(ReasonCode.INTERNAL, "internal error; retry"), route,
+                "claim", request_id,
+            )  # fmt: skip
         finally:
             self._claiming.pop(key, None)
             _end_claim_span(span, code)
@@ -948,10 +1220,13 @@ class BrokerService:
         route: tuple[str | None, bytes | None],
         model: type[Renewal] | type[Release],
     ) -> None:
+        kind = "renewal" if model is Renewal else "release"
         req = parse_site_message(model, payload, "lease_id")
         if isinstance(req, Malformed):
+            self._malformed(site, kind, req, route)
             self.tally.reject(req.code.value)
-            self._reply(site, req.in_reply_to, req, route)
+            return
+        if self._stale(req.ts):
             return
         async with self._lock:
             now = self._clock()
@@ -959,7 +1234,11 @@ class BrokerService:
                 answer, ch = self.book.renew(site, req, now)
             else:
                 answer, ch = self.book.release(site, req, now)
-            await self._apply(ch, now, reply=lambda: self._reply(site, req.lease_id, answer, route))
+            undone = await self._apply(
+                ch, now, reply=lambda u: self._reply(site, req.lease_id, _unless_undone(answer, u), route, kind,
+                                                     req.request_id),
+            )  # fmt: skip
+            answer = _unless_undone(answer, undone)
         if not answer.ok:
             self.tally.reject(answer.code.value)
 
@@ -970,20 +1249,40 @@ class BrokerService:
         while True:
             try:
                 batch = await self._consumer.getmany(timeout_s=1.0, max_records=1000)
-                if batch:
+                if batch or self._demand_retry:
                     async with self._lock:
                         now = self._clock()
                         ch = Changes()
+                        for demand in self._demand_retry:  # demands whose reclaim the log refused
+                            ch.extend(self.book.apply_demand(demand, now)[1])
+                        self._demand_retry = []
                         for msg in batch:
-                            ch.extend(self._on_traced_record(msg, now))
-                        await self._apply(ch, now)
-                    await self._consumer.commit()
+                            try:
+                                ch.extend(self._on_traced_record(msg, now))
+                            except Exception as e:  # noqa: BLE001 — one record must not fail the batch
+                                self._bad_record("record_failed", msg, e)
+                        undone = await self._apply(ch, now)  # a transition the log refuses is undone alone
+                        self._retry_demands(ch, undone)
+                    if batch:
+                        await self._consumer.commit()
                 backoff.reset()
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 — a bus hiccup must not stop the broker
                 log.exception("bus_batch_failed")
                 await asyncio.sleep(backoff.next())
+
+    def _retry_demands(self, ch: Changes, undone: set[str]) -> None:
+        """Apply again, with the next batch, the demands whose reclaims were undone (the lease log
+        refused them); the demand record itself is consumed and committed, so it would not come
+        back. Each demand is retried while it is younger than ``demand_max_age_s``."""
+        ids = {demand_of(r.reason) for r in ch.records if r.lease_id in undone} - {None}
+        for demand_id in sorted(i for i in ids if i is not None):
+            demand = self._demands_seen.get(demand_id)
+            if demand is not None:
+                self._demand_retry.append(demand)
+        if len(self._demands_seen) > 10_000:
+            self._demands_seen.clear()
 
     def _on_traced_record(self, msg: BusMessage, now: float) -> Changes:
         """:meth:`_on_record` inside a ``process <topic>`` span (CONSUMER) when the record carries a
@@ -1016,7 +1315,7 @@ class BrokerService:
             return Changes()
         if msg.topic == self.topics.capacity:
             try:
-                update = decode(CapacityUpdate, msg.value)
+                update = decode_compatible(CapacityUpdate, msg.value)
             except ValueError as e:
                 self._bad_record("malformed_capacity", msg, e)
                 return Changes()
@@ -1024,10 +1323,11 @@ class BrokerService:
             return self.book.apply_capacity(update, now)
         if msg.topic == self.topics.pool_demand:
             try:
-                demand = decode(PoolDemand, msg.value)
+                demand = decode_compatible(PoolDemand, msg.value)
             except ValueError as e:
                 self._bad_record("malformed_demand", msg, e)
                 return Changes()
+            self._demands_seen[demand.demand_id] = demand
             result, ch = self.book.apply_demand(demand, now)
             self.tally.demand(result)
             log.info(
@@ -1102,6 +1402,14 @@ class BrokerService:
         after it. The deadlines are kept as transitions are applied (no scan of the book)."""
         soonest = min(self._deadlines.values(), default=math.inf)
         return min(self.config.tick_s, max(0.0, soonest - self._clock()))
+
+
+async def _stop_quietly(producer: Producer) -> None:
+    """Stop a replaced lease-log producer; its errors are logged, never raised."""
+    try:
+        await producer.stop()
+    except Exception as e:  # noqa: BLE001 — it was replaced because it failed
+        log.info("lease_log_producer_stopped_with_error", extra={"error": repr(e)[:300]})
 
 
 @contextlib.contextmanager

@@ -252,12 +252,18 @@ def publish_properties(
 
 
 def subscriptions(
-    protocol: int, topics: list[str], *, no_local: bool = False
+    protocol: int, topics: list[str], *, no_local: bool = False, retain_as_published: bool = False
 ) -> list[tuple[str, SubscribeOptions]] | list[tuple[str, int]]:
     """The argument of ``aiomqtt.Client.subscribe`` for ``topics`` at QoS 1 in one SUBSCRIBE
-    packet; on MQTT 5 with ``no_local`` the server does not echo this client's own publishes."""
+    packet; on MQTT 5 with ``no_local`` the server does not echo this client's own publishes, and
+    with ``retain_as_published`` a message forwarded live keeps its retain flag (MQTT 3.1.1 and
+    MQTT 5 without it clear the flag on live delivery: only retained messages sent at subscribe
+    time carry it)."""
     if protocol == 5:
-        return [(t, SubscribeOptions(qos=1, noLocal=no_local)) for t in topics]
+        return [
+            (t, SubscribeOptions(qos=1, noLocal=no_local, retainAsPublished=retain_as_published))
+            for t in topics
+        ]
     return [(t, 1) for t in topics]
 
 

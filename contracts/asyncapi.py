@@ -25,8 +25,20 @@ from pydantic.json_schema import models_json_schema
 from contracts.base import SCHEMA_VERSION, Record
 from contracts.capacity import CapacityUpdate, PoolDemand
 from contracts.fabric import TOPOLOGY_KEY, FabricTopology
-from contracts.leases import LeaseLogRecord
-from contracts.mqtt import Claim, LeaseMessage, Offer, PeerState, Release, Renewal, Reply
+from contracts.leases import LeaseLogRecord, LeaseReason
+from contracts.mqtt import (
+    LIMITS,
+    REASON_ANSWERS,
+    Claim,
+    LeaseMessage,
+    Offer,
+    PeerState,
+    ReasonCode,
+    Release,
+    Renewal,
+    Reply,
+)
+from contracts.settings import BrokerSettings
 from contracts.telemetry import GpuSample, IbPortSample, NvSwitchSample
 from contracts.topics import KafkaTopics, MqttTopics
 
@@ -293,6 +305,140 @@ def _user_properties_schema() -> dict[str, Any]:
     }
 
 
+def _member_docs(enum: type[Any]) -> dict[str, str]:
+    """Member value → the docstring under it in the enum's source (``""`` if none)."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(enum)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for stmt, nxt in zip(body, body[1:] + [None], strict=True):
+        if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name):
+            name = stmt.targets[0].id
+            doc = ""
+            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                doc = " ".join(nxt.value.value.split())
+            docs[getattr(enum, name).value] = doc
+    return docs
+
+
+def _reason_codes() -> dict[str, Any]:
+    """``x-reason-codes``: every :class:`ReasonCode` with its meaning and the requests it answers."""
+    docs = _member_docs(ReasonCode)
+    return {
+        code.value: {"description": docs[code.value], "answers": list(REASON_ANSWERS[code])}
+        for code in ReasonCode
+    }
+
+
+def _lease_reasons() -> dict[str, str]:
+    """``x-lease-reasons``: every :class:`LeaseReason` value (``reason`` of lease messages)."""
+    return _member_docs(LeaseReason)
+
+
+def _limits() -> dict[str, Any]:
+    """``x-limits``: the protocol's bounds (:data:`contracts.mqtt.LIMITS`) and the broker's
+    defaults a site meets (rate limit, quota, TTLs)."""
+    out: dict[str, Any] = {
+        name: getattr(LIMITS, name) for name in sorted(vars(type(LIMITS))) if not name.startswith("_")
+    }
+    defaults = BrokerSettings()
+    out.update(
+        {
+            "default_site_quota_gpus": defaults.default_site_quota,
+            "lease_ttl_seconds": defaults.lease_ttl_s,
+            "offer_ttl_seconds": defaults.offer_ttl_s,
+            "retain_terminal_seconds": 900.0,
+        }
+    )
+    return out
+
+
+_GUIDE = """
+## Lease state machine
+
+```
+granted ─► active ─► reclaiming(reclaim_deadline) ─► released | revoked | expired
+   │          │
+   │          └─► released (site) | expired (TTL or ends_at)
+   └─► active (first renewal) | reclaiming | released | expired
+```
+
+`granted` and `active` hold the GPUs; `reclaiming` still holds them until `reclaim_deadline`
+(= transition time + `notice_seconds`, or the end of the minimum guarantee); `released`, `expired`,
+`revoked` are terminal. No GPU is ever in two live leases. Each transition is written to the
+broker's lease log (Kafka) before anything about it is published; a transition the log refuses is
+undone and the request answered `internal`. `seq` grows by one per transition.
+
+## Requests and replies
+
+Every claim, renewal and release gets exactly one `Reply` on `sites/{site}/replies` (and, over
+MQTT 5, on the request's response topic with its correlation data), except requests ignored
+without an answer: retained requests (never acted on; the broker clears them) and requests whose
+`ts` is older than 300 s on arrival (`request_max_age_s`); both are counted in
+`gpupool_broker_ignored_requests_total{reason}`. Match a reply by `request` (`claim`, `renewal`,
+`release`) and `in_reply_to` (the `claim_id` or `lease_id`); to tell two renewals of one lease apart
+over MQTT 3.1.1, put a `request_id` in the request: the reply echoes it, and only a request with
+a `request_id` gets the reply fields added after the first release (`request`, `request_id`,
+`expires_at`, `ttl_seconds`: sites of the first release refuse unknown fields). `x-reason-codes` lists
+every `code` with its meaning and the requests it answers.
+
+## Renewal and TTL
+
+A lease expires at `expires_at` unless renewed. A renewal moves `expires_at` to
+`now + min(extend_seconds, TTL)` (TTL: the broker's `lease_ttl_s`, 60 s by default; `extend_seconds`
+absent: the full TTL), never past `ends_at` (grant + the claim's `duration_seconds`) and never
+backwards; the first renewal makes a `granted` lease `active`. The `ok` reply carries the new
+`expires_at` and `ttl_seconds` (machine-readable, for a request with a `request_id`; the `text`
+repeats them for people), and the
+retained lease message is republished with the same `expires_at`. Renew well before it, e.g.
+every TTL/3.
+
+## Offers
+
+An offer is retained on `offers/{offer_id}` until withdrawn (zero-length retained payload): when
+claimed, when its GPUs or its promise change (a GPU turns busy or is leased, or analytics predicts
+a shorter idle window — then a new offer under a new `offer_id` replaces it, which on a busy pool
+happens every few seconds), and at `expires_at` (`ts` + 60 s by default), when still-idle GPUs are
+offered again under a new id. `available_until` (the predicted idle end) is never before `ts`;
+equal to `ts` means the prediction has passed and nothing is promised beyond now. Claim by
+`requirements` instead of `offer_id` to be independent of re-issues.
+
+## Identity and limits
+
+Each site logs in with its own user name (= `{site}`) and password. Mosquitto replaces the
+client id by the user name (`use_username_as_clientid`), so a site's client id is always its site
+name, no site can take the broker's session, and a second connection of the same site takes over
+the first. A site may publish only to its own `claims`, `renewals`, `releases` and `state`
+topics; it reads `offers/#`, `broker/state` and its own `sites/{site}/#`. `x-limits` lists the
+bounds: a request over `max_payload_bytes`, nested deeper than `max_depth`, not valid UTF-8
+(including escaped lone surrogates), with a non-finite number, a wrong JSON type (no coercion:
+`true` is not a count, `"600"` is not a number) or a value out of bounds is answered `malformed`
+and changes nothing. A site sending more than `site_request_rate_per_s` requests per second (burst
+`site_request_burst`) is answered `rate_limited`; it holds at most `default_site_quota_gpus` GPUs
+unless configured otherwise (`quota_exceeded`). Mosquitto disconnects a client sending a packet
+larger than `mosquitto_max_packet_bytes`.
+
+## Retained state
+
+Offers are retained until withdrawn (above). Lease messages stay retained while the lease is
+remembered: live leases always, terminal ones for `retain_terminal_seconds` (15 min) after their
+last transition; then the broker clears them. At every (re)connection the broker republishes every
+offer and lease it holds and clears retained offers and lease messages it does not know.
+
+## Versioning
+
+Readers are tolerant, writers strict: a reader ignores fields it does not know and accepts any
+`schema_version` >= 1 on these topics; within `gpupool/v1` every change is additive (new
+optional fields, new reason codes or reason values). A breaking change moves to a new root,
+`gpupool/v2`, and the broker then serves both roots for a transition, so sites of the previous
+release keep working. Samples of every message of each release are kept in the repository
+(`tests/fixtures/wire/v1/`) and decoded by every later release.
+"""
+
+
 def build_asyncapi(root: str = "gpupool/v1") -> dict[str, Any]:
     """The AsyncAPI 3.0.0 document of protocol v1 under MQTT topic ``root``, as a JSON-able dict.
 
@@ -332,8 +478,11 @@ def build_asyncapi(root: str = "gpupool/v1") -> dict[str, Any]:
             "is in the JSON payload (MQTT 3.1.1 works); MQTT 5 adds message expiry, response "
             "topic, correlation data and a traceparent user property. Every payload carries "
             f"schema_version ({SCHEMA_VERSION}). Generated from contracts/ by "
-            "`python -m contracts.asyncapi`; do not edit by hand.",
+            "`python -m contracts.asyncapi`; do not edit by hand.\n" + _GUIDE,
         },
+        "x-reason-codes": _reason_codes(),
+        "x-lease-reasons": _lease_reasons(),
+        "x-limits": _limits(),
         "defaultContentType": "application/json",
         "servers": servers,
         "channels": _channels(root),

@@ -35,6 +35,40 @@ class LeaseState(StrEnum):
         return self in (LeaseState.GRANTED, LeaseState.ACTIVE, LeaseState.RECLAIMING)
 
 
+class LeaseReason(StrEnum):
+    """Why a lease transition happened: the ``reason`` of a lease-log record and lease message is
+    one of these values, possibly followed by ``:<detail>`` where noted, and by at most one of
+    the suffixes :attr:`GUARANTEE_BROKEN` / :attr:`DEFERRED_TO_GUARANTEE_END` on a reclaim."""
+
+    CLAIM = "claim"
+    """Granted from a claim naming an offer."""
+    MATCH = "match"
+    """Granted from a matched claim; ``match:<tier>`` with tier ``node``, ``leaf`` or ``cross_leaf``."""
+    RENEWAL = "renewal"
+    """Renewed by the site (TTL moved; ``granted`` → ``active`` on the first)."""
+    SITE_RELEASE = "site_release"
+    """Released early by the site."""
+    TTL = "ttl"
+    """Expired: not renewed within the TTL."""
+    ENDED = "ended"
+    """Expired: the claim's ``duration_seconds`` (``ends_at``) was reached."""
+    DEMAND = "demand"
+    """Reclaiming for a training demand: ``demand:<demand_id>``."""
+    RECLAIM = "reclaim"
+    """Reclaiming asked for by the operator without a demand record."""
+    RECLAIM_DEADLINE = "reclaim_deadline"
+    """Revoked: the reclaim deadline passed."""
+    REBUILD_CONFLICT = "rebuild_conflict"
+    """Revoked at a broker start: another live lease in the lease log holds one of its GPUs."""
+    LOG_WRITE_FAILED = "log_write_failed"
+    """Never granted: the lease log did not take the grant (the claim was answered ``internal``);
+    this record supersedes a grant record that may have landed late."""
+    GUARANTEE_BROKEN = ";guarantee_broken"
+    """Suffix: a forced demand cut the minimum guaranteed duration short."""
+    DEFERRED_TO_GUARANTEE_END = ";deferred_to_guarantee_end"
+    """Suffix: the reclaim deadline was moved to the end of the minimum guarantee."""
+
+
 class Partition(Record):
     """The InfiniBand isolation given to a lease.
 

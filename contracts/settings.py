@@ -56,6 +56,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from contracts.mqtt import LIMITS
+
 __all__ = [
     "CONFIG_ENV",
     "AnalyticsSettings",
@@ -234,7 +236,8 @@ class BrokerSettings(BaseModel):
             ``broker.service.tune_gc``).
         pool_zones: pool name → latency zone stamped on its offers (``[broker.pool_zones]``).
         site_quotas: site → the most GPUs it may hold at once (``[broker.site_quotas]``).
-        default_site_quota: quota of sites not in ``site_quotas``; unset: unlimited.
+        default_site_quota: quota of sites not in ``site_quotas``; default 64 GPUs (so no
+            site takes a whole pool by flooding); a large number for practically unlimited.
         site_weights: site → fair-share weight, > 0 (``[broker.site_weights]``; default 1).
         fair_share_window_s: a site refused this recently still counts as waiting for its share,
             seconds (policy: :mod:`broker.quota`).
@@ -243,6 +246,11 @@ class BrokerSettings(BaseModel):
             headroom left by training (``CapacityUpdate.leaf_headroom``); 0 turns that check off.
         site_forget_after_s: a site offline this long with no live lease is forgotten, seconds:
             its ``site`` series (``gpupool_broker_site_up``, claim decisions) are removed.
+        site_request_rate_per_s / site_request_burst: per-site token bucket of claims, renewals
+            and releases (past it: ``rate_limited``); defaults 50/s and 100.
+        request_max_age_s: requests older than this (by their ``ts``) are ignored, seconds.
+        lease_log_timeout_s: a lease-log write not acknowledged within this is undone and the
+            request answered ``internal``, seconds.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -262,11 +270,15 @@ class BrokerSettings(BaseModel):
     tune_gc: bool = True
     pool_zones: dict[str, str] = Field(default_factory=dict)
     site_quotas: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
-    default_site_quota: int | None = Field(default=None, ge=0)
+    default_site_quota: int | None = Field(default=64, ge=0)
     site_weights: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
     fair_share_window_s: float = Field(default=60.0, ge=0)
     lent_share: float = Field(default=0.2, ge=0, le=1)
     site_forget_after_s: float = Field(default=3600.0, gt=0)
+    site_request_rate_per_s: float = Field(default=LIMITS.site_request_rate_per_s, gt=0)
+    site_request_burst: float = Field(default=LIMITS.site_request_burst, ge=1)
+    request_max_age_s: float = Field(default=LIMITS.request_max_age_seconds, gt=0)
+    lease_log_timeout_s: float = Field(default=5.0, gt=0)
 
 
 class DeploymentSettings(BaseSettings):

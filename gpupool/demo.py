@@ -371,7 +371,8 @@ async def _run_pipeline(
 
     stop = asyncio.Event()
     audit = OfferAudit()
-    audit_creds = creds(cfg.sites[0]) if users else (None, None)
+    audit_creds = creds("gpupool-observer") if "gpupool-observer" in users else (
+        creds(cfg.sites[0]) if users else (None, None))  # fmt: skip
     tasks: list[asyncio.Task[object]] = []
     await collector.start()
     await analytics.start()

@@ -21,7 +21,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from contracts import LeaseLogRecord, decode
+from contracts import LeaseLogRecord
+from contracts.base import decode_compatible
 from contracts.bus import Bus
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ class LeaseWatch:
                     if msg.value is None:  # tombstones
                         continue
                     try:
-                        self.records.append(decode(LeaseLogRecord, msg.value))
+                        self.records.append(decode_compatible(LeaseLogRecord, msg.value))
                     except ValueError as e:
                         log.warning("demo_lease_record_rejected", extra={"error": str(e)[:200]})
         finally:

@@ -87,13 +87,14 @@ async def until(pred: Callable[[], T | None], timeout_s: float, what: str) -> T:
 
 async def retained_leases(creds: dict[str, Any], site: str, root: str | None = None) -> dict[str, LeaseMessage]:
     """The retained lease messages of ``site`` (by lease id) under ``root`` (default
-    ``creds["root"]``), read for 1 s by a fresh MQTT 5 client logged in as that site."""
+    ``creds["root"]``), read for 1 s by a fresh MQTT 5 client logged in as the read-only observer
+    user (logging in as the site would take its own connection's session over)."""
     found: dict[str, LeaseMessage] = {}
     async with aiomqtt.Client(
         creds["host"],
         creds["port"],
-        username=site,
-        password=creds["users"][site],
+        username="gpupool-observer",
+        password=creds["users"]["gpupool-observer"],
         identifier=f"probe-{uuid.uuid4().hex[:10]}",
         protocol=aiomqtt.ProtocolVersion.V5,
     ) as c:

@@ -76,8 +76,10 @@ def test_cli_writes_same_files(tmp_path: Path) -> None:
 def test_top_level_fields(doc: dict[str, Any]) -> None:
     assert doc["asyncapi"] == "3.0.0"
     assert doc["info"]["title"] and doc["info"]["version"]
-    assert set(doc) <= {"asyncapi", "id", "info", "servers", "defaultContentType", "channels",
-                        "operations", "components"}
+    # besides the fixed fields only specification extensions (x-...), which AsyncAPI allows here
+    assert {k for k in doc if not k.startswith("x-")} <= {"asyncapi", "id", "info", "servers",
+                                                          "defaultContentType", "channels", "operations",
+                                                          "components"}
     for server in doc["servers"].values():
         assert server["host"] and server["protocol"] == "mqtt"
 
@@ -153,3 +155,107 @@ def test_kafka_schemas() -> None:
         for ref in _refs(schema):
             _resolve(schema, ref)
     assert schemas["leases.log.schema.json"]["title"] == "LeaseLogRecord"
+
+
+# --- a protocol a stranger can implement from (issue 10) -------------------------------------------
+
+def test_every_reason_code_is_documented_with_the_requests_it_answers(doc: dict[str, Any]) -> None:
+    from contracts import ReasonCode
+    from contracts.mqtt import REASON_ANSWERS
+
+    documented = doc["x-reason-codes"]
+    assert set(documented) == {c.value for c in ReasonCode}
+    assert set(REASON_ANSWERS) == set(ReasonCode)
+    for code, entry in documented.items():
+        assert len(entry["description"]) > 20, code
+        assert entry["answers"] and set(entry["answers"]) <= {"claim", "renewal", "release"}, code
+    # the Reply schema's code enum is the same set
+    assert set(doc["components"]["schemas"]["ReasonCode"]["enum"]) == set(documented)
+
+
+def test_every_lease_reason_is_documented(doc: dict[str, Any]) -> None:
+    from contracts.leases import LeaseReason
+
+    documented = doc["x-lease-reasons"]
+    assert set(documented) == {r.value for r in LeaseReason}
+    assert all(len(text) > 10 for text in documented.values())
+
+
+_REASON_CALLS = {"_transition": 3, "_end": 3, "_start_reclaim": 2, "reclaim": 3}
+"""Book methods that set a lease's ``reason``, and the position of that argument (after self)."""
+
+
+def _reason_ok(node: Any) -> bool:
+    """A ``reason`` argument may be a LeaseReason member (``LeaseReason.X`` or ``.value``), a name
+    passed through (a parameter), a conditional of those, or an f-string that starts with one of
+    those and adds only ``:<detail>`` or further LeaseReason members (suffixes)."""
+    import ast
+
+    if isinstance(node, ast.Attribute):
+        base = node.value.value if isinstance(node.value, ast.Attribute) and node.attr == "value" else node.value
+        return isinstance(base, ast.Name) and base.id == "LeaseReason"
+    if isinstance(node, ast.Name):
+        return True
+    if isinstance(node, ast.IfExp):
+        return _reason_ok(node.body) and _reason_ok(node.orelse)
+    if isinstance(node, ast.JoinedStr):
+        first, *rest = node.values
+        return (
+            isinstance(first, ast.FormattedValue)
+            and _reason_ok(first.value)
+            and all(
+                str(v.value).startswith(":") and ";" not in str(v.value)
+                for v in rest
+                if isinstance(v, ast.Constant)
+            )
+        )
+    return False
+
+
+def test_the_code_produces_only_documented_reasons() -> None:
+    """Every ``reason`` the lease book can write comes from LeaseReason (which the document lists):
+    a string literal passed as a reason anywhere in broker/ fails this test."""
+    import ast
+
+    offenders = []
+    for path in sorted((REPO / "broker").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                continue
+            pos = _REASON_CALLS.get(node.func.attr)
+            if pos is None:
+                continue
+            arg = next((k.value for k in node.keywords if k.arg == "reason"), None)
+            if arg is None and len(node.args) > pos:
+                arg = node.args[pos]
+            if arg is None:
+                continue
+            if not _reason_ok(arg):
+                offenders.append(f"{path.name}:{node.lineno}: {ast.unparse(arg)}")
+            # a record built directly: LeaseLogRecord(..., reason=...)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "LeaseLogRecord":
+                for k in node.keywords:
+                    if k.arg == "reason" and not _reason_ok(k.value):
+                        offenders.append(f"{path.name}:{node.lineno}: reason={ast.unparse(k.value)}")
+    assert offenders == []
+
+
+def test_the_guide_covers_what_a_client_needs(doc: dict[str, Any]) -> None:
+    text = doc["info"]["description"]
+    for needle in (
+        "## Lease state machine", "## Renewal and TTL", "ttl_seconds", "## Offers", "available_until",
+        "request_id", "use_username_as_clientid", "## Retained state", "## Versioning", "gpupool/v2",
+        "rate_limited",
+    ):
+        assert needle in text, needle
+    limits = doc["x-limits"]
+    for key in ("max_payload_bytes", "max_depth", "max_id_chars", "site_request_rate_per_s",
+                "default_site_quota_gpus", "lease_ttl_seconds", "mosquitto_max_packet_bytes"):
+        assert key in limits, key
+    # every field of every site-facing message is described
+    for name in ("Offer", "OfferedGpu", "Claim", "Requirements", "LeaseMessage", "Renewal", "Release", "Reply", "PeerState"):
+        schema = doc["components"]["schemas"][name]
+        undocumented = [f for f, s in schema["properties"].items() if f != "schema_version" and not s.get("description")]
+        assert undocumented == [], (name, undocumented)

@@ -35,12 +35,12 @@ def test_writes_acl_and_hashed_passwords(tmp_path: Path) -> None:
     assert (out / "acl").read_text() == render_acl("gpupool/v1", SITES, "gpupool-broker")
 
     creds = json.loads((out / "credentials.json").read_text())
-    assert set(creds["users"]) == {*SITES, "gpupool-broker"}
+    assert set(creds["users"]) == {*SITES, "gpupool-broker", "gpupool-observer"}
     for password in creds["users"].values():
         assert password not in stdout
 
     entries = [line.split(":", 1) for line in (out / "passwd").read_text().splitlines() if line]
-    assert sorted(user for user, _ in entries) == sorted([*SITES, "gpupool-broker"])
+    assert sorted(user for user, _ in entries) == sorted([*SITES, "gpupool-broker", "gpupool-observer"])
     for user, hashed in entries:
         assert hashed.startswith("$7$") or hashed.startswith("$6$"), (user, hashed)
         assert creds["users"][user] not in hashed
@@ -71,7 +71,9 @@ def test_bad_sites_are_refused_and_nothing_written(tmp_path: Path, sites: str) -
     assert not (out / "passwd").exists() and not (out / "acl").exists()
 
 
-def test_tls_listener_is_written_with_the_plain_one(tmp_path: Path) -> None:
+def _write_with_tls(tmp_path: Path, *extra: str) -> tuple[dict[str, Path], Path]:
+    """``broker acl`` for edge-a with a plain listener on 18883 and TLS on 18884 (placeholder
+    PEM files); returns the files and the output directory."""
     files = {n: tmp_path / f"{n}.pem" for n in ("ca", "server", "server-key")}
     for f in files.values():
         f.write_text("pem\n")
@@ -79,9 +81,14 @@ def test_tls_listener_is_written_with_the_plain_one(tmp_path: Path) -> None:
     code, _, stderr = _run(
         "--dir", str(out), "--sites", "edge-a", "--port", "18883", "--tls-port", "18884",
         "--cafile", str(files["ca"]), "--certfile", str(files["server"]), "--keyfile", str(files["server-key"]),
-        "--require-certificate",
+        *extra,
     )  # fmt: skip
     assert code == 0, stderr
+    return files, out
+
+
+def test_tls_listener_is_written_with_the_plain_one(tmp_path: Path) -> None:
+    files, out = _write_with_tls(tmp_path, "--require-certificate")
     conf = (out / "mosquitto.conf").read_text()
     assert "listener 18883 127.0.0.1" in conf
     tls = conf[conf.index("listener 18884 127.0.0.1") :].splitlines()
@@ -124,3 +131,27 @@ def test_tls_listener_binds_the_given_address_for_remote_sites(tmp_path: Path) -
         broker_app, ["acl", "--dir", str(tmp_path / "bad"), "--sites", "edge-a", *tls, "--tls-address", "a b"]
     )
     assert res.exit_code == 2 and not (tmp_path / "bad" / "mosquitto.conf").exists()
+
+
+def test_the_config_binds_client_ids_and_sets_limits(tmp_path: Path) -> None:
+    """Client ids are user names on every listener; packet and per-client queue limits are set
+    (contracts.mqtt.LIMITS); a site may write only its request topics."""
+    from contracts.mqtt import LIMITS
+
+    _, out = _write_with_tls(tmp_path)
+    lines = (out / "mosquitto.conf").read_text().splitlines()
+    from broker.acl import MAX_PACKET_BYTES, MAX_QUEUED_BYTES, MAX_QUEUED_MESSAGES
+
+    assert (MAX_PACKET_BYTES, MAX_QUEUED_MESSAGES, MAX_QUEUED_BYTES) == (
+        LIMITS.mosquitto_max_packet_bytes, LIMITS.mosquitto_max_queued_messages, LIMITS.mosquitto_max_queued_bytes
+    )  # fmt: skip
+    assert f"max_packet_size {LIMITS.mosquitto_max_packet_bytes}" in lines
+    assert f"max_queued_messages {LIMITS.mosquitto_max_queued_messages}" in lines
+    assert f"max_queued_bytes {LIMITS.mosquitto_max_queued_bytes}" in lines
+    listeners = [i for i, line in enumerate(lines) if line.startswith("listener ")]
+    assert len(listeners) == 2
+    for start, end in zip(listeners, [*listeners[1:], len(lines)], strict=True):
+        assert "use_username_as_clientid true" in lines[start:end], lines[start]
+    acl = (out / "acl").read_text().splitlines()
+    writes = sorted(line for line in acl if line.startswith("pattern write"))
+    assert writes == sorted(f"pattern write gpupool/v1/sites/%u/{k}" for k in ("claims", "releases", "renewals", "state"))

@@ -303,10 +303,13 @@ class LeaseBookMachine(RuleBasedStateMachine):
                     f"offer {offer.offer_id} kept stale {og.gpu}"
                 )
                 if cap.predicted_idle_until is not None:
+                    # the promise is the prediction, or (a prediction already passed) nothing past ts
                     assert (
                         offer.available_until is not None
-                        and offer.available_until <= cap.predicted_idle_until
+                        and offer.available_until <= max(cap.predicted_idle_until, offer.ts)
                     )
+                if offer.available_until is not None:
+                    assert offer.available_until >= offer.ts, f"offer {offer.offer_id} promises before its ts"
 
     @invariant()
     def log_is_a_valid_history(self) -> None:

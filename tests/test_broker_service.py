@@ -249,14 +249,33 @@ async def test_reclaim_deadline_revokes_a_lease_the_site_keeps(mqtt_port: int) -
 
 
 async def _raw_request(port: int, topic: str, payload: bytes, site: str = "edge-a") -> Reply:
+    return decode(Reply, await _raw_reply_payload(port, topic, payload, site))
+
+
+async def _raw_reply_payload(port: int, topic: str, payload: bytes, site: str = "edge-a") -> bytes:
     async with aiomqtt.Client("127.0.0.1", port, identifier=f"raw-{uuid.uuid4().hex[:8]}") as c:
         await c.subscribe(MT.replies(site), qos=1)
         await c.publish(topic, payload, qos=1)
         async with asyncio.timeout(5):
             async for msg in c.messages:
                 if msg.topic.matches(MT.replies(site)):  # amqtt also sends others' retained messages
-                    return decode(Reply, bytes(msg.payload))  # type: ignore[arg-type]
+                    return bytes(msg.payload)  # type: ignore[arg-type]
     raise AssertionError("no reply")
+
+
+async def test_a_site_of_the_first_release_gets_replies_it_can_decode(mqtt_port: int) -> None:
+    """Edge sites of the first v1 release refuse unknown fields: a request without a request_id
+    gets a reply of exactly that release's fields; one with a request_id the whole reply."""
+    first_release_fields = {"schema_version", "in_reply_to", "site", "code", "text", "lease_id", "ts"}
+    bus = MemoryBus()
+    async with _service(bus, mqtt_port):
+        claim = {"claim_id": "old-1", "site": "edge-a", "count": 1, "ts": time.time()}
+        old = json.loads(await _raw_reply_payload(mqtt_port, MT.claims("edge-a"), json.dumps(claim).encode()))
+        assert set(old) == first_release_fields and old["code"] == "no_match"
+        claim = {**claim, "claim_id": "new-1", "request_id": "r-1"}
+        new = json.loads(await _raw_reply_payload(mqtt_port, MT.claims("edge-a"), json.dumps(claim).encode()))
+        assert set(new) == first_release_fields | {"request", "request_id", "expires_at", "ttl_seconds"}
+        assert (new["request"], new["request_id"]) == ("claim", "r-1")
 
 
 async def test_malformed_claims_get_a_reason_code_and_change_nothing(mqtt_port: int) -> None:
@@ -272,9 +291,9 @@ async def test_malformed_claims_get_a_reason_code_and_change_nothing(mqtt_port: 
             (b"[1, 2]", ReasonCode.MALFORMED, ""),
             (json.dumps({"claim_id": "k1", "site": "edge-a"}).encode(), ReasonCode.MALFORMED, "k1"),
             (json.dumps({**good, "claim_id": "k2", "count": -1}).encode(), ReasonCode.MALFORMED, "k2"),
-            (json.dumps({**good, "claim_id": "k3", "extra": 1}).encode(), ReasonCode.MALFORMED, "k3"),
+            (json.dumps({**good, "claim_id": "k3", "count": True}).encode(), ReasonCode.MALFORMED, "k3"),
             (
-                json.dumps({**good, "claim_id": "k4", "schema_version": 2}).encode(),
+                json.dumps({**good, "claim_id": "k4", "schema_version": 0}).encode(),
                 ReasonCode.UNSUPPORTED_VERSION,
                 "k4",
             ),
@@ -654,3 +673,55 @@ def test_tune_gc_freezes_and_the_tick_refreezes_and_fully_collects() -> None:
     finally:
         _GC.set(0.0, 0.0, time.monotonic())
         gc.unfreeze()
+
+
+async def test_a_site_past_its_rate_limit_is_answered_rate_limited(mqtt_port: int) -> None:
+    """The per-site token bucket: ``burst`` requests pass at once, the next is answered
+    ``rate_limited`` (and changes nothing); another site is not affected."""
+    cfg = CFG.model_copy(update={"site_request_rate_per_s": 0.5, "site_request_burst": 2.0})
+    async with _service(MemoryBus(), mqtt_port, cfg) as svc:
+        codes = []
+        for i in range(3):
+            claim = {"claim_id": f"rl-{i}", "site": "edge-a", "count": 1, "ts": time.time(), "request_id": f"r{i}"}
+            codes.append((await _raw_request(mqtt_port, MT.claims("edge-a"), json.dumps(claim).encode())).code)
+        assert codes == [ReasonCode.NO_MATCH, ReasonCode.NO_MATCH, ReasonCode.RATE_LIMITED]
+        other = {"claim_id": "rl-b", "site": "edge-b", "count": 1, "ts": time.time()}
+        reply = await _raw_request(mqtt_port, MT.claims("edge-b"), json.dumps(other).encode(), site="edge-b")
+        assert reply.code is ReasonCode.NO_MATCH
+        assert svc.stats()["rejected_messages"].get("rate_limited") == 1
+
+
+async def test_an_unexpected_failure_is_answered_internal(mqtt_port: int) -> None:
+    """A bug in handling a request still gets the site an answer (``internal``), and the broker
+    keeps serving."""
+    bus = MemoryBus()
+    async with _service(bus, mqtt_port) as svc:
+
+        def broken(*_: object) -> object:
+            raise RuntimeError("a bug")
+
+        svc.book.renew = broken  # type: ignore[method-assign]
+        renewal = {"lease_id": "lease-x", "site": "edge-a", "ts": time.time()}
+        reply = await _raw_request(mqtt_port, MT.renewals("edge-a"), json.dumps(renewal).encode())
+        assert (reply.code, reply.in_reply_to) == (ReasonCode.INTERNAL, "lease-x")
+        claim = {"claim_id": "after", "site": "edge-a", "count": 1, "ts": time.time()}
+        assert (await _raw_request(mqtt_port, MT.claims("edge-a"), json.dumps(claim).encode())).code is ReasonCode.NO_MATCH
+
+
+async def test_the_mqtt_loop_reconnects_after_a_failed_resync(mqtt_port: int) -> None:
+    """An error inside a connection's resync ends only that connection: the loop reconnects."""
+    svc = BrokerService(bus=MemoryBus(), topics=TOPICS, mqtt_host="127.0.0.1", mqtt_port=mqtt_port, protocol=4,
+                        config=CFG)  # fmt: skip
+    real = svc._on_connect  # noqa: SLF001
+    calls = 0
+
+    async def flaky(client: aiomqtt.Client) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("resync failed oddly")
+        await real(client)
+
+    svc._on_connect = flaky  # type: ignore[method-assign]  # noqa: SLF001
+    async with running(svc, connect_timeout_s=15):
+        assert calls == 2 and svc.stats()["mqtt_connected"]

@@ -50,7 +50,7 @@ import analytics.cli
 import broker.cli
 from gpupool.topics_cli import TOPICS_FLAGS
 import collectors.cli
-from broker.acl import BROKER_USER, DEFAULT_ROOT, render_acl
+from broker.acl import BROKER_USER, DEFAULT_ROOT, OBSERVER_USER, render_acl
 from contracts.settings import DeploymentSettings
 from gpupool.cli import app
 from gpupool.settings import load_settings
@@ -443,7 +443,7 @@ def test_committed_credentials_are_placeholders_matching_the_acl(name: str) -> N
     sites = _credential_sites(creds / "mqtt-sites")
     assert sites and all(PLACEHOLDER in pw for pw in sites.values()), f"{name}: a real password?"
     assert PLACEHOLDER in (creds / "mqtt-broker-password").read_text()
-    assert _acl_users(acl) == {BROKER_USER, *sites}, f"{name}: ACL users vs mqtt-sites"
+    assert _acl_users(acl) == {BROKER_USER, OBSERVER_USER, *sites}, f"{name}: ACL users vs mqtt-sites"
     assert acl.read_text() == render_acl(DEFAULT_ROOT, list(sites), BROKER_USER), f"{name}: ACL not rendered"
 
 

@@ -18,13 +18,13 @@ from typing import Any
 import aiomqtt
 import pytest
 
-from broker.acl import BROKER_USER, DEFAULT_ROOT, DEFAULT_SITES, render_acl
+from broker.acl import BROKER_USER, DEFAULT_ROOT, DEFAULT_SITES, OBSERVER_USER, render_acl
 from contracts.topics import MqttTopics
 from tests.services import run_service, state_dir
 
 
 def _sites(creds: dict[str, Any]) -> list[str]:
-    sites = [u for u in creds["users"] if u != BROKER_USER]
+    sites = [u for u in creds["users"] if u not in (BROKER_USER, OBSERVER_USER)]
     assert len(sites) >= 2, f"need two sites in {sorted(creds['users'])}"
     return sites
 
@@ -130,7 +130,9 @@ def test_render_acl_rejects_names_that_would_widen_a_pattern() -> None:
     with pytest.raises(ValueError):
         render_acl("gpupool/v1", ["edge-a", BROKER_USER], BROKER_USER)
     acl = render_acl("gpupool/v1", ["edge-a"], BROKER_USER)
-    assert "pattern write gpupool/v1/sites/%u/#" in acl
+    assert "pattern write gpupool/v1/sites/%u/#" not in acl
+    for kind in ("claims", "renewals", "releases", "state"):
+        assert f"pattern write gpupool/v1/sites/%u/{kind}\n" in acl
     assert "topic readwrite gpupool/v1/#" in acl
 
 

@@ -15,7 +15,7 @@ import time
 import uuid
 from typing import TypeVar
 
-from contracts.base import Record, decode
+from contracts.base import Record, decode_compatible
 from contracts.bus.api import Bus, BusMessage, TopicPartition
 
 log = logging.getLogger(__name__)
@@ -30,8 +30,9 @@ async def read_to_end(
 
     Reads with a fresh consumer group ``<group_prefix>-<random>`` (nothing committed, so from the
     earliest record) that owns every partition; stops at the end offsets of the module docstring.
-    Records without a value (tombstones) are skipped; a record that does not decode as ``model`` is
-    logged (``bus_record_rejected``) and skipped.
+    Records without a value (tombstones) are skipped; records are read tolerantly
+    (:func:`contracts.base.decode_compatible`: unknown fields of a newer writer ignored); a record
+    that does not decode as ``model`` is logged (``bus_record_rejected``) and skipped.
 
     Returns ``(records, rejected)``: the records in offset order within each partition, and how many
     did not decode. Raises ``TimeoutError`` if no partition is assigned or the ends are not reached
@@ -55,7 +56,7 @@ async def read_to_end(
                 if tp not in ends or msg.offset >= ends[tp] or msg.value is None:
                     continue  # written after this call started, or a tombstone
                 try:
-                    records.append(decode(model, msg.value))
+                    records.append(decode_compatible(model, msg.value))
                 except ValueError as exc:
                     rejected += 1
                     log.warning(

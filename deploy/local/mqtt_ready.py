@@ -3,7 +3,8 @@
 Usage: ``python mqtt_ready.py CREDENTIALS_JSON [--user U] [--timeout S] [--pid PID]``
 
 ``CREDENTIALS_JSON`` is the file written by ``broker.acl`` (``{"host", "port", "users", "root"}``).
-Ready means an MQTT CONNECT as ``--user`` (default ``gpupool-broker``) with its password gets a
+Ready means an MQTT CONNECT as ``--user`` (default ``gpupool-observer``, the read-only user: a
+login as the broker would take its session over) with its password gets a
 successful CONNACK (aiomqtt). Tries every 0.2 s until ``--timeout`` seconds (default 20) pass.
 
 Exit status: 0 ready; 1 not ready in time (or a bad credentials file); 3 the process ``--pid``
@@ -65,7 +66,7 @@ def main() -> int:
     """CLI entry point; see the module docstring."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("credentials", help="credentials.json written by broker.acl")
-    p.add_argument("--user", default="gpupool-broker")
+    p.add_argument("--user", default="gpupool-observer")
     p.add_argument("--timeout", type=float, default=20.0)
     p.add_argument("--pid", type=int, default=None)
     args = p.parse_args()

@@ -22,7 +22,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from contracts import LeaseLogRecord, LeaseState, decode, encode
+from contracts import LeaseLogRecord, LeaseState, encode
+from contracts.base import decode_compatible
 from contracts.bus import Bus
 from contracts.bus.replay import read_to_end
 from gpupool.report import metrics
@@ -82,7 +83,7 @@ def parse_jsonl(lines: Iterable[str], source: str = "<lines>") -> tuple[list[Lea
         if not text:
             continue
         try:
-            records.append(decode(LeaseLogRecord, text))
+            records.append(decode_compatible(LeaseLogRecord, text))
         except ValueError as exc:  # pydantic.ValidationError is a ValueError
             rejected += 1
             metrics.REJECTED_RECORDS.labels(reason="bad_record").inc()
