@@ -23,7 +23,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from broker.config import BrokerConfig
 from broker.edge import ClaimRejected, EdgeClient
-from broker.leaselog import read_lease_log
+from contracts.bus.replay import read_to_end
 from broker.service import BrokerService
 from contracts import (
     CapacityUpdate,
@@ -70,14 +70,11 @@ def _site(creds: dict[str, Any], name: str) -> EdgeClient:
 
 async def _lease_log(bootstrap: str, topics: KafkaTopics) -> dict[str, LeaseLogRecord]:
     bus = KafkaBus(bootstrap, client_id=f"refusal-reader-{uuid.uuid4().hex[:6]}")
-    producer = bus.producer(client_id="refusal-reader")
-    await producer.start()
     try:
-        records, rejected = await read_lease_log(bus, producer, topics.leases_log,
-                                                 group_prefix=f"refusal-{uuid.uuid4().hex[:6]}",
-                                                 client_id="refusal-reader", timeout_s=30)  # fmt: skip
+        records, rejected = await read_to_end(bus, topics.leases_log, LeaseLogRecord,
+                                              group_prefix=f"refusal-{uuid.uuid4().hex[:6]}",
+                                              client_id="refusal-reader", timeout_s=30)  # fmt: skip
     finally:
-        await producer.stop()
         await bus.close()
     assert rejected == 0
     latest: dict[str, LeaseLogRecord] = {}
@@ -106,6 +103,7 @@ async def test_kafka_refusing_a_claims_lease_log_write(kafka_bootstrap: str, mos
     finally:
         await admin.close()
     bus = KafkaBus(kafka_bootstrap, client_id=f"refusal-{run_id}")
+    await bus.create_topics([topics.capacity, topics.pool_demand])  # as the operator does, before the broker
     svc = BrokerService(bus=bus, topics=topics, mqtt_host=mosquitto["host"], mqtt_port=mosquitto["port"],
                         mqtt_username="gpupool-broker", mqtt_password=mosquitto["users"]["gpupool-broker"],
                         root=mosquitto["root"], protocol=5, config=CFG)  # fmt: skip

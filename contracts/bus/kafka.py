@@ -160,19 +160,27 @@ class KafkaBus:
             raise for_code(code)(f"create topic {topic!r}: {message}")
         log.debug("kafka_topics_created", extra={"topics": names, "partitions": partitions})
 
-    async def missing_topics(self, names: Sequence[str]) -> list[str]:
-        """Those of ``names`` the cluster does not list (one Metadata request for every topic
-        through the admin client, which never auto-creates one, then closed), in order, without
-        repeats.
+    async def missing_topics(self, names: Sequence[str], settle_s: float = 3.0) -> list[str]:
+        """Those of ``names`` the cluster does not list (Metadata requests for every topic through
+        the admin client, which never auto-creates one, then closed), in order, without repeats.
+
+        A topic created a moment ago can be missing from a broker's metadata for a little while
+        (KRaft brokers apply the controller's metadata log asynchronously), so a topic is reported
+        missing only if it is still not listed ``settle_s`` seconds after the first request.
 
         Raises ``aiokafka.errors.KafkaConnectionError`` if the cluster is unreachable.
         """
         admin = await self._admin_client()
+        deadline = time.monotonic() + settle_s
         try:
-            existing = set(await admin.list_topics())
+            while True:
+                existing = set(await admin.list_topics())
+                missing = [n for n in dict.fromkeys(names) if n not in existing]
+                if not missing or time.monotonic() >= deadline:
+                    return missing
+                await asyncio.sleep(0.2)
         finally:  # asked once, at a stage's start: no idle admin connection is kept for its life
             await self.close()
-        return [n for n in dict.fromkeys(names) if n not in existing]
 
     async def close(self) -> None:
         """Close the admin client (producers and consumers are stopped by their owners)."""
