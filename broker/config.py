@@ -43,6 +43,9 @@ class BrokerConfig(BaseModel):
             :mod:`broker.quota` for the policy (weighted max-min).
         fair_share_window_s: a site whose claim was refused this recently (for want of GPUs or
             quota) still counts as waiting for its fair share.
+        lent_share_percent: the lent-share bound shown in each offer and lease (percent of a busy
+            link lent traffic can take at most, as the fabric manager's QoS plan gives it);
+            ``None``: no fabric QoS is managed.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -64,6 +67,7 @@ class BrokerConfig(BaseModel):
     default_site_quota: int | None = Field(default=None, ge=0)
     site_weights: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
     fair_share_window_s: float = Field(default=60.0, ge=0)
+    lent_share_percent: float | None = Field(default=None, gt=0, le=100)
 
     def quota_of(self, site: str) -> int | None:
         """The most GPUs ``site`` may hold at once; ``None``: unlimited."""

@@ -194,6 +194,7 @@ def lease_message(record: LeaseLogRecord) -> LeaseMessage:
         min_until=record.min_until,
         notice_seconds=record.notice_seconds,
         partition=record.partition,
+        lent_share_percent=record.lent_share_percent,
         reason=record.reason,
         seq=record.seq,
     )
@@ -568,6 +569,7 @@ class LeaseBook:
             ends_at=ends_at,
             min_until=now + need if need > 0 else None,
             notice_seconds=min(o.notice_seconds for o in offers),
+            lent_share_percent=self.config.lent_share_percent,
             reason="claim" if placed is None else f"match:{placed.tier}",
             seq=1,
         )
@@ -1088,6 +1090,7 @@ class LeaseBook:
                 notice_seconds=self.config.notice_s,
                 pool=node[0],
                 zone=self.config.pool_zones.get(node[0]),
+                lent_share_percent=self.config.lent_share_percent,
             )
             self._offers[offer.offer_id] = offer
             self._node_offer[node] = offer.offer_id

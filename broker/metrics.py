@@ -58,6 +58,33 @@ FABRIC_VERIFY_FAILURES = Counter(
     "not_removed).",
     ["reason"],
 )
+FABRIC_QOS_DRIFT_PORTS = Gauge(
+    "gpupool_broker_fabric_qos_drift_ports",
+    "Connected ports of a switch whose SL2VL or VLArbitration tables, read back by the last QoS audit, "
+    "differ from gpupool's QoS plan (0: as planned); by switch (node id or GUID).",
+    ["switch"],
+)
+FABRIC_QOS_AUDITS = Counter(
+    "gpupool_broker_fabric_qos_audits_total",
+    "QoS audits of every switch port, by result: ok, drift (a port differs from the plan), failed (the "
+    "fabric could not be read), not_applied (no QoS plan written yet).",
+    ["result"],
+)
+FABRIC_QOS_AUDIT_SECONDS = Histogram(
+    "gpupool_broker_fabric_qos_audit_seconds",
+    "Wall time of one QoS audit (topology discovery and every switch port's tables read back).",
+    buckets=(0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0),
+)
+FABRIC_QOS_LAST_AUDIT = Gauge(
+    "gpupool_broker_fabric_qos_last_audit_timestamp_seconds",
+    "Unix time the last QoS audit finished (any result but failed).",
+)
+FABRIC_LENT_SHARE = Gauge(
+    "gpupool_broker_fabric_lent_share_ratio",
+    "The lent-share bound of the QoS plan: the largest fraction (0..1) of a link lent traffic can take "
+    "while training keeps it busy (broker setting lent_share_percent, rounded down to what "
+    "qos_high_limit can give).",
+)
 FABRIC_RELOADS = Counter(
     "gpupool_broker_fabric_reloads_total",
     "Partition files rewritten and OpenSM told to re-read them (SIGHUP), by result: ok, failed.",

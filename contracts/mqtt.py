@@ -41,6 +41,9 @@ class Offer(Record):
         pool: pool name.
         zone: latency zone of the pool (broker config ``pool_zones``); ``None``: not configured,
             and then the offer matches no claim that asks for a zone.
+        lent_share_percent: a lease from this offer gets its own virtual lane on the fabric, and
+            this is the most of a link's bandwidth (percent, 0 < x <= 50) its traffic can take
+            while training keeps the link busy; ``None``: the broker manages no fabric QoS.
     """
 
     offer_id: str
@@ -53,6 +56,7 @@ class Offer(Record):
     notice_seconds: float
     pool: str = "default"
     zone: str | None = None
+    lent_share_percent: float | None = Field(default=None, gt=0, le=100)
 
 
 class Requirements(Record):
@@ -171,6 +175,9 @@ class LeaseMessage(Record):
     ``None``: no guarantee."""
     notice_seconds: float
     partition: Partition | None = None
+    lent_share_percent: float | None = Field(default=None, gt=0, le=100)
+    """The lent-share bound, percent of a busy link the lease's traffic can take at most
+    (``partition.qos`` says how it was verified); ``None``: no fabric QoS managed."""
     reason: str = ""
     seq: int = 1
 
