@@ -6,6 +6,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from broker.fabric_qos import effective_share_percent
 from contracts.settings import BrokerSettings
 
 
@@ -96,4 +97,9 @@ def broker_config_from(settings: BrokerSettings) -> BrokerConfig:
         default_site_quota=settings.default_site_quota,
         site_weights=settings.site_weights,
         fair_share_window_s=settings.fair_share_window_s,
+        lent_share_percent=(
+            effective_share_percent(settings.lent_share_percent)
+            if settings.fabric_state is not None and settings.fabric_qos
+            else None
+        ),
     )

@@ -187,6 +187,13 @@ class BrokerSettings(BaseModel):
         fabric_sl: service level of inference traffic (0..15).
         fabric_timeout_s: seconds to wait for the fabric to show a partition change.
         fabric_dry_run: print partition diffs and change nothing.
+        fabric_qos: manage fabric QoS with the partitions (the lent VL and its share bound in
+            ``opensm.conf``, verified on each lease's paths); false: partitions only.
+        lent_share_percent: the lent-share bound: the most of a link's bandwidth lent traffic may
+            take while training keeps the link busy, percent (0.4..50; the plan rounds it down to
+            ``100 / (qos_high_limit + 1)``). Shown in each offer and lease.
+        fabric_lent_vl: the virtual lane of lent traffic (1..14; the inference SL maps to it).
+        fabric_qos_audit_s: seconds between audits of every switch port's QoS tables.
         lease_log_linger_ms: batching delay of the lease-log producer, ms (every claim waits for
             its lease to be logged: keep it small).
         tune_gc: freeze the objects alive at start and re-freeze the young survivors every second,
@@ -213,6 +220,10 @@ class BrokerSettings(BaseModel):
     fabric_sl: int = Field(default=1, ge=0, le=15)
     fabric_timeout_s: float = Field(default=20.0, gt=0)
     fabric_dry_run: bool = False
+    fabric_qos: bool = True
+    lent_share_percent: float = Field(default=10.0, ge=0.4, le=50)
+    fabric_lent_vl: int = Field(default=1, ge=1, le=14)
+    fabric_qos_audit_s: float = Field(default=300.0, gt=0)
     lease_log_linger_ms: float = Field(default=0.0, ge=0)
     tune_gc: bool = True
     pool_zones: dict[str, str] = Field(default_factory=dict)

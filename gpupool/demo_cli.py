@@ -26,7 +26,7 @@ from gpupool.demo_leases import LeaseRow
 if TYPE_CHECKING:
     from gpupool.demo import DemoSummary
 
-_LEASE_COLUMNS = ("lease", "site", "GPUs", "PKey", "SL", "verified", "isolate→\nverified")
+_LEASE_COLUMNS = ("lease", "site", "GPUs", "PKey", "SL", "QoS", "verified", "isolate→\nverified")
 
 
 def _ms(seconds: float | None) -> str:
@@ -35,13 +35,30 @@ def _ms(seconds: float | None) -> str:
 
 def _lease_cells(row: LeaseRow) -> list[str]:
     return [row.lease_id.removeprefix("lease-")[:8], row.site, f"{len(row.gpus)}× {', '.join(row.hosts())}",
-            row.pkey or "—", "—" if row.sl is None else str(row.sl), "yes" if row.verified else "no",
+            row.pkey or "—", "—" if row.sl is None else str(row.sl), _qos_cell(row), _verified_cell(row),
             _ms(row.isolate_s)]
 
 
+def _qos_cell(row: LeaseRow) -> str:
+    """``VL1≤10%``: the lease's own virtual lane and its share bound; ``—`` without QoS."""
+    if row.qos_vl is None or row.qos_share_percent is None:
+        return "—"
+    return f"VL{row.qos_vl}≤{row.qos_share_percent:g}%"
+
+
+def _verified_cell(row: LeaseRow) -> str:
+    """What was read back before the grant: ``PKey+QoS``, ``PKey`` (no QoS managed), ``no``."""
+    if not row.verified:
+        return "no"
+    if row.qos_verified:
+        return "PKey+QoS"
+    return "PKey" if row.qos_vl is None else "PKey only"
+
+
 def lease_table(rows: Sequence[LeaseRow], title: str, *, with_state: bool = False) -> Table:
-    """A table of ``rows``: lease (first 8 hex digits of its id), site, GPUs, PKey, SL, verified
-    yes/no, isolate→verified (ms); plus the lease's state when ``with_state``."""
+    """A table of ``rows``: lease (first 8 hex digits of its id), site, GPUs, PKey, SL, QoS (lent VL
+    and share bound), verified (``PKey+QoS``, ``PKey``, ``no``), isolate→verified (ms);
+    plus the lease's state when ``with_state``."""
     t = Table(title=title, title_justify="left")
     # the GPUs column never gets narrower than "N× <longest host>," and folds between hosts, so
     # host names stay whole even in 80-column (piped) output
@@ -96,6 +113,7 @@ def summary_view(s: DemoSummary) -> RenderableType:
         ("claims rejected, by reason", ", ".join(f"{k}={v}" for k, v in s.rejections.items()) or "none"),
         ("fabric isolation", "on" if s.fabric.get("enabled") else "off (leases not isolated)"),
         ("leases with a partition verified on the fabric", f"{s.leases_verified} / {len(leases)}"),
+        ("  …and their QoS on every port of their paths", f"{s.leases_qos_verified} / {len(leases)}"),
         ("isolate→verified p50 / p99", f"{_ms(s.isolate_p50_s)} / {_ms(s.isolate_p99_s)}"),
     ]
     for k, v in rows:
