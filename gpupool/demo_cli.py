@@ -26,7 +26,7 @@ from gpupool.demo_leases import LeaseRow
 if TYPE_CHECKING:
     from gpupool.demo import DemoSummary
 
-_LEASE_COLUMNS = ("lease", "site", "GPUs", "PKey", "SL", "QoS", "verified", "isolate→\nverified")
+_LEASE_COLUMNS = ("lease", "site", "GPUs", "PKey", "SL", "verified", "isolate→\nverified")
 
 
 def _ms(seconds: float | None) -> str:
@@ -35,15 +35,14 @@ def _ms(seconds: float | None) -> str:
 
 def _lease_cells(row: LeaseRow) -> list[str]:
     return [row.lease_id.removeprefix("lease-")[:8], row.site, f"{len(row.gpus)}× {', '.join(row.hosts())}",
-            row.pkey or "—", "—" if row.sl is None else str(row.sl), _qos_cell(row), _verified_cell(row),
-            _ms(row.isolate_s)]
+            row.pkey or "—", "—" if row.sl is None else str(row.sl), _verified_cell(row), _ms(row.isolate_s)]
 
 
-def _qos_cell(row: LeaseRow) -> str:
-    """``VL1≤10%``: the lease's own virtual lane and its share bound; ``—`` without QoS."""
-    if row.qos_vl is None or row.qos_share_percent is None:
-        return "—"
-    return f"VL{row.qos_vl}≤{row.qos_share_percent:g}%"
+def _qos_note(rows: Sequence[LeaseRow]) -> str:
+    """`` — QoS: SL 1 → VL 1, share ≤10% of a busy link`` from the rows' QoS (the plan is
+    fabric-wide: one lane and bound for every lease), else ``""``."""
+    lanes = sorted({(r.sl, r.qos_vl, r.qos_share_percent) for r in rows if r.qos_vl is not None}, key=str)
+    return "".join(f" — QoS: SL {sl} → VL {vl}, share ≤{share:g}% of a busy link" for sl, vl, share in lanes)
 
 
 def _verified_cell(row: LeaseRow) -> str:
@@ -56,10 +55,11 @@ def _verified_cell(row: LeaseRow) -> str:
 
 
 def lease_table(rows: Sequence[LeaseRow], title: str, *, with_state: bool = False) -> Table:
-    """A table of ``rows``: lease (first 8 hex digits of its id), site, GPUs, PKey, SL, QoS (lent VL
-    and share bound), verified (``PKey+QoS``, ``PKey``, ``no``), isolate→verified (ms);
-    plus the lease's state when ``with_state``."""
-    t = Table(title=title, title_justify="left")
+    """A table of ``rows``: lease (first 8 hex digits of its id), site, GPUs, PKey, SL, verified
+    (``PKey+QoS``: partition and QoS read back; ``PKey``: no QoS managed; ``no``),
+    isolate→verified (ms); plus the lease's state when ``with_state``. The title gets the QoS
+    lane and share bound."""
+    t = Table(title=title + _qos_note(rows), title_justify="left")
     # the GPUs column never gets narrower than "N× <longest host>," and folds between hosts, so
     # host names stay whole even in 80-column (piped) output
     widest = max((len(h) for r in rows for h in r.hosts()), default=8)
