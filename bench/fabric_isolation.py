@@ -16,13 +16,14 @@ released and its partition verified gone before the next round.
   run before and after the QoS rounds, the ratio uses their pooled median;
 * QoS: partition + QoS plan (lent share bound 10 %). The first QoS claim also writes the plan to
   ``opensm.conf`` and waits for OpenSM to program every port: it is reported on its own and
-  left out of the percentiles.
+  left out of the percentiles;
+* with ``--audit``: one QoS drift audit of every connected switch port, timed.
 
 Prints p50/p99 (nearest rank) and the worst claim → lease time of each, the ports each lease's QoS
 check read, and the ratio of the QoS p50 to the yardstick p50. The fabric is stopped at the end
 (also on an error or SIGTERM).
 
-Run: ``.venv/bin/python bench/fabric_isolation.py [--preset demo|100] [--rounds N]``; ``demo`` is
+Run: ``.venv/bin/python bench/fabric_isolation.py [--preset demo|100] [--rounds N] [--audit]``; ``demo`` is
 the fabric ``gpupool demo`` starts for its 4 hosts (2 spines × 2 leaves × 2 HCAs), ``100`` the
 20 spines × 80 leaves × 16 HCAs fat tree of ``bench/fabric_sweep.py``. Needs ibsim-utils, opensm,
 infiniband-diags and libumad2sim0 (``deploy/local/install-system.sh``). Exit status 0 when every
@@ -105,7 +106,8 @@ async def _rounds(
     await mqtt.start()
     bus, topics = MemoryBus(), KafkaTopics()
     mgr = OpenSmFabric(fabric_json, qos_share_percent=SHARE_PERCENT if qos else None,
-                       verify_timeout_s=timeout_s, command_timeout_s=30.0)  # fmt: skip
+                       verify_timeout_s=timeout_s, command_timeout_s=30.0,
+                       audit_interval_s=1e9)  # the claims alone: the audit is timed on its own (--audit)  # fmt: skip
     cfg = BrokerConfig(lent_share_percent=mgr.lent_share_percent, offer_ttl_s=120, lease_ttl_s=300)
     svc = BrokerService(bus=bus, topics=topics, mqtt_host=mqtt.host, mqtt_port=mqtt.port, protocol=4,
                         config=cfg, fabric=mgr)  # fmt: skip
@@ -177,6 +179,12 @@ async def _bench(args: argparse.Namespace, state: Path) -> int:
     print(f"first QoS claim (writes the plan, OpenSM programs every port): {1000 * first[0]:.0f} ms")
     print(_summary("claim -> lease with partition + QoS verified", qos)
           + f"; ports read per lease {min(ports)}..{max(ports)}")
+    if args.audit:
+        mgr = OpenSmFabric(fabric_json, qos_share_percent=SHARE_PERCENT, command_timeout_s=30.0)
+        t0 = time.perf_counter()
+        drift = await mgr.audit()
+        print(f"one QoS audit of every switch port: {time.perf_counter() - t0:.1f} s, "
+              f"{sum(len(v) for v in drift.values())} ports drifting")
     ratio = statistics.median(qos) / statistics.median(yard)
     print(f"\nresult: {switches}-switch fabric, claim -> QoS verified p50 {1000 * _pct(qos, 0.5):.0f} ms, "
           f"p99 {1000 * _pct(qos, 0.99):.0f} ms; {ratio:.2f}x the partition-only yardstick p50")  # fmt: skip
@@ -189,6 +197,7 @@ def main() -> int:
     ap.add_argument("--preset", choices=sorted(PRESETS), default="demo")
     ap.add_argument("--rounds", type=int, default=20, help="claims per phase")
     ap.add_argument("--timeout-s", type=float, default=60.0, help="fabric verification timeout per lease")
+    ap.add_argument("--audit", action="store_true", help="also time one QoS audit of every switch port")
     args = ap.parse_args()
     for name in ("broker", "amqtt", "transitions", "gpupool", "aiomqtt"):
         logging.getLogger(name).setLevel(logging.ERROR)

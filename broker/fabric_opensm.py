@@ -265,7 +265,12 @@ class OpenSmFabric:
             (:func:`broker.fabric_qos.high_limit_for`); ``None``: QoS is not managed (partitions
             only, leases carry no ``qos``).
         qos_vl: the lent VL the inference SL maps to (1..14).
-        audit_interval_s: seconds between QoS audits of :meth:`audit_forever`.
+        audit_interval_s: seconds between QoS audits of :meth:`audit_forever` (the first one
+            runs one interval after the start, or ``audit_delay_s`` if given).
+        audit_concurrency: diag commands an audit runs at once, besides ``concurrency`` (an
+            audit of a large fabric reads thousands of ports: it must not hold up claims).
+        audit_delay_s: seconds before the first audit of :meth:`audit_forever`; ``None``: one
+            ``audit_interval_s``.
 
     Raises ``OSError`` / ``ValueError`` if ``state`` cannot be read, ``ValueError`` for an ``sl``
     outside 0..15, a gateway that is not an HCA of the fabric, a share outside the plan's bounds,
@@ -291,6 +296,8 @@ class OpenSmFabric:
         qos_share_percent: float | None = None,
         qos_vl: int = 1,
         audit_interval_s: float = 300.0,
+        audit_concurrency: int = 2,
+        audit_delay_s: float | None = None,
     ) -> None:
         if not 0 <= sl <= 15:
             raise ValueError(f"sl must be 0..15, got {sl}")
@@ -321,6 +328,8 @@ class OpenSmFabric:
         self.qos_share_percent = qos_share_percent
         self.qos_vl = qos_vl
         self.audit_interval_s = audit_interval_s
+        self.audit_delay_s = audit_interval_s if audit_delay_s is None else audit_delay_s
+        self._audit_sem = asyncio.Semaphore(audit_concurrency)
         self._qos_plan: QosPlan | None = None
         self._graph_cache: tuple[int, LinkGraph] | None = None
         self._audited: set[str] = set()
@@ -656,6 +665,8 @@ class OpenSmFabric:
                     state = state.without(c.remove or "")
             except PlanError as e:
                 outcomes.append(_Failure("config_error", str(e)))
+        if all(isinstance(o, _Failure) for o in outcomes):
+            return outcomes  # nothing to change: no write, no SIGHUP
         try:
             fp = self._plan(texts, state)
         except _Failure as e:
@@ -785,12 +796,15 @@ class OpenSmFabric:
             )
         return None
 
-    async def _run(self, args: list[str], timeout_s: float | None = None) -> tuple[bool, str]:
+    async def _run(
+        self, args: list[str], timeout_s: float | None = None, sem: asyncio.Semaphore | None = None
+    ) -> tuple[bool, str]:
         """Run a diag command under the fabric's env; (exit status 0, stdout or the error).
-        ``timeout_s``: this command's timeout (default ``command_timeout_s``)."""
+        ``timeout_s``: this command's timeout (default ``command_timeout_s``); ``sem``: the
+        semaphore bounding it (default: the claims' one, ``concurrency``)."""
         state = self._state
         timeout = self.command_timeout_s if timeout_s is None else timeout_s
-        async with self._sem:
+        async with sem or self._sem:
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *args,
@@ -816,14 +830,15 @@ class OpenSmFabric:
         return True, out.decode(errors="replace")
 
     # QoS ------------------------------------------------------------------------------------------------
-    async def _graph(self, refresh: bool = False) -> LinkGraph:
+    async def _graph(self, refresh: bool = False, sem: asyncio.Semaphore | None = None) -> LinkGraph:
         """The fabric's links from ``ibnetdiscover -p``, cached until ``fabric.json`` changes or
-        ``refresh``. Raises :class:`_Failure` (``qos_unreachable``) when discovery fails."""
+        ``refresh`` (``sem``: as :meth:`_run`). Raises :class:`_Failure` (``qos_unreachable``)
+        when discovery fails."""
         mtime = self._fresh_state().mtime_ns
         cached = self._graph_cache
         if not refresh and cached is not None and cached[0] == mtime:
             return cached[1]
-        ok, out = await self._run(["ibnetdiscover", "-p"], timeout_s=max(self.command_timeout_s, 120.0))
+        ok, out = await self._run(["ibnetdiscover", "-p"], max(self.command_timeout_s, 120.0), sem)
         graph = LinkGraph.parse(out) if ok else None
         if graph is None or not graph.ends:
             raise _Failure("qos_unreachable", f"ibnetdiscover -p found no link: {out if not ok else 'empty'}")
@@ -850,13 +865,16 @@ class OpenSmFabric:
         name = node.nodeid if node is not None else port.guid
         return f"{name} port {port.port}" if port.switch else name
 
-    async def _qos_port(self, plan: QosPlan, port: PathPort) -> tuple[str, str] | None:
-        """``None`` if ``port``'s SL2VL and VL arbitration tables are the plan's, else (reason, text)."""
+    async def _qos_port(
+        self, plan: QosPlan, port: PathPort, sem: asyncio.Semaphore | None = None
+    ) -> tuple[str, str] | None:
+        """``None`` if ``port``'s SL2VL and VL arbitration tables are the plan's, else (reason, text)
+        (``sem``: as :meth:`_run`)."""
         loc = [str(port.lid)] + ([str(port.port)] if port.switch else [])
         cp: ClassPlan = plan.classes["ca" if not port.switch else "sw0" if port.port == 0 else "swe"]
         outs = []
         for what in ("sl2vl", "vlarb"):
-            ok, out = await self._run(["smpquery", what, *loc])
+            ok, out = await self._run(["smpquery", what, *loc], sem=sem)
             if not ok:
                 return "qos_unreachable", f"{self._port_name(port)}: smpquery {what} {' '.join(loc)}: {out}"
             outs.append(out)
@@ -924,8 +942,8 @@ class OpenSmFabric:
                 plan = plan_qos(text, sl=self.sl, vl=self.qos_vl, share_percent=self.qos_share_percent)
             except PlanError as e:
                 raise _Failure("qos_config", f"{path}: {e}") from e
-            ports = (await self._graph(refresh=True)).switch_ports()
-            results = await asyncio.gather(*(self._qos_port(plan, p) for p in ports))
+            ports = (await self._graph(refresh=True, sem=self._audit_sem)).switch_ports()
+            results = await asyncio.gather(*(self._qos_port(plan, p, self._audit_sem) for p in ports))
         except _Failure as e:
             m.FABRIC_QOS_AUDITS.labels(result="failed").inc()
             log.warning("fabric_qos_audit_failed", extra={"reason": e.reason, "error": str(e)})
@@ -960,10 +978,12 @@ class OpenSmFabric:
         return drift
 
     async def audit_forever(self) -> None:
-        """:meth:`audit` now and every ``audit_interval_s`` until cancelled; never returns (without
-        a QoS plan it only waits). A failed audit is logged and counted, and the next one runs."""
+        """:meth:`audit` after ``audit_delay_s``, then every ``audit_interval_s``, until cancelled;
+        never returns (without a QoS plan it only waits). A failed audit is logged and counted,
+        and the next one runs."""
         if self.qos_share_percent is None:
             await asyncio.Event().wait()
+        await asyncio.sleep(self.audit_delay_s)
         while True:
             try:
                 await self.audit()

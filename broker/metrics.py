@@ -47,7 +47,8 @@ MQTT_CONNECTIONS = Counter(
 )
 FABRIC_APPLY_SECONDS = Histogram(
     "gpupool_broker_fabric_apply_seconds",
-    "From a partition change being asked for (isolate or remove) to it being verified on the fabric.",
+    "From a partition change being asked for (isolate or remove) to it being verified on the fabric; "
+    "op qos_verify: reading a lease's path ports back until their QoS tables match the plan.",
     ["op"],
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0),
 )
@@ -55,7 +56,7 @@ FABRIC_VERIFY_FAILURES = Counter(
     "gpupool_broker_fabric_verify_failures_total",
     "Partition changes that could not be applied or verified, by reason (unmapped_host, unknown_port, "
     "config_error, write_failed, opensm_down, pkey_missing, wrong_membership, unreachable, sl_mismatch, "
-    "not_removed).",
+    "not_removed; QoS: qos_config, qos_mismatch, qos_unreachable, no_path).",
     ["reason"],
 )
 FABRIC_QOS_DRIFT_PORTS = Gauge(

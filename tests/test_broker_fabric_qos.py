@@ -233,14 +233,14 @@ async def test_a_lease_whose_qos_cannot_be_applied_is_refused(sim_fabric: SimFab
                 off = await _offer_on(site, "gpu-node-007")
                 assert off.lent_share_percent == 10.0
                 with pytest.raises(ClaimRejected) as e:
-                    await site.claim(off.offer_id)
+                    await site.claim(off.offer_id, timeout_s=60)
                 assert e.value.code is ReasonCode.ISOLATION_FAILED
                 assert "qos TRUE" in e.value.reply.text
                 assert conf.read_text() == operator and (fab.state_dir / "partitions.conf").read_bytes() == partitions
                 assert mgr.reloads == 0
 
                 conf.write_text(operator.replace("qos FALSE\n", "qos TRUE\n"))
-                lease = await site.claim((await _offer_on(site, "gpu-node-007")).offer_id)
+                lease = await site.claim((await _offer_on(site, "gpu-node-007")).offer_id, timeout_s=60)
                 assert lease.lent_share_percent == 10.0
                 assert lease.partition is not None and lease.partition.qos is not None
                 assert lease.partition.qos.verified and lease.partition.qos.ports_verified == 12
