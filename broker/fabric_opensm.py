@@ -15,12 +15,14 @@ files or logs):
   :mod:`broker.fabric_plan` for what OpenSM honours).
 
 * with a QoS plan (``qos_share_percent``): on every port of every shortest path between each
-  leased host and the gateway (from ``ibnetdiscover -p``, :mod:`broker.fabric_paths`), ``smpquery
-  sl2vl`` and ``smpquery vlarb`` show the plan's SL2VL and VL arbitration tables
-  (:mod:`broker.fabric_qos`). The plan is written as a gpupool-managed block at the end of
-  ``opensm.conf`` with the first partition change after it differs, and made effective by the
-  same SIGHUP. :meth:`OpenSmFabric.audit` reads every switch port back against it
-  (:meth:`OpenSmFabric.audit_forever` every ``audit_interval_s``) and sets
+  leased host and the gateway (from ``ibnetdiscover -p``, :mod:`broker.fabric_paths`), the SL2VL
+  rows of the input ports on those paths and the VL arbitration tables show the plan
+  (:mod:`broker.fabric_qos`), read with SMPs in one child process per round
+  (:mod:`broker.fabric_smp`; ``smpquery`` would take two processes per port). The plan is
+  written as a gpupool-managed block at the end of ``opensm.conf`` with the first partition
+  change after it differs, and made effective by the same SIGHUP. :meth:`OpenSmFabric.audit`
+  reads every switch port back against it with ``smpquery sl2vl`` / ``smpquery vlarb`` (every
+  input port's row; :meth:`OpenSmFabric.audit_forever` every ``audit_interval_s``) and sets
   ``gpupool_broker_fabric_qos_drift_ports``.
 
 ``saquery PKeyTableRecord`` is refused to an untrusted requester (DESIGN.md), so PKey tables are
@@ -46,6 +48,7 @@ import logging
 import os
 import re
 import signal
+import sys
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -797,11 +800,15 @@ class OpenSmFabric:
         return None
 
     async def _run(
-        self, args: list[str], timeout_s: float | None = None, sem: asyncio.Semaphore | None = None
+        self,
+        args: list[str],
+        timeout_s: float | None = None,
+        sem: asyncio.Semaphore | None = None,
+        stdin: bytes | None = None,
     ) -> tuple[bool, str]:
         """Run a diag command under the fabric's env; (exit status 0, stdout or the error).
         ``timeout_s``: this command's timeout (default ``command_timeout_s``); ``sem``: the
-        semaphore bounding it (default: the claims' one, ``concurrency``)."""
+        semaphore bounding it (default: the claims' one, ``concurrency``); ``stdin``: its input."""
         state = self._state
         timeout = self.command_timeout_s if timeout_s is None else timeout_s
         async with sem or self._sem:
@@ -810,14 +817,14 @@ class OpenSmFabric:
                     *args,
                     cwd=state.workdir,
                     env={**os.environ, **state.env},
-                    stdin=asyncio.subprocess.DEVNULL,
+                    stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
                     stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.PIPE,
                 )
             except OSError as e:
                 return False, f"cannot run {args[0]}: {e}"
             try:
-                out, err = await asyncio.wait_for(proc.communicate(), timeout)
+                out, err = await asyncio.wait_for(proc.communicate(stdin), timeout)
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
@@ -885,6 +892,45 @@ class OpenSmFabric:
             return "qos_unreachable", f"{self._port_name(port)}: {e}"
         return ("qos_mismatch", f"{self._port_name(port)}: {problem}") if problem else None
 
+    async def _qos_batch(
+        self, plan: QosPlan, ports: Sequence[PathPort], paths: Sequence[PathPort]
+    ) -> list[tuple[str, str] | None]:
+        """:meth:`_qos_port` of each of ``ports`` in one child process (:mod:`broker.fabric_smp`):
+        a switch port's SL2VL rows are read for the input ports on ``paths`` (the lease's
+        traffic) only."""
+        on_path: dict[str, set[int]] = {}
+        for p in paths:
+            if p.switch:
+                on_path.setdefault(p.guid, set()).add(p.port)
+        requests = [
+            {"lid": p.lid, "port": p.port, "in_ports": sorted(on_path[p.guid] - {p.port}) or [0]}
+            if p.switch
+            else {"lid": p.lid, "port": None}
+            for p in ports
+        ]
+        ok, out = await self._run(
+            [sys.executable, "-m", "broker.fabric_smp", "read"],
+            timeout_s=max(self.command_timeout_s, 0.05 * len(ports)),
+            stdin=json.dumps(requests).encode(),
+        )
+        try:
+            answers = json.loads(out) if ok else None
+        except ValueError:
+            answers = None
+        if not isinstance(answers, list) or len(answers) != len(ports):
+            return [("qos_unreachable", f"{self._port_name(p)}: broker.fabric_smp read: {out[:300]}") for p in ports]
+        results: list[tuple[str, str] | None] = []
+        for p, a in zip(ports, answers, strict=True):
+            cp = plan.classes["ca" if not p.switch else "sw0" if p.port == 0 else "swe"]
+            if "error" in a:
+                results.append(("qos_unreachable", f"{self._port_name(p)}: {a['error']}"))
+                continue
+            rows = {(int(i), p.port if p.switch else 0): v for i, v in a["sl2vl"].items()}
+            low, high = (tuple((int(v), int(w)) for v, w in a[t]) for t in ("low", "high"))
+            problem = sl2vl_problem(cp, rows) or vlarb_problem(cp, low, high)
+            results.append(("qos_mismatch", f"{self._port_name(p)}: {problem}") if problem else None)
+        return results
+
     async def _verify_qos(self, entry: LeasePartition) -> LaneQos | None:
         """Poll the tables of every port on ``entry``'s paths until they show the QoS plan;
         ``None`` without a QoS plan. Raises :class:`_Failure` with the first problem after
@@ -900,7 +946,7 @@ class OpenSmFabric:
         deadline = time.monotonic() + self.verify_timeout_s
         delay = 0.05
         while True:
-            results = await asyncio.gather(*(self._qos_port(plan, p) for p in pending))
+            results = await self._qos_batch(plan, pending, ports)
             problems = [(p, r) for p, r in zip(pending, results, strict=True) if r is not None]
             if not problems:
                 break

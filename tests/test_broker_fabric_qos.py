@@ -29,13 +29,12 @@ from broker.fabric_opensm import OpenSmFabric
 from broker.service import BrokerService
 from contracts import KafkaTopics, LeaseLogRecord, LeaseState, ReasonCode
 from contracts.bus import MemoryBus
-from tests.fabric_fixture import REPO, SimFabric, sim_fabric  # noqa: F401 - the session fixture
+from tests.fabric_fixture import SimFabric, sim_fabric  # noqa: F401 - the session fixture
 from tests.mqtt_support import running
 from tests.test_broker_service import CFG, _Amqtt, _free_port, _idle, _offer_on, _site, _until
 
 pytestmark = pytest.mark.integration
 
-SMP_SET = REPO / "deploy" / "local" / "fabric" / "smp_set.py"
 TRAINING_HIGH = [(0, 4), (2, 4), (3, 4), (4, 4), (5, 4), (6, 4), (7, 4)]
 """OpenSM's default weights (VL 0 high, VLs 1-7 low, 4 each) with VL 1 lent: training VLs high."""
 
@@ -110,7 +109,7 @@ def _fabric(fab: SimFabric, **kw: Any) -> OpenSmFabric:  # noqa: ANN401
 
 
 def _set_vlarb(fab: SimFabric, lid: int, port: int, table: str, entries: str) -> None:
-    done = _diag(fab, sys.executable, str(SMP_SET), "vlarb", str(lid), str(port), table, entries)
+    done = _diag(fab, sys.executable, "-m", "broker.fabric_smp", "set-vlarb", str(lid), str(port), table, entries)
     assert done.returncode == 0, done.stderr
 
 
@@ -174,7 +173,7 @@ async def test_a_switch_changed_behind_gpupools_back_is_drift(sim_fabric: SimFab
     audit reports that port, the metric counts it, and a lease whose path crosses a changed
     port is not granted."""
     fab = sim_fabric
-    mgr = _fabric(fab, verify_timeout_s=1.5)
+    mgr = _fabric(fab)
     assert await mgr.audit() == {}, "no plan written yet: nothing to audit"
     await mgr.isolate(_lease("lease-d1", "gpu-node-001"))
     assert await mgr.audit() == {}
@@ -196,8 +195,8 @@ async def test_a_switch_changed_behind_gpupools_back_is_drift(sim_fabric: SimFab
     leaf1 = fab.node("leaf-1")["lid"]
     _set_vlarb(fab, leaf1, 5, "low", "1:8")
     failed = _metric("gpupool_broker_fabric_verify_failures_total", reason="qos_mismatch")
-    with pytest.raises(FabricError, match=r"QoS of lease lease-d2 not verified after 1.5s: leaf-1 port 5: vlarb low"):
-        await mgr.isolate(_lease("lease-d2", "gpu-node-009"))
+    with pytest.raises(FabricError, match=r"QoS of lease lease-d2 not verified after 6s: leaf-1 port 5: vlarb low"):
+        await _fabric(fab, verify_timeout_s=6).isolate(_lease("lease-d2", "gpu-node-009"))
     assert [p.name for p in mgr.partitions()] == ["lease-d1"], "its partition was taken back"
     assert _metric("gpupool_broker_fabric_verify_failures_total", reason="qos_mismatch") == failed + 1
 
