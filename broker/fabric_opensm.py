@@ -91,6 +91,8 @@ log = logging.getLogger(__name__)
 
 _GUID = re.compile(r"^0x[0-9a-fA-F]{1,16}$")
 _TRAILING_NUMBER = re.compile(r"(\d+)$")
+_FABRIC_SMP = Path(__file__).with_name("fabric_smp.py")
+"""The SMP reader (:mod:`broker.fabric_smp`), run as a script in a child process."""
 HostPorts = Mapping[str, Sequence[str]] | Callable[[str], Sequence[str]]
 """Host name → HCA node ids of ``fabric.json`` or port GUIDs (``0x`` + hex)."""
 
@@ -909,7 +911,7 @@ class OpenSmFabric:
             for p in ports
         ]
         ok, out = await self._run(
-            [sys.executable, "-m", "broker.fabric_smp", "read"],
+            [sys.executable, "-I", "-S", str(_FABRIC_SMP), "read"],  # stdlib only: no site, no package
             timeout_s=max(self.command_timeout_s, 0.05 * len(ports)),
             stdin=json.dumps(requests).encode(),
         )
