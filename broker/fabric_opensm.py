@@ -21,8 +21,8 @@ files or logs):
   (:mod:`broker.fabric_smp`; ``smpquery`` would take two processes per port). The plan is
   written as a gpupool-managed block at the end of ``opensm.conf`` with the first partition
   change after it differs, and made effective by the same SIGHUP. :meth:`OpenSmFabric.audit`
-  reads every switch port back against it with ``smpquery sl2vl`` / ``smpquery vlarb`` (every
-  input port's row; :meth:`OpenSmFabric.audit_forever` every ``audit_interval_s``) and sets
+  reads every switch port back against it the same way (every input port's row;
+  :meth:`OpenSmFabric.audit_forever` every ``audit_interval_s``) and sets
   ``gpupool_broker_fabric_qos_drift_ports``.
 
 ``saquery PKeyTableRecord`` is refused to an untrusted requester (DESIGN.md), so PKey tables are
@@ -75,8 +75,6 @@ from broker.fabric_qos import (
     QosPlan,
     high_limit_for,
     managed_block,
-    parse_sl2vl,
-    parse_vlarb,
     plan_qos,
     render_opensm_conf,
     sl2vl_problem,
@@ -91,6 +89,8 @@ log = logging.getLogger(__name__)
 
 _GUID = re.compile(r"^0x[0-9a-fA-F]{1,16}$")
 _TRAILING_NUMBER = re.compile(r"(\d+)$")
+_AUDIT_CHUNK = 64
+"""Switch ports an audit reads per child process."""
 _FABRIC_SMP = Path(__file__).with_name("fabric_smp.py")
 """The SMP reader (:mod:`broker.fabric_smp`), run as a script in a child process."""
 HostPorts = Mapping[str, Sequence[str]] | Callable[[str], Sequence[str]]
@@ -874,32 +874,17 @@ class OpenSmFabric:
         name = node.nodeid if node is not None else port.guid
         return f"{name} port {port.port}" if port.switch else name
 
-    async def _qos_port(
-        self, plan: QosPlan, port: PathPort, sem: asyncio.Semaphore | None = None
-    ) -> tuple[str, str] | None:
-        """``None`` if ``port``'s SL2VL and VL arbitration tables are the plan's, else (reason, text)
-        (``sem``: as :meth:`_run`)."""
-        loc = [str(port.lid)] + ([str(port.port)] if port.switch else [])
-        cp: ClassPlan = plan.classes["ca" if not port.switch else "sw0" if port.port == 0 else "swe"]
-        outs = []
-        for what in ("sl2vl", "vlarb"):
-            ok, out = await self._run(["smpquery", what, *loc], sem=sem)
-            if not ok:
-                return "qos_unreachable", f"{self._port_name(port)}: smpquery {what} {' '.join(loc)}: {out}"
-            outs.append(out)
-        try:
-            low, high = parse_vlarb(outs[1])
-            problem = sl2vl_problem(cp, parse_sl2vl(outs[0])) or vlarb_problem(cp, low, high)
-        except ValueError as e:
-            return "qos_unreachable", f"{self._port_name(port)}: {e}"
-        return ("qos_mismatch", f"{self._port_name(port)}: {problem}") if problem else None
-
     async def _qos_batch(
-        self, plan: QosPlan, ports: Sequence[PathPort], paths: Sequence[PathPort]
+        self,
+        plan: QosPlan,
+        ports: Sequence[PathPort],
+        paths: Sequence[PathPort],
+        sem: asyncio.Semaphore | None = None,
     ) -> list[tuple[str, str] | None]:
-        """:meth:`_qos_port` of each of ``ports`` in one child process (:mod:`broker.fabric_smp`):
-        a switch port's SL2VL rows are read for the input ports on ``paths`` (the lease's
-        traffic) only."""
+        """For each of ``ports``: ``None`` if its SL2VL and VL arbitration tables are the plan's,
+        else (reason, text); read in one child process (:mod:`broker.fabric_smp`). A switch
+        port's SL2VL rows are read for the input ports of the same switch in ``paths`` (a
+        lease's paths: its traffic; every switch port: all traffic). ``sem``: as :meth:`_run`."""
         on_path: dict[str, set[int]] = {}
         for p in paths:
             if p.switch:
@@ -913,6 +898,7 @@ class OpenSmFabric:
         ok, out = await self._run(
             [sys.executable, "-I", "-S", str(_FABRIC_SMP), "read"],  # stdlib only: no site, no package
             timeout_s=max(self.command_timeout_s, 0.05 * len(ports)),
+            sem=sem,
             stdin=json.dumps(requests).encode(),
         )
         try:
@@ -991,7 +977,9 @@ class OpenSmFabric:
             except PlanError as e:
                 raise _Failure("qos_config", f"{path}: {e}") from e
             ports = (await self._graph(refresh=True, sem=self._audit_sem)).switch_ports()
-            results = await asyncio.gather(*(self._qos_port(plan, p, self._audit_sem) for p in ports))
+            chunks = [ports[i : i + _AUDIT_CHUNK] for i in range(0, len(ports), _AUDIT_CHUNK)]
+            answers = await asyncio.gather(*(self._qos_batch(plan, c, ports, self._audit_sem) for c in chunks))
+            results = [r for chunk in answers for r in chunk]
         except _Failure as e:
             m.FABRIC_QOS_AUDITS.labels(result="failed").inc()
             log.warning("fabric_qos_audit_failed", extra={"reason": e.reason, "error": str(e)})

@@ -40,12 +40,10 @@ operator's, kept byte for byte and read as the base of the plan; a managed block
 by hand raises :class:`broker.fabric_plan.PlanError`, and nothing is written then. ``qos FALSE``
 in the operator's lines makes OpenSM program no QoS table at all: planning refuses then.
 
-Reading back (infiniband-diags ``smpquery``): ``smpquery sl2vl <lid> [port]`` prints one row per
-(input port, output port) — all input ports of a switch's output ``port`` — as
-``ports: in  1, out  7: | 0| 1|...|``; ``smpquery vlarb <lid> [port]`` prints the low- then the
-high-priority table as ``VL    : |0x1 |...`` / ``WEIGHT: |0x40|...`` rows (entries of weight 0
-are unused). What OpenSM sets as the ports' VLHighLimit (``PortInfo``) is not read back: ibsim
-does not keep it (it reads 0 whatever OpenSM configures).
+Reading back: the tables are read with SMPs (:mod:`broker.fabric_smp`) and compared here
+(:func:`sl2vl_problem`, :func:`vlarb_problem`; entries of weight 0 are unused). What OpenSM sets
+as the ports' VLHighLimit (``PortInfo``) is not read back: ibsim does not keep it (it reads 0
+whatever OpenSM configures).
 """
 
 from __future__ import annotations
@@ -87,8 +85,6 @@ _OPTION_LINE = re.compile(
 _MANAGED_LINE = re.compile(
     r"^qos_(?:(ca|sw0|swe)_)?(high_limit|vlarb_high|vlarb_low|sl2vl) (\S+)$"
 )
-_SL2VL_ROW = re.compile(r"^ports: in\s+(\d+), out\s+(\d+):\s*\|((?:\s*\d+\|){16})\s*$")
-_VLARB_ROW = re.compile(r"^(VL|WEIGHT)\s*:\s*\|(.*)\|\s*$")
 
 VlArb = tuple[tuple[int, int], ...]
 """A VL arbitration table: ``(vl, weight)`` entries in order, unused (weight 0) entries left out."""
@@ -287,56 +283,6 @@ def managed_block(text: str) -> str | None:
 
 
 # reading the fabric back -------------------------------------------------------------------------------
-def parse_sl2vl(text: str) -> dict[tuple[int, int], tuple[int, ...]]:
-    """``smpquery sl2vl`` output → (input port, output port) → VL of SL 0..15.
-
-    Raises ``ValueError`` when ``text`` has no table row.
-    """
-    rows: dict[tuple[int, int], tuple[int, ...]] = {}
-    for line in text.splitlines():
-        m = _SL2VL_ROW.match(line.strip())
-        if m:
-            vls = tuple(int(v) for v in m.group(3).replace("|", " ").split())
-            rows[(int(m.group(1)), int(m.group(2)))] = vls
-    if not rows:
-        raise ValueError("smpquery sl2vl: no SL2VL row in the output")
-    return rows
-
-
-def parse_vlarb(text: str) -> tuple[VlArb, VlArb]:
-    """``smpquery vlarb`` output → (low, high) tables, weight-0 entries left out.
-
-    Raises ``ValueError`` when a table is missing or its VL and WEIGHT rows do not pair up.
-    """
-    tables: dict[str, list[tuple[int, int]]] = {}
-    current: str | None = None
-    vls: list[int] | None = None
-    for line in text.splitlines():
-        low = line.lower()
-        if low.startswith("# low priority"):
-            current, vls = "low", None
-            tables[current] = []
-            continue
-        if low.startswith("# high priority"):
-            current, vls = "high", None
-            tables[current] = []
-            continue
-        m = _VLARB_ROW.match(line.strip())
-        if not m or current is None:
-            continue
-        cells = [int(c.strip(), 16) for c in m.group(2).split("|") if c.strip()]
-        if m.group(1) == "VL":
-            vls = cells
-        else:
-            if vls is None or len(vls) != len(cells):
-                raise ValueError("smpquery vlarb: WEIGHT row without a matching VL row")
-            tables[current] += [(v, w) for v, w in zip(vls, cells, strict=True) if w]
-            vls = None
-    if "low" not in tables or "high" not in tables:
-        raise ValueError("smpquery vlarb: no low- and high-priority tables in the output")
-    return tuple(tables["low"]), tuple(tables["high"])
-
-
 def sl2vl_problem(plan: ClassPlan, rows: Mapping[tuple[int, int], Sequence[int]]) -> str:
     """``""`` if every row shows ``plan.sl2vl``; else which row differs and how."""
     for (inp, out), vls in sorted(rows.items()):

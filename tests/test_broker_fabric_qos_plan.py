@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from broker.fabric_paths import LinkGraph, PathPort
+from broker.fabric_smp import decode_sl2vl, decode_vlarb, encode_vlarb
 from broker.fabric_plan import PlanError
 from broker.fabric_qos import (
     MIN_SHARE_PERCENT,
@@ -15,8 +16,6 @@ from broker.fabric_qos import (
     high_limit_for,
     managed_block,
     operator_options,
-    parse_sl2vl,
-    parse_vlarb,
     plan_qos,
     render_opensm_conf,
     sl2vl_problem,
@@ -24,32 +23,6 @@ from broker.fabric_qos import (
 )
 
 CONF = "# opensm.conf of the operator\nqos TRUE\nqos_max_vls 8\nqos_policy_file /etc/qos-policy.conf\n"
-
-# smpquery output of ibsim 0.10 / infiniband-diags 44, after OpenSM applied the 10 % plan
-SL2VL_SWITCH = """# SL2VL table: Lid 5
-#                 SL: | 0| 1| 2| 3| 4| 5| 6| 7| 8| 9|10|11|12|13|14|15|
-ports: in  0, out  7: | 0| 1| 2| 3| 4| 5| 6| 7| 0| 0| 2| 3| 4| 5| 6| 7|
-ports: in  1, out  7: | 0| 1| 2| 3| 4| 5| 6| 7| 0| 0| 2| 3| 4| 5| 6| 7|
-ports: in  2, out  7: | 0| 1| 2| 3| 4| 5| 6| 7| 0| 1| 2| 3| 4| 5| 6| 7|
-"""
-VLARB = """# VLArbitration tables: Lid 3 port 0 LowCap 8 HighCap 8
-# Low priority VL Arbitration Table:
-VL    : |0x1 |0x0 |0x0 |0x0 |0x0 |0x0 |0x0 |0x0 |
-WEIGHT: |0x40|0x0 |0x0 |0x0 |0x0 |0x0 |0x0 |0x0 |
-# High priority VL Arbitration Table:
-VL    : |0x0 |0x2 |0x3 |0x4 |0x5 |0x6 |0x7 |0x0 |
-WEIGHT: |0x4 |0x4 |0x4 |0x4 |0x4 |0x4 |0x4 |0x0 |
-"""
-# OpenSM's defaults on an 8-VL port (qos_* unset)
-VLARB_DEFAULT = """# VLArbitration tables: Lid 5 port 7 LowCap 8 HighCap 8
-# Low priority VL Arbitration Table:
-VL    : |0x0 |0x1 |0x2 |0x3 |0x4 |0x5 |0x6 |0x7 |
-WEIGHT: |0x0 |0x4 |0x4 |0x4 |0x4 |0x4 |0x4 |0x4 |
-# High priority VL Arbitration Table:
-VL    : |0x0 |0x1 |0x2 |0x3 |0x4 |0x5 |0x6 |0x7 |
-WEIGHT: |0x4 |0x0 |0x0 |0x0 |0x0 |0x0 |0x0 |0x0 |
-"""
-
 
 def test_the_default_plan_gives_the_lent_sl_a_vl_of_its_own_and_bounds_its_share() -> None:
     plan = plan_qos(CONF, sl=1, vl=1, share_percent=10)
@@ -165,23 +138,27 @@ def test_a_hand_edited_managed_block_is_never_overwritten(edit) -> None:  # noqa
 
 
 def test_tables_read_back_compare_with_the_plan() -> None:
+    """SMP attribute bytes (IBA vol. 1 SLtoVLMappingTable, VLArbitrationTable) → tables → problems."""
     cp = plan_qos(CONF, sl=1, vl=1, share_percent=10).classes["swe"]
-    rows = parse_sl2vl(SL2VL_SWITCH)
-    assert sorted(rows) == [(0, 7), (1, 7), (2, 7)]
+    planned = bytes([0x01, 0x23, 0x45, 0x67, 0x00, 0x23, 0x45, 0x67])  # SL 2i high nibble, 2i+1 low
+    default = bytes([0x01, 0x23, 0x45, 0x67, 0x01, 0x23, 0x45, 0x67])
+    assert decode_sl2vl(planned) == list(cp.sl2vl)
+    rows = {(0, 7): decode_sl2vl(planned), (1, 7): decode_sl2vl(planned), (2, 7): decode_sl2vl(default)}
     assert sl2vl_problem(cp, {k: v for k, v in rows.items() if k != (2, 7)}) == ""
     assert sl2vl_problem(cp, rows) == "sl2vl in 2 out 7: SL9→VL1 (want VL0)"
-    low, high = parse_vlarb(VLARB)
-    assert (low, high) == (((1, 64),), ((0, 4), (2, 4), (3, 4), (4, 4), (5, 4), (6, 4), (7, 4)))
-    assert vlarb_problem(cp, low, high) == ""
-    low, high = parse_vlarb(VLARB_DEFAULT)
-    problem = vlarb_problem(cp, low, high)
+    low = decode_vlarb(encode_vlarb([(1, 64)]))
+    high = decode_vlarb(encode_vlarb([(0, 4), (2, 4), (3, 4), (4, 4), (5, 4), (6, 4), (7, 4), (0, 0)]))
+    assert (low, high) == ([[1, 64]], [[0, 4], [2, 4], [3, 4], [4, 4], [5, 4], [6, 4], [7, 4]])
+    assert vlarb_problem(cp, tuple(map(tuple, low)), tuple(map(tuple, high))) == ""  # type: ignore[arg-type]
+    # OpenSM's defaults on an 8-VL port: VL 0 high, VLs 1-7 low
+    low = ((1, 4), (2, 4), (3, 4), (4, 4), (5, 4), (6, 4), (7, 4))
+    problem = vlarb_problem(cp, low, ((0, 4),))
     assert problem.startswith("vlarb low 1:4,2:4,3:4,4:4,5:4,6:4,7:4 (want 1:64); high 0:4 (want 0:4,2:4")
-    with pytest.raises(ValueError, match="no SL2VL row"):
-        parse_sl2vl("ibwarn: nothing\n")
-    with pytest.raises(ValueError, match="low- and high-priority"):
-        parse_vlarb(VLARB.split("# High")[0])
-    with pytest.raises(ValueError, match="WEIGHT row"):
-        parse_vlarb(VLARB.replace("VL    : |0x1 |0x0 |0x0 |0x0 |0x0 |0x0 |0x0 |0x0 |\n", ""))
+    assert encode_vlarb([(0xF, 255)])[:2] == b"\x0f\xff" and len(encode_vlarb([])) == 64
+    with pytest.raises(ValueError, match="out of range"):
+        encode_vlarb([(16, 1)])
+    with pytest.raises(ValueError, match="at most 32"):
+        encode_vlarb([(0, 1)] * 33)
 
 
 def _line(a: tuple[str, int, int, str], b: tuple[str, int, int, str]) -> str:
