@@ -80,7 +80,7 @@ RUN_SETTINGS: dict[str, str] = {
     "stale_after_s": "idle.stale_after_s",
     "refresh_s": "idle.refresh_s",
     "memory_limit": "analytics.memory_limit",
-    "lent_share": "broker.lent_share",
+    "lent_share_percent": "broker.lent_share_percent",
     "max_uplink_xmit_wait": "analytics.max_uplink_xmit_wait",
 }
 """Parameter of ``run`` → the :class:`contracts.settings.DeploymentSettings` field it sets."""
@@ -163,15 +163,15 @@ def run(
             "(default: DuckDB's own limit)." + _setting("memory_limit")
         ),
     ] = None,
-    lent_share: Annotated[
+    lent_share_percent: Annotated[
         float | None,
         typer.Option(
-            min=0.0,
-            max=1.0,
-            help="Share of a link lent traffic may take, 0..1: a node is offered only while the "
-            "busiest uplink of its leaf switch (from fabric.topology and the switch ports' "
-            "counters) has at least this much headroom left by training; 0: no check (default 0.2)."
-            + _setting("lent_share"),
+            min=0.4,
+            max=50.0,
+            help="The lent-share bound, percent of a link lent traffic may take: a node is offered "
+            "only while the busiest uplink of its leaf switch (from fabric.topology and the switch "
+            "ports' counters) has at least this much headroom left by training "
+            "(default 10, the broker's QoS bound)." + _setting("lent_share_percent"),
         ),
     ] = None,
     max_uplink_xmit_wait: Annotated[
@@ -212,7 +212,7 @@ def run(
         stale_after_s=stale_after_s,
         refresh_s=refresh_s,
         memory_limit=memory_limit,
-        lent_share=lent_share,
+        lent_share_percent=lent_share_percent,
         max_uplink_xmit_wait=max_uplink_xmit_wait,
     )
     assert settings.kafka is not None  # load_run_settings guarantees it
@@ -240,7 +240,7 @@ def run(
             s_idle.pool,
             s_idle.refresh_s,
             settings.analytics.memory_limit,
-            settings.broker.lent_share,
+            settings.broker.lent_share_percent / 100.0,
             settings.analytics.max_uplink_xmit_wait,
             s_idle.forget_after_s,
         )

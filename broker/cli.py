@@ -341,6 +341,9 @@ def run(
             sb.fabric_sl,
             sb.fabric_timeout_s,
             sb.fabric_dry_run,
+            qos_share_percent=sb.lent_share_percent if sb.fabric_qos else None,
+            qos_vl=sb.fabric_lent_vl,
+            audit_interval_s=sb.fabric_qos_audit_s,
         )
     m_port, m_addr = settings.metrics.broker, settings.metrics.addr
     if m_port:
@@ -389,9 +392,19 @@ def run(
 
 
 def opensm_fabric(
-    state: Path, gateway: str, hosts: Path | None, sl: int, timeout_s: float, dry_run: bool
+    state: Path,
+    gateway: str,
+    hosts: Path | None,
+    sl: int,
+    timeout_s: float,
+    dry_run: bool,
+    *,
+    qos_share_percent: float | None = None,
+    qos_vl: int = 1,
+    audit_interval_s: float = 300.0,
 ) -> OpenSmFabric:
-    """The OpenSM fabric manager for ``gpupool broker run`` (dry-run diffs go to stderr).
+    """The OpenSM fabric manager for ``gpupool broker run`` (dry-run diffs go to stderr); the
+    ``qos_*`` and ``audit_interval_s`` arguments are :class:`OpenSmFabric`'s.
 
     ``hosts`` is a JSON object host → list of HCA node ids / port GUIDs. Raises
     ``typer.BadParameter`` when ``state`` or ``hosts`` cannot be read or the gateway is not an HCA.
@@ -418,6 +431,9 @@ def opensm_fabric(
             verify_timeout_s=timeout_s,
             dry_run=dry_run,
             on_diff=lambda diff: typer.echo(diff, err=True),
+            qos_share_percent=qos_share_percent,
+            qos_vl=qos_vl,
+            audit_interval_s=audit_interval_s,
         )
     except (OSError, ValueError) as e:
         raise typer.BadParameter(f"--fabric-state {state}: {e}") from None

@@ -7,6 +7,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field
 
 from contracts.mqtt import LIMITS
+from broker.fabric_qos import effective_share_percent
 from contracts.settings import BrokerSettings
 
 
@@ -62,6 +63,9 @@ class BrokerConfig(BaseModel):
             not acted on long after it was meant.
         lease_log_timeout_s: how long writing a change to the lease log may take; past it (or on
             any refusal) the change is undone and the request answered ``internal``.
+        lent_share_percent: the lent-share bound shown in each offer and lease (percent of a busy
+            link lent traffic can take at most, as the fabric manager's QoS plan gives it);
+            ``None``: no fabric QoS is managed.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -88,6 +92,7 @@ class BrokerConfig(BaseModel):
     site_request_burst: float = Field(default=LIMITS.site_request_burst, ge=1)
     request_max_age_s: float = Field(default=LIMITS.request_max_age_seconds, gt=0)
     lease_log_timeout_s: float = Field(default=5.0, gt=0)
+    lent_share_percent: float | None = Field(default=None, gt=0, le=100)
 
     def quota_of(self, site: str) -> int | None:
         """The most GPUs ``site`` may hold at once; ``None``: unlimited."""
@@ -121,4 +126,9 @@ def broker_config_from(settings: BrokerSettings) -> BrokerConfig:
         site_request_burst=settings.site_request_burst,
         request_max_age_s=settings.request_max_age_s,
         lease_log_timeout_s=settings.lease_log_timeout_s,
+        lent_share_percent=(
+            effective_share_percent(settings.lent_share_percent)
+            if settings.fabric_state is not None and settings.fabric_qos
+            else None
+        ),
     )

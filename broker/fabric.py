@@ -12,6 +12,11 @@ disabled by configuration" mode: it does not enforce, returns no partition, and 
 honestly (``partition: null``). The OpenSM manager (PKey + SL per lease, verified with
 ``smpquery pkeys``) is :class:`broker.fabric_opensm.OpenSmFabric`.
 
+A manager may also manage QoS: the partition then carries ``qos`` (:class:`contracts.leases.LaneQos`:
+the lease's own virtual lane and its share bound, read back on every port of its paths), and it
+must be verified too. A manager with an ``audit_forever()`` coroutine (the OpenSM one: QoS drift of
+every switch port) gets it run by the broker as one of its service loops, cancelled at stop.
+
 The broker runs :meth:`FabricManager.isolate` and :meth:`FabricManager.remove` outside its
 service lock (a verification may take seconds), so a manager must accept concurrent calls for
 different leases.
@@ -97,12 +102,20 @@ def isolation_problem(fabric: FabricManager, partition: Partition | None) -> str
         return "fabric isolation is enforced but no partition was made" if fabric.enforced else ""
     if not partition.verified:
         return f"partition 0x{partition.pkey:04x} was not verified on the fabric"
+    if partition.qos is not None and not partition.qos.verified:
+        return f"QoS of partition 0x{partition.pkey:04x} (vl {partition.qos.vl}) was not verified on the fabric"
     return ""
 
 
 def describe(partition: Partition | None) -> str:
-    """One line for logs and the demo: ``pkey=0x0012 sl=1 verified`` or ``none``."""
+    """One line for logs and the demo: ``pkey=0x0012 sl=1 verified``, then the QoS when managed
+    (``; qos vl=1 share<=10% verified on 14 ports``), or ``none``."""
     if partition is None:
         return "none (fabric isolation disabled)"
     state = "verified" if partition.verified else "NOT verified"
-    return f"pkey=0x{partition.pkey:04x} sl={partition.sl} {state}"
+    line = f"pkey=0x{partition.pkey:04x} sl={partition.sl} {state}"
+    q = partition.qos
+    if q is not None:
+        qstate = f"verified on {q.ports_verified} ports" if q.verified else "NOT verified"
+        line += f"; qos vl={q.vl} share<={q.share_percent:g}% {qstate}"
+    return line

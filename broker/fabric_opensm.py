@@ -14,6 +14,17 @@ files or logs):
   lease's SL (the QoS rule and the partition's ``sl=`` reached the SA; see
   :mod:`broker.fabric_plan` for what OpenSM honours).
 
+* with a QoS plan (``qos_share_percent``): on every port of every shortest path between each
+  leased host and the gateway (from ``ibnetdiscover -p``, :mod:`broker.fabric_paths`), the SL2VL
+  rows of the input ports on those paths and the VL arbitration tables show the plan
+  (:mod:`broker.fabric_qos`), read with SMPs in one child process per round
+  (:mod:`broker.fabric_smp`; ``smpquery`` would take two processes per port). The plan is
+  written as a gpupool-managed block at the end of ``opensm.conf`` with the first partition
+  change after it differs, and made effective by the same SIGHUP. :meth:`OpenSmFabric.audit`
+  reads every switch port back against it the same way (every input port's row;
+  :meth:`OpenSmFabric.audit_forever` every ``audit_interval_s``) and sets
+  ``gpupool_broker_fabric_qos_drift_ports``.
+
 ``saquery PKeyTableRecord`` is refused to an untrusted requester (DESIGN.md), so PKey tables are
 read with SMPs (``smpquery``), addressed by the LIDs in ``fabric.json``.
 
@@ -37,13 +48,15 @@ import logging
 import os
 import re
 import signal
+import sys
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from broker import metrics as m
 from broker.fabric import FabricError
+from broker.fabric_paths import LinkGraph, PathPort, union
 from broker.fabric_plan import (
     FilePlan,
     LeasePartition,
@@ -57,8 +70,18 @@ from broker.fabric_plan import (
     parse_pkey_table,
     plan,
 )
+from broker.fabric_qos import (
+    ClassPlan,
+    QosPlan,
+    high_limit_for,
+    managed_block,
+    plan_qos,
+    render_opensm_conf,
+    sl2vl_problem,
+    vlarb_problem,
+)
 from contracts import LeaseLogRecord
-from contracts.leases import Partition
+from contracts.leases import LaneQos, Partition
 
 __all__ = ["FabricNode", "FabricState", "OpenSmFabric", "default_host_ports"]
 
@@ -66,6 +89,10 @@ log = logging.getLogger(__name__)
 
 _GUID = re.compile(r"^0x[0-9a-fA-F]{1,16}$")
 _TRAILING_NUMBER = re.compile(r"(\d+)$")
+_AUDIT_CHUNK = 64
+"""Switch ports an audit reads per child process."""
+_FABRIC_SMP = Path(__file__).with_name("fabric_smp.py")
+"""The SMP reader (:mod:`broker.fabric_smp`), run as a script in a child process."""
 HostPorts = Mapping[str, Sequence[str]] | Callable[[str], Sequence[str]]
 """Host name → HCA node ids of ``fabric.json`` or port GUIDs (``0x`` + hex)."""
 
@@ -112,6 +139,7 @@ class FabricState:
         opensm_pid_file: file holding OpenSM's PID.
         partitions_conf: OpenSM's partition configuration file.
         qos_policy_conf: OpenSM's QoS policy file (``None``: not managed).
+        opensm_conf: OpenSM's configuration file, where the QoS plan goes (``None``: unknown).
         nodes: node id → node, in ``fabric.json`` order.
     """
 
@@ -122,6 +150,7 @@ class FabricState:
     opensm_pid_file: Path
     partitions_conf: Path
     qos_policy_conf: Path | None
+    opensm_conf: Path | None = None
     nodes: dict[str, FabricNode] = field(default_factory=dict)
 
     @classmethod
@@ -146,6 +175,7 @@ class FabricState:
                 for nid, n in data["nodes"].items()
             }
             qos = data.get("qos_policy_conf")
+            conf = data.get("opensm_conf")
             return cls(
                 path=path,
                 mtime_ns=mtime,
@@ -154,6 +184,7 @@ class FabricState:
                 opensm_pid_file=Path(data["opensm_pid_file"]),
                 partitions_conf=Path(data["partitions_conf"]),
                 qos_policy_conf=Path(qos) if qos else None,
+                opensm_conf=Path(conf) if conf else None,
                 nodes=nodes,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -235,9 +266,20 @@ class OpenSmFabric:
         command_timeout_s: timeout of one diag command, seconds.
         concurrency: diag commands run at once (ibsim serves at most 10 clients, OpenSM uses one).
         on_diff: called with each dry-run diff (e.g. the CLI prints it); it is logged anyway.
+        qos_share_percent: the lent-share bound of the QoS plan, percent of a busy link
+            (:func:`broker.fabric_qos.high_limit_for`); ``None``: QoS is not managed (partitions
+            only, leases carry no ``qos``).
+        qos_vl: the lent VL the inference SL maps to (1..14).
+        audit_interval_s: seconds between QoS audits of :meth:`audit_forever` (the first one
+            runs one interval after the start, or ``audit_delay_s`` if given).
+        audit_concurrency: diag commands an audit runs at once, besides ``concurrency`` (an
+            audit of a large fabric reads thousands of ports: it must not hold up claims).
+        audit_delay_s: seconds before the first audit of :meth:`audit_forever`; ``None``: one
+            ``audit_interval_s``.
 
     Raises ``OSError`` / ``ValueError`` if ``state`` cannot be read, ``ValueError`` for an ``sl``
-    outside 0..15 or a gateway that is not an HCA of the fabric.
+    outside 0..15, a gateway that is not an HCA of the fabric, a share outside the plan's bounds,
+    or a QoS plan without ``opensm_conf`` in ``fabric.json``.
     """
 
     enforced = True
@@ -256,9 +298,22 @@ class OpenSmFabric:
         command_timeout_s: float = 5.0,
         concurrency: int = 4,
         on_diff: Callable[[str], None] | None = None,
+        qos_share_percent: float | None = None,
+        qos_vl: int = 1,
+        audit_interval_s: float = 300.0,
+        audit_concurrency: int = 2,
+        audit_delay_s: float | None = None,
     ) -> None:
         if not 0 <= sl <= 15:
             raise ValueError(f"sl must be 0..15, got {sl}")
+        if not 1 <= qos_vl <= 14:
+            raise ValueError(f"qos_vl must be 1..14, got {qos_vl}")
+        if qos_share_percent is not None:
+            try:
+                share = 100.0 / (high_limit_for(qos_share_percent) + 1)
+            except PlanError as e:
+                raise ValueError(str(e)) from e
+            m.FABRIC_LENT_SHARE.set(share / 100.0)
         self.state_path = Path(state)
         self._state = FabricState.load(self.state_path)
         self.gateway = gateway
@@ -275,9 +330,27 @@ class OpenSmFabric:
         self._queue: list[_Change] = []
         self.reloads = 0
         """SIGHUPs sent since construction (one per batch of changes written)."""
+        self.qos_share_percent = qos_share_percent
+        self.qos_vl = qos_vl
+        self.audit_interval_s = audit_interval_s
+        self.audit_delay_s = audit_interval_s if audit_delay_s is None else audit_delay_s
+        self._audit_sem = asyncio.Semaphore(audit_concurrency)
+        self._qos_plan: QosPlan | None = None
+        self._graph_cache: tuple[int, LinkGraph] | None = None
+        self._audited: set[str] = set()
         gw = self._resolve(gateway)
         if gw is None or gw.kind != "hca":
             raise ValueError(f"gateway {gateway!r} is not an HCA of {self.state_path}")
+        if qos_share_percent is not None and self._state.opensm_conf is None:
+            raise ValueError(f"{self.state_path} names no opensm_conf: the QoS plan has nowhere to go")
+
+    @property
+    def lent_share_percent(self) -> float | None:
+        """The lent-share bound the QoS plan gives (percent, ≤ ``qos_share_percent``); ``None``
+        without a QoS plan."""
+        if self.qos_share_percent is None:
+            return None
+        return 100.0 / (high_limit_for(self.qos_share_percent) + 1)
 
     # public ---------------------------------------------------------------------------------------------
     def members(self, lease: LeaseLogRecord) -> tuple[list[str], list[str]]:
@@ -316,7 +389,11 @@ class OpenSmFabric:
             state, _ = _add(self._parse(texts[0]), self._draft(lease.lease_id, limited, full), reserved)
         except PlanError as e:
             raise _Failure("config_error", str(e)) from e
-        return self._plan(texts, state)
+        fp = self._plan(texts, state)
+        if self.qos_share_percent is not None:
+            conf, new, _ = self._plan_conf()
+            fp = replace(fp, conf_old=conf, conf_new=new, conf_label=self._conf_path().name)
+        return fp
 
     async def isolate(self, lease: LeaseLogRecord) -> Partition:
         """Give ``lease`` a partition of its own and verify it on the fabric.
@@ -336,11 +413,15 @@ class OpenSmFabric:
                 _Change(self._future(), add=self._draft(lease.lease_id, limited, full))
             )
             assert entry is not None
-            try:
-                await self._verify(entry, present=True)
-            except _Failure:
+            results = await asyncio.gather(
+                self._verify(entry, present=True), self._verify_qos(entry), return_exceptions=True
+            )
+            failure = next((r for r in results if isinstance(r, BaseException)), None)
+            if failure is not None:
                 await self._rollback(entry)
-                raise
+                raise failure
+            qos = results[1]
+            assert not isinstance(qos, BaseException)
         except _Failure as e:
             m.FABRIC_VERIFY_FAILURES.labels(reason=e.reason).inc()
             log.warning(
@@ -367,6 +448,7 @@ class OpenSmFabric:
             limited_members=list(entry.limited),
             full_members=list(entry.full),
             verified=True,
+            qos=qos,
         )
 
     async def remove(self, lease: LeaseLogRecord) -> None:
@@ -450,6 +532,27 @@ class OpenSmFabric:
                 raise _Failure("config_error", f"cannot read {st.qos_policy_conf}: {e}") from e
         return partitions, qos
 
+    def _conf_path(self) -> Path:
+        path = self._fresh_state().opensm_conf
+        if path is None:
+            raise _Failure("config_error", f"{self.state_path} names no opensm_conf")
+        return path
+
+    def _plan_conf(self) -> tuple[str, str, QosPlan]:
+        """``opensm.conf`` now, with the QoS plan's managed block, and the plan. Raises
+        :class:`_Failure` (``qos_config``) when the file cannot be read or planned against."""
+        assert self.qos_share_percent is not None
+        path = self._conf_path()
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise _Failure("qos_config", f"cannot read {path}: {e}") from e
+        try:
+            qos = plan_qos(text, sl=self.sl, vl=self.qos_vl, share_percent=self.qos_share_percent)
+            return text, render_opensm_conf(text, qos), qos
+        except PlanError as e:
+            raise _Failure("qos_config", f"{path}: {e}") from e
+
     def _parse(self, partitions: str) -> ManagedState:
         try:
             return parse_partitions(partitions)
@@ -490,6 +593,11 @@ class OpenSmFabric:
                 except OSError:
                     log.error("fabric_restore_failed", extra={"path": str(st.partitions_conf)})
                 raise _Failure("write_failed", f"cannot write {st.qos_policy_conf}: {e}") from e
+        if st.opensm_conf is not None and fp.conf_new is not None and fp.conf_new != fp.conf_old:
+            try:
+                _atomic_write(st.opensm_conf, fp.conf_new)
+            except OSError as e:
+                raise _Failure("write_failed", f"cannot write {st.opensm_conf}: {e}") from e
 
     def _sighup(self) -> None:
         pid_file = self._state.opensm_pid_file
@@ -542,10 +650,19 @@ class OpenSmFabric:
             return [_Failure("config_error", str(e))] * len(batch)
         except _Failure as e:
             return [e] * len(batch)
+        conf: tuple[str, str, QosPlan] | None = None
+        qos_failure: _Failure | None = None
+        if self.qos_share_percent is not None and any(c.add is not None for c in batch):
+            try:
+                conf = self._plan_conf()
+            except _Failure as e:
+                qos_failure = e  # the adds fail (their QoS cannot be applied); removals go on
         outcomes: list[LeasePartition | _Failure | None] = []
         for c in batch:
             try:
-                if c.add is not None:
+                if c.add is not None and qos_failure is not None:
+                    outcomes.append(qos_failure)
+                elif c.add is not None:
                     state, entry = _add(state, c.add, reserved)
                     outcomes.append(entry)
                 else:
@@ -553,10 +670,15 @@ class OpenSmFabric:
                     state = state.without(c.remove or "")
             except PlanError as e:
                 outcomes.append(_Failure("config_error", str(e)))
+        if all(isinstance(o, _Failure) for o in outcomes):
+            return outcomes  # nothing to change: no write, no SIGHUP
         try:
             fp = self._plan(texts, state)
         except _Failure as e:
             return [e] * len(batch)
+        if conf is not None:
+            fp = replace(fp, conf_old=conf[0], conf_new=conf[1], conf_label=self._conf_path().name)
+            self._qos_plan = conf[2]
         if not fp.changed:
             return outcomes
         try:
@@ -679,33 +801,233 @@ class OpenSmFabric:
             )
         return None
 
-    async def _run(self, args: list[str]) -> tuple[bool, str]:
-        """Run a diag command under the fabric's env; (exit status 0, stdout or the error)."""
+    async def _run(
+        self,
+        args: list[str],
+        timeout_s: float | None = None,
+        sem: asyncio.Semaphore | None = None,
+        stdin: bytes | None = None,
+    ) -> tuple[bool, str]:
+        """Run a diag command under the fabric's env; (exit status 0, stdout or the error).
+        ``timeout_s``: this command's timeout (default ``command_timeout_s``); ``sem``: the
+        semaphore bounding it (default: the claims' one, ``concurrency``); ``stdin``: its input."""
         state = self._state
-        async with self._sem:
+        timeout = self.command_timeout_s if timeout_s is None else timeout_s
+        async with sem or self._sem:
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *args,
                     cwd=state.workdir,
                     env={**os.environ, **state.env},
-                    stdin=asyncio.subprocess.DEVNULL,
+                    stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
                     stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.PIPE,
                 )
             except OSError as e:
                 return False, f"cannot run {args[0]}: {e}"
             try:
-                out, err = await asyncio.wait_for(proc.communicate(), self.command_timeout_s)
+                out, err = await asyncio.wait_for(proc.communicate(stdin), timeout)
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
-                return False, f"{args[0]} timed out after {self.command_timeout_s:g}s"
+                return False, f"{args[0]} timed out after {timeout:g}s"
         if proc.returncode != 0:
             # infiniband-diags print "iberror: ..." on stdout, ibwarn lines on stderr
             text = out.decode(errors="replace") + err.decode(errors="replace")
             lines = [ln.strip() for ln in text.splitlines() if ln.strip() and "sim_connect" not in ln]
             return False, "; ".join(lines[-2:]) or f"exit status {proc.returncode}"
         return True, out.decode(errors="replace")
+
+    # QoS ------------------------------------------------------------------------------------------------
+    async def _graph(self, refresh: bool = False, sem: asyncio.Semaphore | None = None) -> LinkGraph:
+        """The fabric's links from ``ibnetdiscover -p``, cached until ``fabric.json`` changes or
+        ``refresh`` (``sem``: as :meth:`_run`). Raises :class:`_Failure` (``qos_unreachable``)
+        when discovery fails."""
+        mtime = self._fresh_state().mtime_ns
+        cached = self._graph_cache
+        if not refresh and cached is not None and cached[0] == mtime:
+            return cached[1]
+        ok, out = await self._run(["ibnetdiscover", "-p"], max(self.command_timeout_s, 120.0), sem)
+        graph = LinkGraph.parse(out) if ok else None
+        if graph is None or not graph.ends:
+            raise _Failure("qos_unreachable", f"ibnetdiscover -p found no link: {out if not ok else 'empty'}")
+        self._graph_cache = (mtime, graph)
+        return graph
+
+    async def lease_ports(self, limited: Sequence[str], gateway: str) -> list[PathPort]:
+        """Every port on the shortest paths between each port GUID in ``limited`` and the
+        ``gateway`` port GUID, from the fabric's topology (rediscovered once when a GUID is not
+        in it). Raises :class:`FabricError` (``no_path``) when a host has no path."""
+        graph = await self._graph()
+        if any(g not in graph for g in (*limited, gateway)):
+            graph = await self._graph(refresh=True)
+        paths = []
+        for host in limited:
+            ports = graph.path_ports(host, gateway)
+            if not ports:
+                raise _Failure("no_path", f"no path between {host} and the gateway {gateway} (ibnetdiscover)")
+            paths.append(ports)
+        return union(paths)
+
+    def _port_name(self, port: PathPort) -> str:
+        node = self._state.by_guid(port.guid)
+        name = node.nodeid if node is not None else port.guid
+        return f"{name} port {port.port}" if port.switch else name
+
+    async def _qos_batch(
+        self,
+        plan: QosPlan,
+        ports: Sequence[PathPort],
+        paths: Sequence[PathPort],
+        sem: asyncio.Semaphore | None = None,
+    ) -> list[tuple[str, str] | None]:
+        """For each of ``ports``: ``None`` if its SL2VL and VL arbitration tables are the plan's,
+        else (reason, text); read in one child process (:mod:`broker.fabric_smp`). A switch
+        port's SL2VL rows are read for the input ports of the same switch in ``paths`` (a
+        lease's paths: its traffic; every switch port: all traffic). ``sem``: as :meth:`_run`."""
+        on_path: dict[str, set[int]] = {}
+        for p in paths:
+            if p.switch:
+                on_path.setdefault(p.guid, set()).add(p.port)
+        requests = [
+            {"lid": p.lid, "port": p.port, "in_ports": sorted(on_path[p.guid] - {p.port}) or [0]}
+            if p.switch
+            else {"lid": p.lid, "port": None}
+            for p in ports
+        ]
+        ok, out = await self._run(
+            [sys.executable, "-I", "-S", str(_FABRIC_SMP), "read"],  # stdlib only: no site, no package
+            timeout_s=max(self.command_timeout_s, 0.05 * len(ports)),
+            sem=sem,
+            stdin=json.dumps(requests).encode(),
+        )
+        try:
+            answers = json.loads(out) if ok else None
+        except ValueError:
+            answers = None
+        if not isinstance(answers, list) or len(answers) != len(ports):
+            return [("qos_unreachable", f"{self._port_name(p)}: broker.fabric_smp read: {out[:300]}") for p in ports]
+        results: list[tuple[str, str] | None] = []
+        for p, a in zip(ports, answers, strict=True):
+            cp = plan.classes["ca" if not p.switch else "sw0" if p.port == 0 else "swe"]
+            if "error" in a:
+                results.append(("qos_unreachable", f"{self._port_name(p)}: {a['error']}"))
+                continue
+            rows = {(int(i), p.port if p.switch else 0): v for i, v in a["sl2vl"].items()}
+            low, high = (tuple((int(v), int(w)) for v, w in a[t]) for t in ("low", "high"))
+            problem = sl2vl_problem(cp, rows) or vlarb_problem(cp, low, high)
+            results.append(("qos_mismatch", f"{self._port_name(p)}: {problem}") if problem else None)
+        return results
+
+    async def _verify_qos(self, entry: LeasePartition) -> LaneQos | None:
+        """Poll the tables of every port on ``entry``'s paths until they show the QoS plan;
+        ``None`` without a QoS plan. Raises :class:`_Failure` with the first problem after
+        ``verify_timeout_s``."""
+        if self.qos_share_percent is None:
+            return None
+        plan = self._qos_plan
+        if plan is None:
+            raise _Failure("qos_config", "no QoS plan was written")
+        t0 = time.perf_counter()
+        ports = await self.lease_ports(entry.limited, entry.full[0])
+        pending = list(ports)
+        deadline = time.monotonic() + self.verify_timeout_s
+        delay = 0.05
+        while True:
+            results = await self._qos_batch(plan, pending, ports)
+            problems = [(p, r) for p, r in zip(pending, results, strict=True) if r is not None]
+            if not problems:
+                break
+            if time.monotonic() + delay > deadline:
+                reason, text = problems[0][1]
+                raise _Failure(
+                    reason,
+                    f"QoS of lease {entry.name} not verified after {self.verify_timeout_s:g}s: {text} "
+                    f"({len(problems)} of {len(ports)} port(s) failing)",
+                )
+            pending = [p for p, _ in problems]
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, 0.5)
+        m.FABRIC_APPLY_SECONDS.labels(op="qos_verify").observe(time.perf_counter() - t0)
+        return LaneQos(
+            sl=plan.sl, vl=plan.vl, share_percent=plan.share_percent, ports_verified=len(ports), verified=True
+        )
+
+    async def audit(self) -> dict[str, list[str]]:
+        """Read the SL2VL and VL arbitration tables of every connected switch port (topology
+        rediscovered) and compare them with the QoS plan of ``opensm.conf`` now; sets
+        ``gpupool_broker_fabric_qos_drift_ports`` per switch and counts the audit. Returns switch →
+        the problems of its drifting ports (``{}``: no drift, or no plan written yet: nothing to
+        audit). Raises :class:`FabricError` when the configuration or the fabric cannot be read.
+        """
+        if self.qos_share_percent is None:
+            return {}
+        t0 = time.perf_counter()
+        try:
+            path = self._conf_path()
+            try:
+                text = path.read_text()
+            except OSError as e:
+                raise _Failure("qos_config", f"cannot read {path}: {e}") from e
+            if managed_block(text) is None:
+                m.FABRIC_QOS_AUDITS.labels(result="not_applied").inc()
+                return {}
+            try:
+                plan = plan_qos(text, sl=self.sl, vl=self.qos_vl, share_percent=self.qos_share_percent)
+            except PlanError as e:
+                raise _Failure("qos_config", f"{path}: {e}") from e
+            ports = (await self._graph(refresh=True, sem=self._audit_sem)).switch_ports()
+            chunks = [ports[i : i + _AUDIT_CHUNK] for i in range(0, len(ports), _AUDIT_CHUNK)]
+            answers = await asyncio.gather(*(self._qos_batch(plan, c, ports, self._audit_sem) for c in chunks))
+            results = [r for chunk in answers for r in chunk]
+        except _Failure as e:
+            m.FABRIC_QOS_AUDITS.labels(result="failed").inc()
+            log.warning("fabric_qos_audit_failed", extra={"reason": e.reason, "error": str(e)})
+            raise
+        counts: dict[str, int] = {}
+        drift: dict[str, list[str]] = {}
+        for p, r in zip(ports, results, strict=True):
+            node = self._state.by_guid(p.guid)
+            switch = node.nodeid if node is not None else p.guid
+            counts[switch] = counts.get(switch, 0) + (r is not None)
+            if r is not None:
+                drift.setdefault(switch, []).append(r[1])
+        for switch, n in counts.items():
+            m.FABRIC_QOS_DRIFT_PORTS.labels(switch=switch).set(n)
+        for gone in self._audited - counts.keys():
+            m.FABRIC_QOS_DRIFT_PORTS.remove(gone)
+        self._audited = set(counts)
+        elapsed = time.perf_counter() - t0
+        m.FABRIC_QOS_AUDIT_SECONDS.observe(elapsed)
+        m.FABRIC_QOS_AUDITS.labels(result="drift" if drift else "ok").inc()
+        m.FABRIC_QOS_LAST_AUDIT.set(time.time())
+        (log.warning if drift else log.info)(
+            "fabric_qos_audit",
+            extra={
+                "ports": len(ports),
+                "switches": len(counts),
+                "drift_ports": sum(len(v) for v in drift.values()),
+                "drift": {k: v[:3] for k, v in sorted(drift.items())[:10]},
+                "seconds": round(elapsed, 3),
+            },
+        )
+        return drift
+
+    async def audit_forever(self) -> None:
+        """:meth:`audit` after ``audit_delay_s``, then every ``audit_interval_s``, until cancelled;
+        never returns (without a QoS plan it only waits). A failed audit is logged and counted,
+        and the next one runs."""
+        if self.qos_share_percent is None:
+            await asyncio.Event().wait()
+        await asyncio.sleep(self.audit_delay_s)
+        while True:
+            try:
+                await self.audit()
+            except FabricError:
+                pass  # logged and counted by audit()
+            except Exception:  # noqa: BLE001 — an audit bug must not stop the broker
+                log.exception("fabric_qos_audit_error")
+            await asyncio.sleep(self.audit_interval_s)
 
     def _resolve(self, ref: str, state: FabricState | None = None) -> FabricNode | None:
         st = state or self._state

@@ -401,6 +401,9 @@ class FilePlan:
         partitions_old / partitions_new: ``partitions.conf`` before and after.
         qos_old / qos_new: ``qos-policy.conf`` before and after (``None``: not managed).
         labels: file names shown in :meth:`diff`.
+        conf_old / conf_new: ``opensm.conf`` before and after, for the QoS plan
+            (:mod:`broker.fabric_qos`; ``None``: not managed).
+        conf_label: its file name shown in :meth:`diff`.
     """
 
     state: ManagedState
@@ -409,17 +412,26 @@ class FilePlan:
     qos_old: str | None = None
     qos_new: str | None = None
     labels: tuple[str, str] = field(default=("partitions.conf", "qos-policy.conf"))
+    conf_old: str | None = None
+    conf_new: str | None = None
+    conf_label: str = "opensm.conf"
 
     @property
     def changed(self) -> bool:
-        """True if either file would change."""
-        return self.partitions_new != self.partitions_old or self.qos_new != self.qos_old
+        """True if any file would change."""
+        return (
+            self.partitions_new != self.partitions_old
+            or self.qos_new != self.qos_old
+            or self.conf_new != self.conf_old
+        )
 
     def diff(self) -> str:
-        """Unified diff (``a/<file>`` → ``b/<file>``) of both files; ``""`` when nothing changes."""
+        """Unified diff (``a/<file>`` → ``b/<file>``) of every file; ``""`` when nothing changes."""
         out = _udiff(self.partitions_old, self.partitions_new, self.labels[0])
         if self.qos_old is not None and self.qos_new is not None:
             out += _udiff(self.qos_old, self.qos_new, self.labels[1])
+        if self.conf_old is not None and self.conf_new is not None:
+            out += _udiff(self.conf_old, self.conf_new, self.conf_label)
         return out
 
 

@@ -205,6 +205,7 @@ def lease_message(record: LeaseLogRecord) -> LeaseMessage:
         min_until=record.min_until,
         notice_seconds=record.notice_seconds,
         partition=record.partition,
+        lent_share_percent=record.lent_share_percent,
         reason=record.reason,
         seq=record.seq,
     )
@@ -580,6 +581,7 @@ class LeaseBook:
             ends_at=ends_at,
             min_until=now + need if need > 0 else None,
             notice_seconds=min(o.notice_seconds for o in offers),
+            lent_share_percent=self.config.lent_share_percent,
             reason=LeaseReason.CLAIM.value if placed is None else f"{LeaseReason.MATCH}:{placed.tier}",
             seq=1,
         )
@@ -1162,6 +1164,7 @@ class LeaseBook:
                 notice_seconds=self.config.notice_s,
                 pool=node[0],
                 zone=self.config.pool_zones.get(node[0]),
+                lent_share_percent=self.config.lent_share_percent,
             )
             self._offers[offer.offer_id] = offer
             self._node_offer[node] = offer.offer_id

@@ -47,7 +47,8 @@ MQTT_CONNECTIONS = Counter(
 )
 FABRIC_APPLY_SECONDS = Histogram(
     "gpupool_broker_fabric_apply_seconds",
-    "From a partition change being asked for (isolate or remove) to it being verified on the fabric.",
+    "From a partition change being asked for (isolate or remove) to it being verified on the fabric; "
+    "op qos_verify: reading a lease's path ports back until their QoS tables match the plan.",
     ["op"],
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0),
 )
@@ -55,8 +56,35 @@ FABRIC_VERIFY_FAILURES = Counter(
     "gpupool_broker_fabric_verify_failures_total",
     "Partition changes that could not be applied or verified, by reason (unmapped_host, unknown_port, "
     "config_error, write_failed, opensm_down, pkey_missing, wrong_membership, unreachable, sl_mismatch, "
-    "not_removed).",
+    "not_removed; QoS: qos_config, qos_mismatch, qos_unreachable, no_path).",
     ["reason"],
+)
+FABRIC_QOS_DRIFT_PORTS = Gauge(
+    "gpupool_broker_fabric_qos_drift_ports",
+    "Connected ports of a switch whose SL2VL or VLArbitration tables, read back by the last QoS audit, "
+    "differ from gpupool's QoS plan (0: as planned); by switch (node id or GUID).",
+    ["switch"],
+)
+FABRIC_QOS_AUDITS = Counter(
+    "gpupool_broker_fabric_qos_audits_total",
+    "QoS audits of every switch port, by result: ok, drift (a port differs from the plan), failed (the "
+    "fabric could not be read), not_applied (no QoS plan written yet).",
+    ["result"],
+)
+FABRIC_QOS_AUDIT_SECONDS = Histogram(
+    "gpupool_broker_fabric_qos_audit_seconds",
+    "Wall time of one QoS audit (topology discovery and every switch port's tables read back).",
+    buckets=(0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0),
+)
+FABRIC_QOS_LAST_AUDIT = Gauge(
+    "gpupool_broker_fabric_qos_last_audit_timestamp_seconds",
+    "Unix time the last QoS audit finished (any result but failed).",
+)
+FABRIC_LENT_SHARE = Gauge(
+    "gpupool_broker_fabric_lent_share_ratio",
+    "The lent-share bound of the QoS plan: the largest fraction (0..1) of a link lent traffic can take "
+    "while training keeps it busy (broker setting lent_share_percent, rounded down to what "
+    "qos_high_limit can give).",
 )
 FABRIC_RELOADS = Counter(
     "gpupool_broker_fabric_reloads_total",

@@ -371,6 +371,9 @@ class BrokerService:
             asyncio.create_task(self._mqtt_loop(), name="broker-mqtt"),
             asyncio.create_task(self._tick_loop(), name="broker-tick"),
         ]
+        audit = getattr(self.fabric, "audit_forever", None)  # QoS drift audit (broker.fabric_opensm)
+        if audit is not None:
+            self._tasks.append(asyncio.create_task(audit(), name="broker-fabric-audit"))
         consumer = self.bus.consumer(
             [self.topics.capacity, self.topics.pool_demand],
             self.config.group_id,

@@ -48,7 +48,7 @@ class CapacityUpdate(Record):
         leaf_headroom: fraction (0..1, not clamped) of the busiest uplink of that leaf left unused
             by training (1 - p95 utilisation in its busier direction, the switch-to-switch ports
             of the leaf read by the fabric collector); ``None`` if unknown. An idle GPU is offered
-            only while it is at least the lent share (``[broker] lent_share``).
+            only while it is at least the lent share (``[broker] lent_share_percent`` / 100).
     """
 
     ts: float

@@ -69,6 +69,28 @@ class LeaseReason(StrEnum):
     """Suffix: the reclaim deadline was moved to the end of the minimum guarantee."""
 
 
+class LaneQos(Record):
+    """The QoS isolation of a lease's traffic on the fabric: its own virtual lane with a bounded
+    share, read back from every port on the paths between the leased hosts and the edge gateway.
+
+    Attributes:
+        sl: InfiniBand service level of the lease's traffic (0..15).
+        vl: the virtual lane that SL maps to on every port of the paths (1..14; no other SL uses it).
+        share_percent: the lent-share bound, percent of a link's bandwidth that lent traffic can
+            take at most while training keeps the link busy (0 < share <= 50; idle bandwidth is
+            not reserved for training, lent traffic may use it).
+        ports_verified: ports whose SL2VL and VLArbitration tables were read back and matched
+            the plan (switch ports and the HCA ports at both ends).
+        verified: True once every one of those ports matched.
+    """
+
+    sl: int = Field(ge=0, le=15)
+    vl: int = Field(ge=0, le=15)
+    share_percent: float = Field(gt=0, le=100)
+    ports_verified: int = Field(default=0, ge=0)
+    verified: bool = False
+
+
 class Partition(Record):
     """The InfiniBand isolation given to a lease.
 
@@ -78,6 +100,8 @@ class Partition(Record):
         limited_members: port GUIDs of the leased hosts (limited membership).
         full_members: port GUIDs of the edge gateway (full membership).
         verified: True once the PKey tables read back from the fabric matched.
+        qos: the lease traffic's virtual lane and share bound, verified on its paths; ``None``:
+            the fabric manager does not manage QoS (or a broker older than this field).
     """
 
     pkey: int = Field(ge=1, le=0x7FFE)
@@ -85,6 +109,7 @@ class Partition(Record):
     limited_members: list[str] = Field(default_factory=list)
     full_members: list[str] = Field(default_factory=list)
     verified: bool = False
+    qos: LaneQos | None = None
 
 
 class LeaseLogRecord(Record):
@@ -115,6 +140,8 @@ class LeaseLogRecord(Record):
         reclaim_deadline: when reclaiming, the time the GPUs are taken back regardless (Unix s).
         notice_seconds: reclaim notice promised by the offer.
         partition: the fabric isolation, once applied.
+        lent_share_percent: the lent-share bound the lease's traffic gets, percent of a busy
+            link (:attr:`LaneQos.share_percent`); ``None``: no QoS plan (fabric QoS not managed).
         reason: why the transition happened (``demand:<id>``, ``ttl``, ``site_release``...);
             a reclaim adds ``;guarantee_broken`` when forced inside the guarantee and
             ``;deferred_to_guarantee_end`` when its deadline was moved to ``min_until``.
@@ -137,5 +164,6 @@ class LeaseLogRecord(Record):
     reclaim_deadline: float | None = None
     notice_seconds: float
     partition: Partition | None = None
+    lent_share_percent: float | None = Field(default=None, gt=0, le=100)
     reason: str = ""
     seq: int = 1

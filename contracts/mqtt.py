@@ -138,6 +138,7 @@ class Offer(Message):
     zone: str | None = None
     """Latency zone of the pool (broker config ``pool_zones``); ``null``: not configured, and
     then the offer matches no claim that asks for a zone."""
+    lent_share_percent: float | None = Field(default=None, gt=0, le=100)
 
 
 class Requirements(Message):
@@ -284,6 +285,9 @@ class LeaseMessage(Message):
     """Reclaim notice of this lease, seconds."""
     partition: Partition | None = None
     """The InfiniBand partition isolating the lease; ``null`` without fabric isolation."""
+    lent_share_percent: float | None = Field(default=None, gt=0, le=100)
+    """The lent-share bound, percent of a busy link the lease's traffic can take at most
+    (``partition.qos`` says how it was verified); ``None``: no fabric QoS managed."""
     reason: str = ""
     """Why the newest transition happened: a :class:`contracts.leases.LeaseReason` value, with a
     suffix where documented there (e.g. ``match:node``, ``demand:<demand_id>;guarantee_broken``)."""

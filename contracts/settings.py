@@ -229,6 +229,15 @@ class BrokerSettings(BaseModel):
         fabric_sl: service level of inference traffic (0..15).
         fabric_timeout_s: seconds to wait for the fabric to show a partition change.
         fabric_dry_run: print partition diffs and change nothing.
+        fabric_qos: manage fabric QoS with the partitions (the lent VL and its share bound in
+            ``opensm.conf``, verified on each lease's paths); false: partitions only.
+        lent_share_percent: the lent-share bound: the most of a link's bandwidth lent traffic may
+            take while training keeps the link busy, percent (0.4..50; the plan rounds it down to
+            ``100 / (qos_high_limit + 1)``). Shown in each offer and lease. Analytics offers a node's
+            idle GPUs only while the busiest uplink of its leaf switch has at least this share of
+            headroom left by training (``CapacityUpdate.leaf_headroom``).
+        fabric_lent_vl: the virtual lane of lent traffic (1..14; the inference SL maps to it).
+        fabric_qos_audit_s: seconds between audits of every switch port's QoS tables.
         lease_log_linger_ms: batching delay of the lease-log producer, ms (every claim waits for
             its lease to be logged: keep it small).
         tune_gc: freeze the objects alive at start and re-freeze the young survivors every second,
@@ -241,9 +250,6 @@ class BrokerSettings(BaseModel):
         site_weights: site → fair-share weight, > 0 (``[broker.site_weights]``; default 1).
         fair_share_window_s: a site refused this recently still counts as waiting for its share,
             seconds (policy: :mod:`broker.quota`).
-        lent_share: the share (0..1) of a link lent traffic may take. Analytics offers a node's
-            idle GPUs only while the busiest uplink of its leaf switch has at least this much
-            headroom left by training (``CapacityUpdate.leaf_headroom``); 0 turns that check off.
         site_forget_after_s: a site offline this long with no live lease is forgotten, seconds:
             its ``site`` series (``gpupool_broker_site_up``, claim decisions) are removed.
         site_request_rate_per_s / site_request_burst: per-site token bucket of claims, renewals
@@ -266,6 +272,10 @@ class BrokerSettings(BaseModel):
     fabric_sl: int = Field(default=1, ge=0, le=15)
     fabric_timeout_s: float = Field(default=20.0, gt=0)
     fabric_dry_run: bool = False
+    fabric_qos: bool = True
+    lent_share_percent: float = Field(default=10.0, ge=0.4, le=50)
+    fabric_lent_vl: int = Field(default=1, ge=1, le=14)
+    fabric_qos_audit_s: float = Field(default=300.0, gt=0)
     lease_log_linger_ms: float = Field(default=0.0, ge=0)
     tune_gc: bool = True
     pool_zones: dict[str, str] = Field(default_factory=dict)
@@ -273,7 +283,6 @@ class BrokerSettings(BaseModel):
     default_site_quota: int | None = Field(default=64, ge=0)
     site_weights: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
     fair_share_window_s: float = Field(default=60.0, ge=0)
-    lent_share: float = Field(default=0.2, ge=0, le=1)
     site_forget_after_s: float = Field(default=3600.0, gt=0)
     site_request_rate_per_s: float = Field(default=LIMITS.site_request_rate_per_s, gt=0)
     site_request_burst: float = Field(default=LIMITS.site_request_burst, ge=1)

@@ -106,6 +106,9 @@ class DemoConfig:
     fabric_state: Path | None = None
     """fabric.json of an OpenSM fabric someone else runs (deploy/local/fabric.sh): each lease gets a
     partition verified on it (:class:`broker.fabric_opensm.OpenSmFabric`); overrides ``fabric``."""
+    lent_share_percent: float | None = 10.0
+    """The QoS plan's lent-share bound on the fabric (percent of a busy link; each lease's traffic
+    gets a VL of its own, verified on its paths); ``None``: partitions only, no QoS."""
     fabric: FabricMode = FabricMode.OFF
     """Start the demo's own simulated fabric: ``auto`` when the tools are installed, ``on`` always
     (:class:`FabricUnavailable` if it cannot), ``off`` never. ``gpupool demo`` defaults to ``auto``."""
@@ -167,8 +170,9 @@ class FabricStatus:
     def notice(self) -> str:
         """The one message the demo shows about fabric isolation (what it means, how to get it)."""
         if self.enabled:
-            return (f"Fabric isolation ON: every lease gets its own InfiniBand partition (PKey + SL), "
-                    f"verified on the fabric before it is granted ({self.detail}).")
+            return (f"Fabric isolation ON: every lease gets its own InfiniBand partition (PKey + SL) and "
+                    f"its own virtual lane with a bounded share (QoS), verified on the fabric before "
+                    f"it is granted ({self.detail}).")
         return (f"Fabric isolation OFF: leases run without fabric isolation ({self.detail}). "
                 f"For a PKey + SL per lease on a simulated InfiniBand fabric, install ibsim, OpenSM "
                 f"and infiniband-diags with `{INSTALL_HINT}` and run `gpupool demo --fabric on`.")
@@ -180,7 +184,8 @@ class DemoSummary:
 
     Besides the counts: ``fabric`` (:class:`FabricStatus` as a dict), ``leases`` (one
     :meth:`LeaseRow.as_dict` per granted lease, in grant order), ``leases_verified`` (leases whose
-    partition was verified on the fabric), ``isolate_p50_s`` / ``isolate_p99_s`` (nearest-rank
+    partition was verified on the fabric), ``leases_qos_verified`` (and their QoS on every port of
+    their paths), ``isolate_p50_s`` / ``isolate_p99_s`` (nearest-rank
     percentiles of the isolate→verified seconds; ``None`` without isolation), and the files
     written: ``leases_file`` (the lease log, input of ``gpupool report --leases``) and
     ``lease_rows_file`` (the rows as JSON lines).
@@ -204,6 +209,7 @@ class DemoSummary:
     fabric: dict[str, object] = field(default_factory=dict)
     leases: list[dict[str, object]] = field(default_factory=list)
     leases_verified: int = 0
+    leases_qos_verified: int = 0
     isolate_p50_s: float | None = None
     isolate_p99_s: float | None = None
     leases_file: str | None = None
@@ -315,9 +321,10 @@ async def _run_pipeline(
                   start_step=cfg.start_step, seed=cfg.seed)
     fabric: TimedOpenSmFabric | None = None
     if own is not None:  # the demo's own fabric: host i is its i-th compute HCA
-        fabric = TimedOpenSmFabric(own.fabric_json, host_ports=own.host_ports(fleet.hosts()))
+        fabric = TimedOpenSmFabric(own.fabric_json, host_ports=own.host_ports(fleet.hosts()),
+                                   qos_share_percent=cfg.lent_share_percent)
     elif cfg.fabric_state is not None:  # someone else's: the broker's default host mapping
-        fabric = TimedOpenSmFabric(cfg.fabric_state)
+        fabric = TimedOpenSmFabric(cfg.fabric_state, qos_share_percent=cfg.lent_share_percent)
     server = FleetServer(fleet)
     await server.start()
     sysfs = SysfsTree(fleet, cfg.state_dir / f"sysfs-{run_id}")
@@ -360,7 +367,8 @@ async def _run_pipeline(
     broker = BrokerService(bus=bus, topics=topics, mqtt_host=mhost, mqtt_port=port, mqtt_username=bu,
                            mqtt_password=bp, root=root, protocol=protocol, fabric=fabric,
                            config=BrokerConfig(offer_ttl_s=cfg.offer_ttl_s, notice_s=cfg.notice_s,
-                                               lease_ttl_s=cfg.lease_ttl_s))
+                                               lease_ttl_s=cfg.lease_ttl_s,
+                                               lent_share_percent=fabric.lent_share_percent if fabric else None))
     sites = [SimulatedSite(name=s, host=mhost, port=port, username=creds(s)[0], password=creds(s)[1],
                            root=root, protocol=protocol, seed=cfg.seed + i,
                            renew_every_s=cfg.lease_ttl_s / 3)
@@ -468,6 +476,7 @@ async def _run_pipeline(
         fabric=asdict(status),
         leases=[r.as_dict() for r in rows],
         leases_verified=sum(1 for r in rows if r.verified),
+        leases_qos_verified=sum(1 for r in rows if r.verified and r.qos_verified),
         isolate_p50_s=percentile(timed, 0.50),
         isolate_p99_s=percentile(timed, 0.99),
         leases_file=str(leases_path) if records is not None else None,

@@ -35,14 +35,31 @@ def _ms(seconds: float | None) -> str:
 
 def _lease_cells(row: LeaseRow) -> list[str]:
     return [row.lease_id.removeprefix("lease-")[:8], row.site, f"{len(row.gpus)}× {', '.join(row.hosts())}",
-            row.pkey or "—", "—" if row.sl is None else str(row.sl), "yes" if row.verified else "no",
-            _ms(row.isolate_s)]
+            row.pkey or "—", "—" if row.sl is None else str(row.sl), _verified_cell(row), _ms(row.isolate_s)]
+
+
+def _qos_note(rows: Sequence[LeaseRow]) -> str:
+    """`` — QoS: SL 1 → VL 1, share ≤10% of a busy link`` from the rows' QoS (the plan is
+    fabric-wide: one lane and bound for every lease), else ``""``."""
+    lanes = sorted({(r.sl, r.qos_vl, r.qos_share_percent) for r in rows if r.qos_vl is not None}, key=str)
+    return "".join(f" — QoS: SL {sl} → VL {vl}, share ≤{share:g}% of a busy link" for sl, vl, share in lanes)
+
+
+def _verified_cell(row: LeaseRow) -> str:
+    """What was read back before the grant: ``PKey+QoS``, ``PKey`` (no QoS managed), ``no``."""
+    if not row.verified:
+        return "no"
+    if row.qos_verified:
+        return "PKey+QoS"
+    return "PKey" if row.qos_vl is None else "PKey only"
 
 
 def lease_table(rows: Sequence[LeaseRow], title: str, *, with_state: bool = False) -> Table:
     """A table of ``rows``: lease (first 8 hex digits of its id), site, GPUs, PKey, SL, verified
-    yes/no, isolate→verified (ms); plus the lease's state when ``with_state``."""
-    t = Table(title=title, title_justify="left")
+    (``PKey+QoS``: partition and QoS read back; ``PKey``: no QoS managed; ``no``),
+    isolate→verified (ms); plus the lease's state when ``with_state``. The title gets the QoS
+    lane and share bound."""
+    t = Table(title=title + _qos_note(rows), title_justify="left")
     # the GPUs column never gets narrower than "N× <longest host>," and folds between hosts, so
     # host names stay whole even in 80-column (piped) output
     widest = max((len(h) for r in rows for h in r.hosts()), default=8)
@@ -96,6 +113,7 @@ def summary_view(s: DemoSummary) -> RenderableType:
         ("claims rejected, by reason", ", ".join(f"{k}={v}" for k, v in s.rejections.items()) or "none"),
         ("fabric isolation", "on" if s.fabric.get("enabled") else "off (leases not isolated)"),
         ("leases with a partition verified on the fabric", f"{s.leases_verified} / {len(leases)}"),
+        ("  …and their QoS on every port of their paths", f"{s.leases_qos_verified} / {len(leases)}"),
         ("isolate→verified p50 / p99", f"{_ms(s.isolate_p50_s)} / {_ms(s.isolate_p99_s)}"),
     ]
     for k, v in rows:

@@ -1,4 +1,5 @@
-"""Per-lease rows of the demo: site, GPUs, the partition (PKey, SL, verified) and the
+"""Per-lease rows of the demo: site, GPUs, the partition (PKey, SL, verified), its QoS (lent VL,
+share bound, verified on the paths' ports) and the
 isolate→verified time, folded from the lease log (Kafka ``leases.log``,
 :class:`contracts.LeaseLogRecord`) and the fabric manager's timings
 (:class:`gpupool.demo_fabric.TimedOpenSmFabric`).
@@ -41,8 +42,13 @@ class LeaseRow:
         pkey: the partition's PKey as ``0x`` + 4 hex digits; ``None``: no partition (fabric off).
         sl: the partition's InfiniBand service level (0..15); ``None`` without a partition.
         verified: True when the partition was read back from the fabric before the grant.
-        isolate_s: seconds from the start of isolation to the verified partition; ``None`` when
-            not isolated (or not measured).
+        isolate_s: seconds from the start of isolation to the verified partition and QoS;
+            ``None`` when not isolated (or not measured).
+        qos_vl: the lease traffic's own virtual lane; ``None``: no QoS managed (or no partition).
+        qos_share_percent: its lent-share bound, percent of a busy link; ``None`` without QoS.
+        qos_verified: True when the SL2VL and VL arbitration tables of every port on the
+            lease's paths were read back as planned before the grant.
+        qos_ports: how many ports that was; ``None`` without QoS.
     """
 
     lease_id: str
@@ -54,6 +60,10 @@ class LeaseRow:
     sl: int | None
     verified: bool
     isolate_s: float | None
+    qos_vl: int | None = None
+    qos_share_percent: float | None = None
+    qos_verified: bool = False
+    qos_ports: int | None = None
 
     @property
     def live(self) -> bool:
@@ -91,6 +101,7 @@ def lease_rows(records: Iterable[LeaseLogRecord], isolate_s: Mapping[str, float]
     rows: list[LeaseRow] = []
     for lease_id, rec in newest.items():
         p = partition[lease_id].partition if lease_id in partition else None
+        q = p.qos if p is not None else None
         rows.append(LeaseRow(
             lease_id=lease_id,
             site=rec.site,
@@ -101,6 +112,10 @@ def lease_rows(records: Iterable[LeaseLogRecord], isolate_s: Mapping[str, float]
             sl=None if p is None else p.sl,
             verified=bool(p is not None and p.verified),
             isolate_s=isolate_s.get(lease_id),
+            qos_vl=None if q is None else q.vl,
+            qos_share_percent=None if q is None else q.share_percent,
+            qos_verified=bool(q is not None and q.verified),
+            qos_ports=None if q is None else q.ports_verified,
         ))
     rows.sort(key=lambda r: (r.granted_at, r.lease_id))
     return rows

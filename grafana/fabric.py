@@ -9,6 +9,12 @@ analytics stage exports what training leaves on the leaf's busiest uplink
 (``gpupool_analytics_leaf_uplink_headroom_ratio{leaf}``, with the lent share bound
 ``gpupool_analytics_lent_share_ratio``) and the uplinks' XmitWait fraction: a leaf under the bound
 (or over the XmitWait limit) is not offered.
+
+Fabric QoS (the broker's fabric manager, ``broker/metrics.py``): the lent-share bound of the QoS
+plan (one for the whole fabric, so for every leaf), QoS drift per switch from the audit, and the
+time to verify a lease's QoS. Lent-VL utilisation needs per-VL counters (PortVLXmitData, an
+optional PMA attribute): node_exporter does not export them and ibsim does not implement them, so
+no panel shows it.
 """
 
 from __future__ import annotations
@@ -133,7 +139,7 @@ def dashboard() -> dashboard_b.Dashboard:
                 ],
                 description="Per leaf switch: 1 - p95 utilisation of its busiest uplink (switch-to-switch "
                 "port, busier direction) over the headroom window, from the fabric collector's switch "
-                "reads. A leaf below the lent share bound ([broker] lent_share) is not offered.",
+                "reads. A leaf below the lent share bound ([broker] lent_share_percent) is not offered.",
                 unit="percentunit",
                 min_value=0,
                 max_value=1,
@@ -149,6 +155,64 @@ def dashboard() -> dashboard_b.Dashboard:
                 unit="percentunit",
                 min_value=0,
                 max_value=1,
+            )
+        )
+        .with_row(panels.row("Fabric QoS (broker)"))
+        .with_panel(
+            panels.stat(
+                "Lent share bound",
+                [Query("max(gpupool_broker_fabric_lent_share_ratio)")],
+                description="The most of a busy link lent traffic can take (its own VL in the low-priority "
+                "table, qos_high_limit): the same on every leaf and spine. Shown in each offer and lease.",
+                unit="percentunit",
+            )
+        )
+        .with_panel(
+            panels.stat(
+                "Switches with QoS drift",
+                [Query("count(max by (switch) (gpupool_broker_fabric_qos_drift_ports) > 0) or vector(0)")],
+                description="Switches whose SL2VL or VL arbitration tables differ from the QoS plan at the last "
+                "audit. Alert GpupoolFabricQosDrift.",
+                thresholds=[(None, "green"), (1, "red")],
+            )
+        )
+        .with_panel(
+            panels.stat(
+                "Last QoS audit",
+                [Query("time() - max(gpupool_broker_fabric_qos_last_audit_timestamp_seconds > 0)")],
+                description="Seconds since the last QoS audit of every switch port finished.",
+                unit="s",
+            )
+        )
+        .with_panel(
+            panels.stat(
+                "Lease QoS verify p95",
+                [Query(_quantile(0.95, 'gpupool_broker_fabric_apply_seconds_bucket{op="qos_verify"}'))],
+                description="95th percentile of reading every port on a lease's paths back before its grant.",
+                unit="s",
+            )
+        )
+        .with_panel(
+            panels.timeseries(
+                "QoS drift per switch",
+                [Query("max by (switch) (gpupool_broker_fabric_qos_drift_ports)", "{{switch}}")],
+                description="Ports per switch (leaves and spines) whose QoS tables differ from the plan, per audit.",
+                min_value=0,
+            )
+        )
+        .with_panel(
+            panels.timeseries(
+                "QoS verify and audit time",
+                [
+                    Query(
+                        _quantile(0.95, 'gpupool_broker_fabric_apply_seconds_bucket{op="qos_verify"}'),
+                        "lease QoS verify p95",
+                    ),
+                    Query(_quantile(0.95, "gpupool_broker_fabric_qos_audit_seconds_bucket"), "audit p95"),
+                ],
+                description="95th percentiles of reading a lease's path ports back before the grant, and of one "
+                "audit of every switch port.",
+                unit="s",
             )
         )
         .with_row(panels.row("Ports (node_exporter)"))

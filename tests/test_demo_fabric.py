@@ -48,8 +48,9 @@ def _fabric_dirs(state: Path) -> list[Path]:
 
 
 def test_demo_on_the_simulated_fabric_verifies_every_lease(tmp_path: Path) -> None:
-    """A 20 s demo (`gpupool demo --fabric on`): each granted lease has its own PKey, SL 1,
-    verified before the grant, in the lease log, the per-lease rows and the printed summary."""
+    """A 20 s demo (`gpupool demo --fabric on`): each granted lease has its own PKey, SL 1, and
+    its QoS (SL 1 on VL 1 of its own, share ≤ 10 %), verified before the grant, in the lease log,
+    the per-lease rows and the printed summary."""
     assert not missing_tools(), "install the fabric tools: bash deploy/local/install-system.sh"
     state = tmp_path / "demo"
     result = CliRunner().invoke(app, ["demo", "--duration", "20", "--fabric", "on", "--state-dir", str(state)],
@@ -64,6 +65,8 @@ def test_demo_on_the_simulated_fabric_verifies_every_lease(tmp_path: Path) -> No
         assert r["verified"] is True and r["sl"] == 1, r
         assert r["pkey"] is not None and 0x0002 <= int(r["pkey"], 16) <= 0x7FFE, r
         assert r["isolate_s"] is not None and 0 < r["isolate_s"] < 20, r
+        assert (r["qos_verified"], r["qos_vl"], r["qos_share_percent"]) == (True, 1, 10.0), r
+        assert r["qos_ports"] >= 4, r  # host, its leaf port, the gateway's leaf port, the gateway
     assert len({r["pkey"] for r in rows}) == len(rows), "two leases share a PKey"
 
     # the lease log the demo dumped: every granted lease carries its verified partition
@@ -75,15 +78,20 @@ def test_demo_on_the_simulated_fabric_verifies_every_lease(tmp_path: Path) -> No
     for rec in granted:
         assert rec.partition is not None and rec.partition.verified, rec
         assert rec.partition.limited_members and rec.partition.full_members
+        assert rec.partition.qos is not None and rec.partition.qos.verified, rec
+        assert rec.lent_share_percent == 10.0, rec
 
-    # the printed summary: one line per lease with its PKey, SL, "yes" and the time in ms
+    # the printed summary: one line per lease with its PKey, SL, "PKey+QoS" and the time in ms
     lines = out.splitlines()
     for r in rows:
         line = next((ln for ln in lines if r["lease_id"].removeprefix("lease-")[:8] in ln and r["state"] in ln),
                     None)
         assert line is not None, f"lease {r['lease_id']} not in the summary:\n{out[-3000:]}"
-        assert r["pkey"] in line and " yes " in line and f"{1000 * r['isolate_s']:.0f} ms" in line, line
+        assert r["pkey"] in line and " PKey+QoS " in line and f"{1000 * r['isolate_s']:.0f} ms" in line, line
     assert f"{len(rows)} / {len(rows)}" in out  # leases with a partition verified on the fabric
+    assert "QoS: SL 1 → VL 1, share ≤10% of a busy link" in out
+    qos_line = next(ln for ln in lines if "…and their QoS on every port of their paths" in ln)
+    assert f"{len(rows)} / {len(rows)}" in qos_line
     assert "isolate→verified p50 / p99" in out
 
     # the demo's fabric is gone

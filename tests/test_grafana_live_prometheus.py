@@ -92,6 +92,11 @@ _NO_FABRIC_COLLECTOR = Allowance(
     "InfiniBand fabric, e.g. ibsim), so no gpupool_collector_fabric_* metric exists; "
     "tests/test_fabric_ibsim.py exercises it against ibsim"
 )
+_NO_FABRIC_QOS = Allowance(
+    "this demo runs without a fabric (DemoConfig.fabric is off): no QoS plan is written, no lease "
+    "QoS verified and no audit completes, so these series stay empty (the unlabelled audit "
+    "histogram has only zero buckets: NaN); tests/test_broker_fabric_qos.py exercises them on ibsim"
+)
 _HEALTHY = "the demo's stages hit no such error: the counter's labelled series appears at its first error"
 
 ALLOWANCES: dict[tuple[str, str, str], Allowance] = {
@@ -110,6 +115,11 @@ ALLOWANCES: dict[tuple[str, str, str], Allowance] = {
     ("fabric.json", "Leaf uplink XmitWait", "A"): Allowance(
         "no leaf uplink reads without the fabric collector (see the headroom panel)"
     ),
+    ("fabric.json", "Last QoS audit", "A"): _NO_FABRIC_QOS,
+    ("fabric.json", "Lease QoS verify p95", "A"): _NO_FABRIC_QOS,
+    ("fabric.json", "QoS drift per switch", "A"): _NO_FABRIC_QOS,
+    ("fabric.json", "QoS verify and audit time", "A"): _NO_FABRIC_QOS,
+    ("fabric.json", "QoS verify and audit time", "B"): _NO_FABRIC_QOS,
     ("fleet.json", "XID errors by code", "A"): Allowance(
         "the simulated GPUs never raise an XID (simulator/fleet.py: DCGM_FI_DEV_XID_ERRORS is always "
         "0), and gpupool_collector_xid_events_total{xid} appears at the first XID"
