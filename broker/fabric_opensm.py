@@ -71,7 +71,6 @@ from broker.fabric_plan import (
     plan,
 )
 from broker.fabric_qos import (
-    ClassPlan,
     QosPlan,
     high_limit_for,
     managed_block,

@@ -101,7 +101,7 @@ class LinkGraph:
             return []
         hops = da[b]
         out: set[PathPort] = set()
-        for (guid, port), (pp, (peer, peer_port)) in self.ends.items():
+        for (guid, _port), (pp, (peer, peer_port)) in self.ends.items():
             if guid in da and peer in db and da[guid] + 1 + db[peer] == hops:
                 out.add(pp)
                 out.add(self.ends[(peer, peer_port)][0])

@@ -10,7 +10,6 @@ back as it found it and lets OpenSM re-read it (other modules share the fabric).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
