@@ -71,7 +71,7 @@ class SampleLike(Protocol):
     @property
     def host(self) -> str: ...
     @property
-    def gpu_uuid(self) -> str: ...
+    def gpu_uuid(self) -> str | None: ...
     @property
     def gpu_instance_id(self) -> int | None: ...
     @property
@@ -297,7 +297,7 @@ class IdleClassifier:
         status = GpuStatus(
             key=sample.key,
             host=sample.host,
-            gpu_uuid=sample.gpu_uuid,
+            gpu_uuid=_identity(sample),
             gpu_instance_id=sample.gpu_instance_id,
             model_name=sample.model_name,
             state=GpuState.UNKNOWN,
@@ -448,3 +448,12 @@ def _framebuffer(sample: SampleLike) -> tuple[float | None, int | None]:
         total = used + fields[FB_FREE] + fields.get(FB_RESERVED, 0)
     total_mib = int(total) if total is not None and math.isfinite(float(total)) and total > 0 else None
     return (None if used is None else float(used)), total_mib
+
+
+def _identity(sample: SampleLike) -> str:
+    """The sample's GPU UUID. Raises ``ValueError`` for a sample without one: a sample known only
+    by its index gets a UUID or a stand-in id from :mod:`analytics.identity` before it is
+    classified."""
+    if sample.gpu_uuid is None:
+        raise ValueError(f"GPU sample {sample.key} has no UUID: resolve its identity first")
+    return sample.gpu_uuid

@@ -517,10 +517,13 @@ class AnalyticsService:
         assert self._store is not None
         self._classifier.rename(old, new, gpu_uuid)
         self._predictor.rename(old, new)
-        for table in (self._partition_of, self._trace_headers, self._stored_state, self._blocked_since):
-            value = table.pop(old, None)  # type: ignore[attr-defined]
+        tables: tuple[dict[str, Any], ...] = (
+            self._partition_of, self._trace_headers, self._stored_state, self._blocked_since
+        )
+        for table in tables:
+            value = table.pop(old, None)
             if value is not None:
-                table.setdefault(new, value)  # type: ignore[attr-defined]
+                table.setdefault(new, value)
         try:
             moved = await self._in_thread(self._store.rekey_gpu, old, new, gpu_uuid)
         except Exception as exc:  # noqa: BLE001 — the live state moved; stored rows stay under the stand-in key

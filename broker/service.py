@@ -992,7 +992,7 @@ class BrokerService:
         )
         # a request without request_id may come from an edge site of the first release, whose
         # reader refuses unknown fields: it gets the reply fields that release knew
-        reply = encode(msg) if rid is not None else msg.model_dump_json(exclude=REPLY_ADDED_FIELDS).encode()
+        reply = encode(msg) if rid is not None else msg.model_dump_json(exclude=set(REPLY_ADDED_FIELDS)).encode()
         response_topic, corr = route
         props = publish_properties(
             self._protocol, correlation=corr, user_properties=tracing.mqtt_user_properties()

@@ -32,7 +32,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
 from collections.abc import Callable
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple, TypeVar, cast
 
 from collectors.dcgm_fields import (
     DCGM_INT64_BLANK,
@@ -363,7 +363,7 @@ def parse_dcgm_exporter(
                 rej: Rejection = hit
                 rejected.append(Rejection(rej.reason, metric.field, f"line {index + 1}: {rej.detail}"))
                 continue
-            acc, ident, base = hit  # type: ignore[misc]
+            acc, ident, base = cast(tuple[_Acc, _Ident, bool], hit)  # not a Rejection (checked above)
             # --- value and optional timestamp
             vtext = tokens[0]
             value: int | float = int(vtext) if vtext.isdigit() and vtext.isascii() else parse_value(vtext)
@@ -506,8 +506,8 @@ def _merge_indexed(accs: dict[str, _Acc], rejected: list[Rejection]) -> list[_Ac
         for fname, reason in acc.invalid.items():
             if fname not in target.fields:
                 target.invalid.setdefault(fname, reason)
-        for k, v in acc.attributes.items():
-            target.attributes.setdefault(k, v)
+        for label, text in acc.attributes.items():
+            target.attributes.setdefault(label, text)
         for xid, n in acc.xid_counts.items():
             target.xid_counts[xid] = target.xid_counts.get(xid, 0) + n
         target.xid_msg = target.xid_msg or acc.xid_msg
@@ -586,6 +586,7 @@ def _finish(result: DcgmParseResult, accs: dict[str, _Acc], ts: float, target: s
             )
     for acc in switches:
         ident = acc.ident
+        assert ident.gpu_index is not None  # an NVSwitch identity always has its index
         switch = _built(
             result,
             ident.key,

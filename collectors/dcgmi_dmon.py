@@ -176,16 +176,16 @@ def parse_dcgmi_dmon(
             )
             continue
         row = _Row(lineno)
-        for name, cell in zip(columns, cells, strict=True):
-            if name is None or cell.upper() == "N/A":
+        for column, cell in zip(columns, cells, strict=True):
+            if column is None or cell.upper() == "N/A":
                 continue
             value = _number(cell)
-            reason = "not_a_number" if value is None else check_value(name, value)
-            if reason is None and value is not None:
-                row.values[name] = value
+            problem = "not_a_number" if value is None else check_value(column, value)
+            if problem is None and value is not None:
+                row.values[column] = value
             else:
-                row.invalid[name] = reason or "not_a_number"
-                result.rejected.append(Rejection(row.invalid[name], name, f"line {lineno}: {cell[:40]}"))
+                row.invalid[column] = problem or "not_a_number"
+                result.rejected.append(Rejection(row.invalid[column], column, f"line {lineno}: {cell[:40]}"))
         rows[int(tokens[1])] = row  # the newest row of a GPU is its sample
     if columns is None and not rows:
         result.error, result.detail = "no_header", "no '# Entity' header line"

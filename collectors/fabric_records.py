@@ -94,7 +94,7 @@ def port_sample(
     host, device = split_description(node.node_type, node.name)
     tp = node.ports.get(port)
     up = tp is not None and tp.connected
-    width, speed = link_width_speed(tp.width, tp.speed) if up and tp is not None else (None, None)
+    link_width, link_speed = link_width_speed(tp.width, tp.speed) if up and tp is not None else (None, None)
     return IbPortSample(
         ts=ts,
         host=host,
@@ -107,8 +107,8 @@ def port_sample(
         phys_state_id=5 if up else None,
         phys_state="LinkUp" if up else None,
         rate_bytes_per_second=tp.rate_bytes_per_second if up and tp is not None else None,
-        link_width=width,
-        link_speed=speed,
+        link_width=link_width,
+        link_speed=link_speed,
         counters=counters,
         counter_bits=bits,
         saturated=saturated,

@@ -142,7 +142,7 @@ def parse_nvidia_smi_csv(
     names = [_canonical(c) for c in rows[0]]
     known = set(QUERY_FIELDS) | {"index", "uuid", "name"}
     looks_header = any("[" in c for c in rows[0]) or (
-        bool(properties) and names == list(properties)
+        properties is not None and len(properties) > 0 and names == list(properties)
     ) or (not properties and bool(set(names) & known))
     if looks_header:
         rows = rows[1:]

@@ -112,8 +112,8 @@ class XidTracker:
                     before_codes = frozenset({state.last_xid})
                 for code in obs.codes:
                     if code != 0 and code not in before_codes:
-                        prev = state.last_xid if state is not None else None
-                        events.append(XidEvent(obs.key, obs.ts, code, prev, 1, obs.message, "last_value"))
+                        prev_xid = state.last_xid if state is not None else None
+                        events.append(XidEvent(obs.key, obs.ts, code, prev_xid, 1, obs.message, "last_value"))
             elif obs.last_xid is not None:
                 prev_xid = state.last_xid if state is not None else None
                 if obs.last_xid != 0 and obs.last_xid != prev_xid:
