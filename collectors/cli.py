@@ -60,6 +60,8 @@ RUN_SETTINGS: dict[str, str] = {
     "interval": "collectors.interval_s",
     "timeout": "collectors.timeout_s",
     "concurrency": "collectors.concurrency",
+    "slurm_conf": "collectors.slurm_conf",
+    "slurm_interval": "collectors.slurm_interval_s",
     "metrics_port": "metrics.collectors",
     "metrics_addr": "metrics.addr",
 }
@@ -150,13 +152,26 @@ def run(
     concurrency: Annotated[
         int | None, typer.Option(help="Scrapes in flight at most (default 64)." + _setting("concurrency"))
     ] = None,
+    slurm_conf: Annotated[
+        Path | None,
+        typer.Option(
+            help="Read this Slurm cluster (its slurm.conf) every --slurm-interval: nodes, GPUs by "
+            "GRES index and job, pending jobs with their planned start -> telemetry.scheduler."
+            + _setting("slurm_conf")
+        ),
+    ] = None,
+    slurm_interval: Annotated[
+        float | None,
+        typer.Option(help="Seconds between two reads of Slurm (default 10)." + _setting("slurm_interval")),
+    ] = None,
     topic_prefix: TopicPrefixOption = None,
     metrics_port: Annotated[int | None, metrics_port_option("collectors", 9410)] = None,
     metrics_addr: MetricsAddrOption = None,
 ) -> None:
     """Scrape every dcgm-exporter target, read every sysfs root, run every nvidia-smi command and
     read NVML each interval and produce GpuSample / IbPortSample records to Kafka until SIGINT or
-    SIGTERM.
+    SIGTERM. With --slurm-conf, also read that Slurm cluster every --slurm-interval and produce one
+    SchedulerNode record per node to telemetry.scheduler (a failing scontrol fails that read only).
 
     Every option can also come from the deployment's settings (contracts/settings.py): a flag
     wins over its GPUPOOL_* variable (e.g. GPUPOOL_KAFKA, GPUPOOL_COLLECTORS__INTERVAL_S), which
@@ -189,6 +204,8 @@ def run(
         interval=interval,
         timeout=timeout,
         concurrency=concurrency,
+        slurm_conf=slurm_conf,
+        slurm_interval=slurm_interval,
         metrics_port=metrics_port,
         metrics_addr=metrics_addr,
     )
@@ -198,10 +215,12 @@ def run(
     roots = [_sysfs_root(s) for s in cs.sysfs_roots]
     commands = [_nvsmi_command(s) for s in cs.nvidia_smi]
     sd_files = list(cs.file_sd)
-    if not targets and not roots and not commands and not cs.nvml_host and not sd_files:
+    has_gpu_source = targets or roots or commands or cs.nvml_host or sd_files
+    if not has_gpu_source and cs.slurm_conf is None:
         raise typer.BadParameter(
-            "give at least one --dcgm-target, --file-sd, --sysfs-root, --nvidia-smi or --nvml-host "
-            "(or [collectors] dcgm_targets, file_sd, sysfs_roots, nvidia_smi, nvml_host in the settings)"
+            "give at least one --dcgm-target, --file-sd, --sysfs-root, --nvidia-smi, --nvml-host or "
+            "--slurm-conf (or [collectors] dcgm_targets, file_sd, sysfs_roots, nvidia_smi, nvml_host, "
+            "slurm_conf in the settings)"
         )
     _serve_metrics(settings.metrics.collectors, settings.metrics.addr)
 
@@ -227,8 +246,11 @@ def run(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        slurm = _slurm_collector(bus, service.topics, cs.slurm_conf)
         try:
             await service.start()
+            if slurm is not None:
+                await slurm.start()
         except Exception as e:
             log.error("bus_unreachable", extra={"bootstrap": bootstrap, "error": repr(e)})
             await bus.close()
@@ -243,12 +265,27 @@ def run(
             },
         )
         try:
-            await service.run(stop)
+            await asyncio.gather(
+                service.run(stop) if has_gpu_source else stop.wait(),
+                *([slurm.run(cs.slurm_interval_s, stop)] if slurm is not None else []),
+            )
         finally:
+            if slurm is not None:
+                await slurm.stop()
             await service.stop()
             await bus.close()
 
     asyncio.run(_main())
+
+
+def _slurm_collector(bus: Any, topics: KafkaTopics, slurm_conf: Path | None) -> Any:
+    """The Slurm source (:class:`collectors.slurm_collector.SlurmCollector`) for ``slurm_conf``,
+    ``None`` without one."""
+    if slurm_conf is None:
+        return None
+    from collectors.slurm_collector import SlurmCollector
+
+    return SlurmCollector(bus, topics, slurm_conf=slurm_conf)
 
 
 def _serve_metrics(port: int, addr: str) -> None:

@@ -136,6 +136,9 @@ class CollectorsSettings(BaseModel):
         interval_s: seconds between the starts of two collection cycles.
         timeout_s: deadline of one scrape, seconds.
         concurrency: scrapes in flight at most.
+        slurm_conf: read this Slurm cluster (its ``slurm.conf``, given to ``scontrol`` as
+            ``SLURM_CONF``) every ``slurm_interval_s``; ``None``: no Slurm source.
+        slurm_interval_s: seconds between the starts of two reads of Slurm.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -152,6 +155,8 @@ class CollectorsSettings(BaseModel):
     interval_s: float = Field(default=5.0, gt=0)
     timeout_s: float = Field(default=2.0, gt=0)
     concurrency: int = Field(default=64, ge=1)
+    slurm_conf: Path | None = None
+    slurm_interval_s: float = Field(default=10.0, gt=0)
 
 
 class AnalyticsSettings(BaseModel):
@@ -163,12 +168,16 @@ class AnalyticsSettings(BaseModel):
         memory_limit: memory the whole analytics process may use (e.g. ``"2GB"``); DuckDB gets
             ``analytics.store.DUCKDB_MEMORY_SHARE`` of it, the rest is left for Python; ``None``:
             DuckDB's default.
+        scheduler: join the training scheduler's state (``telemetry.scheduler``) with the GPU
+            telemetry: a GPU is offered only when the scheduler has it unallocated, and no promise
+            runs past a pending job's planned start on its node (``analytics.scheduler``).
     """
 
     model_config = ConfigDict(extra="forbid")
 
     group_id: str = "gpupool-analytics"
     memory_limit: str | None = None
+    scheduler: bool = False
 
 
 class BrokerSettings(BaseModel):

@@ -70,6 +70,12 @@ class KafkaTopics:
         return f"{self.prefix}telemetry.ib_port"
 
     @property
+    def telemetry_scheduler(self) -> str:
+        """Training-scheduler state per node (:class:`contracts.scheduler.SchedulerNode`), keyed
+        by host (:func:`telemetry_partition_key`); same partition count as :attr:`telemetry_gpu`."""
+        return f"{self.prefix}telemetry.scheduler"
+
+    @property
     def fabric_topology(self) -> str:
         """Fabric topology snapshots (compacted)."""
         return f"{self.prefix}fabric.topology"
@@ -94,6 +100,7 @@ class KafkaTopics:
         return [
             self.telemetry_gpu,
             self.telemetry_ib_port,
+            self.telemetry_scheduler,
             self.fabric_topology,
             self.capacity,
             self.pool_demand,
