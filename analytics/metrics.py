@@ -98,6 +98,13 @@ ROLLUP_LATE_ROWS = Counter(
     ["table"],
 )
 
+ALLOCATED_IDLE_GPUS = Gauge(
+    "gpupool_analytics_allocated_idle_gpus",
+    "GPUs the training scheduler has allocated to a job while their telemetry says idle, by the "
+    "job's partition, user and job id (set from analytics.scheduler.SchedulerJoin).",
+    ["partition", "user", "job"],
+)
+
 
 @dataclass(frozen=True, slots=True)
 class CapacitySnapshot:

@@ -71,9 +71,10 @@ from opentelemetry.context import Context
 
 from analytics import metrics
 from analytics.classify import GpuStatus, IdleClassifier, IdleConfig, IdleRun
-from analytics.decode import decode_batch, paused_gc
+from analytics.decode import RejectedRecord, decode_batch, decode_telemetry, paused_gc
 from analytics.predict import IdlePredictor, PredictorConfig
 from analytics.retention import RetentionConfig
+from analytics.scheduler import ALLOCATED_IDLE, DEFAULT_STALE_AFTER_S, SchedulerJoin, scheduler_gpus_table
 from analytics.rows import gpu_samples_table, gpu_states_table, ib_port_samples_table, idle_runs_table
 from analytics.store import AnalyticsStore, StoreBatch
 from analytics.views import HEADROOM_WINDOW_S
@@ -88,6 +89,7 @@ from contracts import (
     tracing,
 )
 from contracts.bus import Bus, BusMessage, Consumer, Producer, TopicPartition
+from contracts.scheduler import SchedulerNode
 
 log = logging.getLogger(__name__)
 _TRACER = tracing.tracer(__name__)
@@ -103,6 +105,7 @@ class _Decoded:
     ib: list[IbPortSample] = field(default_factory=list)
     ib_pos: list[tuple[int, int]] = field(default_factory=list)
     offsets: dict[TopicPartition, int] = field(default_factory=dict)
+    scheduler: list[tuple[SchedulerNode, int, int]] = field(default_factory=list)
 
 
 class AnalyticsService:
@@ -128,6 +131,8 @@ class AnalyticsService:
         min_headroom: float = 0.2,
         headroom_refresh_s: float = 30.0,
         headroom_window_s: float = HEADROOM_WINDOW_S,
+        scheduler: bool = False,
+        scheduler_stale_s: float = DEFAULT_STALE_AFTER_S,
     ) -> None:
         """Configure; nothing is opened before :meth:`start`.
 
@@ -154,6 +159,10 @@ class AnalyticsService:
                 offerable (module docstring); 0 turns the check off.
             headroom_refresh_s: period (s) of the headroom query.
             headroom_window_s: window (s) of the p95, per port, back from its latest read.
+            scheduler: also read ``telemetry.scheduler`` and join it (module docstring, "The
+                training scheduler"); ``False``: the scheduler plays no part.
+            scheduler_stale_s: a host whose latest scheduler state is older than this (s) is not
+                offered (with ``scheduler``).
 
         Raises:
             ValueError: a non-positive interval, window or ``max_records``, or ``min_headroom``
@@ -208,6 +217,7 @@ class AnalyticsService:
         self._lag_labels: set[TopicPartition] = set()
         self._lag_values: dict[TopicPartition, int] = {}
         self._last_maintenance = float("-inf")
+        self._scheduler = SchedulerJoin(scheduler_stale_s) if scheduler else None
 
     # lifecycle -------------------------------------------------------------------------------
     @property
@@ -259,6 +269,7 @@ class AnalyticsService:
             self._store.close()
             self._store = None
         metrics.CAPACITY.withdraw(self)
+        ALLOCATED_IDLE.withdraw(self)
         self._set_lag({})
         log.info("analytics_stopped", extra={"db": self._db_path})
 
@@ -294,6 +305,7 @@ class AnalyticsService:
             ib_table = _safe_table(ib_port_samples_table, decoded.ib, decoded.ib_pos)
         for sample in decoded.gpu:
             self._classifier.observe(sample)
+        scheduler_table = self._observe_scheduler(decoded.scheduler)
         now = self._clock()
         if now - self._last_headroom >= self._headroom_refresh_s:
             await self._refresh_headroom(now)
@@ -314,6 +326,7 @@ class AnalyticsService:
             if self._pending_runs
             else None,
             offsets=decoded.offsets,
+            scheduler_gpu_samples=scheduler_table,
         )
         if not batch.empty():  # else nothing read (or only duplicates) and nothing due
             try:
@@ -372,7 +385,8 @@ class AnalyticsService:
 
     # internals -------------------------------------------------------------------------------
     def _telemetry_topics(self) -> list[str]:
-        return [self.topics.telemetry_gpu, self.topics.telemetry_ib_port]
+        scheduler = [self.topics.telemetry_scheduler] if self._scheduler is not None else []
+        return [self.topics.telemetry_gpu, self.topics.telemetry_ib_port, *scheduler]
 
     def _new_consumer(self) -> Consumer:
         return self._bus.consumer(
@@ -417,6 +431,8 @@ class AnalyticsService:
         out of every refresh until one of their samples is read again (:meth:`_own_host`)."""
         for host in hosts:
             self._headroom.pop(host, None)
+        if self._scheduler is not None:
+            self._scheduler.forget_hosts(hosts)
         self._released_hosts |= hosts
 
     def _forget(self, key: str) -> None:
@@ -428,6 +444,8 @@ class AnalyticsService:
         self._trace_headers.pop(key, None)
         self._stored_state.pop(key, None)
         self._blocked_since.pop(key, None)
+        if self._scheduler is not None:
+            self._scheduler.forget_gpu(key)
 
     async def _refresh_headroom(self, now: float) -> None:
         """Reload every host's headroom with one query (``node_headroom_over``); a failure is
@@ -452,12 +470,22 @@ class AnalyticsService:
             log.info("analytics_headroom_low", extra={"hosts": low, "min_headroom": self.min_headroom})
 
     def _blocked(self, st: GpuStatus) -> bool:
-        """True when idle GPU ``st`` is held back because its host's known headroom is below
-        ``min_headroom`` (unknown headroom never blocks)."""
+        """True when idle GPU ``st`` is held back (:meth:`_block_reason`)."""
+        return self._block_reason(st) is not None
+
+    def _block_reason(self, st: GpuStatus) -> str | None:
+        """Why idle GPU ``st`` is held back, or ``None``: ``fabric_headroom`` when its host's known
+        headroom is below ``min_headroom`` (unknown headroom never blocks), else, with the
+        scheduler joined, :meth:`analytics.scheduler.SchedulerJoin.block_reason` at the clock's
+        now."""
         if st.state is not GpuState.IDLE:
-            return False
+            return None
         h = self._headroom.get(st.host)
-        return h is not None and h < self.min_headroom
+        if h is not None and h < self.min_headroom:
+            return "fabric_headroom"
+        if self._scheduler is not None:
+            return self._scheduler.block_reason(st, self._clock())
+        return None
 
     async def _in_thread(self, fn: Callable[..., _T], *args: object) -> _T:
         """Run a store call in a worker thread. Shielded: if the step is cancelled the call still
@@ -539,8 +567,11 @@ class AnalyticsService:
             fresh.append(msg)
         for topic, n in consumed.items():
             metrics.RECORDS_CONSUMED.labels(topic=topic).inc(n)
+        rejected: list[tuple[BusMessage, RejectedRecord]] = []
+        if self._scheduler is not None:
+            fresh = self._decode_scheduler(fresh, out, rejected)
         batch = decode_batch(fresh, self.topics)
-        for msg, exc in batch.rejected:
+        for msg, exc in [*rejected, *batch.rejected]:
             metrics.REJECTED_RECORDS.labels(reason=exc.reason).inc()
             log.warning(
                 "analytics_record_rejected",
@@ -558,6 +589,8 @@ class AnalyticsService:
             tp = TopicPartition(msg.topic, msg.partition)
             self._partition_of[record.key] = tp
             self._own_host(tp, record.host)
+            if self._scheduler is not None:
+                self._scheduler.note_gpu(record.key, record.gpu_index)
             if traced:  # the newest sample's context (none if it carried none)
                 if msg.headers:
                     self._trace_headers[record.key] = msg.headers
@@ -569,9 +602,48 @@ class AnalyticsService:
             self._own_host(TopicPartition(msg.topic, msg.partition), ib_record.host)
         return out
 
+    def _decode_scheduler(
+        self, msgs: list[BusMessage], out: _Decoded, rejected: list[tuple[BusMessage, RejectedRecord]]
+    ) -> list[BusMessage]:
+        """Decode the ``telemetry.scheduler`` records of ``msgs`` into ``out.scheduler`` (their
+        rejections into ``rejected``); return the other messages."""
+        rest = []
+        for msg in msgs:
+            if msg.topic != self.topics.telemetry_scheduler:
+                rest.append(msg)
+                continue
+            try:
+                record = decode_telemetry(msg, self.topics)
+            except RejectedRecord as exc:
+                rejected.append((msg, exc))
+                continue
+            if isinstance(record, SchedulerNode):
+                out.scheduler.append((record, msg.partition, msg.offset))
+                self._own_host(TopicPartition(msg.topic, msg.partition), record.host)
+        return rest
+
+    def _observe_scheduler(self, records: list[tuple[SchedulerNode, int, int]]) -> pa.Table | None:
+        """Hold each scheduler record as its host's state; the ``scheduler_gpu_samples`` rows of
+        them (with the state each GPU has now), ``None`` when there is none."""
+        join = self._scheduler
+        if join is None or not records:
+            return None
+        statuses = list(self._classifier.statuses().values())
+        rows = []
+        for record, partition, offset in records:
+            join.observe(record)
+            rows.append((record, partition, offset, join.states_by_index(record.host, statuses)))
+        try:
+            return scheduler_gpus_table(rows)
+        except (ValueError, pa.ArrowException) as exc:
+            metrics.REJECTED_RECORDS.labels(reason="unstorable").inc(len(rows))
+            log.warning("analytics_scheduler_unstorable", extra={"error": repr(exc)})
+            return None
+
     def _update(self, st: GpuStatus) -> CapacityUpdate:
         headroom = self._headroom.get(st.host)
-        if self._blocked(st):
+        reason = self._block_reason(st)
+        if reason is not None:
             return CapacityUpdate(
                 ts=st.ts,
                 host=st.host,
@@ -580,7 +652,7 @@ class AnalyticsService:
                 model_name=st.model_name,
                 state=GpuState.UNKNOWN,
                 since=self._blocked_since.get(st.key, st.ts),
-                reason="fabric_headroom",
+                reason=reason,
                 fb_total_mib=st.fb_total_mib,
                 headroom=headroom,
                 pool=self.pool,
@@ -589,6 +661,9 @@ class AnalyticsService:
         if st.state is GpuState.IDLE:
             pred = self._predictor.predict(st.key, st.since, st.ts, pool=self.pool)
             until, confidence = pred.idle_until, pred.confidence * st.confidence_factor
+            planned = self._scheduler.window_end(st.host) if self._scheduler is not None else None
+            if until is not None and planned is not None:
+                until = min(until, planned)  # never past a pending job's planned start on the node
         return CapacityUpdate(
             ts=st.ts,
             host=st.host,
@@ -708,6 +783,8 @@ class AnalyticsService:
                 idle_memory_bytes=memory,
             ),
         )
+        if self._scheduler is not None:
+            ALLOCATED_IDLE.publish(self, self._scheduler.allocated_idle(statuses))
 
 
 def _safe_table(
