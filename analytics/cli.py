@@ -79,6 +79,7 @@ RUN_SETTINGS: dict[str, str] = {
     "stale_after_s": "idle.stale_after_s",
     "refresh_s": "idle.refresh_s",
     "memory_limit": "analytics.memory_limit",
+    "scheduler": "analytics.scheduler",
 }
 """Parameter of ``run`` → the :class:`contracts.settings.DeploymentSettings` field it sets."""
 
@@ -160,6 +161,15 @@ def run(
             "(default: DuckDB's own limit)." + _setting("memory_limit")
         ),
     ] = None,
+    scheduler: Annotated[
+        bool | None,
+        typer.Option(
+            "--scheduler/--no-scheduler",
+            help="Join the training scheduler's state (telemetry.scheduler, from gpupool collect run "
+            "--slurm-conf): offer a GPU only when the scheduler has it unallocated, never promise past "
+            "a pending job's planned start on its node (default off)." + _setting("scheduler"),
+        ),
+    ] = None,
 ) -> None:
     """Run the analytics stage against Kafka until SIGINT/SIGTERM.
 
@@ -188,6 +198,7 @@ def run(
         stale_after_s=stale_after_s,
         refresh_s=refresh_s,
         memory_limit=memory_limit,
+        scheduler=scheduler,
     )
     s_idle = settings.idle
     try:
@@ -213,6 +224,7 @@ def run(
             s_idle.pool,
             s_idle.refresh_s,
             settings.analytics.memory_limit,
+            settings.analytics.scheduler,
         )
     )
 
@@ -226,6 +238,7 @@ async def _run(
     pool: str,
     refresh_s: float,
     memory_limit: str | None,
+    scheduler: bool = False,
 ) -> None:
     bus = make_bus(kafka, client_id="gpupool-analytics")
     service = AnalyticsService(
@@ -237,6 +250,7 @@ async def _run(
         pool=pool,
         refresh_s=refresh_s,
         memory_limit=memory_limit,
+        scheduler=scheduler,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

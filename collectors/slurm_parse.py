@@ -54,6 +54,10 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+
+MAX_GPUS_PER_NODE = 1024
+"""Most GPUs a node record may declare (``Gres=gpu:N``); more is refused as ``bad_gres`` rather
+than building that many GPU records from one line."""
 _FIELD = re.compile(r"(?:^|(?<=\s))([A-Za-z][A-Za-z0-9_:/]*)=")
 _NO_VALUE = frozenset({"", "(null)", "N/A", "None", "Unknown", "n/a"})
 
@@ -285,7 +289,8 @@ def parse_node(line: str) -> NodeInfo:
 
     Raises:
         SlurmParseError: ``missing_key`` without ``NodeName`` or ``State``; the reasons of
-            :func:`parse_gres` for a bad ``Gres`` / ``GresUsed``.
+            :func:`parse_gres` for a bad ``Gres`` / ``GresUsed``; ``bad_gres`` for more than
+            :data:`MAX_GPUS_PER_NODE` GPUs.
     """
     fields = dict(split_fields(line))  # node keys do not repeat
     name, state_text = _value(fields.get("NodeName")), _value(fields.get("State"))
@@ -299,6 +304,8 @@ def parse_node(line: str) -> NodeInfo:
     gpus: list[tuple[int, str | None]] = []
     for entry in parse_gres(fields.get("Gres", "")):
         if entry.name == "gpu":
+            if len(gpus) + (entry.count or 1) > MAX_GPUS_PER_NODE:
+                raise SlurmParseError("bad_gres", f"more than {MAX_GPUS_PER_NODE} GPUs")
             for _ in range(entry.count if entry.count is not None else 1):
                 gpus.append((len(gpus), entry.type))
     used: set[int] = set()
