@@ -26,6 +26,7 @@ from contracts.base import SCHEMA_VERSION, Record
 from contracts.capacity import CapacityUpdate, PoolDemand
 from contracts.fabric import TOPOLOGY_KEY, FabricTopology
 from contracts.leases import LeaseLogRecord
+from contracts.scheduler import SchedulerNode
 from contracts.mqtt import Claim, LeaseMessage, Offer, PeerState, Release, Renewal, Reply
 from contracts.telemetry import GpuSample, IbPortSample
 from contracts.topics import KafkaTopics, MqttTopics
@@ -58,6 +59,12 @@ def kafka_records(prefix: str = "") -> dict[str, tuple[type[Record], str]]:
             IbPortSample,
             "telemetry_partition_key(host): the host, as on telemetry.gpu (a switch port: the switch's "
             "description); the port's identity is ib_port_key(node_guid, port) of the payload",
+        ),
+        t.telemetry_scheduler: (
+            SchedulerNode,
+            "telemetry_partition_key(host): the node's host, as on telemetry.gpu (a host's GPUs and its "
+            "scheduler state share a partition number); GPUs are named by GRES index = the GPU index "
+            "of telemetry.gpu",
         ),
         t.fabric_topology: (FabricTopology, f"always {TOPOLOGY_KEY!r} (compacted: newest snapshot wins)"),
         t.capacity: (CapacityUpdate, "gpu_key(host, gpu_uuid[, gpu_instance_id])"),

@@ -144,8 +144,9 @@ def test_root_is_applied() -> None:
 def test_kafka_schemas() -> None:
     schemas = kafka_json_schemas()
     assert set(schemas) == {
-        "telemetry.gpu.schema.json", "telemetry.ib_port.schema.json", "fabric.topology.schema.json",
-        "capacity.schema.json", "pool.demand.schema.json", "leases.log.schema.json",
+        "telemetry.gpu.schema.json", "telemetry.ib_port.schema.json", "telemetry.scheduler.schema.json",
+        "fabric.topology.schema.json", "capacity.schema.json", "pool.demand.schema.json",
+        "leases.log.schema.json",
     }
     for name, schema in schemas.items():
         assert schema["$schema"].endswith("2020-12/schema")

@@ -64,7 +64,7 @@ async def test_slurm_source_streams_allocations_and_plans_to_kafka(
 ) -> None:
     train = _slurm(
         slurm_conf, "sbatch", "--parsable", "-p", "training", "-w", HOST, "--gres=gpu:h100:4", "-c", "1",
-        "-t", "5", "-J", "train-4", "--wrap", "sleep 120",
+        "-t", "5", "-J", "train-4", "-o", "/dev/null", "--wrap", "sleep 120",
     ).strip()  # fmt: skip
     big = ""
     try:
@@ -72,7 +72,7 @@ async def test_slurm_source_streams_allocations_and_plans_to_kafka(
         # needs every GPU of the node: pends until the training job's time limit, planned onto HOST
         big = _slurm(
             slurm_conf, "sbatch", "--parsable", "-p", "training", "-w", HOST, "--gres=gpu:h100:8", "-c", "1",
-            "-t", "5", "-J", "train-8", "--wrap", "sleep 1",
+            "-t", "5", "-J", "train-8", "-o", "/dev/null", "--wrap", "sleep 1",
         ).strip()  # fmt: skip
 
         def planned() -> bool:
