@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import signal
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -187,3 +189,30 @@ async def test_a_failing_slurm_command_fails_that_read_only() -> None:
     )
     assert after is not None and after >= before + 1
     await asyncio.sleep(0)
+
+
+async def test_collect_run_with_slurm_conf_streams_node_records(
+    slurm_conf: Path, kafka_bus: KafkaBus, kafka_topics: KafkaTopics
+) -> None:
+    """``gpupool collect run --slurm-conf`` alone (no GPU source) reads Slurm every
+    --slurm-interval and produces to the prefixed telemetry.scheduler, until SIGTERM."""
+    topic = kafka_topics.telemetry_scheduler
+    await kafka_bus.create_topics([topic], partitions=2)
+    proc = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "gpupool"), "collect", "run", "--kafka", kafka_bus.bootstrap_servers,
+            "--topic-prefix", kafka_topics.prefix, "--slurm-conf", str(slurm_conf), "--slurm-interval", "0.5",
+            "--metrics-port", "0",
+        ],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        msgs = await _read(kafka_bus, topic, 8, timeout_s=30.0)  # two reads of four nodes
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err[-2000:]
+    assert len(msgs) >= 8
+    hosts = [decode(SchedulerNode, m.value or b"").host for m in msgs]
+    assert {m.key for m in msgs} == set(hosts) == {f"gpu-node-00{i}" for i in range(1, 5)}
+    assert all(len(decode(SchedulerNode, m.value or b"").gpus) == 8 for m in msgs)
