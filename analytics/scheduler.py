@@ -18,8 +18,9 @@ the index DCGM reports: the scheduler's GRES index on the same host, :mod:`contr
 It also counts, per job, user and partition, the GPUs allocated to a job that the telemetry says
 are idle (:meth:`SchedulerJoin.allocated_idle`, gauge ``gpupool_analytics_allocated_idle_gpus``)
 and turns each scheduler read into rows of ``scheduler_gpu_samples`` (:func:`scheduler_gpus_table`)
-with the GPU's state as analytics knew it then; the view ``allocated_idle_gpu_hours`` (:mod:`analytics.views`) sums
-them into GPU-hours per job (Slurm's accounting counts a GPU as used whenever it is allocated).
+with the GPU's state as analytics knew it then; the view ``allocated_idle_gpu_hours``
+(:mod:`analytics.views`) sums them into GPU-hours per job (Slurm's accounting counts a GPU as used
+whenever it is allocated).
 """
 
 from __future__ import annotations

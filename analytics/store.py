@@ -130,7 +130,11 @@ class StoreBatch:
     def empty(self) -> bool:
         """True when there is nothing to write."""
         tables = (
-            self.gpu_samples, self.ib_port_samples, self.gpu_states, self.idle_runs, self.scheduler_gpu_samples
+            self.gpu_samples,
+            self.ib_port_samples,
+            self.gpu_states,
+            self.idle_runs,
+            self.scheduler_gpu_samples,
         )
         return not self.offsets and all(t is None or t.num_rows == 0 for t in tables)
 

@@ -347,7 +347,8 @@ ALLOCATED_IDLE_GPU_HOURS = View(
     sql=f"""CREATE OR REPLACE VIEW allocated_idle_gpu_hours AS
     WITH gaps AS (
         SELECT *, epoch_us(lead(ts) OVER (PARTITION BY host, gpu_index
-                                          ORDER BY ts, kafka_partition, kafka_offset)) - epoch_us(ts) AS gap_us
+                                          ORDER BY ts, kafka_partition, kafka_offset))
+                  - epoch_us(ts) AS gap_us
         FROM scheduler_gpu_samples
     ),
     reads AS (

@@ -210,7 +210,8 @@ class SlurmCollector:
             result.failure = f"{exc.command}:{exc.reason}"
             if self._failing != result.failure:
                 log.warning(
-                    "slurm_read_failed", extra={"command": exc.command, "reason": exc.reason, "detail": exc.detail}
+                    "slurm_read_failed",
+                    extra={"command": exc.command, "reason": exc.reason, "detail": exc.detail},
                 )
             self._failing = result.failure
             result.duration_s = time.monotonic() - t0
@@ -222,15 +223,18 @@ class SlurmCollector:
         for p in problems:
             result.problems[p.reason] += 1
             m.ERRORS.labels(command="parse", reason=p.reason).inc()
-            log.warning("slurm_line_rejected", extra={"reason": p.reason, "line_no": p.lineno, "line": p.line[:200]})
+            log.warning(
+                "slurm_line_rejected", extra={"reason": p.reason, "line_no": p.lineno, "line": p.line[:200]}
+            )
         records = build_node_records(nodes, jobs, ts=self._clock(), seq_start=self._seq)
         self._seq += len(records)
         result.records = records
         result.ok = True
         m.set_pending(jobs)
+        topic = self._topics.telemetry_scheduler
         for rec in records:
             try:
-                await self._producer.send(self._topics.telemetry_scheduler, encode(rec), key=rec.partition_key)
+                await self._producer.send(topic, encode(rec), key=rec.partition_key)
                 result.produced += 1
             except Exception as exc:  # noqa: BLE001 — one refused record must not stop the read
                 m.ERRORS.labels(command="produce", reason=type(exc).__name__).inc()

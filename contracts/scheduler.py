@@ -133,5 +133,9 @@ class SchedulerNode(Record):
     def next_planned_start(self) -> float | None:
         """The earliest ``planned_start`` of the pending jobs planned onto this node (Unix s),
         ``None`` when none has an estimate."""
-        starts = [p.planned_start for p in self.pending if p.planned_start is not None and self.host in p.planned_nodes]
+        starts = [
+            p.planned_start
+            for p in self.pending
+            if p.planned_start is not None and self.host in p.planned_nodes
+        ]
         return min(starts) if starts else None

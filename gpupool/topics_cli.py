@@ -204,9 +204,10 @@ def create(
     """Create every gpupool Kafka topic that does not exist yet, then check them all.
 
     Topics (under the prefix): telemetry.gpu, telemetry.ib_port, telemetry.scheduler,
-    fabric.topology (compacted), capacity, pool.demand, leases.log (compacted); each with --partitions partitions and
-    --replication-factor replicas. Existing topics are left as they are. Prints JSON (name, exists,
-    created, partitions, replication_factor, cleanup_policy; problems). Exit 1 when a topic is
+    fabric.topology (compacted), capacity, pool.demand, leases.log (compacted); each with
+    --partitions partitions and --replication-factor replicas. Existing topics are left as they
+    are. Prints JSON (name, exists, created, partitions, replication_factor, cleanup_policy;
+    problems). Exit 1 when a topic is
     wrong (telemetry partition counts differ, a compacted topic is not compacted) or Kafka
     refuses; exit 2 without Kafka bootstrap servers (--kafka, GPUPOOL_KAFKA or the settings file).
     """

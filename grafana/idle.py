@@ -142,7 +142,8 @@ def dashboard() -> dashboard_b.Dashboard:
                 "Slurm source errors by command and reason",
                 [
                     Query(
-                        "sum by (command, reason) (rate(gpupool_collector_slurm_errors_total[$__rate_interval]))",
+                        "sum by (command, reason) "
+                        "(rate(gpupool_collector_slurm_errors_total[$__rate_interval]))",
                         "{{command}} {{reason}}",
                     )
                 ],

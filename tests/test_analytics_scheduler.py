@@ -134,17 +134,20 @@ async def test_allocated_gpu_is_not_offered_and_the_window_stops_at_the_planned_
             " FROM allocated_idle_gpu_hours"
         )
         assert rows == [("42", "alice", "training", 1, pytest.approx(30 / 3600), 0.0)]
-        await _feed(bus, svc, clock, range(40, 41), {T0 + 40: node(T0 + 40, job_on={0: "42"}, planned_start=T0 + 45)})
+        at40 = node(T0 + 40, job_on={0: "42"}, planned_start=T0 + 45)
+        await _feed(bus, svc, clock, range(40, 41), {T0 + 40: at40})
         _, [(idle_h, alloc_h)] = svc.store.sql(
             "SELECT idle_gpu_hours, allocated_gpu_hours FROM allocated_idle_gpu_hours"
         )
         assert idle_h == pytest.approx(10 / 3600) and alloc_h == pytest.approx(40 / 3600)
         # the planned start comes within the promise: at T0 + 45 it is now, so nothing is offered
-        await _feed(bus, svc, clock, range(45, 46), {T0 + 45: node(T0 + 45, job_on={0: "42"}, planned_start=T0 + 45)})
+        at45 = node(T0 + 45, job_on={0: "42"}, planned_start=T0 + 45)
+        await _feed(bus, svc, clock, range(45, 46), {T0 + 45: at45})
         free = latest(bus)[f"{HOST}/GPU-{HOST}-1"]
         assert free.state is GpuState.UNKNOWN and free.reason == "scheduler_planned_start"
         # the job starts: GPUs 0-3 allocated, no pending job; then it ends and GPU 1 is free again
-        await _feed(bus, svc, clock, range(50, 51), {T0 + 50: node(T0 + 50, job_on={i: "43" for i in range(4)})})
+        at50 = node(T0 + 50, job_on={i: "43" for i in range(4)})
+        await _feed(bus, svc, clock, range(50, 51), {T0 + 50: at50})
         assert svc.current_states()[f"{HOST}/GPU-{HOST}-1"].reason == "scheduler_allocated"
         assert gauge(partition="training", user="alice", job="43") == 4
         assert gauge(partition="training", user="alice", job="42") is None  # gone, not a stale 1
@@ -195,7 +198,9 @@ async def test_stale_unknown_and_drained_nodes_are_not_offered() -> None:
 
 async def test_without_the_scheduler_the_join_plays_no_part() -> None:
     bus, clock = MemoryBus(), Clock(T0)
-    svc = AnalyticsService(bus=bus, topics=TOPICS, db_path=":memory:", idle=IDLE, clock=clock, refresh_s=3600.0)
+    svc = AnalyticsService(
+        bus=bus, topics=TOPICS, db_path=":memory:", idle=IDLE, clock=clock, refresh_s=3600.0
+    )
     await svc.start()
     try:
         records = {T0 + t: node(T0 + t, job_on={0: "42"}, planned_start=T0 + 45) for t in (0, 10, 20, 30)}
@@ -213,12 +218,13 @@ async def test_a_bad_scheduler_record_is_counted_and_skipped() -> None:
     bus, clock = MemoryBus(), Clock(T0)
     svc = AnalyticsService(bus=bus, topics=TOPICS, db_path=":memory:", idle=IDLE, clock=clock, scheduler=True)
     await svc.start()
-    before = REGISTRY.get_sample_value("gpupool_analytics_rejected_records_total", {"reason": "invalid_record"}) or 0
+    rejected = "gpupool_analytics_rejected_records_total"
+    before = REGISTRY.get_sample_value(rejected, {"reason": "invalid_record"}) or 0
     try:
         await bus.producer().send(TOPICS.telemetry_scheduler, b'{"ts": 1, "host": "x"}', key="x")
         await send(bus, node(T0))
         await drain(svc)
-        after = REGISTRY.get_sample_value("gpupool_analytics_rejected_records_total", {"reason": "invalid_record"})
+        after = REGISTRY.get_sample_value(rejected, {"reason": "invalid_record"})
         assert after == before + 1
         _, [(n,)] = svc.store.sql("SELECT count(*) FROM scheduler_gpu_samples")
         assert n == 4

@@ -70,7 +70,8 @@ async def test_slurm_source_streams_allocations_and_plans_to_kafka(
     ).strip()  # fmt: skip
     big = ""
     try:
-        _wait(lambda: _slurm(slurm_conf, "squeue", "-h", "-j", train, "-o", "%T").strip() == "RUNNING", 20, "RUNNING")
+        state = ("squeue", "-h", "-j", train, "-o", "%T")
+        _wait(lambda: _slurm(slurm_conf, *state).strip() == "RUNNING", 20, "RUNNING")
         # needs every GPU of the node: pends until the training job's time limit, planned onto HOST
         big = _slurm(
             slurm_conf, "sbatch", "--parsable", "-p", "training", "-w", HOST, "--gres=gpu:h100:8", "-c", "1",
@@ -91,7 +92,8 @@ async def test_slurm_source_streams_allocations_and_plans_to_kafka(
         finally:
             await collector.stop()
         assert read.ok and read.failure is None and read.produced == 4 and not read.problems
-        start_text, sched = _slurm(slurm_conf, "squeue", "--start", "-h", "-j", big, "-o", "%S|%Y").strip().split("|")
+        squeue = _slurm(slurm_conf, "squeue", "--start", "-h", "-j", big, "-o", "%S|%Y")
+        start_text, sched = squeue.strip().split("|")
 
         msgs = await _read(kafka_bus, topic, 4)
         assert len(msgs) == 4
@@ -147,9 +149,8 @@ async def _analytics_join(node: SchedulerNode) -> None:
                 assert u.predicted_idle_until is not None
                 assert u.predicted_idle_until <= (node.next_planned_start() or float("inf"))
         job = next(g.job_id for g in node.gpus if g.allocated)
-        assert REGISTRY.get_sample_value(
-            "gpupool_analytics_allocated_idle_gpus", {"partition": "training", "user": "root", "job": job or ""}
-        ) == 4
+        labels = {"partition": "training", "user": "root", "job": job or ""}
+        assert REGISTRY.get_sample_value("gpupool_analytics_allocated_idle_gpus", labels) == 4
     finally:
         await svc.stop()
 
@@ -157,9 +158,8 @@ async def _analytics_join(node: SchedulerNode) -> None:
 async def test_a_failing_slurm_command_fails_that_read_only() -> None:
     bus = MemoryBus()
     topics = KafkaTopics()
-    before = REGISTRY.get_sample_value(
-        "gpupool_collector_slurm_errors_total", {"command": "scontrol --all show node", "reason": "exit_status"}
-    ) or 0.0
+    labels = {"command": "scontrol --all show node", "reason": "exit_status"}
+    before = REGISTRY.get_sample_value("gpupool_collector_slurm_errors_total", labels) or 0.0
     collector = SlurmCollector(bus, topics, run_prefix=["sh", "-c", "echo boom >&2; exit 3", "sh"])
     await collector.start()
     try:
@@ -184,9 +184,7 @@ async def test_a_failing_slurm_command_fails_that_read_only() -> None:
         await garbage.stop()
     finally:
         await collector.stop()
-    after = REGISTRY.get_sample_value(
-        "gpupool_collector_slurm_errors_total", {"command": "scontrol --all show node", "reason": "exit_status"}
-    )
+    after = REGISTRY.get_sample_value("gpupool_collector_slurm_errors_total", labels)
     assert after is not None and after >= before + 1
     await asyncio.sleep(0)
 
@@ -200,7 +198,8 @@ async def test_collect_run_with_slurm_conf_streams_node_records(
     await kafka_bus.create_topics([topic], partitions=2)
     proc = subprocess.Popen(
         [
-            str(Path(sys.executable).parent / "gpupool"), "collect", "run", "--kafka", kafka_bus.bootstrap_servers,
+            str(Path(sys.executable).parent / "gpupool"), "collect", "run",
+            "--kafka", kafka_bus.bootstrap_servers,
             "--topic-prefix", kafka_topics.prefix, "--slurm-conf", str(slurm_conf), "--slurm-interval", "0.5",
             "--metrics-port", "0",
         ],

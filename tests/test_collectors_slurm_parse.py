@@ -169,7 +169,10 @@ def test_edge_cases_in_the_documented_format() -> None:
     assert node.gpus == ((0, None), (1, None), (2, None), (3, None))  # type-less GRES
     assert node.gpus_used == frozenset({0, 2, 3})
     assert node.state == "ALLOCATED" and node.flags == ("NOT_RESPONDING",)
-    mixed = parse_node("NodeName=n2 Gres=gpu:a100:2,gpu:v100:2,nic:1 GresUsed=gpu:a100:1(IDX:1),gpu:v100:0(IDX:N/A) State=MIXED")
+    mixed = parse_node(
+        "NodeName=n2 Gres=gpu:a100:2,gpu:v100:2,nic:1 "
+        "GresUsed=gpu:a100:1(IDX:1),gpu:v100:0(IDX:N/A) State=MIXED"
+    )
     assert mixed.gpus == ((0, "a100"), (1, "a100"), (2, "v100"), (3, "v100")) and mixed.gpus_used == {1}
     assert parse_node("NodeName=cpu-1 Gres=(null) GresUsed= State=IDLE").gpus == ()
     # a job spanning nodes with different indices: one -d group per allocation
@@ -184,7 +187,9 @@ def test_edge_cases_in_the_documented_format() -> None:
     held = parse_node("NodeName=dgx-09 Gres=gpu:4 GresUsed=gpu:4(IDX:0-3) State=ALLOCATED")
     [rec] = build_node_records([held], [job], ts=0.0)
     # 0 and 1 are in GresUsed but no job read claims them: allocated, owner unknown
-    assert [(g.allocated, g.job_id) for g in rec.gpus] == [(True, None), (True, None), (True, "77"), (True, "77")]
+    assert [(g.allocated, g.job_id) for g in rec.gpus] == [
+        (True, None), (True, None), (True, "77"), (True, "77")
+    ]  # fmt: skip
     per_task = parse_job("JobId=8 JobState=PENDING NumTasks=4 TresPerTask=gres:gpu:1 ReqNodeList=dgx-09")
     assert per_task.gpus_requested == 4
     [rec] = build_node_records([held], [per_task], ts=0.0)
@@ -202,7 +207,9 @@ def test_bad_lines_are_reported_and_the_rest_is_kept() -> None:
     )
     nodes, problems = parse_records(text, parse_node)
     assert [n.name for n in nodes] == ["ok-1"]
-    assert [(p.lineno, p.reason) for p in problems] == [(2, "no_fields"), (3, "bad_index"), (4, "missing_key")]
+    assert [(p.lineno, p.reason) for p in problems] == [
+        (2, "no_fields"), (3, "bad_index"), (4, "missing_key")
+    ]  # fmt: skip
     # one line cannot make a node of a billion GPUs; 1024 is the most
     assert len(parse_node("NodeName=big Gres=gpu:1024 State=IDLE").gpus) == 1024
     with pytest.raises(SlurmParseError) as e:
