@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import REGISTRY
 
-from analytics.classify import FB_USED, GR_ENGINE_ACTIVE, IdleConfig
+from analytics.classify import FB_USED, GR_ENGINE_ACTIVE, GpuStatus, IdleConfig
+from analytics.scheduler import SchedulerJoin
 from analytics.service import AnalyticsService
 from contracts import CapacityUpdate, GpuSample, GpuState, KafkaTopics, decode, encode
 from contracts.bus import MemoryBus
@@ -230,3 +231,31 @@ async def test_a_bad_scheduler_record_is_counted_and_skipped() -> None:
         assert n == 4
     finally:
         await svc.stop()
+
+
+def _status(index_key: str, *, gi: int | None = None, ts: float = T0) -> GpuStatus:
+    return GpuStatus(
+        key=index_key, host=HOST, gpu_uuid="GPU-x", gpu_instance_id=gi, model_name=None,
+        state=GpuState.IDLE, since=ts - 60, ts=ts, reason="",
+    )  # fmt: skip
+
+
+def test_join_keeps_the_newest_state_and_mig_instances_follow_their_gpu() -> None:
+    join = SchedulerJoin(stale_after_s=60.0)
+    join.note_gpu("k0", 0)
+    join.note_gpu("k0/1", 0)  # a MIG instance of GPU 0 (DCGM gives it its GPU's index)
+    join.note_gpu("k1", 1)
+    join.observe(node(T0 + 10, job_on={0: "42"}))
+    join.observe(node(T0, job_on={1: "41"}))  # older, arrived late: ignored
+    assert join.block_reason(_status("k0"), T0 + 10) == "scheduler_allocated"
+    assert join.block_reason(_status("k0/1", gi=1), T0 + 10) == "scheduler_allocated"
+    assert join.block_reason(_status("k1"), T0 + 10) is None
+    assert join.allocated_idle([_status("k0"), _status("k0/1", gi=1), _status("k1")]) == {
+        ("training", "alice", "42"): 1  # whole GPUs only: the MIG instance is not counted twice
+    }
+    join.note_gpu("k1", None)  # index unknown: cannot be matched to Slurm, not offered
+    assert join.block_reason(_status("k1"), T0 + 10) == "scheduler_unknown"
+    join.forget_hosts([HOST])
+    assert join.block_reason(_status("k0"), T0 + 10) == "scheduler_unknown" and join.node(HOST) is None
+    with pytest.raises(ValueError):
+        SchedulerJoin(stale_after_s=0)
