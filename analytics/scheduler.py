@@ -26,8 +26,6 @@ whenever it is allocated).
 from __future__ import annotations
 
 import math
-import threading
-import weakref
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -211,34 +209,19 @@ class SchedulerJoin:
         return out
 
 
-class AllocatedIdleGauge:
+class AllocatedIdleGauge(metrics.PerInstanceGauges[Counter[tuple[str, str, str]]]):
     """Sums each running instance's :meth:`SchedulerJoin.allocated_idle` into
-    ``gpupool_analytics_allocated_idle_gpus`` (instances held weakly; vanished label sets are
-    removed after the new values are set). Thread-safe."""
+    ``gpupool_analytics_allocated_idle_gpus`` (vanished label sets are removed after the new
+    values are set). Thread-safe."""
 
     def __init__(self) -> None:
         """Start with no instance."""
-        self._lock = threading.Lock()
-        self._counts: weakref.WeakKeyDictionary[object, Counter[tuple[str, str, str]]] = (
-            weakref.WeakKeyDictionary()
-        )
+        super().__init__()
         self._labels: set[tuple[str, str, str]] = set()
-
-    def publish(self, instance: object, counts: Counter[tuple[str, str, str]]) -> None:
-        """Replace ``instance``'s counts and update the gauge."""
-        with self._lock:
-            self._counts[instance] = counts
-            self._apply()
-
-    def withdraw(self, instance: object) -> None:
-        """Forget ``instance`` (it stopped)."""
-        with self._lock:
-            self._counts.pop(instance, None)
-            self._apply()
 
     def _apply(self) -> None:
         total: Counter[tuple[str, str, str]] = Counter()
-        for counts in list(self._counts.values()):
+        for counts in list(self._snapshots.values()):
             total.update(counts)
         for labels, n in total.items():
             metrics.ALLOCATED_IDLE_GPUS.labels(*labels).set(n)
