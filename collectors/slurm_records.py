@@ -16,7 +16,15 @@ from collections.abc import Sequence
 from collectors.slurm_parse import JobInfo, NodeInfo
 from contracts.scheduler import PendingJob, SchedulerGpu, SchedulerNode
 
-__all__ = ["build_node_records"]
+__all__ = ["FINISHED_JOB_STATES", "build_node_records"]
+
+FINISHED_JOB_STATES: frozenset[str] = frozenset(
+    {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
+     "OUT_OF_MEMORY", "REVOKED", "SPECIAL_EXIT"}
+)  # fmt: skip
+"""Job states (``squeue(1)`` JOB STATE CODES) of jobs that hold nothing any more: ``scontrol show
+job`` lists them until ``MinJobAge``; their allocation groups are ignored (``COMPLETING`` jobs
+still hold their GPUs and count)."""
 
 
 def _pending(job: JobInfo) -> PendingJob:
@@ -38,11 +46,14 @@ def build_node_records(
 ) -> list[SchedulerNode]:
     """One :class:`SchedulerNode` per node of ``nodes`` (in order), read at ``ts`` (Unix s),
     numbered ``seq_start``, ``seq_start + 1``... (module docstring for the rules). Pending jobs
-    are those in state ``PENDING`` (``REQUEUED`` and ``CONFIGURING`` jobs that hold GPUs count
-    as holding them)."""
+    are those in state ``PENDING``; jobs in :data:`FINISHED_JOB_STATES` hold nothing; any other
+    job (``RUNNING``, ``COMPLETING``, ``SUSPENDED``, ``CONFIGURING``...) holds the GPUs of its
+    allocation groups."""
     holder: dict[tuple[str, int], JobInfo] = {}
     pending_on: dict[str, list[PendingJob]] = {}
     for job in jobs:
+        if job.state in FINISHED_JOB_STATES:
+            continue
         for host, indices in job.gpus_by_node.items():
             for i in indices:
                 holder[(host, i)] = job

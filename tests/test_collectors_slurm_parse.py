@@ -190,6 +190,12 @@ def test_edge_cases_in_the_documented_format() -> None:
     assert [(g.allocated, g.job_id) for g in rec.gpus] == [
         (True, None), (True, None), (True, "77"), (True, "77")
     ]  # fmt: skip
+    done = parse_job("JobId=76 JobState=COMPLETED Nodes=dgx-09 CPU_IDs=1 Mem=0 GRES=gpu:2(IDX:0-1)")
+    [rec] = build_node_records([held], [done, job], ts=0.0)
+    assert [g.job_id for g in rec.gpus] == [None, None, "77", "77"]  # a finished job holds nothing
+    completing = parse_job("JobId=75 JobState=COMPLETING Nodes=dgx-09 CPU_IDs=1 Mem=0 GRES=gpu:2(IDX:0-1)")
+    [rec] = build_node_records([held], [completing, job], ts=0.0)
+    assert [g.job_id for g in rec.gpus] == ["75", "75", "77", "77"]
     per_task = parse_job("JobId=8 JobState=PENDING NumTasks=4 TresPerTask=gres:gpu:1 ReqNodeList=dgx-09")
     assert per_task.gpus_requested == 4
     [rec] = build_node_records([held], [per_task], ts=0.0)
