@@ -10,11 +10,14 @@ Public API:
 * :class:`IdlePredictor`, :class:`PredictorConfig`, :class:`Prediction`, :class:`SurvivalCurve` —
   predicted availability;
 * :class:`AnalyticsStore`, :class:`StoreBatch` — the DuckDB store;
+* :class:`SchedulerJoin` — the training scheduler's state joined with the GPUs (offerable or
+  not, promise cut at a planned start, GPUs allocated but idle);
 * :mod:`analytics.cli` — ``gpupool analytics run|sql``.
 """
 
 from analytics.classify import GpuStatus, IdleClassifier, IdleConfig, IdleRun
 from analytics.predict import IdlePredictor, Prediction, PredictorConfig, SurvivalCurve
+from analytics.scheduler import SchedulerJoin
 from analytics.service import AnalyticsService
 from analytics.store import AnalyticsStore, StoreBatch, StoreSchemaError
 
@@ -28,6 +31,7 @@ __all__ = [
     "IdleRun",
     "Prediction",
     "PredictorConfig",
+    "SchedulerJoin",
     "StoreBatch",
     "StoreSchemaError",
     "SurvivalCurve",

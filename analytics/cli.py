@@ -82,6 +82,7 @@ RUN_SETTINGS: dict[str, str] = {
     "memory_limit": "analytics.memory_limit",
     "lent_share_percent": "broker.lent_share_percent",
     "max_uplink_xmit_wait": "analytics.max_uplink_xmit_wait",
+    "scheduler": "analytics.scheduler",
 }
 """Parameter of ``run`` → the :class:`contracts.settings.DeploymentSettings` field it sets."""
 
@@ -184,6 +185,15 @@ def run(
             + _setting("max_uplink_xmit_wait"),
         ),
     ] = None,
+    scheduler: Annotated[
+        bool | None,
+        typer.Option(
+            "--scheduler/--no-scheduler",
+            help="Join the training scheduler's state (telemetry.scheduler, from gpupool collect run "
+            "--slurm-conf): offer a GPU only when the scheduler has it unallocated, never promise past "
+            "a pending job's planned start on its node (default off)." + _setting("scheduler"),
+        ),
+    ] = None,
 ) -> None:
     """Run the analytics stage against Kafka until SIGINT/SIGTERM.
 
@@ -214,6 +224,7 @@ def run(
         memory_limit=memory_limit,
         lent_share_percent=lent_share_percent,
         max_uplink_xmit_wait=max_uplink_xmit_wait,
+        scheduler=scheduler,
     )
     assert settings.kafka is not None  # load_run_settings guarantees it
     s_idle = settings.idle
@@ -243,6 +254,7 @@ def run(
             settings.broker.lent_share_percent / 100.0,
             settings.analytics.max_uplink_xmit_wait,
             s_idle.forget_after_s,
+            settings.analytics.scheduler,
         )
     )
 
@@ -259,6 +271,7 @@ async def _run(
     lent_share: float,
     max_uplink_xmit_wait: float,
     forget_after_s: float,
+    scheduler: bool = False,
 ) -> None:
     bus = make_bus(kafka, client_id="gpupool-analytics")
     service = AnalyticsService(
@@ -273,6 +286,7 @@ async def _run(
         lent_share=lent_share,
         max_uplink_xmit_wait=max_uplink_xmit_wait,
         forget_after_s=forget_after_s,
+        scheduler=scheduler,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

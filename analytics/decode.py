@@ -19,6 +19,7 @@ from pydantic_core import ErrorDetails
 
 from contracts import SCHEMA_VERSION, GpuSample, IbPortSample, KafkaTopics, decode
 from contracts.bus import BusMessage
+from contracts.scheduler import SchedulerNode
 
 
 class RejectedRecord(ValueError):
@@ -33,18 +34,21 @@ class RejectedRecord(ValueError):
         self.detail = detail
 
 
-def decode_telemetry(msg: BusMessage, topics: KafkaTopics) -> GpuSample | IbPortSample:
+def decode_telemetry(msg: BusMessage, topics: KafkaTopics) -> GpuSample | IbPortSample | SchedulerNode:
     """Decode ``msg`` by its topic: :class:`GpuSample` on ``topics.telemetry_gpu``,
-    :class:`IbPortSample` on ``topics.telemetry_ib_port`` (JSON, :func:`contracts.decode`).
+    :class:`IbPortSample` on ``topics.telemetry_ib_port``, :class:`SchedulerNode` on
+    ``topics.telemetry_scheduler`` (JSON, :func:`contracts.decode`).
 
     Raises:
         RejectedRecord: with the reason the record cannot be used.
     """
-    model: type[GpuSample] | type[IbPortSample]
+    model: type[GpuSample] | type[IbPortSample] | type[SchedulerNode]
     if msg.topic == topics.telemetry_gpu:
         model = GpuSample
     elif msg.topic == topics.telemetry_ib_port:
         model = IbPortSample
+    elif msg.topic == topics.telemetry_scheduler:
+        model = SchedulerNode
     else:
         raise RejectedRecord("unknown_topic", msg.topic)
     if msg.value is None:
@@ -132,6 +136,8 @@ def decode_batch(msgs: Sequence[BusMessage], topics: KafkaTopics) -> DecodedBatc
             if isinstance(sample, GpuSample):
                 out.gpu.append(sample)
                 out.gpu_msgs.append(msg)
+            elif isinstance(sample, SchedulerNode):  # read by analytics.service, not by this batch
+                out.rejected.append((msg, RejectedRecord("unknown_topic", msg.topic)))
             else:
                 out.ib.append(sample)
                 out.ib_msgs.append(msg)

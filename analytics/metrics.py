@@ -14,6 +14,7 @@ import weakref
 from collections import Counter as _Tally
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -114,6 +115,15 @@ ROLLUP_LATE_ROWS = Counter(
     ["table"],
 )
 
+ALLOCATED_IDLE_GPUS = Gauge(
+    "gpupool_analytics_allocated_idle_gpus",
+    "GPUs the training scheduler has allocated to a job while their telemetry says idle, by the "
+    "job's partition, user and job id (set from analytics.scheduler.SchedulerJoin).",
+    ["partition", "user", "job"],
+)
+
+_S = TypeVar("_S")
+
 
 @dataclass(frozen=True, slots=True)
 class CapacitySnapshot:
@@ -142,17 +152,17 @@ GPU_STATES: tuple[str, ...] = ("busy", "idle", "unknown")
 """States reported (values of :class:`contracts.GpuState`)."""
 
 
-class CapacityGauges:
-    """Sums the snapshots of the running instances into :data:`GPUS`, :data:`IDLE_GPUS` and
-    :data:`IDLE_GPU_MEMORY` (thread-safe)."""
+class PerInstanceGauges(Generic[_S]):
+    """Gauges summed over the running service instances of the process: each instance publishes
+    a snapshot (held weakly, so an instance that is gone drops out) and :meth:`_apply`, which a
+    subclass defines, sets the gauges from all of them (thread-safe)."""
 
     def __init__(self) -> None:
         """Start with no instance."""
         self._lock = threading.Lock()
-        self._snapshots: weakref.WeakKeyDictionary[object, CapacitySnapshot] = weakref.WeakKeyDictionary()
-        self._idle_labels: set[tuple[str, str, str]] = set()
+        self._snapshots: weakref.WeakKeyDictionary[object, _S] = weakref.WeakKeyDictionary()
 
-    def publish(self, instance: object, snapshot: CapacitySnapshot) -> None:
+    def publish(self, instance: object, snapshot: _S) -> None:
         """Replace ``instance``'s snapshot (``instance``: the service object, held weakly) and
         update the gauges."""
         with self._lock:
@@ -164,6 +174,20 @@ class CapacityGauges:
         with self._lock:
             self._snapshots.pop(instance, None)
             self._apply()
+
+    def _apply(self) -> None:
+        """Set the gauges from ``self._snapshots`` (called with the lock held)."""
+        raise NotImplementedError
+
+
+class CapacityGauges(PerInstanceGauges[CapacitySnapshot]):
+    """Sums the snapshots of the running instances into :data:`GPUS`, :data:`IDLE_GPUS` and
+    :data:`IDLE_GPU_MEMORY` (thread-safe)."""
+
+    def __init__(self) -> None:
+        """Start with no instance."""
+        super().__init__()
+        self._idle_labels: set[tuple[str, str, str]] = set()
 
     def _apply(self) -> None:
         states: _Tally[str] = _Tally()

@@ -41,7 +41,8 @@ class RetentionConfig:
     """How long rows are kept, and how often :func:`maintain` runs.
 
     Attributes:
-        raw_retention_s: raw samples (``gpu_samples``, ``ib_port_samples``) and refresh rows of
+        raw_retention_s: raw samples (``gpu_samples``, ``ib_port_samples``,
+            ``scheduler_gpu_samples``) and refresh rows of
             ``gpu_states`` are kept this long (s) after their ``ts``; ``None`` keeps them forever.
         rollup_retention_s: 1-minute rollups, state transitions and idle runs are kept this long
             (s); ``None`` keeps them forever.
@@ -202,7 +203,7 @@ def _maintain(con: duckdb.DuckDBPyConnection, config: RetentionConfig, now: floa
             round((now - config.raw_retention_s) * 1e6), watermark_us - int(DEFAULT_MAX_GAP_S * 1e6)
         )
         cut = {"cut": _ts(raw_cut_us)}
-        for table in ("gpu_samples", "ib_port_samples"):
+        for table in ("gpu_samples", "ib_port_samples", "scheduler_gpu_samples"):
             expired[table] = _count(con.execute(f"DELETE FROM {table} WHERE ts < $cut", cut))
         expired["gpu_states"] = _count(
             con.execute("DELETE FROM gpu_states WHERE ts < $cut AND NOT transition", cut)

@@ -90,11 +90,12 @@ from opentelemetry.context import Context
 
 from analytics import metrics
 from analytics.classify import GpuStatus, IdleClassifier, IdleConfig, IdleRun
-from analytics.decode import decode_batch, paused_gc
+from analytics.decode import RejectedRecord, decode_batch, decode_telemetry, paused_gc
 from analytics.fabric_leaf import LeafHeadroom, LeafMap, leaf_headroom, leaf_map, uplink_block_reason
 from analytics.identity import GpuIdentities
 from analytics.predict import IdlePredictor, PredictorConfig
 from analytics.retention import RetentionConfig
+from analytics.scheduler import ALLOCATED_IDLE, DEFAULT_STALE_AFTER_S, SchedulerJoin, scheduler_gpus_table
 from analytics.rows import gpu_samples_table, gpu_states_table, ib_port_samples_table, idle_runs_table
 from analytics.store import AnalyticsStore, StoreBatch
 from analytics.views import HEADROOM_WINDOW_S
@@ -112,6 +113,7 @@ from contracts import (
 )
 from contracts.backoff import Backoff
 from contracts.bus import Bus, BusMessage, Consumer, Producer, TopicPartition, require_topics
+from contracts.scheduler import SchedulerNode
 
 log = logging.getLogger(__name__)
 _TRACER = tracing.tracer(__name__)
@@ -128,6 +130,7 @@ class _Decoded:
     ib_pos: list[tuple[int, int]] = field(default_factory=list)
     offsets: dict[TopicPartition, int] = field(default_factory=dict)
     renames: list[tuple[str, str, str]] = field(default_factory=list)  # (stand-in key, key, UUID)
+    scheduler: list[tuple[SchedulerNode, int, int]] = field(default_factory=list)
 
 
 class AnalyticsService:
@@ -156,6 +159,8 @@ class AnalyticsService:
         lent_share: float = 0.2,
         max_uplink_xmit_wait: float = 0.5,
         forget_after_s: float = 3600.0,
+        scheduler: bool = False,
+        scheduler_stale_s: float = DEFAULT_STALE_AFTER_S,
     ) -> None:
         """Configure; nothing is opened before :meth:`start`.
 
@@ -189,6 +194,10 @@ class AnalyticsService:
             forget_after_s: a GPU whose latest sample is this old (s, by ``clock``) is forgotten:
                 no more updates for it, out of the gauges, its own prediction history dropped (its
                 rows stay in DuckDB until retention). Checked every ``publish_interval_s``.
+            scheduler: also read ``telemetry.scheduler`` and join it (module docstring, "The
+                training scheduler"); ``False``: the scheduler plays no part.
+            scheduler_stale_s: a host whose latest scheduler state is older than this (s) is not
+                offered (with ``scheduler``).
 
         Raises:
             ValueError: a non-positive interval, window or ``max_records``, ``min_headroom``,
@@ -259,6 +268,7 @@ class AnalyticsService:
         self._lag_labels: set[TopicPartition] = set()
         self._lag_values: dict[TopicPartition, int] = {}
         self._last_maintenance = float("-inf")
+        self._scheduler = SchedulerJoin(scheduler_stale_s) if scheduler else None
 
     # lifecycle -------------------------------------------------------------------------------
     @property
@@ -331,6 +341,7 @@ class AnalyticsService:
             self._store.close()
             self._store = None
         metrics.CAPACITY.withdraw(self)
+        ALLOCATED_IDLE.withdraw(self)
         self._set_lag({})
         self._leaf_headroom = {}
         self._set_leaf_gauges()
@@ -370,6 +381,7 @@ class AnalyticsService:
             ib_table = _safe_table(ib_port_samples_table, decoded.ib, decoded.ib_pos)
         for sample in decoded.gpu:
             self._classifier.observe(sample)
+        scheduler_table = self._observe_scheduler(decoded.scheduler)
         now = self._clock()
         if await self._read_topology():
             self._last_headroom = float("-inf")  # new leaves and uplinks: their headroom now
@@ -393,6 +405,7 @@ class AnalyticsService:
             if self._pending_runs
             else None,
             offsets=decoded.offsets,
+            scheduler_gpu_samples=scheduler_table,
         )
         if not batch.empty():  # else nothing read (or only duplicates) and nothing due
             try:
@@ -463,7 +476,8 @@ class AnalyticsService:
 
     # internals -------------------------------------------------------------------------------
     def _telemetry_topics(self) -> list[str]:
-        return [self.topics.telemetry_gpu, self.topics.telemetry_ib_port]
+        scheduler = [self.topics.telemetry_scheduler] if self._scheduler is not None else []
+        return [self.topics.telemetry_gpu, self.topics.telemetry_ib_port, *scheduler]
 
     def _new_consumer(self) -> Consumer:
         return self._bus.consumer(
@@ -508,6 +522,8 @@ class AnalyticsService:
         out of every refresh until one of their samples is read again (:meth:`_own_host`)."""
         for host in hosts:
             self._headroom.pop(host, None)
+        if self._scheduler is not None:
+            self._scheduler.forget_hosts(hosts)
         self._released_hosts |= hosts
 
     async def _rename_gpu(self, old: str, new: str, gpu_uuid: str) -> CapacityUpdate | None:
@@ -547,6 +563,8 @@ class AnalyticsService:
         self._trace_headers.pop(key, None)
         self._stored_state.pop(key, None)
         self._blocked_since.pop(key, None)
+        if self._scheduler is not None:
+            self._scheduler.forget_gpu(key)
 
     def _forget_gone(self, now: float) -> None:
         """Forget every GPU not sampled for ``forget_after_s``: what :meth:`_forget` drops and its
@@ -707,21 +725,31 @@ class AnalyticsService:
             log.warning("analytics_hosts_without_leaf", extra={"hosts": len(missing), "first": missing[:10]})
         return True
 
-    def _blocked(self, st: GpuStatus) -> str | None:
+    def _blocked(self, st: GpuStatus) -> bool:
+        """True when idle GPU ``st`` is held back (:meth:`_block_reason`)."""
+        return self._block_reason(st) is not None
+
+    def _block_reason(self, st: GpuStatus) -> str | None:
         """Why idle GPU ``st`` is held back, or ``None``: ``fabric_headroom`` when its host's known
         headroom is below ``min_headroom``, else the uplink reason of its leaf
-        (:func:`analytics.fabric_leaf.uplink_block_reason`). Unknown headroom never blocks."""
+        (:func:`analytics.fabric_leaf.uplink_block_reason`), else, with the scheduler joined,
+        :meth:`analytics.scheduler.SchedulerJoin.block_reason` at the clock's now. Unknown
+        headroom never blocks."""
         if st.state is not GpuState.IDLE:
             return None
         h = self._headroom.get(st.host)
         if h is not None and h < self.min_headroom:
             return "fabric_headroom"
         leaf = self._leaves.leaf_of.get(st.host)
-        if leaf is None:
-            return None
-        return uplink_block_reason(
-            self._leaf_headroom.get(leaf), lent_share=self.lent_share, max_xmit_wait=self.max_uplink_xmit_wait
-        )
+        if leaf is not None:
+            reason = uplink_block_reason(
+                self._leaf_headroom.get(leaf), lent_share=self.lent_share, max_xmit_wait=self.max_uplink_xmit_wait
+            )
+            if reason is not None:
+                return reason
+        if self._scheduler is not None:
+            return self._scheduler.block_reason(st, self._clock())
+        return None
 
     async def _in_thread(self, fn: Callable[..., _T], *args: object) -> _T:
         """Run a store call in a worker thread. Shielded: if the step is cancelled the call still
@@ -803,8 +831,11 @@ class AnalyticsService:
             fresh.append(msg)
         for topic, n in consumed.items():
             metrics.RECORDS_CONSUMED.labels(topic=topic).inc(n)
+        rejected: list[tuple[BusMessage, RejectedRecord]] = []
+        if self._scheduler is not None:
+            fresh = self._decode_scheduler(fresh, out, rejected)
         batch = decode_batch(fresh, self.topics)
-        for msg, exc in batch.rejected:
+        for msg, exc in [*rejected, *batch.rejected]:
             metrics.REJECTED_RECORDS.labels(reason=exc.reason).inc()
             log.warning(
                 "analytics_record_rejected",
@@ -825,6 +856,8 @@ class AnalyticsService:
             tp = TopicPartition(msg.topic, msg.partition)
             self._partition_of[record.key] = tp
             self._own_host(tp, record.host)
+            if self._scheduler is not None:
+                self._scheduler.note_gpu(record.key, record.gpu_index)
             if traced:  # the newest sample's context (none if it carried none)
                 if msg.headers:
                     self._trace_headers[record.key] = msg.headers
@@ -836,13 +869,51 @@ class AnalyticsService:
             self._own_host(TopicPartition(msg.topic, msg.partition), ib_record.host)
         return out
 
+    def _decode_scheduler(
+        self, msgs: list[BusMessage], out: _Decoded, rejected: list[tuple[BusMessage, RejectedRecord]]
+    ) -> list[BusMessage]:
+        """Decode the ``telemetry.scheduler`` records of ``msgs`` into ``out.scheduler`` (their
+        rejections into ``rejected``); return the other messages."""
+        rest = []
+        for msg in msgs:
+            if msg.topic != self.topics.telemetry_scheduler:
+                rest.append(msg)
+                continue
+            try:
+                record = decode_telemetry(msg, self.topics)
+            except RejectedRecord as exc:
+                rejected.append((msg, exc))
+                continue
+            if isinstance(record, SchedulerNode):
+                out.scheduler.append((record, msg.partition, msg.offset))
+                self._own_host(TopicPartition(msg.topic, msg.partition), record.host)
+        return rest
+
+    def _observe_scheduler(self, records: list[tuple[SchedulerNode, int, int]]) -> pa.Table | None:
+        """Hold each scheduler record as its host's state; the ``scheduler_gpu_samples`` rows of
+        them (with the state each GPU has now), ``None`` when there is none."""
+        join = self._scheduler
+        if join is None or not records:
+            return None
+        statuses = list(self._classifier.statuses().values())
+        rows = []
+        for record, partition, offset in records:
+            join.observe(record)
+            rows.append((record, partition, offset, join.states_by_index(record.host, statuses)))
+        try:
+            return scheduler_gpus_table(rows)
+        except (ValueError, pa.ArrowException) as exc:
+            metrics.REJECTED_RECORDS.labels(reason="unstorable").inc(len(rows))
+            log.warning("analytics_scheduler_unstorable", extra={"error": repr(exc)})
+            return None
+
     def _update(self, st: GpuStatus) -> CapacityUpdate:
         headroom = self._headroom.get(st.host)
         leaf = self._leaves.leaf_of.get(st.host)
         figures = self._leaf_headroom.get(leaf) if leaf is not None else None
         leaf_room = figures.headroom if figures is not None else None
-        blocked = self._blocked(st)
-        if blocked:
+        reason = self._block_reason(st)
+        if reason is not None:
             return CapacityUpdate(
                 ts=st.ts,
                 host=st.host,
@@ -851,7 +922,7 @@ class AnalyticsService:
                 model_name=st.model_name,
                 state=GpuState.UNKNOWN,
                 since=self._blocked_since.get(st.key, st.ts),
-                reason=blocked,
+                reason=reason,
                 fb_total_mib=st.fb_total_mib,
                 headroom=headroom,
                 pool=self.pool,
@@ -862,6 +933,9 @@ class AnalyticsService:
         if st.state is GpuState.IDLE:
             pred = self._predictor.predict(st.key, st.since, st.ts, pool=self.pool)
             until, confidence = pred.idle_until, pred.confidence * st.confidence_factor
+            planned = self._scheduler.window_end(st.host) if self._scheduler is not None else None
+            if until is not None and planned is not None:
+                until = min(until, planned)  # never past a pending job's planned start on the node
         return CapacityUpdate(
             ts=st.ts,
             host=st.host,
@@ -886,7 +960,7 @@ class AnalyticsService:
         for key, st in self._classifier.statuses().items():
             if st.state is GpuState.IDLE:
                 self._seen_idle.add(key)
-            blocked = self._blocked(st) is not None
+            blocked = self._blocked(st)
             if blocked:
                 self._blocked_since.setdefault(key, st.ts)
             else:
@@ -984,6 +1058,8 @@ class AnalyticsService:
                 idle_memory_bytes=memory,
             ),
         )
+        if self._scheduler is not None:
+            ALLOCATED_IDLE.publish(self, self._scheduler.allocated_idle(statuses))
 
 
 def _safe_table(

@@ -17,7 +17,8 @@ service's ``max_records``) and its Arrow tables. ``bench/analytics.py`` measures
 an ingest of 8.64 M rows against the limit (973 MiB for ``2GB``).
 
 Tables (columns in :mod:`analytics.rows`): ``gpu_samples``, ``ib_port_samples``, ``gpu_states``,
-``idle_runs``, ``gpu_rollup_1m``, ``ib_port_rollup_1m``,
+``idle_runs``, ``gpu_rollup_1m``, ``ib_port_rollup_1m``, ``scheduler_gpu_samples``
+(:mod:`analytics.scheduler`),
 ``consumer_offsets(topic, partition, next_offset)``, ``analytics_meta``. Views and table macros:
 :data:`analytics.views.VIEWS` (``gpu_state_now``, ``idle_windows``, ``ib_port_intervals``,
 ``fabric_headroom`` ...). Rollups and retention: :meth:`AnalyticsStore.maintain`
@@ -48,6 +49,7 @@ from analytics.rows import (
     IDLE_RUN_COLUMNS,
     create_table_sql,
 )
+from analytics.scheduler import SCHEDULER_GPU_TABLE_SQL
 from analytics.views import VIEWS
 from contracts.bus import TopicPartition
 
@@ -65,6 +67,7 @@ _TABLES: tuple[str, ...] = (
     create_table_sql("idle_runs", IDLE_RUN_COLUMNS),
     create_table_sql("gpu_rollup_1m", GPU_ROLLUP_COLUMNS),
     create_table_sql("ib_port_rollup_1m", IB_PORT_ROLLUP_COLUMNS),
+    SCHEDULER_GPU_TABLE_SQL,
     (
         "CREATE TABLE IF NOT EXISTS consumer_offsets ("
         " topic VARCHAR NOT NULL, partition INTEGER NOT NULL,"
@@ -86,7 +89,9 @@ _GPU_KEYED_TABLES: tuple[tuple[str, bool], ...] = (
     ("gpu_rollup_1m", True),
 )
 """Tables with a ``gpu_key`` column, and whether they have a ``gpu_uuid`` too."""
-_BATCH_TABLES: tuple[str, ...] = ("gpu_samples", "ib_port_samples", "gpu_states", "idle_runs")
+_BATCH_TABLES: tuple[str, ...] = (
+    "gpu_samples", "ib_port_samples", "gpu_states", "idle_runs", "scheduler_gpu_samples"
+)
 
 DUCKDB_MEMORY_SHARE = 0.6
 """Share of the store's memory limit given to DuckDB's ``memory_limit`` (module docstring)."""
@@ -127,10 +132,17 @@ class StoreBatch:
     gpu_states: pa.Table | None = None
     idle_runs: pa.Table | None = None
     offsets: Mapping[TopicPartition, int] = field(default_factory=dict)
+    scheduler_gpu_samples: pa.Table | None = None
 
     def empty(self) -> bool:
         """True when there is nothing to write."""
-        tables = (self.gpu_samples, self.ib_port_samples, self.gpu_states, self.idle_runs)
+        tables = (
+            self.gpu_samples,
+            self.ib_port_samples,
+            self.gpu_states,
+            self.idle_runs,
+            self.scheduler_gpu_samples,
+        )
         return not self.offsets and all(t is None or t.num_rows == 0 for t in tables)
 
 

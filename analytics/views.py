@@ -327,6 +327,48 @@ NODE_HEADROOM_OVER = View(
     FROM fabric_headroom_over(window_s) GROUP BY host""",
 )
 
+ALLOCATED_IDLE_GPU_HOURS = View(
+    name="allocated_idle_gpu_hours",
+    summary=(
+        "One row per scheduler job that held GPUs: the GPU-hours its GPUs were allocated and, of "
+        "those, idle by their telemetry (what the scheduler's own accounting counts as used). Each "
+        "scheduler read of a GPU counts until the next read of that GPU (at most "
+        f"{DEFAULT_MAX_GAP_S:.0f} s; the latest read counts 0) for the job it named, as idle when "
+        "analytics had the GPU idle at that read."
+    ),
+    columns=(
+        ("job_id, job_name, job_user, job_partition", "the job (as the scheduler names them)"),
+        ("gpus", "distinct GPUs (host, index) it held"),
+        ("allocated_gpu_hours", "GPU-hours allocated to it"),
+        ("idle_gpu_hours", "of those, GPU-hours its GPUs were idle"),
+        ("idle_share", "idle_gpu_hours / allocated_gpu_hours, 0..1"),
+        ("first_ts, last_ts", "first and latest read that showed it holding a GPU"),
+    ),
+    sql=f"""CREATE OR REPLACE VIEW allocated_idle_gpu_hours AS
+    WITH gaps AS (
+        SELECT *, epoch_us(lead(ts) OVER (PARTITION BY host, gpu_index
+                                          ORDER BY ts, kafka_partition, kafka_offset))
+                  - epoch_us(ts) AS gap_us
+        FROM scheduler_gpu_samples
+    ),
+    reads AS (
+        SELECT *, CASE WHEN gap_us IS NOT NULL THEN least(gap_us, {_MAX_GAP_US}) / 3.6e9 END AS hours
+        FROM gaps
+    )
+    SELECT job_id, any_value(job_name) AS job_name, any_value(job_user) AS job_user,
+           any_value(job_partition) AS job_partition,
+           count(DISTINCT (host, gpu_index)) AS gpus,
+           coalesce(sum(hours), 0) AS allocated_gpu_hours,
+           coalesce(sum(hours) FILTER (WHERE gpu_state = 'idle'), 0) AS idle_gpu_hours,
+           CASE WHEN sum(hours) > 0
+                THEN coalesce(sum(hours) FILTER (WHERE gpu_state = 'idle'), 0) / sum(hours) END
+               AS idle_share,
+           min(ts) AS first_ts, max(ts) AS last_ts
+    FROM reads WHERE job_id IS NOT NULL
+    GROUP BY job_id""",
+)
+
+
 VIEWS: tuple[View, ...] = (
     GPU_STATE_NOW,
     IDLE_WINDOWS,
@@ -335,6 +377,7 @@ VIEWS: tuple[View, ...] = (
     FABRIC_HEADROOM_OVER,
     FABRIC_HEADROOM,
     NODE_HEADROOM_OVER,
+    ALLOCATED_IDLE_GPU_HOURS,
 )
 """Every view and macro, in creation order (a view after the macros it uses)."""
 
@@ -348,8 +391,9 @@ def views_markdown() -> str:
         (
             '`gpupool analytics sql "<query>" --db FILE` runs read-only SQL on the analytics DuckDB '
             "file. Besides the tables (`gpu_samples`, `ib_port_samples`, `gpu_states`, `idle_runs`, "
-            "`gpu_rollup_1m`, `ib_port_rollup_1m`, `consumer_offsets`) it has these views. Times are "
-            "UTC `TIMESTAMP`s, durations seconds; counter deltas are exact `HUGEINT`s."
+            "`gpu_rollup_1m`, `ib_port_rollup_1m`, `scheduler_gpu_samples`, `consumer_offsets`) it "
+            "has these views. Times are UTC `TIMESTAMP`s, durations seconds; counter deltas are "
+            "exact `HUGEINT`s."
         ),
         "",
     ]

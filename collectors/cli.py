@@ -71,6 +71,8 @@ RUN_SETTINGS: dict[str, str] = {
     "fabric_discover_every": "collectors.fabric_discover_every",
     "fabric_concurrency": "collectors.fabric_concurrency",
     "fabric_timeout": "collectors.fabric_timeout_s",
+    "slurm_conf": "collectors.slurm_conf",
+    "slurm_interval": "collectors.slurm_interval_s",
     "metrics_port": "metrics.collectors",
     "metrics_addr": "metrics.addr",
 }
@@ -203,6 +205,18 @@ def run(
             help="Deadline of one perfquery run, seconds (default 5)." + _setting("fabric_timeout")
         ),
     ] = None,
+    slurm_conf: Annotated[
+        Path | None,
+        typer.Option(
+            help="Read this Slurm cluster (its slurm.conf) every --slurm-interval: nodes, GPUs by "
+            "GRES index and job, pending jobs with their planned start -> telemetry.scheduler."
+            + _setting("slurm_conf")
+        ),
+    ] = None,
+    slurm_interval: Annotated[
+        float | None,
+        typer.Option(help="Seconds between two reads of Slurm (default 10)." + _setting("slurm_interval")),
+    ] = None,
     topic_prefix: TopicPrefixOption = None,
     metrics_port: Annotated[int | None, metrics_port_option("collectors", 9410)] = None,
     metrics_addr: MetricsAddrOption = None,
@@ -210,6 +224,8 @@ def run(
     """Scrape every dcgm-exporter and UFM Telemetry target, read every sysfs root, run every
     nvidia-smi command (-q -x XML or a --query-gpu CSV query) and read NVML each interval and
     produce GpuSample / NvSwitchSample / IbPortSample records to Kafka until SIGINT or SIGTERM.
+    With --slurm-conf, also read that Slurm cluster every --slurm-interval and produce one
+    SchedulerNode record per node to telemetry.scheduler (a failing scontrol fails that read only).
 
     Every option can also come from the deployment's settings (contracts/settings.py): a flag
     wins over its GPUPOOL_* variable (e.g. GPUPOOL_KAFKA, GPUPOOL_COLLECTORS__INTERVAL_S), which
@@ -255,6 +271,8 @@ def run(
         fabric_discover_every=fabric_discover_every,
         fabric_concurrency=fabric_concurrency,
         fabric_timeout=fabric_timeout,
+        slurm_conf=slurm_conf,
+        slurm_interval=slurm_interval,
         metrics_port=metrics_port,
         metrics_addr=metrics_addr,
     )
@@ -265,11 +283,12 @@ def run(
     commands = [_nvsmi_command(s) for s in cs.nvidia_smi]
     sd_files = list(cs.file_sd)
     ufm = list(cs.ufm_telemetry)
-    if not targets and not roots and not commands and not cs.nvml_host and not sd_files and not ufm and not cs.fabric:
+    has_gpu_source = targets or roots or commands or cs.nvml_host or sd_files or ufm or cs.fabric
+    if not has_gpu_source and cs.slurm_conf is None:
         raise typer.BadParameter(
             "give at least one --dcgm-target, --file-sd, --sysfs-root, --nvidia-smi, --ufm-telemetry, "
-            "--nvml-host or --fabric (or [collectors] dcgm_targets, file_sd, sysfs_roots, nvidia_smi, "
-            "ufm_telemetry, nvml_host, fabric in the settings)"
+            "--nvml-host, --fabric or --slurm-conf (or [collectors] dcgm_targets, file_sd, sysfs_roots, "
+            "nvidia_smi, ufm_telemetry, nvml_host, fabric, slurm_conf in the settings)"
         )
     _serve_metrics(settings.metrics.collectors, settings.metrics.addr)
 
@@ -301,9 +320,12 @@ def run(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        slurm = _slurm_collector(bus, service.topics, cs.slurm_conf)
         try:
             async with exit_on_missing_topics("gpupool collect run", bus):
                 await service.start()
+                if slurm is not None:
+                    await slurm.start()
         except typer.Exit:
             raise
         except Exception as e:
@@ -321,8 +343,13 @@ def run(
             },
         )
         try:
-            await service.run(stop)
+            await asyncio.gather(
+                service.run(stop) if has_gpu_source else stop.wait(),
+                *([slurm.run(cs.slurm_interval_s, stop)] if slurm is not None else []),
+            )
         finally:
+            if slurm is not None:
+                await slurm.stop()
             await service.stop()
             await bus.close()
 
@@ -343,6 +370,16 @@ def _fabric_collector(bus: Bus, topics: KafkaTopics, cs: CollectorsSettings) -> 
         concurrency=cs.fabric_concurrency,
         timeout_s=cs.fabric_timeout_s,
     )
+
+
+def _slurm_collector(bus: Any, topics: KafkaTopics, slurm_conf: Path | None) -> Any:
+    """The Slurm source (:class:`collectors.slurm_collector.SlurmCollector`) for ``slurm_conf``,
+    ``None`` without one."""
+    if slurm_conf is None:
+        return None
+    from collectors.slurm_collector import SlurmCollector
+
+    return SlurmCollector(bus, topics, slurm_conf=slurm_conf)
 
 
 def _serve_metrics(port: int, addr: str) -> None:

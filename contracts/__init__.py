@@ -1,9 +1,10 @@
 """gpupool contracts: every record that crosses a stage boundary, and the names of the topics.
 
 Stages (``collectors``, ``analytics``, ``broker``) import only this package, never each other.
-Kafka records live in :mod:`contracts.telemetry`, :mod:`contracts.capacity` and
-:mod:`contracts.leases`; MQTT messages in :mod:`contracts.mqtt`; topic names in
-:mod:`contracts.topics`; the bus interface and its implementations in :mod:`contracts.bus`.
+Kafka records live in :mod:`contracts.telemetry`, :mod:`contracts.scheduler`,
+:mod:`contracts.capacity` and :mod:`contracts.leases`; MQTT messages in :mod:`contracts.mqtt`;
+topic names in :mod:`contracts.topics`; the bus interface and its implementations in
+:mod:`contracts.bus`.
 """
 
 from contracts.base import SCHEMA_VERSION, Record, decode, encode
@@ -22,6 +23,7 @@ from contracts.mqtt import (
     Reply,
     Requirements,
 )
+from contracts.scheduler import PendingJob, SchedulerGpu, SchedulerNode
 from contracts.telemetry import GpuSample, IbPortSample, NvSwitchSample, SeriesValue
 from contracts.topics import KafkaTopics, MqttTopics, gpu_key
 
@@ -34,6 +36,9 @@ __all__ = [
     "IbPortSample",
     "NvSwitchSample",
     "SeriesValue",
+    "SchedulerNode",
+    "SchedulerGpu",
+    "PendingJob",
     "CapacityUpdate",
     "GpuState",
     "IdleGrade",

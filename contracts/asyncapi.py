@@ -26,6 +26,7 @@ from contracts.base import SCHEMA_VERSION, Record
 from contracts.capacity import CapacityUpdate, PoolDemand
 from contracts.fabric import TOPOLOGY_KEY, FabricTopology
 from contracts.leases import LeaseLogRecord, LeaseReason
+from contracts.scheduler import SchedulerNode
 from contracts.mqtt import (
     LIMITS,
     REASON_ANSWERS,
@@ -74,6 +75,12 @@ def kafka_records(prefix: str = "") -> dict[str, tuple[type[Record], str]]:
         t.telemetry_nvswitch: (
             NvSwitchSample,
             "telemetry_partition_key(host): the host; the switch's identity is host/nvswitch<N>",
+        ),
+        t.telemetry_scheduler: (
+            SchedulerNode,
+            "telemetry_partition_key(host): the node's host, as on telemetry.gpu (a host's GPUs and its "
+            "scheduler state share a partition number); GPUs are named by GRES index = the GPU index "
+            "of telemetry.gpu",
         ),
         t.fabric_topology: (FabricTopology, f"always {TOPOLOGY_KEY!r} (compacted: newest snapshot wins)"),
         t.capacity: (CapacityUpdate, "gpu_key(host, gpu_uuid[, gpu_instance_id])"),

@@ -165,6 +165,9 @@ class CollectorsSettings(BaseModel):
         fabric_command_prefix: argv prefix of every diag command (e.g. ``["sudo", "-n"]``).
         forget_after_s: a dcgm-exporter target gone from the configuration (static list and
             file_sd) this long is forgotten, seconds: its ``target`` series are removed.
+        slurm_conf: read this Slurm cluster (its ``slurm.conf``, given to ``scontrol`` as
+            ``SLURM_CONF``) every ``slurm_interval_s``; ``None``: no Slurm source.
+        slurm_interval_s: seconds between the starts of two reads of Slurm.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -189,6 +192,8 @@ class CollectorsSettings(BaseModel):
     fabric_timeout_s: float = Field(default=5.0, gt=0)
     fabric_command_prefix: list[str] = Field(default_factory=list)
     forget_after_s: float = Field(default=300.0, gt=0)
+    slurm_conf: Path | None = None
+    slurm_interval_s: float = Field(default=10.0, gt=0)
 
 
 class AnalyticsSettings(BaseModel):
@@ -204,6 +209,9 @@ class AnalyticsSettings(BaseModel):
             more than this: ΔPortXmitWait / (ΔPortXmitWait + ΔPortXmitData) over the headroom
             window, 0..1 (0.5 = one tick waited per word sent, the GpupoolIbXmitWaitHigh alert's
             threshold); 1 turns the check off.
+        scheduler: join the training scheduler's state (``telemetry.scheduler``) with the GPU
+            telemetry: a GPU is offered only when the scheduler has it unallocated, and no promise
+            runs past a pending job's planned start on its node (``analytics.scheduler``).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -211,6 +219,7 @@ class AnalyticsSettings(BaseModel):
     group_id: str = "gpupool-analytics"
     memory_limit: str | None = None
     max_uplink_xmit_wait: float = Field(default=0.5, ge=0, le=1)
+    scheduler: bool = False
 
 
 class BrokerSettings(BaseModel):

@@ -91,6 +91,12 @@ class KafkaTopics:
         return f"{self.prefix}telemetry.nvswitch"
 
     @property
+    def telemetry_scheduler(self) -> str:
+        """Training-scheduler state per node (:class:`contracts.scheduler.SchedulerNode`), keyed
+        by host (:func:`telemetry_partition_key`); same partition count as :attr:`telemetry_gpu`."""
+        return f"{self.prefix}telemetry.scheduler"
+
+    @property
     def fabric_topology(self) -> str:
         """Fabric topology snapshots (compacted)."""
         return f"{self.prefix}fabric.topology"
@@ -116,6 +122,7 @@ class KafkaTopics:
             self.telemetry_gpu,
             self.telemetry_ib_port,
             self.telemetry_nvswitch,
+            self.telemetry_scheduler,
             self.fabric_topology,
             self.capacity,
             self.pool_demand,

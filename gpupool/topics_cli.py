@@ -88,12 +88,14 @@ def check_topics(topics: KafkaTopics, states: list[TopicState]) -> list[str]:
     without ``compact`` in its ``cleanup.policy``."""
     by_name = {s.name: s for s in states}
     problems = [f"topic {s.name} does not exist" for s in states if not s.exists]
-    gpu, ib = by_name.get(topics.telemetry_gpu), by_name.get(topics.telemetry_ib_port)
-    if gpu and ib and gpu.exists and ib.exists and gpu.partitions != ib.partitions:
-        problems.append(
-            f"{gpu.name} has {gpu.partitions} partitions but {ib.name} has {ib.partitions}: "
-            "the telemetry topics need the same count (analytics co-partitions them by host)"
-        )
+    gpu = by_name.get(topics.telemetry_gpu)
+    for other in (topics.telemetry_ib_port, topics.telemetry_scheduler):
+        ib = by_name.get(other)
+        if gpu and ib and gpu.exists and ib.exists and gpu.partitions != ib.partitions:
+            problems.append(
+                f"{gpu.name} has {gpu.partitions} partitions but {ib.name} has {ib.partitions}: "
+                "the telemetry topics need the same count (analytics co-partitions them by host)"
+            )
     for name in compacted_topics(topics):
         s = by_name.get(name)
         if s and s.exists and "compact" not in (s.cleanup_policy or "").split(","):
@@ -202,7 +204,7 @@ def create(
     """Create every gpupool Kafka topic that does not exist yet, then check them all.
 
     Topics (under the prefix): telemetry.gpu, telemetry.ib_port, telemetry.nvswitch,
-    fabric.topology (compacted), capacity, pool.demand, leases.log (compacted); each with --partitions partitions and
+    telemetry.scheduler, fabric.topology (compacted), capacity, pool.demand, leases.log (compacted); each with --partitions partitions and
     --replication-factor replicas. Existing topics are left as they are. Prints JSON (name, exists,
     created, partitions, replication_factor, cleanup_policy; problems). Exit 1 when a topic is
     wrong (telemetry partition counts differ, a compacted topic is not compacted) or Kafka

@@ -4,13 +4,13 @@ Three sources, each read from where it is defined:
 
 * gpupool's own metrics: the ``prometheus_client`` ``Counter`` / ``Gauge`` / ``Histogram`` /
   ``Summary`` / ``Info`` / ``Enum`` objects created in the stages' ``metrics.py`` modules
-  (``collectors/metrics.py``, ``collectors/fabric_metrics.py``, ``analytics/metrics.py``,
-  ``broker/metrics.py``, ``simulator/metrics.py``), read by parsing those files (no stage is
-  imported). Exposed sample names follow the OpenMetrics rules prometheus_client applies: a
-  counter ``x`` or ``x_total`` exposes ``x_total`` and ``x_created``; a histogram ``x`` exposes
-  ``x_bucket`` (label ``le``), ``x_sum``, ``x_count``, ``x_created``; a summary ``x_sum``,
-  ``x_count``, ``x_created``; an info ``x_info``; a gauge or enum ``x`` (an enum adds the label
-  named after itself).
+  (``collectors/metrics.py``, ``collectors/fabric_metrics.py``, ``collectors/slurm_metrics.py``,
+  ``analytics/metrics.py``, ``broker/metrics.py``, ``simulator/metrics.py``), read by parsing
+  those files (no stage is imported). Exposed sample names follow the OpenMetrics rules
+  prometheus_client applies: a counter ``x`` or ``x_total`` exposes ``x_total`` and ``x_created``; a
+  histogram ``x`` exposes ``x_bucket`` (label ``le``), ``x_sum``, ``x_count``, ``x_created``; a
+  summary ``x_sum``, ``x_count``, ``x_created``; an info ``x_info``; a gauge or enum ``x`` (an enum
+  adds the label named after itself).
 * dcgm-exporter's metrics: the DCGM field names listed in its field CSV
   (``../shared/data/telemetry/dcgm_exporter/default-counters.csv``, copied from
   NVIDIA/dcgm-exporter ``etc/``), with the labels dcgm-exporter puts on every GPU series.
@@ -43,6 +43,7 @@ TARGET_LABELS: frozenset[str] = frozenset({"job", "instance"})
 STAGE_METRICS_MODULES: tuple[str, ...] = (
     "collectors/metrics.py",
     "collectors/fabric_metrics.py",
+    "collectors/slurm_metrics.py",
     "analytics/metrics.py",
     "broker/metrics.py",
     "simulator/metrics.py",

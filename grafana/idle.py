@@ -1,5 +1,6 @@
 """The Idle capacity dashboard: idle GPUs by pool, model and grade (analytics), capacity updates,
-offers, leases, claims, reclaims and pool demands (broker).
+GPUs the training scheduler has allocated but that idle (analytics joined with Slurm), offers,
+leases, claims, reclaims and pool demands (broker).
 
 Predicted idle windows are not exported as a metric yet (they travel on the capacity topic only),
 so no panel shows them.
@@ -97,6 +98,57 @@ def dashboard() -> dashboard_b.Dashboard:
                     )
                 ],
                 description="CapacityUpdate records analytics publishes to the capacity topic, per second, by GPU state.",
+                unit="ops",
+                width=24,
+            )
+        )
+        .with_row(panels.row("Training scheduler: GPUs allocated but idle (analytics + Slurm)"))
+        .with_panel(
+            panels.timeseries(
+                "GPUs allocated to jobs but idle",
+                [
+                    Query(
+                        "sum by (partition, user, job) (gpupool_analytics_allocated_idle_gpus)",
+                        "{{partition}} {{user}} job {{job}}",
+                    )
+                ],
+                description="GPUs the training scheduler has allocated to a job while their telemetry says "
+                "idle, by partition, user and job (analytics run --scheduler). Slurm's accounting counts "
+                "them as used.",
+                stack=True,
+            )
+        )
+        .with_panel(
+            panels.stat(
+                "GPU-hours allocated but idle in range, by job",
+                [
+                    Query(
+                        "sort_desc(sum by (partition, user, job) "
+                        "(sum_over_time(gpupool_analytics_allocated_idle_gpus[$__range:1m])) / 60)",
+                        "{{partition}} {{user}} job {{job}}",
+                    )
+                ],
+                description="Per job, the GPU-hours its GPUs were allocated and idle over the time range "
+                "(the gauge sampled each minute). The analytics view allocated_idle_gpu_hours gives the "
+                "same per scheduler read.",
+                unit="h",
+                width=12,
+                height=8,
+                thresholds=[(None, "green"), (1, "orange")],
+            )
+        )
+        .with_panel(
+            panels.timeseries(
+                "Slurm source errors by command and reason",
+                [
+                    Query(
+                        "sum by (command, reason) "
+                        "(rate(gpupool_collector_slurm_errors_total[$__rate_interval]))",
+                        "{{command}} {{reason}}",
+                    )
+                ],
+                description="Failed reads of Slurm (scontrol not found, exit status, timeout...: the read is "
+                "skipped and the node states go stale) and output lines that did not parse, per second.",
                 unit="ops",
                 width=24,
             )

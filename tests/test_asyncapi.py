@@ -147,6 +147,7 @@ def test_kafka_schemas() -> None:
     schemas = kafka_json_schemas()
     assert set(schemas) == {
         "telemetry.gpu.schema.json", "telemetry.ib_port.schema.json", "telemetry.nvswitch.schema.json",
+        "telemetry.scheduler.schema.json",
         "fabric.topology.schema.json", "capacity.schema.json", "pool.demand.schema.json", "leases.log.schema.json",
     }
     for name, schema in schemas.items():

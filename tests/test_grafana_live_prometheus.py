@@ -87,6 +87,11 @@ class Allowance:
     always_empty: bool = True
 
 
+_NO_SCHEDULER = Allowance(
+    "the demo runs without a training scheduler (no Slurm source, analytics without --scheduler), so "
+    "gpupool_analytics_allocated_idle_gpus and gpupool_collector_slurm_* have no series; "
+    "tests/test_collectors_slurm.py and tests/test_analytics_scheduler.py set them"
+)
 _NO_FABRIC_COLLECTOR = Allowance(
     "the demo runs no fabric collector (collectors.fabric needs ibnetdiscover/perfquery on an "
     "InfiniBand fabric, e.g. ibsim), so no gpupool_collector_fabric_* metric exists; "
@@ -145,6 +150,9 @@ ALLOWANCES: dict[tuple[str, str, str], Allowance] = {
     ("pipeline-health.json", "Produce errors by topic", "A"): Allowance(
         f"{_HEALTHY} (the in-process bus accepts every record)"
     ),
+    ("idle-capacity.json", "GPUs allocated to jobs but idle", "A"): _NO_SCHEDULER,
+    ("idle-capacity.json", "GPU-hours allocated but idle in range, by job", "A"): _NO_SCHEDULER,
+    ("idle-capacity.json", "Slurm source errors by command and reason", "A"): _NO_SCHEDULER,
     ("pipeline-health.json", "Rejected records by reason", "A"): Allowance(
         f"{_HEALTHY} (analytics reads only well-formed records from the in-process bus)"
     ),

@@ -1,0 +1,261 @@
+"""Analytics joined with the training scheduler (``telemetry.scheduler``): a GPU is offerable only
+when the scheduler has it unallocated and its telemetry says idle; a promise never runs past a
+pending job's planned start on the node; GPUs allocated but idle are counted per job."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import REGISTRY
+
+from analytics.classify import FB_USED, GR_ENGINE_ACTIVE, GpuStatus, IdleConfig
+from analytics.scheduler import SchedulerJoin
+from analytics.service import AnalyticsService
+from contracts import CapacityUpdate, GpuSample, GpuState, KafkaTopics, decode, encode
+from contracts.bus import MemoryBus
+from contracts.scheduler import PendingJob, SchedulerGpu, SchedulerNode
+
+T0 = 1_700_000_000.0
+TOPICS = KafkaTopics()
+IDLE = IdleConfig(min_idle_s=30.0, stale_after_s=25.0)
+HOST = "gpu-node-001"
+
+
+class Clock:
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def sample(ts: float, index: int, activity: float = 0.0, host: str = HOST) -> GpuSample:
+    return GpuSample(
+        ts=ts,
+        host=host,
+        gpu_uuid=f"GPU-{host}-{index}",
+        gpu_index=index,
+        model_name="NVIDIA H100 80GB HBM3",
+        fields={GR_ENGINE_ACTIVE: activity, FB_USED: 0},
+    )
+
+
+def node(
+    ts: float,
+    *,
+    job_on: dict[int, str] | None = None,
+    planned_start: float | None = None,
+    state: str = "MIXED",
+    flags: tuple[str, ...] = (),
+    host: str = HOST,
+) -> SchedulerNode:
+    job_on = job_on or {}
+    pending = []
+    if planned_start is not None:
+        pending.append(
+            PendingJob(
+                job_id="43", user="bob", partition="training", gpus_per_node=8, gpus=8,
+                reason="Resources", planned_start=planned_start, planned_nodes=[host],
+            )
+        )  # fmt: skip
+    return SchedulerNode(
+        ts=ts,
+        host=host,
+        state=state,
+        state_flags=list(flags),
+        gpus=[
+            SchedulerGpu(
+                index=i, gres_type="h100", allocated=i in job_on, job_id=job_on.get(i),
+                user="alice" if i in job_on else None, partition="training" if i in job_on else None,
+            )
+            for i in range(4)
+        ],  # fmt: skip
+        pending=pending,
+    )
+
+
+async def send(bus: MemoryBus, rec: GpuSample | SchedulerNode) -> None:
+    topic = TOPICS.telemetry_gpu if isinstance(rec, GpuSample) else TOPICS.telemetry_scheduler
+    await bus.producer().send(topic, encode(rec), key=rec.partition_key)
+
+
+def latest(bus: MemoryBus) -> dict[str, CapacityUpdate]:
+    out: dict[str, CapacityUpdate] = {}
+    for m in bus.records(TOPICS.capacity):
+        if m.value is not None:
+            u = decode(CapacityUpdate, m.value)
+            out[u.key] = u
+    return out
+
+
+async def drain(svc: AnalyticsService) -> None:
+    while await svc.step(timeout_s=0.01):
+        pass
+
+
+def gauge(**labels: str) -> float | None:
+    return REGISTRY.get_sample_value("gpupool_analytics_allocated_idle_gpus", labels)
+
+
+async def _feed(
+    bus: MemoryBus, svc: AnalyticsService, clock: Clock, times: range, records: dict[float, SchedulerNode]
+) -> None:
+    """Every GPU 0..3 idle at each ``T0 + t``; the scheduler record of that time first, if any."""
+    for t in times:
+        if T0 + t in records:
+            await send(bus, records[T0 + t])
+        for i in range(4):
+            await send(bus, sample(T0 + t, i))
+        clock.t = T0 + t
+        await drain(svc)
+
+
+async def test_allocated_gpu_is_not_offered_and_the_window_stops_at_the_planned_start() -> None:
+    bus, clock = MemoryBus(), Clock(T0)
+    svc = AnalyticsService(
+        bus=bus, topics=TOPICS, db_path=":memory:", idle=IDLE, clock=clock, refresh_s=3600.0, scheduler=True
+    )
+    await svc.start()
+    try:
+        # GPU 0 held by training job 42 (idle by DCGM); job 43 planned onto the node at T0 + 45
+        records = {T0 + t: node(T0 + t, job_on={0: "42"}, planned_start=T0 + 45) for t in (0, 10, 20, 30)}
+        await _feed(bus, svc, clock, range(0, 31, 10), records)
+        # (an update goes out when the state changes: GPU 0 stays unknown, from idle_pending to
+        # scheduler_allocated, so its current update is read from the service)
+        held = svc.current_states()[f"{HOST}/GPU-{HOST}-0"]
+        assert held.state is GpuState.UNKNOWN and held.reason == "scheduler_allocated"
+        free = latest(bus)[f"{HOST}/GPU-{HOST}-1"]
+        assert free.state is GpuState.IDLE and free.ts == T0 + 30
+        # without the plan the promise would be T0 + 30 + min_idle_s (no history): cut at T0 + 45
+        assert free.predicted_idle_until == pytest.approx(T0 + 45)
+        assert gauge(partition="training", user="alice", job="42") == 1
+        # the idle GPU-hours of job 42: reads at 0, 10, 20, 30 s; GPU 0 decided idle from 30 s only
+        # (min_idle_s), so the read at 30 s is the first idle one and, being the latest, counts 0
+        _, rows = svc.store.sql(
+            "SELECT job_id, job_user, job_partition, gpus, allocated_gpu_hours, idle_gpu_hours"
+            " FROM allocated_idle_gpu_hours"
+        )
+        assert rows == [("42", "alice", "training", 1, pytest.approx(30 / 3600), 0.0)]
+        at40 = node(T0 + 40, job_on={0: "42"}, planned_start=T0 + 45)
+        await _feed(bus, svc, clock, range(40, 41), {T0 + 40: at40})
+        _, [(idle_h, alloc_h)] = svc.store.sql(
+            "SELECT idle_gpu_hours, allocated_gpu_hours FROM allocated_idle_gpu_hours"
+        )
+        assert idle_h == pytest.approx(10 / 3600) and alloc_h == pytest.approx(40 / 3600)
+        # the planned start comes within the promise: at T0 + 45 it is now, so nothing is offered
+        at45 = node(T0 + 45, job_on={0: "42"}, planned_start=T0 + 45)
+        await _feed(bus, svc, clock, range(45, 46), {T0 + 45: at45})
+        free = latest(bus)[f"{HOST}/GPU-{HOST}-1"]
+        assert free.state is GpuState.UNKNOWN and free.reason == "scheduler_planned_start"
+        # the job starts: GPUs 0-3 allocated, no pending job; then it ends and GPU 1 is free again
+        at50 = node(T0 + 50, job_on={i: "43" for i in range(4)})
+        await _feed(bus, svc, clock, range(50, 51), {T0 + 50: at50})
+        assert svc.current_states()[f"{HOST}/GPU-{HOST}-1"].reason == "scheduler_allocated"
+        assert gauge(partition="training", user="alice", job="43") == 4
+        assert gauge(partition="training", user="alice", job="42") is None  # gone, not a stale 1
+        await _feed(bus, svc, clock, range(60, 61), {T0 + 60: node(T0 + 60)})
+        free = latest(bus)[f"{HOST}/GPU-{HOST}-1"]
+        assert free.state is GpuState.IDLE and free.predicted_idle_until is not None
+        assert free.predicted_idle_until > T0 + 60
+    finally:
+        await svc.stop()
+    assert gauge(partition="training", user="alice", job="43") is None  # withdrawn at stop
+
+
+async def test_stale_unknown_and_drained_nodes_are_not_offered() -> None:
+    bus, clock = MemoryBus(), Clock(T0)
+    svc = AnalyticsService(
+        bus=bus, topics=TOPICS, db_path=":memory:", idle=IDLE, clock=clock, refresh_s=3600.0,
+        scheduler=True, scheduler_stale_s=20.0,
+    )  # fmt: skip
+    await svc.start()
+    try:
+        for t in range(0, 31, 10):
+            await send(bus, node(T0 + t))
+            await send(bus, node(T0 + t, host="gpu-node-002", state="IDLE", flags=("DRAIN",)))
+            for host in (HOST, "gpu-node-002", "gpu-node-003"):
+                for i in range(4):
+                    await send(bus, sample(T0 + t, i, host=host))
+            clock.t = T0 + t
+            await drain(svc)
+        now = svc.current_states()
+        assert now[f"{HOST}/GPU-{HOST}-2"].state is GpuState.IDLE
+        assert now["gpu-node-002/GPU-gpu-node-002-2"].reason == "scheduler_node_drain"
+        assert now["gpu-node-003/GPU-gpu-node-003-2"].reason == "scheduler_unknown"  # no scheduler state
+        # the Slurm source stops: 20 s after its last read the node's GPUs are not offered
+        clock.t = T0 + 50
+        for i in range(4):
+            await send(bus, sample(T0 + 50, i))
+        await drain(svc)
+        assert latest(bus)[f"{HOST}/GPU-{HOST}-2"].state is GpuState.IDLE  # 20 s old: not yet stale
+        clock.t = T0 + 51
+        for i in range(4):
+            await send(bus, sample(T0 + 51, i))
+        await drain(svc)
+        assert svc.current_states()[f"{HOST}/GPU-{HOST}-2"].reason == "scheduler_stale"
+        assert latest(bus)[f"{HOST}/GPU-{HOST}-2"].state is GpuState.UNKNOWN  # published: idle -> unknown
+    finally:
+        await svc.stop()
+
+
+async def test_without_the_scheduler_the_join_plays_no_part() -> None:
+    bus, clock = MemoryBus(), Clock(T0)
+    svc = AnalyticsService(
+        bus=bus, topics=TOPICS, db_path=":memory:", idle=IDLE, clock=clock, refresh_s=3600.0
+    )
+    await svc.start()
+    try:
+        records = {T0 + t: node(T0 + t, job_on={0: "42"}, planned_start=T0 + 45) for t in (0, 10, 20, 30)}
+        await _feed(bus, svc, clock, range(0, 31, 10), records)
+        now = latest(bus)
+        assert now[f"{HOST}/GPU-{HOST}-0"].state is GpuState.IDLE
+        assert now[f"{HOST}/GPU-{HOST}-1"].predicted_idle_until == pytest.approx(T0 + 30 + IDLE.min_idle_s)
+        _, [(n,)] = svc.store.sql("SELECT count(*) FROM scheduler_gpu_samples")
+        assert n == 0  # not even read
+    finally:
+        await svc.stop()
+
+
+async def test_a_bad_scheduler_record_is_counted_and_skipped() -> None:
+    bus, clock = MemoryBus(), Clock(T0)
+    svc = AnalyticsService(bus=bus, topics=TOPICS, db_path=":memory:", idle=IDLE, clock=clock, scheduler=True)
+    await svc.start()
+    rejected = "gpupool_analytics_rejected_records_total"
+    before = REGISTRY.get_sample_value(rejected, {"reason": "invalid_record"}) or 0
+    try:
+        await bus.producer().send(TOPICS.telemetry_scheduler, b'{"ts": 1, "host": "x"}', key="x")
+        await send(bus, node(T0))
+        await drain(svc)
+        after = REGISTRY.get_sample_value(rejected, {"reason": "invalid_record"})
+        assert after == before + 1
+        _, [(n,)] = svc.store.sql("SELECT count(*) FROM scheduler_gpu_samples")
+        assert n == 4
+    finally:
+        await svc.stop()
+
+
+def _status(index_key: str, *, gi: int | None = None, ts: float = T0) -> GpuStatus:
+    return GpuStatus(
+        key=index_key, host=HOST, gpu_uuid="GPU-x", gpu_instance_id=gi, model_name=None,
+        state=GpuState.IDLE, since=ts - 60, ts=ts, reason="",
+    )  # fmt: skip
+
+
+def test_join_keeps_the_newest_state_and_mig_instances_follow_their_gpu() -> None:
+    join = SchedulerJoin(stale_after_s=60.0)
+    join.note_gpu("k0", 0)
+    join.note_gpu("k0/1", 0)  # a MIG instance of GPU 0 (DCGM gives it its GPU's index)
+    join.note_gpu("k1", 1)
+    join.observe(node(T0 + 10, job_on={0: "42"}))
+    join.observe(node(T0, job_on={1: "41"}))  # older, arrived late: ignored
+    assert join.block_reason(_status("k0"), T0 + 10) == "scheduler_allocated"
+    assert join.block_reason(_status("k0/1", gi=1), T0 + 10) == "scheduler_allocated"
+    assert join.block_reason(_status("k1"), T0 + 10) is None
+    assert join.allocated_idle([_status("k0"), _status("k0/1", gi=1), _status("k1")]) == {
+        ("training", "alice", "42"): 1  # whole GPUs only: the MIG instance is not counted twice
+    }
+    join.note_gpu("k1", None)  # index unknown: cannot be matched to Slurm, not offered
+    assert join.block_reason(_status("k1"), T0 + 10) == "scheduler_unknown"
+    join.forget_hosts([HOST])
+    assert join.block_reason(_status("k0"), T0 + 10) == "scheduler_unknown" and join.node(HOST) is None
+    with pytest.raises(ValueError):
+        SchedulerJoin(stale_after_s=0)
