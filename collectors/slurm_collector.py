@@ -39,7 +39,7 @@ from collectors import slurm_metrics as m
 from collectors.slurm_parse import JobInfo, NodeInfo, ParseProblem, parse_job, parse_node, parse_records
 from collectors.slurm_records import build_node_records
 from contracts.base import encode
-from contracts.bus import Bus, Producer
+from contracts.bus import Bus, Producer, require_topics
 from contracts.scheduler import SchedulerNode
 from contracts.topics import KafkaTopics
 
@@ -130,8 +130,12 @@ class SlurmCollector:
         self._failing: str | None = None
 
     async def start(self) -> None:
-        """Start the producer. Raises what the bus's producer raises when it cannot start."""
+        """Check that ``telemetry.scheduler`` exists and start the producer. Raises
+        :class:`contracts.bus.MissingTopicsError` if the topic is missing (no stage creates
+        topics: ``gpupool topics create``) and what the bus's producer raises when it cannot
+        start."""
         if self._producer is None:
+            await require_topics(self._bus, [self._topics.telemetry_scheduler])
             producer = self._bus.producer(self._client_id)
             await producer.start()
             self._producer = producer
