@@ -18,6 +18,7 @@ records are all decoded by the model.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 import typing
@@ -46,8 +47,10 @@ class Untranslatable(TypeError):
     """A model field, setting or validator that has no msgspec equivalent."""
 
 
+@functools.cache
 def struct_for(model: type[BaseModel]) -> type[msgspec.Struct] | None:
-    """The msgspec twin of ``model`` (module docstring), or ``None`` if it has none.
+    """The msgspec twin of ``model`` (module docstring), or ``None`` if it has none; one class
+    per model (cached).
 
     The twin is ``kw_only`` (fields in the model's order, required ones anywhere), ``frozen`` if
     the model is, and untracked by the cyclic garbage collector (``gc=False``: its instances hold
