@@ -17,7 +17,6 @@ import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING, Any
 
 import msgspec

@@ -433,13 +433,14 @@ _POSITIVE_EXPONENT = re.compile(rb"[0-9]e[0-9]")
 def _json_array(objs: Sequence[Mapping[str, Any]], floats: bool = False) -> pa.Array:
     """:func:`_json` of every dict, as a ``string`` array, the same text byte for byte.
 
-    The dicts are encoded in one call (msgspec) as one JSON array ``[{...},{...}]`` and split at
-    ``},{`` in Arrow; the split is right when it gives exactly one piece per dict (a ``},{``
-    inside a key or a string value adds a piece: then, and when msgspec cannot encode a value,
-    each dict is encoded alone with :func:`_json`). msgspec writes what pydantic-core writes
-    (same escapes, integers exact, NaN and infinities as ``null``) except a positive exponent
-    (``1e21`` against ``1e+21``): with ``floats`` (dicts that may hold floats) a text with one
-    falls back to :func:`_json` too.
+    The dicts are encoded in one call (msgspec) as one JSON array ``[{...},{...}]``; each ``},{``
+    becomes ``}`` NUL ``{`` and Arrow splits the text at the NULs (msgspec escapes NUL inside
+    strings, so a raw NUL is only ever a separator). The split is right when it gives exactly one
+    piece per dict: a ``},{`` inside a key or a string value adds a piece, and then, as when
+    msgspec cannot encode a value, each dict is encoded alone with :func:`_json`. msgspec writes
+    what pydantic-core writes (same escapes, integers exact, NaN and infinities as ``null``)
+    except a positive exponent (``1e21`` against ``1e+21``): with ``floats`` (dicts that may hold
+    floats) a text with one falls back to :func:`_json` too.
     """
     n = len(objs)
     try:
@@ -447,12 +448,13 @@ def _json_array(objs: Sequence[Mapping[str, Any]], floats: bool = False) -> pa.A
     except (TypeError, ValueError, OverflowError):
         text = b""
     if n and text and len(text) < 2**31 and not (floats and b"e" in text and _POSITIVE_EXPONENT.search(text)):
+        text = text.replace(b"},{", b"}\x00{")
         whole = pa.StringArray.from_buffers(
-            1, pa.py_buffer(struct.pack("<ii", 2, len(text) - 2)), pa.py_buffer(text)
+            1, pa.py_buffer(struct.pack("<ii", 1, len(text) - 1)), pa.py_buffer(text)
         )
-        pieces = pc.split_pattern(whole, "},{").flatten()
+        pieces = pc.split_pattern(whole, "\x00").flatten()
         if len(pieces) == n:
-            return pc.binary_join_element_wise("{", pieces, "}", "")
+            return pieces
     return pa.array([_json(o) for o in objs], pa.string())
 
 

@@ -3,7 +3,8 @@
 One :meth:`AnalyticsService.step`:
 
 1. reads one batch from ``telemetry.gpu`` and ``telemetry.ib_port`` (one consumer group);
-2. decodes it as one batch (:func:`analytics.decode.decode_batch`) and builds its Arrow rows a
+2. decodes it as one batch (:func:`analytics.decode.decode_batch`: msgspec twins of the record
+   models, the pydantic model deciding every record they refuse) and builds its Arrow rows a
    column at a time, both with the garbage collector paused; a record that cannot be used is
    counted by reason
    (``gpupool_analytics_rejected_records_total``) and skipped, never fatal;
@@ -71,7 +72,7 @@ from opentelemetry.context import Context
 
 from analytics import metrics
 from analytics.classify import GpuStatus, IdleClassifier, IdleConfig, IdleRun
-from analytics.decode import decode_batch, paused_gc
+from analytics.decode import GpuRecord, IbPortRecord, decode_batch, paused_gc
 from analytics.predict import IdlePredictor, PredictorConfig
 from analytics.retention import RetentionConfig
 from analytics.rows import gpu_samples_table, gpu_states_table, ib_port_samples_table, idle_runs_table
@@ -79,9 +80,7 @@ from analytics.store import AnalyticsStore, StoreBatch
 from analytics.views import HEADROOM_WINDOW_S
 from contracts import (
     CapacityUpdate,
-    GpuSample,
     GpuState,
-    IbPortSample,
     IdleGrade,
     KafkaTopics,
     encode,
@@ -92,15 +91,15 @@ from contracts.bus import Bus, BusMessage, Consumer, Producer, TopicPartition
 log = logging.getLogger(__name__)
 _TRACER = tracing.tracer(__name__)
 
-_R = TypeVar("_R", GpuSample, IbPortSample)
+_R = TypeVar("_R", GpuRecord, IbPortRecord)
 _T = TypeVar("_T")
 
 
 @dataclass(slots=True)
 class _Decoded:
-    gpu: list[GpuSample] = field(default_factory=list)
+    gpu: list[GpuRecord] = field(default_factory=list)
     gpu_pos: list[tuple[int, int]] = field(default_factory=list)
-    ib: list[IbPortSample] = field(default_factory=list)
+    ib: list[IbPortRecord] = field(default_factory=list)
     ib_pos: list[tuple[int, int]] = field(default_factory=list)
     offsets: dict[TopicPartition, int] = field(default_factory=dict)
 
@@ -540,6 +539,7 @@ class AnalyticsService:
         for topic, n in consumed.items():
             metrics.RECORDS_CONSUMED.labels(topic=topic).inc(n)
         batch = decode_batch(fresh, self.topics)
+        metrics.DECODE_FALLBACKS.inc(batch.fallbacks)
         for msg, exc in batch.rejected:
             metrics.REJECTED_RECORDS.labels(reason=exc.reason).inc()
             log.warning(

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 import pytest
-from pydantic import Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from analytics.decode import GpuRecord, IbPortRecord, RejectedRecord, decode_batch, decode_telemetry
 from analytics.rows import _json, _json_array, gpu_samples_table, ib_port_samples_table
@@ -131,10 +131,10 @@ def test_models_the_translation_does_not_cover_have_no_twin() -> None:
         inner: GpuSample | None = None
 
     class Allowing(GpuSample):
-        model_config = {"extra": "allow"}
+        model_config = ConfigDict(extra="allow")
 
     class Stripping(GpuSample):
-        model_config = {"str_strip_whitespace": True}
+        model_config = ConfigDict(str_strip_whitespace=True)
 
     class Patterned(GpuSample):
         uuid2: str = Field("", pattern="^GPU-")
@@ -145,7 +145,7 @@ def test_models_the_translation_does_not_cover_have_no_twin() -> None:
 
 def test_a_model_that_ignores_unknown_fields_has_a_twin_that_ignores_them() -> None:
     class Tolerant(GpuSample):
-        model_config = {"extra": "ignore"}
+        model_config = ConfigDict(extra="ignore")
 
     twin = struct_for(Tolerant)
     assert twin is not None and not twin.__struct_config__.forbid_unknown_fields
@@ -177,7 +177,10 @@ def test_a_good_record_decodes_through_the_twin_to_the_right_values() -> None:
     assert list(rec.fields.items()) == [
         ("DCGM_FI_DEV_GPU_UTIL", 97), ("DCGM_FI_PROF_GR_ENGINE_ACTIVE", 0.5),
         ("DCGM_FI_DEV_XID_ERRORS", 2**64 - 1)]  # fmt: skip
-    assert type(rec.fields["DCGM_FI_DEV_GPU_UTIL"]) is int and type(rec.fields["DCGM_FI_PROF_GR_ENGINE_ACTIVE"]) is float
+    assert (
+        type(rec.fields["DCGM_FI_DEV_GPU_UTIL"]) is int
+        and type(rec.fields["DCGM_FI_PROF_GR_ENGINE_ACTIVE"]) is float
+    )
     assert rec.invalid == {"DCGM_FI_DEV_MEMORY_TEMP": "sentinel"}
     assert rec.attributes == {"pod": 'a, b "c"', "namespace": "\u00e9"}
     assert rec.key == "node-7/GPU-abc/2" and rec.partition_key == "node-7"
@@ -361,7 +364,7 @@ def test_random_records_decode_like_the_reference_and_build_the_same_rows() -> N
         [{"A": 2**64, "B": -(2**70), "C": 2**53 + 1}],
         [{"x},{y": 1}, {"z": 2}],  # the separator inside a key
         [{"k": "v},{w"}, {}],  # ... and inside a value
-        [{"\u00e9\n\"\\\u2028\x7f\x00": "\U0001f600</"}],
+        [{'\u00e9\n"\\\u2028\x7f\x00': "\U0001f600</"}],
         [{"A": None, "B": 3}],
         [{"a": "1e5"}, {"temp e": 2}],
     ],
