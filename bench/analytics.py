@@ -121,10 +121,9 @@ def bench_ingest(n: int, batch: int, memory_limit: str, repeat: int = 3) -> None
     # yardstick: the rows already in Arrow, inserted with DuckDB's bulk path, same batch size
     decoded = [_gpu(m) for m in msgs]
     tables = [
-        gpu_samples_table(
-            decoded[i : i + batch], [0] * len(decoded[i : i + batch]), list(range(i, i + batch))
-        )
+        gpu_samples_table(chunk, [0] * len(chunk), list(range(i, i + len(chunk))))
         for i in range(0, n, batch)
+        if (chunk := decoded[i : i + batch])
     ]
     t = time.perf_counter()
     clf = IdleClassifier()
