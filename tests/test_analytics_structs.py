@@ -376,3 +376,13 @@ def test_json_columns_are_the_reference_text(dicts: list[dict[str, Any]]) -> Non
         got = _json_array(dicts, floats=floats)
         assert got.type == "string" and got.to_pylist() == [_json(d) for d in dicts]
     assert all(json.loads(t) is not None for t in _json_array(dicts, floats=True).to_pylist())
+
+
+def test_without_a_twin_every_record_is_decided_by_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    import analytics.decode as decode_module
+
+    monkeypatch.setattr(decode_module, "_GPU_DECODER", None)
+    msgs = [gpu_msg(GOOD, 0), gpu_msg(b"{", 1), gpu_msg(_with(ts="1700000000.5"), 2)]
+    got = decode_batch(msgs, TOPICS)
+    assert got.fallbacks == 3 and [m.offset for m in got.gpu_msgs] == [0, 2]
+    assert batch_verdicts(msgs) == [verdict(m) for m in msgs]
