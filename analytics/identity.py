@@ -21,6 +21,8 @@ their history. UUIDs are learned again from the next sample that carries one.
 
 from __future__ import annotations
 
+import msgspec
+
 from contracts import GpuSample, gpu_key
 from contracts.topics import gpu_id
 
@@ -51,7 +53,8 @@ class GpuIdentities:
         return True
 
     def resolve(self, sample: GpuSample) -> tuple[GpuSample, str | None]:
-        """``(sample to use, stand-in key it replaces or None)``.
+        """``(sample to use, stand-in key it replaces or None)``; ``sample`` is the model or its
+        msgspec twin (:data:`analytics.decode.GpuRecord`), and so is the sample returned.
 
         The sample is returned unchanged when it has a UUID, else with ``gpu_uuid`` set to the
         learned UUID or to the stand-in id ``gpu<index>``. The second item is the stand-in key
@@ -73,4 +76,11 @@ class GpuIdentities:
         if learned is None:
             self._stand_in_seen.add(slot)
             learned = gpu_id(None, sample.gpu_index)
-        return sample.model_copy(update={"gpu_uuid": learned}), None
+        return _with_uuid(sample, learned), None
+
+
+def _with_uuid(sample: GpuSample, gpu_uuid: str) -> GpuSample:
+    """``sample`` with ``gpu_uuid`` set (a new object; the model or its twin alike)."""
+    if isinstance(sample, msgspec.Struct):
+        return msgspec.structs.replace(sample, gpu_uuid=gpu_uuid)
+    return sample.model_copy(update={"gpu_uuid": gpu_uuid})

@@ -29,6 +29,11 @@ REJECTED_RECORDS = Counter(
     "unsupported_version, unknown_topic, duplicate, counter_out_of_range, invalid_topology).",
     ["reason"],
 )
+DECODE_FALLBACKS = Counter(
+    "gpupool_analytics_decode_fallback_records_total",
+    "Records the fast decoder (msgspec twin of the record model) refused and the pydantic model then "
+    "decided, accepted or rejected: lax spellings, unknown fields, bad records. Slower per record.",
+)
 INGEST_ROWS = Counter(
     "gpupool_analytics_ingest_rows_total",
     "Rows committed to DuckDB, by table.",

@@ -3,7 +3,8 @@
 One :meth:`AnalyticsService.step`:
 
 1. reads one batch from ``telemetry.gpu`` and ``telemetry.ib_port`` (one consumer group);
-2. decodes it as one batch (:func:`analytics.decode.decode_batch`) and builds its Arrow rows a
+2. decodes it as one batch (:func:`analytics.decode.decode_batch`: msgspec twins of the record
+   models, the pydantic model deciding every record they refuse) and builds its Arrow rows a
    column at a time, both with the garbage collector paused; a record that cannot be used is
    counted by reason
    (``gpupool_analytics_rejected_records_total``) and skipped, never fatal;
@@ -90,7 +91,7 @@ from opentelemetry.context import Context
 
 from analytics import metrics
 from analytics.classify import GpuStatus, IdleClassifier, IdleConfig, IdleRun
-from analytics.decode import RejectedRecord, decode_batch, decode_telemetry, paused_gc
+from analytics.decode import GpuRecord, IbPortRecord, RejectedRecord, decode_batch, decode_telemetry, paused_gc
 from analytics.fabric_leaf import LeafHeadroom, LeafMap, leaf_headroom, leaf_map, uplink_block_reason
 from analytics.identity import GpuIdentities
 from analytics.predict import IdlePredictor, PredictorConfig
@@ -102,9 +103,7 @@ from analytics.views import HEADROOM_WINDOW_S
 from contracts import (
     CapacityUpdate,
     FabricTopology,
-    GpuSample,
     GpuState,
-    IbPortSample,
     IdleGrade,
     KafkaTopics,
     decode,
@@ -118,15 +117,15 @@ from contracts.scheduler import SchedulerNode
 log = logging.getLogger(__name__)
 _TRACER = tracing.tracer(__name__)
 
-_R = TypeVar("_R", GpuSample, IbPortSample)
+_R = TypeVar("_R", GpuRecord, IbPortRecord)
 _T = TypeVar("_T")
 
 
 @dataclass(slots=True)
 class _Decoded:
-    gpu: list[GpuSample] = field(default_factory=list)
+    gpu: list[GpuRecord] = field(default_factory=list)
     gpu_pos: list[tuple[int, int]] = field(default_factory=list)
-    ib: list[IbPortSample] = field(default_factory=list)
+    ib: list[IbPortRecord] = field(default_factory=list)
     ib_pos: list[tuple[int, int]] = field(default_factory=list)
     offsets: dict[TopicPartition, int] = field(default_factory=dict)
     renames: list[tuple[str, str, str]] = field(default_factory=list)  # (stand-in key, key, UUID)
@@ -835,6 +834,7 @@ class AnalyticsService:
         if self._scheduler is not None:
             fresh = self._decode_scheduler(fresh, out, rejected)
         batch = decode_batch(fresh, self.topics)
+        metrics.DECODE_FALLBACKS.inc(batch.fallbacks)
         for msg, exc in [*rejected, *batch.rejected]:
             metrics.REJECTED_RECORDS.labels(reason=exc.reason).inc()
             log.warning(

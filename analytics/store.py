@@ -146,14 +146,16 @@ class StoreBatch:
         return not self.offsets and all(t is None or t.num_rows == 0 for t in tables)
 
 
-def _offsets_table(offsets: Mapping[TopicPartition, int]) -> pa.Table:
+def _upsert_offsets(con: duckdb.DuckDBPyConnection, offsets: Mapping[TopicPartition, int]) -> None:
+    """Set ``consumer_offsets`` to ``offsets`` (one statement with the values as parameters:
+    cheaper per batch than a registered Arrow table). Raises ``duckdb.ConstraintException`` for a
+    negative offset."""
     items = sorted(offsets.items())
-    return pa.table(
-        {
-            "topic": pa.array([tp.topic for tp, _ in items], pa.string()),
-            "partition": pa.array([tp.partition for tp, _ in items], pa.int32()),
-            "next_offset": pa.array([off for _, off in items], pa.int64()),
-        }
+    rows = ", ".join(["(?, ?, ?)"] * len(items))
+    con.execute(
+        f"INSERT INTO consumer_offsets VALUES {rows}"
+        " ON CONFLICT (topic, partition) DO UPDATE SET next_offset = excluded.next_offset",
+        [v for tp, off in items for v in (tp.topic, tp.partition, off)],
     )
 
 
@@ -254,8 +256,6 @@ class AnalyticsStore:
             for name in _BATCH_TABLES
             if (table := getattr(batch, name)) is not None and table.num_rows > 0
         }
-        if batch.offsets:
-            views["consumer_offsets"] = _offsets_table(batch.offsets)
         # Registered outside the transaction: unregistering inside an aborted one would fail and
         # hide the original error.
         for name, table in views.items():
@@ -264,14 +264,9 @@ class AnalyticsStore:
             con.begin()
             try:
                 for name in views:
-                    if name == "consumer_offsets":
-                        con.execute(
-                            "INSERT INTO consumer_offsets SELECT topic, partition, next_offset"
-                            " FROM _batch_consumer_offsets"
-                            " ON CONFLICT (topic, partition) DO UPDATE SET next_offset = excluded.next_offset"
-                        )
-                    else:
-                        con.execute(f"INSERT INTO {name} BY NAME SELECT * FROM _batch_{name}")
+                    con.execute(f"INSERT INTO {name} BY NAME SELECT * FROM _batch_{name}")
+                if batch.offsets:
+                    _upsert_offsets(con, batch.offsets)
                 con.commit()
             except BaseException:
                 con.rollback()
@@ -280,7 +275,7 @@ class AnalyticsStore:
             for name in views:
                 con.unregister(f"_batch_{name}")
         metrics.INGEST_BATCH_SECONDS.observe(time.perf_counter() - started)
-        written = {name: t.num_rows for name, t in views.items() if name != "consumer_offsets"}
+        written = {name: t.num_rows for name, t in views.items()}
         for name, n in written.items():
             metrics.INGEST_ROWS.labels(table=name).inc(n)
         self._count_late(views)

@@ -111,6 +111,11 @@ def values(s: GpuSample) -> str:
     )
 
 
+def ib_values(s: IbPortSample) -> str:
+    names = [*IbPortSample.model_fields, "key", "partition_key"]
+    return repr([(n, type(getattr(s, n)).__name__, getattr(s, n)) for n in names])
+
+
 def batch_outcomes(msgs: list[BusMessage]) -> list[str]:
     """The batch path's verdict on every message, in input order."""
     got = decode_batch(msgs, TOPICS)
@@ -140,8 +145,8 @@ def test_real_records_decode_in_a_batch_with_identical_values_and_rows() -> None
     got = decode_batch(msgs, TOPICS)
     assert not got.rejected and got.gpu_msgs == msgs
     ref = [gpu(m) for m in msgs]
-    assert [values(r) for r in got.gpu] == [values(s) for s in ref]
-    assert got.gpu == samples
+    assert [values(r) for r in got.gpu] == [values(s) for s in ref] == [values(s) for s in samples]
+    assert got.fallbacks == 0  # every real record decoded by the twin
     assert rows_or_error(got.gpu) == rows_or_error(ref)
 
 
@@ -238,7 +243,7 @@ def test_ib_records_and_other_topics_in_a_batch() -> None:
         msg(encode(real_samples()[0]), 2),
     ]
     got = decode_batch(msgs, TOPICS)
-    assert got.ib == [ib] and got.ib_msgs == [msgs[0]]
+    assert [ib_values(r) for r in got.ib] == [ib_values(ib)] and got.ib_msgs == [msgs[0]]
     assert [(m.offset, e.reason) for m, e in got.rejected] == [(1, "unknown_topic")]
     assert [m.offset for m in got.gpu_msgs] == [2]
 
@@ -298,7 +303,9 @@ async def test_a_bad_record_inside_a_batch_is_rejected_alone(bad: bytes | None, 
         await producer.send(TOPICS.telemetry_gpu, bad, key="bad")
         # after the bad one: valid records spelled otherwise (spaces, ts as a JSON string)
         respelled = [json.dumps({**json.loads(encode(s)), "ts": str(s.ts)}).encode() for s in good[4:]]
-        assert decode_batch([msg(v) for v in respelled], TOPICS).gpu == good[4:]
+        assert [values(r) for r in decode_batch([msg(v) for v in respelled], TOPICS).gpu] == [
+            values(s) for s in good[4:]
+        ]
         for s, value in zip(good[4:], respelled, strict=True):
             await producer.send(TOPICS.telemetry_gpu, value, key=s.key)
         assert await svc.step(timeout_s=0.01) == 9
