@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 import pytest
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from analytics.decode import GpuRecord, IbPortRecord, RejectedRecord, decode_batch, decode_telemetry
 from analytics.rows import _json, _json_array, gpu_samples_table, ib_port_samples_table
@@ -127,8 +127,11 @@ def test_models_the_translation_does_not_cover_have_no_twin() -> None:
     class WithAlias(GpuSample):
         hostname: str = Field("", alias="Hostname")
 
-    class Nested(GpuSample):
-        inner: GpuSample | None = None
+    class BeforeCheck(GpuSample):
+        @model_validator(mode="before")
+        @classmethod
+        def raw(cls, data: Any) -> Any:
+            return data
 
     class Allowing(GpuSample):
         model_config = ConfigDict(extra="allow")
@@ -139,7 +142,7 @@ def test_models_the_translation_does_not_cover_have_no_twin() -> None:
     class Patterned(GpuSample):
         uuid2: str = Field("", pattern="^GPU-")
 
-    for model in (WithValidator, WithAny, WithAlias, Nested, Allowing, Stripping, Patterned):
+    for model in (WithValidator, WithAny, WithAlias, BeforeCheck, Allowing, Stripping, Patterned):
         assert struct_for(model) is None, model.__name__
 
 
@@ -386,3 +389,33 @@ def test_without_a_twin_every_record_is_decided_by_the_model(monkeypatch: pytest
     got = decode_batch(msgs, TOPICS)
     assert got.fallbacks == 3 and [m.offset for m in got.gpu_msgs] == [0, 2]
     assert batch_verdicts(msgs) == [verdict(m) for m in msgs]
+
+
+def test_nested_models_get_twins_and_after_validators_run_on_the_twin() -> None:
+    class Inner(BaseModel):
+        model_config = ConfigDict(extra="forbid", frozen=True)
+        value: int = Field(ge=0)
+
+    class Outer(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        items: list[Inner] = Field(default_factory=list)
+        a: int | None = None
+        b: int | None = None
+
+        @model_validator(mode="after")
+        def _one_of(self) -> Outer:
+            if self.a is None and self.b is None:
+                raise ValueError("a or b")
+            return self
+
+    twin = struct_for(Outer)
+    assert twin is not None
+    dec = msgspec.json.Decoder(twin)
+    got = dec.decode(b'{"items": [{"value": 0}, {"value": 3}], "a": 1}')
+    assert [i.value for i in got.items] == [0, 3] and got.a == 1
+    for bad in (b'{"items": [{"value": -1}], "a": 1}', b'{"items": [{"value": 1, "x": 2}], "a": 1}', b'{"items": []}'):
+        with pytest.raises(msgspec.ValidationError):
+            dec.decode(bad)
+        with pytest.raises(ValueError):
+            Outer.model_validate_json(bad)  # the model refuses each too
+    assert struct_for(GpuSample) is not None  # a sample known by index alone is checked on the twin
