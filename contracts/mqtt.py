@@ -139,6 +139,9 @@ class Offer(Message):
     """Latency zone of the pool (broker config ``pool_zones``); ``null``: not configured, and
     then the offer matches no claim that asks for a zone."""
     lent_share_percent: float | None = Field(default=None, gt=0, le=100)
+    """A lease from this offer gets its own virtual lane on the fabric, and this is the most of a
+    link's bandwidth (percent, 0 < x <= 50) its traffic can take while training keeps the link
+    busy; ``null``: the broker manages no fabric QoS."""
 
 
 class Requirements(Message):
