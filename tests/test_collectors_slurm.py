@@ -190,12 +190,13 @@ async def test_a_failing_slurm_command_fails_that_read_only() -> None:
 
 
 async def test_collect_run_with_slurm_conf_streams_node_records(
-    slurm_conf: Path, kafka_bus: KafkaBus, kafka_topics: KafkaTopics
+    slurm_conf: Path, kafka_bus: KafkaBus, kafka_stage_topics: KafkaTopics
 ) -> None:
     """``gpupool collect run --slurm-conf`` alone (no GPU source) reads Slurm every
-    --slurm-interval and produces to the prefixed telemetry.scheduler, until SIGTERM."""
+    --slurm-interval and produces to the prefixed telemetry.scheduler, until SIGTERM (the
+    topics created first, as an operator does)."""
+    kafka_topics = kafka_stage_topics
     topic = kafka_topics.telemetry_scheduler
-    await kafka_bus.create_topics([topic], partitions=2)
     proc = subprocess.Popen(
         [
             str(Path(sys.executable).parent / "gpupool"), "collect", "run",
