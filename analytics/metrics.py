@@ -14,6 +14,7 @@ import weakref
 from collections import Counter as _Tally
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from abc import ABC, abstractmethod
 from typing import Generic, TypeVar
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -157,7 +158,7 @@ GPU_STATES: tuple[str, ...] = ("busy", "idle", "unknown")
 """States reported (values of :class:`contracts.GpuState`)."""
 
 
-class PerInstanceGauges(Generic[_S]):
+class PerInstanceGauges(ABC, Generic[_S]):
     """Gauges summed over the running service instances of the process: each instance publishes
     a snapshot (held weakly, so an instance that is gone drops out) and :meth:`_apply`, which a
     subclass defines, sets the gauges from all of them (thread-safe)."""
@@ -180,9 +181,9 @@ class PerInstanceGauges(Generic[_S]):
             self._snapshots.pop(instance, None)
             self._apply()
 
+    @abstractmethod
     def _apply(self) -> None:
         """Set the gauges from ``self._snapshots`` (called with the lock held)."""
-        raise NotImplementedError
 
 
 class CapacityGauges(PerInstanceGauges[CapacitySnapshot]):

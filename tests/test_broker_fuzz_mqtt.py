@@ -19,6 +19,8 @@ it is loose (a shared 2-core machine), the number is for the report.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import asyncio
 import contextlib
 import json
@@ -80,7 +82,7 @@ def _counter(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
-class _Subscriber:
+class _Subscriber(ABC):
     """A raw MQTT client that reads its subscriptions in a task of its own (``_on``)."""
 
     client: aiomqtt.Client
@@ -103,8 +105,9 @@ class _Subscriber:
         async for msg in self.client.messages:
             self._on(msg)
 
+    @abstractmethod
     def _on(self, msg: aiomqtt.Message) -> None:
-        raise NotImplementedError
+        """Handle one message of the subscriptions."""
 
 
 class _Site(_Subscriber):
