@@ -158,6 +158,8 @@ class _GcPolicy:
         self._next_full = math.inf
 
     def set(self, refreeze_every_s: float, full_every_s: float, now: float) -> None:
+        """Re-freeze every ``refreeze_every_s`` seconds and collect fully every ``full_every_s``
+        seconds from ``now`` (Unix s); 0 turns either off."""
         self.refreeze_every_s, self.full_every_s = refreeze_every_s, full_every_s
         self._next_refreeze = now + refreeze_every_s if refreeze_every_s > 0 else math.inf
         self._next_full = now + full_every_s if full_every_s > 0 else math.inf
