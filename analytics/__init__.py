@@ -15,24 +15,25 @@ Public API:
 * :mod:`analytics.cli` — ``gpupool analytics run|sql``.
 """
 
-from analytics.classify import GpuStatus, IdleClassifier, IdleConfig, IdleRun
-from analytics.predict import IdlePredictor, Prediction, PredictorConfig, SurvivalCurve
-from analytics.scheduler import SchedulerJoin
-from analytics.service import AnalyticsService
-from analytics.store import AnalyticsStore, StoreBatch, StoreSchemaError
+from __future__ import annotations
 
-__all__ = [
-    "AnalyticsService",
-    "AnalyticsStore",
-    "GpuStatus",
-    "IdleClassifier",
-    "IdleConfig",
-    "IdlePredictor",
-    "IdleRun",
-    "Prediction",
-    "PredictorConfig",
-    "SchedulerJoin",
-    "StoreBatch",
-    "StoreSchemaError",
-    "SurvivalCurve",
-]
+from runtime.lazy import lazy_exports
+
+_EXPORTS = {
+    "GpuStatus": "analytics.classify",
+    "IdleClassifier": "analytics.classify",
+    "IdleConfig": "analytics.classify",
+    "IdleRun": "analytics.classify",
+    "IdlePredictor": "analytics.predict",
+    "Prediction": "analytics.predict",
+    "PredictorConfig": "analytics.predict",
+    "SurvivalCurve": "analytics.predict",
+    "SchedulerJoin": "analytics.scheduler",
+    "AnalyticsService": "analytics.service",
+    "AnalyticsStore": "analytics.store",
+    "StoreBatch": "analytics.store",
+    "StoreSchemaError": "analytics.store",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

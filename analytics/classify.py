@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from contracts import GpuState, IdleGrade
-from contracts.settings import IdleSettings
+from runtime.settings import IdleSettings
 
 GR_ENGINE_ACTIVE = "DCGM_FI_PROF_GR_ENGINE_ACTIVE"
 """Ratio (0..1) of time the graphics/compute engine was active (DCGM field 1001)."""

@@ -47,8 +47,8 @@ from analytics.retention import RetentionConfig, read_watermark
 from analytics.service import AnalyticsService
 from analytics.store import AnalyticsStore, StoreSchemaError
 from contracts import KafkaTopics
-from contracts.bus import make_bus
-from contracts.run_options import (
+from runtime.bus import make_bus
+from runtime.run_options import (
     ConfigOption,
     KafkaOption,
     MetricsAddrOption,
@@ -57,7 +57,7 @@ from contracts.run_options import (
     load_run_settings,
     metrics_port_option,
 )
-from contracts.settings import RunFlags
+from runtime.settings import RunFlags
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +84,12 @@ RUN_SETTINGS: dict[str, str] = {
     "max_uplink_xmit_wait": "analytics.max_uplink_xmit_wait",
     "scheduler": "analytics.scheduler",
 }
-"""Parameter of ``run`` → the :class:`contracts.settings.DeploymentSettings` field it sets."""
+"""Parameter of ``run`` → the :class:`runtime.settings.DeploymentSettings` field it sets."""
 
 
 _RUN = RunFlags("gpupool analytics run", RUN_SETTINGS)
 run_settings = _RUN.load
-"""The settings ``gpupool analytics run`` runs with (:meth:`contracts.settings.RunFlags.load`)."""
+"""The settings ``gpupool analytics run`` runs with (:meth:`runtime.settings.RunFlags.load`)."""
 _setting = _RUN.help
 
 
@@ -197,7 +197,7 @@ def run(
 ) -> None:
     """Run the analytics stage against Kafka until SIGINT/SIGTERM.
 
-    Every option can also come from the deployment's settings (contracts/settings.py): a flag
+    Every option can also come from the deployment's settings (runtime/settings.py): a flag
     wins over its GPUPOOL_* variable (e.g. GPUPOOL_KAFKA, GPUPOOL_ANALYTICS_DB,
     GPUPOOL_IDLE__MIN_IDLE_S), which wins over the --config TOML file (kafka, analytics_db,
     the idle, analytics and metrics tables), which wins over the defaults.

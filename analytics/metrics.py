@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import threading
 import weakref
+from abc import ABC, abstractmethod
 from collections import Counter as _Tally
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from abc import ABC, abstractmethod
 from typing import Generic, TypeVar
 
 from prometheus_client import Counter, Gauge, Histogram

@@ -63,7 +63,7 @@ hosts (GPU and port samples alike): their headroom is dropped and left out of ev
 partition. Their rows stay in its DuckDB file. The new owner resumes from its own stored offset
 for the partition, else from the group's committed offset.
 
-Tracing (:mod:`contracts.tracing`, when on): an update that changes a GPU's state or grade is sent
+Tracing (:mod:`runtime.tracing`, when on): an update that changes a GPU's state or grade is sent
 inside a ``process telemetry.gpu`` span (CONSUMER), child of the trace context carried by the
 newest sample of that GPU — the sample whose state the update reports — with a ``send capacity``
 span (PRODUCER) whose context travels in the capacity record's headers. Periodic refreshes and
@@ -91,13 +91,20 @@ from opentelemetry.context import Context
 
 from analytics import metrics
 from analytics.classify import GpuStatus, IdleClassifier, IdleConfig, IdleRun
-from analytics.decode import GpuRecord, IbPortRecord, RejectedRecord, decode_batch, decode_telemetry, paused_gc
+from analytics.decode import (
+    GpuRecord,
+    IbPortRecord,
+    RejectedRecord,
+    decode_batch,
+    decode_telemetry,
+    paused_gc,
+)
 from analytics.fabric_leaf import LeafHeadroom, LeafMap, leaf_headroom, leaf_map, uplink_block_reason
 from analytics.identity import GpuIdentities
 from analytics.predict import IdlePredictor, PredictorConfig
 from analytics.retention import RetentionConfig
-from analytics.scheduler import ALLOCATED_IDLE, DEFAULT_STALE_AFTER_S, SchedulerJoin, scheduler_gpus_table
 from analytics.rows import gpu_samples_table, gpu_states_table, ib_port_samples_table, idle_runs_table
+from analytics.scheduler import ALLOCATED_IDLE, DEFAULT_STALE_AFTER_S, SchedulerJoin, scheduler_gpus_table
 from analytics.store import AnalyticsStore, StoreBatch
 from analytics.views import HEADROOM_WINDOW_S
 from contracts import (
@@ -108,11 +115,11 @@ from contracts import (
     KafkaTopics,
     decode,
     encode,
-    tracing,
 )
-from contracts.backoff import Backoff
 from contracts.bus import Bus, BusMessage, Consumer, Producer, TopicPartition, require_topics
 from contracts.scheduler import SchedulerNode
+from runtime import tracing
+from runtime.backoff import Backoff
 
 log = logging.getLogger(__name__)
 _TRACER = tracing.tracer(__name__)
@@ -348,7 +355,7 @@ class AnalyticsService:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Call :meth:`step` until ``stop`` is set. An unexpected error in a step is logged and
-        retried after a pause (:class:`contracts.backoff.Backoff`, 0.5 s doubling to 10 s); it
+        retried after a pause (:class:`runtime.backoff.Backoff`, 0.5 s doubling to 10 s); it
         never ends the loop."""
         backoff = Backoff(0.5, 10.0)
         while not stop.is_set():

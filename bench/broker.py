@@ -692,7 +692,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"mosquitto 127.0.0.1:{creds['port']} with {len(names) + 2} users ({state})")
         try:
             if args.kafka:
-                from contracts.bus.kafka import KafkaBus
+                from runtime.kafka import KafkaBus
 
                 topics = KafkaTopics(prefix=f"bench{run_id}.")
                 kafka_bus = KafkaBus(args.kafka, client_id="bench-broker")

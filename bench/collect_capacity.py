@@ -281,7 +281,7 @@ def collect(
     from prometheus_client import start_http_server
 
     from collectors.service import CollectorService
-    from contracts.bus import make_bus
+    from runtime.bus import make_bus
 
     start_http_server(metrics_port, addr="127.0.0.1")
     urls = json.loads(urls_file.read_text())

@@ -13,8 +13,7 @@ Public API (imported lazily, so ``python -m broker.acl`` stays light):
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from runtime.lazy import lazy_exports
 
 _EXPORTS = {
     "BrokerConfig": "broker.config",
@@ -30,11 +29,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    """Import the public name ``name`` from its module on first use. Raises ``AttributeError``."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'broker' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

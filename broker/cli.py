@@ -43,7 +43,7 @@ from contracts import (
 from contracts.base import decode_compatible
 from contracts.bus import Bus, Consumer, MissingTopicsError, TopicPartition, require_topics
 from contracts.mqtt import Requirements
-from contracts.run_options import (
+from runtime.run_options import (
     ConfigOption,
     KafkaOption,
     MetricsAddrOption,
@@ -52,7 +52,7 @@ from contracts.run_options import (
     load_run_settings,
     metrics_port_option,
 )
-from contracts.settings import RunFlags
+from runtime.settings import RunFlags
 
 if TYPE_CHECKING:
     from broker.fabric_opensm import OpenSmFabric
@@ -151,12 +151,12 @@ RUN_SETTINGS: dict[str, str] = {
     "lease_log_linger_ms": "broker.lease_log_linger_ms",
     "tune_gc": "broker.tune_gc",
 }
-"""Parameter of ``broker run`` → the :class:`contracts.settings.DeploymentSettings` field it sets."""
+"""Parameter of ``broker run`` → the :class:`runtime.settings.DeploymentSettings` field it sets."""
 
 
 _RUN = RunFlags("gpupool broker run", RUN_SETTINGS)
 run_settings = _RUN.load
-"""The settings ``gpupool broker run`` runs with (:meth:`contracts.settings.RunFlags.load`)."""
+"""The settings ``gpupool broker run`` runs with (:meth:`runtime.settings.RunFlags.load`)."""
 _setting = _RUN.help
 
 
@@ -283,7 +283,7 @@ def run(
     lease gets an OpenSM partition verified on the fabric before it is granted; without it, fabric
     isolation is disabled and leases carry "partition": null.
 
-    Every option can also come from the deployment's settings (contracts/settings.py): a flag
+    Every option can also come from the deployment's settings (runtime/settings.py): a flag
     wins over its GPUPOOL_* variable (GPUPOOL_KAFKA, GPUPOOL_MQTT, GPUPOOL_MQTT_PASSWORD,
     GPUPOOL_BROKER__NOTICE_S...), which wins over the --config TOML file (kafka, mqtt*, the broker
     and metrics tables), which wins over the defaults. Exit status 2 on invalid settings or no Kafka
@@ -294,7 +294,7 @@ def run(
 
     from broker.config import broker_config_from
     from broker.service import BrokerService
-    from contracts.bus import make_bus
+    from runtime.bus import make_bus
 
     settings = load_run_settings(
         _RUN,
@@ -440,7 +440,7 @@ def opensm_fabric(
 
 
 DEMAND_SETTINGS: dict[str, str] = {"kafka": "kafka", "topic_prefix": "topic_prefix"}
-"""Parameter of ``broker demand`` → the :class:`contracts.settings.DeploymentSettings` field it sets."""
+"""Parameter of ``broker demand`` → the :class:`runtime.settings.DeploymentSettings` field it sets."""
 
 _DEMAND = RunFlags("gpupool broker demand", DEMAND_SETTINGS)
 
@@ -476,7 +476,7 @@ def demand(
     missing (create them first: gpupool topics create); 2 for bad options or settings, or when
     Kafka cannot be reached.
     """
-    from contracts.bus import make_bus
+    from runtime.bus import make_bus
 
     if count < 0:
         raise typer.BadParameter("--count must be >= 0")

@@ -6,10 +6,9 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from contracts.mqtt import LIMITS
 from broker.fabric_qos import effective_share_percent
-from contracts.settings import BrokerSettings
-
+from contracts.mqtt import LIMITS
+from runtime.settings import BrokerSettings
 
 DEFAULT_SITE_QUOTA = 64
 """GPUs a site may hold at once unless configured (``[broker] default_site_quota``)."""

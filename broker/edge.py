@@ -27,7 +27,7 @@ expiry; MQTT 3.1.1 ``clean_session=False``). The incoming queue is unbounded: ai
 messages silently past its bound. A site announces itself with a retained birth on
 ``sites/{site}/state`` and leaves a retained Last Will (death), each with a growing ``seq``.
 
-Tracing (:mod:`contracts.tracing`, when on, MQTT 5): :meth:`EdgeClient.claim` runs in a ``claim``
+Tracing (:mod:`runtime.tracing`, when on, MQTT 5): :meth:`EdgeClient.claim` runs in a ``claim``
 span (CLIENT) — child of the caller's current span if there is one, else of the offer's
 ``traceparent`` user property — and sends its own ``traceparent`` as a user property of the claim,
 so the broker's grant joins the trace that found the idle GPU.
@@ -72,10 +72,10 @@ from contracts import (
     Renewal,
     Reply,
     encode,
-    tracing,
 )
 from contracts.base import decode_compatible
 from contracts.mqtt import Requirements
+from runtime import tracing
 
 log = logging.getLogger(__name__)
 _TRACER = tracing.tracer(__name__)

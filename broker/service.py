@@ -34,7 +34,7 @@ the partitions no live lease holds are removed (``FabricManager.remove_stale``).
 isolation a claim is reserved and granted in one step, and its reply is published right after
 its lease message, before the offer changes it caused.
 
-Tracing (:mod:`contracts.tracing`, when on): a capacity or demand record that carries a trace
+Tracing (:mod:`runtime.tracing`, when on): a capacity or demand record that carries a trace
 context is handled in a ``process <topic>`` span (CONSUMER, its child); each offer it publishes
 gets a ``publish <root>/offers/{offer_id}`` span (PRODUCER) whose ``traceparent`` goes out as an
 MQTT 5 user property (kept for the offer's republishes). A claim is handled in a
@@ -91,14 +91,14 @@ from contracts import (
     Renewal,
     Reply,
     encode,
-    tracing,
 )
-from contracts.backoff import Backoff
 from contracts.base import decode_compatible
 from contracts.bus import Bus, BusMessage, Consumer, Producer, TopicPartition, require_topics
-from contracts.bus.replay import read_to_end
 from contracts.leases import LeaseReason, Partition
 from contracts.mqtt import REPLY_ADDED_FIELDS
+from runtime import tracing
+from runtime.backoff import Backoff
+from runtime.replay import read_to_end
 
 __all__ = ["BrokerConfig", "BrokerService", "LEASE_LOG_LINGER_MS", "tune_gc"]
 
@@ -318,7 +318,7 @@ class BrokerService:
     # lifecycle ----------------------------------------------------------------------------------------
     async def start(self) -> None:
         """Check that the topics exist, rebuild the lease book from ``leases.log`` (read to its end
-        offsets, :func:`contracts.bus.replay.read_to_end`), start the tick loop and
+        offsets, :func:`runtime.replay.read_to_end`), start the tick loop and
         the MQTT connection (retried with backoff in the background), then join the consumer group
         of capacity and demand. The tick (reclaim deadlines, TTLs) and MQTT (renewals, releases)
         do not wait for the group: after a crash the dead member holds it until its session times

@@ -33,7 +33,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from contracts import PeerState, encode
-from contracts.backoff import Backoff as Backoff  # re-exported: the MQTT reconnect loops take it from here
+from runtime.backoff import Backoff as Backoff  # re-exported: the MQTT reconnect loops take it from here
 
 
 def protocol_version(protocol: int) -> aiomqtt.ProtocolVersion:

@@ -15,32 +15,31 @@ Public API:
 * :func:`materialize_ttar` (:mod:`collectors.ttar`) — node_exporter/procfs ttar fixtures.
 """
 
-from collectors.dcgm import DcgmParseResult, Rejection, parse_dcgm_exporter
-from collectors.scrape import Scraper, ScrapeResult
-from collectors.service import CollectorService, CollectStats
-from collectors.slurm_collector import SlurmCollector, SlurmRead
-from collectors.sysfs_ib import IbDevice, SysfsError, SysfsReadResult, read_sysfs_infiniband
-from collectors.ttar import extract_ttar, materialize_ttar, parse_ttar
-from collectors.xid import XidEvent, XidObservation, XidTracker
+from __future__ import annotations
 
-__all__ = [
-    "CollectStats",
-    "CollectorService",
-    "DcgmParseResult",
-    "IbDevice",
-    "Rejection",
-    "ScrapeResult",
-    "Scraper",
-    "SlurmCollector",
-    "SlurmRead",
-    "SysfsError",
-    "SysfsReadResult",
-    "XidEvent",
-    "XidObservation",
-    "XidTracker",
-    "extract_ttar",
-    "materialize_ttar",
-    "parse_dcgm_exporter",
-    "parse_ttar",
-    "read_sysfs_infiniband",
-]
+from runtime.lazy import lazy_exports
+
+_EXPORTS = {
+    "DcgmParseResult": "collectors.dcgm",
+    "Rejection": "collectors.dcgm",
+    "parse_dcgm_exporter": "collectors.dcgm",
+    "Scraper": "collectors.scrape",
+    "ScrapeResult": "collectors.scrape",
+    "CollectorService": "collectors.service",
+    "CollectStats": "collectors.service",
+    "SlurmCollector": "collectors.slurm_collector",
+    "SlurmRead": "collectors.slurm_collector",
+    "IbDevice": "collectors.sysfs_ib",
+    "SysfsError": "collectors.sysfs_ib",
+    "SysfsReadResult": "collectors.sysfs_ib",
+    "read_sysfs_infiniband": "collectors.sysfs_ib",
+    "extract_ttar": "collectors.ttar",
+    "materialize_ttar": "collectors.ttar",
+    "parse_ttar": "collectors.ttar",
+    "XidEvent": "collectors.xid",
+    "XidObservation": "collectors.xid",
+    "XidTracker": "collectors.xid",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from contracts import KafkaTopics
-from contracts.bus import make_bus
-from contracts.run_options import (
+from runtime.bus import make_bus
+from runtime.run_options import (
     ConfigOption,
     KafkaOption,
     MetricsAddrOption,
@@ -24,7 +24,7 @@ from contracts.run_options import (
     load_run_settings,
     metrics_port_option,
 )
-from contracts.settings import CollectorsSettings, RunFlags
+from runtime.settings import CollectorsSettings, RunFlags
 
 if TYPE_CHECKING:
     from collectors.fabric_collector import FabricCollector
@@ -76,12 +76,12 @@ RUN_SETTINGS: dict[str, str] = {
     "metrics_port": "metrics.collectors",
     "metrics_addr": "metrics.addr",
 }
-"""Parameter of ``run`` → the :class:`contracts.settings.DeploymentSettings` field it sets."""
+"""Parameter of ``run`` → the :class:`runtime.settings.DeploymentSettings` field it sets."""
 
 
 _RUN = RunFlags("gpupool collect run", RUN_SETTINGS)
 run_settings = _RUN.load
-"""The settings ``gpupool collect run`` runs with (:meth:`contracts.settings.RunFlags.load`)."""
+"""The settings ``gpupool collect run`` runs with (:meth:`runtime.settings.RunFlags.load`)."""
 _setting = _RUN.help
 
 
@@ -227,7 +227,7 @@ def run(
     With --slurm-conf, also read that Slurm cluster every --slurm-interval and produce one
     SchedulerNode record per node to telemetry.scheduler (a failing scontrol fails that read only).
 
-    Every option can also come from the deployment's settings (contracts/settings.py): a flag
+    Every option can also come from the deployment's settings (runtime/settings.py): a flag
     wins over its GPUPOOL_* variable (e.g. GPUPOOL_KAFKA, GPUPOOL_COLLECTORS__INTERVAL_S), which
     wins over the --config TOML file (the collectors table, kafka, topic_prefix, metrics), which
     wins over the defaults.

@@ -26,12 +26,11 @@ parsed once per body and its identity cached; metric names are resolved once per
 from __future__ import annotations
 
 import functools
-
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
-from collections.abc import Callable
 from typing import NamedTuple, TypeVar, cast
 
 from collectors.dcgm_fields import (

@@ -59,12 +59,12 @@ from collectors.fabric_parse import (
     parse_perfquery,
 )
 from collectors.fabric_records import port_sample, topology_record
-from contracts.backoff import Backoff
 from contracts.base import encode
 from contracts.bus.api import Bus, Producer
 from contracts.fabric import FabricTopology
 from contracts.telemetry import IbPortSample
 from contracts.topics import KafkaTopics
+from runtime.backoff import Backoff
 
 __all__ = ["DiagResult", "FabricCollector"]
 
@@ -275,7 +275,7 @@ class FabricCollector:
 
     async def _exec_retrying(self, args: Sequence[str], timeout_s: float) -> DiagResult:
         """:meth:`_exec`, run again up to ``retries`` times after a transport failure (MAD
-        timeouts and the like), with :class:`contracts.backoff.Backoff` (50 ms doubling) between."""
+        timeouts and the like), with :class:`runtime.backoff.Backoff` (50 ms doubling) between."""
         res = await self._exec(args, timeout_s)
         backoff = Backoff(0.05, 1.0)
         for _ in range(self._retries):

@@ -23,7 +23,7 @@ reload, per-target interval and deadline, target labels as ``target_<name>`` att
 ``spool_dir`` records go through :class:`collectors.spool.SpoolingProducer`, which keeps them
 (memory, then disk) while Kafka is unreachable and delivers them in order once it is back.
 
-Tracing (:mod:`contracts.tracing`, when on): each dcgm-exporter scrape is a ``scrape
+Tracing (:mod:`runtime.tracing`, when on): each dcgm-exporter scrape is a ``scrape
 dcgm-exporter`` span, and each batch sent a ``send <topic>`` span (PRODUCER) whose ``traceparent``
 every record of the batch carries as a Kafka header — the start of the trace that ends at a lease.
 """
@@ -54,8 +54,15 @@ from collectors.sysfs_ib import SysfsReadResult, read_sysfs_infiniband
 from collectors.targets import Target, TargetSet
 from collectors.ufm_telemetry import parse_ufm_telemetry
 from collectors.xid import XidTracker
-from contracts import GpuSample, IbPortSample, KafkaTopics, NvSwitchSample, encode, tracing
+from contracts import (
+    GpuSample,
+    IbPortSample,
+    KafkaTopics,
+    NvSwitchSample,
+    encode,
+)
 from contracts.bus import Bus, MissingTopicsError, Producer, require_topics
+from runtime import tracing
 
 if TYPE_CHECKING:  # imported by the caller only when the fabric is collected (its metrics with it)
     from collectors.fabric_collector import FabricCollector
@@ -128,7 +135,7 @@ class CollectorService:
     """Collects GPU and InfiniBand telemetry on an interval and produces it to the bus.
 
     Args:
-        bus: where records go (:func:`contracts.bus.make_bus`).
+        bus: where records go (:func:`runtime.bus.make_bus`).
         topics: topic names.
         dcgm_targets: dcgm-exporter ``/metrics`` URLs.
         sysfs_roots: ``(host, sys_root)`` pairs; ``sys_root`` holds ``class/infiniband``.

@@ -1,7 +1,7 @@
 """Delivery without loss: a write-ahead spool in front of a bus producer.
 
 :class:`SpoolingProducer` wraps any :class:`contracts.bus.Producer` (in production
-:class:`contracts.bus.kafka.KafkaBusProducer`). :meth:`~SpoolingProducer.send` never talks to the
+:class:`runtime.kafka.KafkaBusProducer`). :meth:`~SpoolingProducer.send` never talks to the
 bus: it appends the record to a FIFO queue and returns. A background *drainer* takes records from
 the head of the queue in *units* (up to ``batch_records`` / ``batch_bytes``), hands a unit to the
 inner producer (``send`` each record, in order), waits for the inner ``flush`` to acknowledge it,
@@ -67,8 +67,8 @@ from aiokafka.errors import KafkaTimeoutError
 
 from collectors import metrics
 from collectors.spool_disk import DiskSpool, DiskUnit, SpoolRecord, encode_frame, make_record, sync_paths
-from contracts.backoff import Backoff
 from contracts.bus import Producer
+from runtime.backoff import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class SpoolingProducer:
             space); what was not handed by then stays queued.
         flush_poll_s: how long one inner ``flush`` is awaited before it is awaited again.
         backoff_s: ``(first, max)`` seconds between attempts after an error (doubling, jittered:
-            :class:`contracts.backoff.Backoff`).
+            :class:`runtime.backoff.Backoff`).
         max_attempts: permanent errors of one record before it is dropped (``rejected``).
         fsync_interval_s: seconds between fsyncs of the disk tier.
         drain_timeout_s: how long :meth:`stop` keeps delivering before it writes the rest to disk.

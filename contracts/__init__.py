@@ -8,8 +8,8 @@ topic names in :mod:`contracts.topics`; the bus interface and its implementation
 """
 
 from contracts.base import SCHEMA_VERSION, Record, decode, encode
-from contracts.fabric import FabricTopology
 from contracts.capacity import CapacityUpdate, GpuState, IdleGrade, PoolDemand
+from contracts.fabric import FabricTopology
 from contracts.leases import LeaseLogRecord, LeaseState
 from contracts.mqtt import (
     Claim,

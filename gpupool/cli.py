@@ -20,8 +20,8 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from contracts.tracing import setup_tracing
 from gpupool.logs import setup_logging
+from runtime.tracing import setup_tracing
 
 _LAZY: dict[str, tuple[str, str, str]] = {
     "collect": ("collectors.cli", "app", "Collectors: GPU and InfiniBand telemetry → Kafka."),

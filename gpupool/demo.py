@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING
 import aiomqtt
 
 from contracts import KafkaTopics, LeaseLogRecord, MqttTopics, Offer, decode
-from contracts.bus import make_bus
 from gpupool.demo_fabric import (
     INSTALL_HINT,
     DemoFabric,
@@ -43,6 +42,7 @@ from gpupool.demo_fabric import (
     missing_tools,
 )
 from gpupool.demo_leases import LeaseRow, LeaseWatch, lease_rows, percentile, write_rows
+from runtime.bus import make_bus
 
 if TYPE_CHECKING:
     from simulator.dcgm_http import FleetServer

@@ -1,10 +1,10 @@
 """gpupool's settings as the ``gpupool`` CLI shows them: the deployment model of
-:mod:`contracts.settings`, checked against the stages' own configurations.
+:mod:`runtime.settings`, checked against the stages' own configurations.
 
 The model itself (fields, ``GPUPOOL_*`` environment variables, the TOML file of ``--config`` /
 ``GPUPOOL_CONFIG``, precedence flags > environment > file > defaults) is
-:class:`contracts.settings.DeploymentSettings`: it lives in ``contracts`` because every stage's
-``run`` command loads it and a stage may import nothing but ``contracts``
+:class:`runtime.settings.DeploymentSettings`: it lives in ``runtime`` because every stage's
+``run`` command loads it and a stage may import nothing but ``contracts`` and ``runtime``
 (tests/test_architecture.py). This module, part of the root ``gpupool`` package that may import
 every stage, adds what needs the stages' classes: :class:`GpupoolSettings` refuses values the
 stages would refuse (``analytics.classify.IdleConfig``'s thresholds,
@@ -22,7 +22,7 @@ from pydantic import SecretStr, model_validator
 
 from analytics.classify import IdleConfig, idle_config_from
 from broker.config import BrokerConfig, broker_config_from
-from contracts.settings import (
+from runtime.settings import (
     CONFIG_ENV,
     BrokerSettings,
     DeploymentSettings,
@@ -57,7 +57,7 @@ def broker_config(broker: BrokerSettings) -> BrokerConfig:
 
 
 class GpupoolSettings(DeploymentSettings):
-    """:class:`contracts.settings.DeploymentSettings` (every field and source), also refusing
+    """:class:`runtime.settings.DeploymentSettings` (every field and source), also refusing
     what the stages would refuse at start.
 
     Raises (as ``pydantic.ValidationError``, like any invalid value): idle thresholds

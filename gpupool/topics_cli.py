@@ -35,10 +35,10 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError
 
-from contracts.bus.kafka import KafkaBus
-from contracts.run_options import ConfigOption, KafkaOption, TopicPrefixOption, load_run_settings
-from contracts.settings import RunFlags
 from contracts.topics import KafkaTopics
+from runtime.kafka import KafkaBus
+from runtime.run_options import ConfigOption, KafkaOption, TopicPrefixOption, load_run_settings
+from runtime.settings import RunFlags
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ Fixtures:
   ``deploy/local/kafka.sh start``;
 * ``kafka_topics`` (function): a :class:`contracts.topics.KafkaTopics` with a fresh
   ``t<32 hex>.`` prefix, so tests never see each other's records;
-* ``kafka_bus`` (function): a :class:`contracts.bus.kafka.KafkaBus` on ``kafka_bootstrap``, closed
+* ``kafka_bus`` (function): a :class:`runtime.kafka.KafkaBus` on ``kafka_bootstrap``, closed
   after the test;
 * ``kafka_stage_topics`` (function): ``kafka_topics`` with every topic created the way an operator
   does before starting a stage (:func:`create_stage_topics`, ``gpupool topics create``'s own code:
@@ -40,8 +40,8 @@ from typing import Any
 
 import pytest
 
-from contracts.bus.kafka import KafkaBus
 from contracts.topics import KafkaTopics
+from runtime.kafka import KafkaBus
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy" / "local"
@@ -134,7 +134,7 @@ def kafka_topics() -> KafkaTopics:
 
 @pytest.fixture
 async def kafka_bus(kafka_bootstrap: str) -> AsyncIterator[KafkaBus]:
-    """A :class:`contracts.bus.kafka.KafkaBus` on the local node; closed after the test."""
+    """A :class:`runtime.kafka.KafkaBus` on the local node; closed after the test."""
     bus = KafkaBus(kafka_bootstrap, client_id="gpupool-test")
     yield bus
     await bus.close()

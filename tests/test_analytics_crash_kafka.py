@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from analytics.classify import FB_USED, GPU_UTIL, GR_ENGINE_ACTIVE
 from contracts import GpuSample, KafkaTopics, encode
-from contracts.bus.kafka import KafkaBus
+from runtime.kafka import KafkaBus
 from tests.services import create_stage_topics
 
 GPUS = 200

@@ -33,7 +33,7 @@ from analytics.classify import FB_USED, GPU_UTIL, GR_ENGINE_ACTIVE, SM_ACTIVE, I
 from analytics.service import AnalyticsService
 from contracts import CapacityUpdate, GpuSample, IbPortSample, KafkaTopics, decode, encode
 from contracts.bus import TopicPartition, partition_for
-from contracts.bus.kafka import KafkaBus
+from runtime.kafka import KafkaBus
 from tests.services import create_stage_topics
 
 T0 = 1_700_000_000.0

@@ -15,13 +15,15 @@ STAGES = ("collectors", "analytics", "broker")
 # What each package may import among the project's own packages.
 ALLOWED = {
     "contracts": set(),
-    "collectors": {"contracts"},
-    "analytics": {"contracts"},
-    "broker": {"contracts"},
+    # process plumbing (Kafka client, settings, tracing, backoff) shared by the stages
+    "runtime": {"contracts"},
+    "collectors": {"contracts", "runtime"},
+    "analytics": {"contracts", "runtime"},
+    "broker": {"contracts", "runtime"},
     # simulated edge sites drive the edge SDK, as a real site would
     "simulator": {"contracts", "broker"},
 }
-PROJECT = {"contracts", "collectors", "analytics", "broker", "simulator", "gpupool"}
+PROJECT = {"contracts", "runtime", "collectors", "analytics", "broker", "simulator", "gpupool"}
 
 
 def _imports(path: Path) -> set[str]:
@@ -51,3 +53,20 @@ def test_the_simulator_uses_only_the_edge_sdk_of_the_broker() -> None:
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("broker"):
                 assert node.module in ("broker", "broker.edge"), f"{path.name} imports {node.module}"
+
+
+HEAVY = ("aiokafka", "opentelemetry.sdk", "opentelemetry.exporter", "duckdb", "aiohttp", "httpx", "pyarrow")
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["contracts", "contracts.bus", "collectors.dcgm", "collectors.sysfs_ib", "collectors.ibstat", "broker.edge"],
+)
+def test_importing_a_contract_a_parser_or_the_edge_sdk_stays_light(module: str) -> None:
+    """No Kafka client, OpenTelemetry SDK or exporter, DuckDB, Arrow or HTTP client is loaded."""
+    import subprocess
+    import sys
+
+    probe = f"import sys, {module}; print(','.join(m for m in {HEAVY!r} if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert done.stdout.strip() == "", f"importing {module} loads {done.stdout.strip()}"

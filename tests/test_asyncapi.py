@@ -1,5 +1,5 @@
 """The committed protocol documents (docs/asyncapi.yaml, docs/schemas/*.json) are what
-``python -m contracts.asyncapi --out docs/`` generates from the models, and the AsyncAPI document
+``python -m runtime.asyncapi --out docs/`` generates from the models, and the AsyncAPI document
 is structurally valid AsyncAPI 3.0.0.
 
 No AsyncAPI 3 validator is a dependency of the project, so the structure is checked here: required
@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from contracts import Claim, LeaseMessage, MqttTopics, Offer, OfferedGpu
-from contracts.asyncapi import ASYNCAPI_FILE, build_asyncapi, kafka_json_schemas, main, render
+from runtime.asyncapi import ASYNCAPI_FILE, build_asyncapi, kafka_json_schemas, main, render
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
@@ -57,7 +57,7 @@ def test_committed_files_equal_regenerated() -> None:
     assert committed == {k for k in files if k.startswith("schemas/")}, "stale or missing schema files"
     for rel, text in files.items():
         assert (DOCS / rel).read_text() == text, (
-            f"docs/{rel} differs from the models: run `python -m contracts.asyncapi --out docs/`"
+            f"docs/{rel} differs from the models: run `python -m runtime.asyncapi --out docs/`"
         )
 
 
@@ -66,7 +66,7 @@ def test_cli_writes_same_files(tmp_path: Path) -> None:
     for rel, text in render().items():
         assert (tmp_path / rel).read_text() == text
     done = subprocess.run(
-        [sys.executable, "-m", "contracts.asyncapi", "--out", str(tmp_path / "m")],
+        [sys.executable, "-m", "runtime.asyncapi", "--out", str(tmp_path / "m")],
         cwd=REPO, capture_output=True, text=True, check=False,
     )
     assert done.returncode == 0, done.stderr

@@ -1,4 +1,4 @@
-"""The one backoff of every retry loop (:class:`contracts.backoff.Backoff`)."""
+"""The one backoff of every retry loop (:class:`runtime.backoff.Backoff`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from contracts.backoff import Backoff
+from runtime.backoff import Backoff
 
 
 class _Fixed(random.Random):

@@ -172,7 +172,7 @@ def test_edge_command_without_a_server_exits_2() -> None:
 
 
 def test_broker_demand_lands_on_the_real_pool_demand_topic(kafka_bootstrap: str) -> None:
-    from contracts.bus.kafka import KafkaBus
+    from runtime.kafka import KafkaBus
 
     prefix = f"t{uuid.uuid4().hex}."
     asyncio.run(create_stage_topics(kafka_bootstrap, KafkaTopics(prefix)))
@@ -221,7 +221,7 @@ def test_broker_demand_without_topics_names_topics_create_and_creates_nothing(
     """No topics under the prefix: exit 1 with one message naming `gpupool topics create`, no
     traceback, and neither pool.demand nor leases.log is created (the cluster auto-creates topics
     on produce, so a send would have made one)."""
-    from contracts.bus.kafka import KafkaBus
+    from runtime.kafka import KafkaBus
 
     topics = KafkaTopics(f"t{uuid.uuid4().hex}.")
     res = runner.invoke(

@@ -39,9 +39,8 @@ from contracts import (
     PoolDemand,
     encode,
 )
-from contracts.bus.kafka import KafkaBus
-from contracts.bus.replay import read_to_end
-
+from runtime.kafka import KafkaBus
+from runtime.replay import read_to_end
 from tests.mqtt_support import retained_leases, until
 from tests.services import create_stage_topics
 

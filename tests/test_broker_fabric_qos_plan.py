@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from broker.fabric_paths import LinkGraph, PathPort
-from broker.fabric_smp import decode_sl2vl, decode_vlarb, encode_vlarb
 from broker.fabric_plan import PlanError
 from broker.fabric_qos import (
     MIN_SHARE_PERCENT,
@@ -21,6 +20,7 @@ from broker.fabric_qos import (
     sl2vl_problem,
     vlarb_problem,
 )
+from broker.fabric_smp import decode_sl2vl, decode_vlarb, encode_vlarb
 
 CONF = "# opensm.conf of the operator\nqos TRUE\nqos_max_vls 8\nqos_policy_file /etc/qos-policy.conf\n"
 

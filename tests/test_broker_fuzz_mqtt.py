@@ -19,8 +19,6 @@ it is loose (a shared 2-core machine), the number is for the report.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
 import asyncio
 import contextlib
 import json
@@ -28,6 +26,7 @@ import socket
 import statistics
 import time
 import uuid
+from abc import ABC, abstractmethod
 from typing import Any
 
 import aiomqtt

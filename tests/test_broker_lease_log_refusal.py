@@ -23,7 +23,6 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from broker.config import BrokerConfig
 from broker.edge import ClaimRejected, EdgeClient
-from contracts.bus.replay import read_to_end
 from broker.service import BrokerService
 from contracts import (
     CapacityUpdate,
@@ -37,9 +36,10 @@ from contracts import (
     encode,
 )
 from contracts.bus import MemoryBus
-from contracts.bus.kafka import KafkaBus
 from contracts.leases import LeaseReason
 from contracts.mqtt import Requirements
+from runtime.kafka import KafkaBus
+from runtime.replay import read_to_end
 from tests.mqtt_support import retained_leases, running, until
 from tests.services import state_dir
 

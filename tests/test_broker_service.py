@@ -612,7 +612,7 @@ async def test_lease_log_producer_linger_is_per_producer(kafka_bus: Bus, kafka_t
     """``Bus.producer(linger_ms=...)``: a Kafka producer lingering 200 ms holds every lone record
     that long before sending it; one lingering 0 ms sends at once. The memory bus takes and
     ignores it; a negative linger is refused everywhere."""
-    from contracts.bus.kafka import DEFAULT_LINGER_MS
+    from runtime.kafka import DEFAULT_LINGER_MS
 
     await kafka_bus.create_topics([kafka_topics.leases_log])
     assert kafka_bus.producer().linger_ms == DEFAULT_LINGER_MS == 20.0  # type: ignore[attr-defined]

@@ -19,8 +19,8 @@ from collectors.service import CollectorService
 from collectors.spool import REDELIVERY_HEADER, SpoolingProducer
 from contracts import GpuSample, IbPortSample, decode
 from contracts.bus import BusMessage
-from contracts.bus.kafka import KafkaBus
 from contracts.topics import KafkaTopics
+from runtime.kafka import KafkaBus
 from tests.services import create_stage_topics, run_service
 from tests.test_collectors_scrape import FakeExporters
 

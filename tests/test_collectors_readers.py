@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from collectors.dcgmi_dmon import field_ids, parse_dcgmi_dmon
-from collectors.ib_counters import link_width_speed, rate_width_speed
 from collectors.fabric_parse import parse_ibnetdiscover
 from collectors.fabric_records import port_sample
+from collectors.ib_counters import link_width_speed, rate_width_speed
 from collectors.ibstat import parse_ibstat
-from collectors.sysfs_ib import read_sysfs_infiniband
 from collectors.nvsmi_csv import is_csv_query, parse_nvidia_smi_csv, query_properties
+from collectors.sysfs_ib import read_sysfs_infiniband
 from collectors.ufm_telemetry import PMA_NAMES, parse_ufm_telemetry
 from contracts import GpuSample, IbPortSample, decode, encode
 

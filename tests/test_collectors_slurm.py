@@ -24,8 +24,8 @@ from collectors.slurm_collector import SlurmCollector
 from collectors.slurm_parse import expand_hostlist, parse_slurm_time
 from contracts import CapacityUpdate, GpuSample, GpuState, KafkaTopics, decode, encode
 from contracts.bus import BusMessage, MemoryBus
-from contracts.bus.kafka import KafkaBus
 from contracts.scheduler import SchedulerNode
+from runtime.kafka import KafkaBus
 
 HOST = "gpu-node-001"
 

@@ -19,8 +19,8 @@ from collectors.fabric_parse import parse_ibnetdiscover
 from collectors.fabric_records import port_sample
 from contracts import GpuSample, IbPortSample, KafkaTopics, encode
 from contracts.bus import MemoryBus, TopicPartition, partition_for
-from contracts.bus.kafka import KafkaBus
 from contracts.topics import gpu_key, ib_port_key, telemetry_partition_key
+from runtime.kafka import KafkaBus
 
 TOPICS = KafkaTopics()
 IBX = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "telemetry" / "infiniband_exporter"

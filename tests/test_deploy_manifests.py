@@ -48,12 +48,12 @@ import yaml
 
 import analytics.cli
 import broker.cli
-from gpupool.topics_cli import TOPICS_FLAGS
 import collectors.cli
 from broker.acl import BROKER_USER, DEFAULT_ROOT, OBSERVER_USER, render_acl
-from contracts.settings import DeploymentSettings
 from gpupool.cli import app
 from gpupool.settings import load_settings
+from gpupool.topics_cli import TOPICS_FLAGS
+from runtime.settings import DeploymentSettings
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"

@@ -29,8 +29,8 @@ from contracts import (
     decode,
     encode,
 )
-from contracts.bus.kafka import KafkaBus
 from gpupool.demo import DemoConfig, run_demo
+from runtime.kafka import KafkaBus
 
 pytestmark = pytest.mark.integration
 

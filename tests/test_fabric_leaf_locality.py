@@ -39,8 +39,8 @@ from collectors.fabric_collector import FabricCollector
 from collectors.service import CollectorService
 from contracts import CapacityUpdate, GpuSample, GpuState, IbPortSample, KafkaTopics, decode, encode
 from contracts.bus import MemoryBus
-from contracts.bus.kafka import KafkaBus
 from contracts.mqtt import Claim, Requirements
+from runtime.kafka import KafkaBus
 from tests.fabric_fixture import SimFabric, sim_fabric  # noqa: F401 - the session fixture
 
 pytestmark = pytest.mark.integration

@@ -38,13 +38,13 @@ from contracts import (
     encode,
 )
 from contracts.bus import MemoryBus
-from contracts.bus.kafka import KafkaBus
 from contracts.counters import CounterTracker, link_utilisation
 from contracts.topics import KafkaTopics
 from gpupool.cli import app
 from gpupool.report import data, figures
 from gpupool.report.build import PLOT_IDS, build_report
 from gpupool.report.leases import lease_spans, load_jsonl, parse_jsonl, read_from_bus, write_jsonl
+from runtime.kafka import KafkaBus
 
 T0 = 1_800_000_000.0
 HOST = "node-1"

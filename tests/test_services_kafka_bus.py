@@ -18,8 +18,8 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import InvalidTopicError, KafkaError
 
 from contracts.bus import BusMessage, TopicPartition, partition_for
-from contracts.bus.kafka import KafkaBus, KafkaBusConsumer
 from contracts.topics import KafkaTopics
+from runtime.kafka import KafkaBus, KafkaBusConsumer
 from tests.services import run_service
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from contracts.bus import MemoryBus, MissingTopicsError, require_topics
-from contracts.bus.kafka import KafkaBus
 from contracts.topics import KafkaTopics
+from runtime.kafka import KafkaBus
 from tests.services import REPO, create_stage_topics
 
 STAGES = {

@@ -10,9 +10,9 @@ from typing import Any
 
 from typer.testing import CliRunner
 
-from contracts.bus.kafka import KafkaBus
 from contracts.topics import KafkaTopics
 from gpupool.cli import app
+from runtime.kafka import KafkaBus
 
 
 def _prefix() -> str:

@@ -1,4 +1,4 @@
-"""One OpenTelemetry trace from a scrape to a lease (:mod:`contracts.tracing`).
+"""One OpenTelemetry trace from a scrape to a lease (:mod:`runtime.tracing`).
 
 * unit: W3C ``traceparent`` round trips through Kafka headers and MQTT 5 user properties; with
   tracing off nothing is added and nothing is parsed; a broken ``traceparent`` is tolerated;
@@ -11,7 +11,7 @@
   the ``traceparent`` user properties carry the trace on to the site's claim and the broker's
   lease grant.
 
-Spans are read from an ``InMemorySpanExporter`` installed with :func:`contracts.tracing.use_provider`.
+Spans are read from an ``InMemorySpanExporter`` installed with :func:`runtime.tracing.use_provider`.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ from broker.config import BrokerConfig
 from broker.edge import EdgeClient
 from broker.service import BrokerService
 from collectors.service import CollectorService
-from contracts import KafkaTopics, MqttTopics, tracing
+from contracts import KafkaTopics, MqttTopics
 from contracts.bus import MemoryBus
+from runtime import tracing
 from tests.test_broker_service import _Amqtt, _free_port
 
 SAMPLE = (

@@ -1,9 +1,11 @@
-"""The bus: a small keyed publish/consume interface with two implementations.
+"""The bus: a small keyed publish/consume interface, the in-process implementation, and the rule
+of which partition a key lands on. Two implementations exist:
 
 * :class:`contracts.bus.memory.MemoryBus` — in-process, the embedded default of the demo and of
   unit tests;
-* :class:`contracts.bus.kafka.KafkaBus` — Apache Kafka through aiokafka (idempotent, batched,
-  compressed producer; consumers that commit only after their side effect is durable).
+* :class:`runtime.kafka.KafkaBus` — Apache Kafka through aiokafka (idempotent, batched,
+  compressed producer; consumers that commit only after their side effect is durable). It lives in
+  the runtime package so that importing a contract never loads a Kafka client.
 
 Both keep Kafka's semantics that the stages rely on: records with the same key land on the same
 partition in order; a consumer group shares the partitions; a consumer's position is committed
@@ -35,12 +37,3 @@ __all__ = [
     "MemoryBus",
 ]
 
-
-def make_bus(bootstrap_servers: str | None, *, client_id: str = "gpupool") -> Bus:
-    """Return a :class:`KafkaBus` for ``bootstrap_servers`` (``host:port[,host:port]``), or a new
-    :class:`MemoryBus` when it is ``None`` or empty."""
-    if not bootstrap_servers:
-        return MemoryBus()
-    from contracts.bus.kafka import KafkaBus  # aiokafka is imported only when Kafka is used
-
-    return KafkaBus(bootstrap_servers, client_id=client_id)

@@ -19,8 +19,8 @@ from rich.progress import (
 )
 
 from contracts import KafkaTopics, LeaseLogRecord
-from contracts.bus import make_bus
 from gpupool.report.leases import load_jsonl, read_from_bus
+from runtime.bus import make_bus
 
 
 def report(

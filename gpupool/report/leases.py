@@ -25,8 +25,8 @@ from pathlib import Path
 from contracts import LeaseLogRecord, LeaseState, encode
 from contracts.base import decode_compatible
 from contracts.bus import Bus
-from contracts.bus.replay import read_to_end
 from gpupool.report import metrics
+from runtime.replay import read_to_end
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def write_jsonl(records: Sequence[LeaseLogRecord], path: Path) -> None:
 
 async def read_from_bus(bus: Bus, topic: str, *, timeout_s: float = 30.0) -> tuple[list[LeaseLogRecord], int]:
     """Every record of the lease log ``topic`` on ``bus`` written before this call, read to its
-    end without writing anything to the topic (:func:`contracts.bus.replay.read_to_end`, consumer
+    end without writing anything to the topic (:func:`runtime.replay.read_to_end`, consumer
     group ``gpupool-report-<random>``, never committed). Returns ``(records, rejected)``, in offset
     order within each partition; rejected records (not a :class:`contracts.LeaseLogRecord`) are
     logged (``bus_record_rejected``) and counted in

@@ -1,14 +1,12 @@
 """The deployment's settings: one typed model (pydantic-settings) that every stage reads.
 
-Why it lives in ``contracts``: one TOML file configures a whole deployment, so its shape is an
-interface every stage shares, like the topic names: the collectors, analytics and broker
-``run`` commands each load it (``--config FILE``), and a stage may import only ``contracts``
-(tests/test_architecture.py). The model therefore imports no stage: the stage CLIs turn their
-group into their own configuration (``analytics.classify.IdleConfig``, ``broker.config.BrokerConfig``),
-and :mod:`gpupool.settings` — which may import every stage — adds the cross-checks that need
-those classes for ``gpupool config show``. (Loading the settings in the root ``gpupool`` CLI and
-handing them down was the alternative; it would leave a stage's own Typer app, as tests and
-embedders use it, without ``--config``.)
+One TOML file configures a whole deployment, so its shape is shared by every stage: the
+collectors, analytics and broker ``run`` commands each load it (``--config FILE``). The model
+imports no stage (a stage may import only ``contracts`` and ``runtime``,
+tests/test_architecture.py): the stage CLIs turn their group into their own configuration
+(``analytics.classify.IdleConfig``, ``broker.config.BrokerConfig``), and :mod:`gpupool.settings`,
+which may import every stage, adds the cross-checks that need those classes for
+``gpupool config show``.
 
 Sources, highest priority first:
 
@@ -47,7 +45,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,

@@ -31,8 +31,8 @@ from collections.abc import Sequence
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, ConsumerRecord
 from aiokafka import TopicPartition as _AioTopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from aiokafka.codec import has_lz4
+from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from aiokafka.errors import TopicAlreadyExistsError, for_code
 
 from contracts.bus.api import BusMessage, OnAssign, TopicPartition, check_linger

@@ -7,7 +7,7 @@ bindings 0.2.0 (github.com/asyncapi/bindings, ``mqtt/``), JSON Schema 2020-12 as
 :class:`contracts.topics.KafkaTopics`, payloads from :mod:`contracts.mqtt` and the Kafka records, so
 the documents cannot drift from the code: ``tests/test_asyncapi.py`` regenerates them and compares.
 
-``python -m contracts.asyncapi --out docs/`` writes ``docs/asyncapi.yaml`` and
+``python -m runtime.asyncapi --out docs/`` writes ``docs/asyncapi.yaml`` and
 ``docs/schemas/<kafka topic>.schema.json``.
 """
 
@@ -26,7 +26,6 @@ from contracts.base import SCHEMA_VERSION, Record
 from contracts.capacity import CapacityUpdate, PoolDemand
 from contracts.fabric import TOPOLOGY_KEY, FabricTopology
 from contracts.leases import LeaseLogRecord, LeaseReason
-from contracts.scheduler import SchedulerNode
 from contracts.mqtt import (
     LIMITS,
     REASON_ANSWERS,
@@ -39,9 +38,10 @@ from contracts.mqtt import (
     Renewal,
     Reply,
 )
-from contracts.settings import BrokerSettings
+from contracts.scheduler import SchedulerNode
 from contracts.telemetry import GpuSample, IbPortSample, NvSwitchSample
 from contracts.topics import KafkaTopics, MqttTopics
+from runtime.settings import BrokerSettings
 
 ASYNCAPI_FILE = "asyncapi.yaml"
 """File name of the AsyncAPI document in the output directory."""
@@ -485,7 +485,7 @@ def build_asyncapi(root: str = "gpupool/v1") -> dict[str, Any]:
             "is in the JSON payload (MQTT 3.1.1 works); MQTT 5 adds message expiry, response "
             "topic, correlation data and a traceparent user property. Every payload carries "
             f"schema_version ({SCHEMA_VERSION}). Generated from contracts/ by "
-            "`python -m contracts.asyncapi`; do not edit by hand.\n" + _GUIDE,
+            "`python -m runtime.asyncapi`; do not edit by hand.\n" + _GUIDE,
         },
         "x-reason-codes": _reason_codes(),
         "x-lease-reasons": _lease_reasons(),
@@ -529,16 +529,16 @@ def write(out: Path, root: str = "gpupool/v1") -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: ``python -m contracts.asyncapi --out DIR [--root R]``; prints the written paths.
+    """CLI: ``python -m runtime.asyncapi --out DIR [--root R]``; prints the written paths.
     Exit status 1 if a file cannot be written."""
-    p = argparse.ArgumentParser(prog="python -m contracts.asyncapi", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m runtime.asyncapi", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="output directory (e.g. docs/)")
     p.add_argument("--root", default="gpupool/v1", help="MQTT topic root (default %(default)s)")
     args = p.parse_args(argv)
     try:
         paths = write(args.out, args.root)
     except OSError as e:
-        print(f"contracts.asyncapi: {e}", file=sys.stderr)
+        print(f"runtime.asyncapi: {e}", file=sys.stderr)
         return 1
     for path in paths:
         print(path)

@@ -1,8 +1,8 @@
 """Command-line options every stage's ``run`` command shares (Typer ``Annotated`` types).
 
-Each option defaults to ``None`` = "not given", so :meth:`contracts.settings.RunFlags.load` takes
+Each option defaults to ``None`` = "not given", so :meth:`runtime.settings.RunFlags.load` takes
 the value from ``GPUPOOL_*``, then the ``--config`` TOML file, then the default of
-:class:`contracts.settings.DeploymentSettings`; the help names the setting it overrides.
+:class:`runtime.settings.DeploymentSettings`; the help names the setting it overrides.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 
 from contracts.bus.api import Bus, MissingTopicsError
-from contracts.settings import CONFIG_OPTION_HELP, DeploymentSettings, RunFlags, SettingsError
+from runtime.settings import CONFIG_OPTION_HELP, DeploymentSettings, RunFlags, SettingsError
 
 ConfigOption = Annotated[Path | None, typer.Option("--config", help=CONFIG_OPTION_HELP)]
 """``--config FILE``: the deployment's TOML settings file."""
