@@ -58,28 +58,11 @@ app = typer.Typer(
 
 
 RUN_FLAGS = RunFlags(
-    "gpupool analytics run",
-    {
-        "kafka": "kafka",
-        "db": "analytics_db",
-        "metrics_port": "metrics.analytics",
-        "metrics_addr": "metrics.addr",
-        "topic_prefix": "topic_prefix",
-        "group_id": "analytics.group_id",
-        "pool": "idle.pool",
-        "min_idle_s": "idle.min_idle_s",
-        "idle_threshold": "idle.idle_threshold",
-        "busy_threshold": "idle.busy_threshold",
-        "stale_after_s": "idle.stale_after_s",
-        "refresh_s": "idle.refresh_s",
-        "memory_limit": "analytics.memory_limit",
-        "lent_share_percent": "broker.lent_share_percent",
-        "max_uplink_xmit_wait": "analytics.max_uplink_xmit_wait",
-        "scheduler": "analytics.scheduler",
-    },
-)
-"""Option of ``gpupool analytics run`` → the :class:`runtime.settings.DeploymentSettings` field it
-sets (the options are derived from the fields: :func:`runtime.run_options.settings_command`)."""
+    "gpupool analytics run", "kafka", "analytics_db", "topic_prefix", "metrics.analytics", "metrics.addr",
+    "analytics.*", "idle.*", "broker.lent_share_percent",
+)  # fmt: skip
+"""The settings fields that are options of ``gpupool analytics run`` (each field's :class:`runtime.settings.Flag`
+names its option; :func:`runtime.run_options.settings_command` derives the options)."""
 
 run_settings = RUN_FLAGS.load
 """The settings ``gpupool analytics run`` runs with (:meth:`runtime.settings.RunFlags.load`)."""

@@ -21,7 +21,7 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Coroutine
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Protocol, TypeVar
@@ -121,37 +121,10 @@ def _print(obj: Record | dict[str, object] | list[object]) -> None:
 
 # broker ----------------------------------------------------------------------------------------------
 RUN_FLAGS = RunFlags(
-    "gpupool broker run",
-    {
-        "kafka": "kafka",
-        "mqtt": "mqtt",
-        "username": "mqtt_username",
-        "password": "mqtt_password",
-        "protocol": "mqtt_protocol",
-        "root": "mqtt_root",
-        "topic_prefix": "topic_prefix",
-        "group_id": "broker.group_id",
-        "client_id": "broker.client_id",
-        "metrics_port": "metrics.broker",
-        "metrics_addr": "metrics.addr",
-        "offer_ttl": "broker.offer_ttl_s",
-        "notice": "broker.notice_s",
-        "lease_ttl": "broker.lease_ttl_s",
-        "fabric_state": "broker.fabric_state",
-        "fabric_gateway": "broker.fabric_gateway",
-        "fabric_hosts": "broker.fabric_hosts",
-        "fabric_sl": "broker.fabric_sl",
-        "fabric_timeout": "broker.fabric_timeout_s",
-        "fabric_dry_run": "broker.fabric_dry_run",
-        "mqtt_cafile": "mqtt_cafile",
-        "mqtt_certfile": "mqtt_certfile",
-        "mqtt_keyfile": "mqtt_keyfile",
-        "lease_log_linger_ms": "broker.lease_log_linger_ms",
-        "tune_gc": "broker.tune_gc",
-    },
+    "gpupool broker run", "kafka", "mqtt*", "topic_prefix", "metrics.broker", "metrics.addr", "broker.*"
 )
-"""Option of ``gpupool broker run`` → the :class:`runtime.settings.DeploymentSettings` field it
-sets (the options are derived from the fields: :func:`runtime.run_options.settings_command`)."""
+"""The settings fields that are options of ``gpupool broker run`` (each field's :class:`runtime.settings.Flag`
+names its option; :func:`runtime.run_options.settings_command` derives the options)."""
 
 run_settings = RUN_FLAGS.load
 """The settings ``gpupool broker run`` runs with (:meth:`runtime.settings.RunFlags.load`)."""
@@ -279,8 +252,8 @@ def opensm_fabric(
         raise typer.BadParameter(f"--fabric-state {state}: {e}") from None
 
 
-DEMAND_FLAGS = RunFlags("gpupool broker demand", {"kafka": "kafka", "topic_prefix": "topic_prefix"})
-"""Option of ``broker demand`` → the :class:`runtime.settings.DeploymentSettings` field it sets."""
+DEMAND_FLAGS = RunFlags("gpupool broker demand", "kafka", "topic_prefix")
+"""The settings fields that are options of ``gpupool broker demand``."""
 
 
 @settings_command(broker_app, "demand", DEMAND_FLAGS)
@@ -632,6 +605,17 @@ def _run_edge(coro_factory: Callable[[], Coroutine[Any, Any, None]]) -> None:
         raise typer.Exit(1) from None
 
 
+def _print_answer(conn: EdgeConnection, ask: Callable[[EdgeClient], Awaitable[Record]]) -> None:
+    """Connect, print what ``ask(client)`` answers as JSON, disconnect; exits as :func:`_run_edge`."""
+
+    async def _main() -> None:
+        async with conn.client() as client:
+            answer = await ask(client)
+        _print(answer)
+
+    _run_edge(_main)
+
+
 @edge_command("offers", timeout=2.0)
 def offers(conn: EdgeConnection) -> None:
     """Print the live offers as a JSON list of Offer objects (contracts/mqtt.py)."""
@@ -708,31 +692,27 @@ def claim(
     )
     timeout = conn.timeout
 
-    async def _main() -> None:
-        async with conn.client() as client:
-            lease: LeaseMessage
-            if offer_id is None:
-                lease = await client.request(
-                    count,
-                    requirements,
-                    duration_seconds=duration,
-                    min_notice_seconds=min_notice,
-                    min_duration_seconds=min_duration,
-                    timeout_s=timeout,
-                )
-            else:
-                lease = await client.claim(
-                    offer_id,
-                    gpus=gpu or [],
-                    count=count,
-                    duration_seconds=duration,
-                    min_notice_seconds=min_notice,
-                    min_duration_seconds=min_duration,
-                    timeout_s=timeout,
-                )
-        _print(lease)
+    async def ask(client: EdgeClient) -> LeaseMessage:
+        if offer_id is None:
+            return await client.request(
+                count,
+                requirements,
+                duration_seconds=duration,
+                min_notice_seconds=min_notice,
+                min_duration_seconds=min_duration,
+                timeout_s=timeout,
+            )
+        return await client.claim(
+            offer_id,
+            gpus=gpu or [],
+            count=count,
+            duration_seconds=duration,
+            min_notice_seconds=min_notice,
+            min_duration_seconds=min_duration,
+            timeout_s=timeout,
+        )
 
-    _run_edge(_main)
+    _print_answer(conn, ask)
 
 
 @edge_command("renew", timeout=5.0)
@@ -744,13 +724,7 @@ def renew(
     ] = None,
 ) -> None:
     """Renew a lease: print the broker's Reply as JSON; exit 1 if refused."""
-
-    async def _main() -> None:
-        async with conn.client() as client:
-            reply: Reply = await client.renew(lease_id, extend_seconds=extend, timeout_s=conn.timeout)
-        _print(reply)
-
-    _run_edge(_main)
+    _print_answer(conn, lambda client: client.renew(lease_id, extend_seconds=extend, timeout_s=conn.timeout))
 
 
 @edge_command("release", timeout=5.0)
@@ -759,13 +733,7 @@ def release(
     lease_id: Annotated[str, typer.Argument(help="The lease to release.")],
 ) -> None:
     """Release a lease early: print the broker's Reply as JSON; exit 1 if refused."""
-
-    async def _main() -> None:
-        async with conn.client() as client:
-            reply: Reply = await client.release(lease_id, timeout_s=conn.timeout)
-        _print(reply)
-
-    _run_edge(_main)
+    _print_answer(conn, lambda client: client.release(lease_id, timeout_s=conn.timeout))
 
 
 @edge_command("watch", timeout=10.0)

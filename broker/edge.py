@@ -560,14 +560,7 @@ class EdgeClient:
             self._client = None
             self._connected.clear()
 
-        await serve_mqtt(
-            connect,
-            on_connect=on_connect,
-            on_message=self._dispatch,
-            on_error=on_error,
-            on_disconnect=on_disconnect,
-            backoff=self._backoff,
-        )
+        await serve_mqtt(connect, on_connect, self._dispatch, on_error, on_disconnect, self._backoff)
 
     async def _on_connect(self, client: aiomqtt.Client) -> None:
         # withdrawals published while away are not retained: forget every offer, the retained

@@ -796,14 +796,8 @@ class BrokerService:
             self._client = None
             self._connected.clear()
 
-        await serve_mqtt(
-            connect,
-            on_connect=on_connect,
-            on_message=self._on_message,
-            on_error=on_error,
-            on_disconnect=on_disconnect,
-            backoff=Backoff(self.config.reconnect_min_s, self.config.reconnect_max_s),
-        )
+        backoff = Backoff(self.config.reconnect_min_s, self.config.reconnect_max_s)
+        await serve_mqtt(connect, on_connect, self._on_message, on_error, on_disconnect, backoff)
 
     async def _on_connect(self, client: aiomqtt.Client) -> None:
         """Birth, subscriptions, then republish every offer and lease (resync after an outage)."""

@@ -288,7 +288,6 @@ def user_properties(message: aiomqtt.Message) -> list[tuple[str, str]]:
 
 async def serve_mqtt(
     connect: Callable[[], aiomqtt.Client],
-    *,
     on_connect: Callable[[aiomqtt.Client], Awaitable[None]],
     on_message: Callable[[aiomqtt.Message], Awaitable[None]],
     on_error: Callable[[Exception, bool], bool],

@@ -44,36 +44,10 @@ def _sysfs_root(spec: str) -> tuple[str, Path]:
 
 
 RUN_FLAGS = RunFlags(
-    "gpupool collect run",
-    {
-        "kafka": "kafka",
-        "dcgm_target": "collectors.dcgm_targets",
-        "sysfs_root": "collectors.sysfs_roots",
-        "nvidia_smi": "collectors.nvidia_smi",
-        "ufm_telemetry": "collectors.ufm_telemetry",
-        "nvml_host": "collectors.nvml_host",
-        "file_sd": "collectors.file_sd",
-        "file_sd_refresh": "collectors.file_sd_refresh_s",
-        "spool_dir": "collectors.spool_dir",
-        "spool_memory_records": "collectors.spool_memory_records",
-        "spool_disk_bytes": "collectors.spool_disk_bytes",
-        "interval": "collectors.interval_s",
-        "timeout": "collectors.timeout_s",
-        "concurrency": "collectors.concurrency",
-        "fabric": "collectors.fabric",
-        "fabric_interval": "collectors.fabric_interval_s",
-        "fabric_discover_every": "collectors.fabric_discover_every",
-        "fabric_concurrency": "collectors.fabric_concurrency",
-        "fabric_timeout": "collectors.fabric_timeout_s",
-        "slurm_conf": "collectors.slurm_conf",
-        "slurm_interval": "collectors.slurm_interval_s",
-        "topic_prefix": "topic_prefix",
-        "metrics_port": "metrics.collectors",
-        "metrics_addr": "metrics.addr",
-    },
+    "gpupool collect run", "kafka", "collectors.*", "topic_prefix", "metrics.collectors", "metrics.addr"
 )
-"""Option of ``gpupool collect run`` → the :class:`runtime.settings.DeploymentSettings` field it
-sets (the options are derived from the fields: :func:`runtime.run_options.settings_command`)."""
+"""The settings fields that are options of ``gpupool collect run`` (each field's :class:`runtime.settings.Flag`
+names its option; :func:`runtime.run_options.settings_command` derives the options)."""
 
 run_settings = RUN_FLAGS.load
 """The settings ``gpupool collect run`` runs with (:meth:`runtime.settings.RunFlags.load`)."""

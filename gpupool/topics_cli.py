@@ -51,7 +51,7 @@ DEFAULT_PARTITIONS = 6
 """Partitions per topic of ``topics create`` when not given: room for six analytics instances."""
 METADATA_WAIT_S = 15.0
 """How long ``create`` waits for the topics it created to show in the cluster metadata, seconds."""
-TOPICS_FLAGS = RunFlags("gpupool topics", {"kafka": "kafka", "topic_prefix": "topic_prefix"})
+TOPICS_FLAGS = RunFlags("gpupool topics", "kafka", "topic_prefix")
 """The options of ``gpupool topics create|list`` → the settings they set (kafka, topic_prefix)."""
 
 

@@ -1,9 +1,9 @@
 """Command-line options derived from the settings model: each option is declared once, as a field
-of :class:`runtime.settings.DeploymentSettings` (type, default, validation, and its docstring as
-description), and a command names which fields it takes under which flag (a
-:class:`runtime.settings.RunFlags` table).
+of :class:`runtime.settings.DeploymentSettings` (type, default, validation, its docstring as
+description, its option name in a :class:`runtime.settings.Flag` mark), and a command names which
+fields it takes (:class:`runtime.settings.RunFlags`, by path or pattern: ``"collectors.*"``).
 
-:func:`settings_command` turns such a table into the Typer options of a command: ``--config`` plus
+:func:`settings_command` turns those fields into the Typer options of a command: ``--config`` plus
 one option per field, each of the field's type, defaulting to ``None`` = "not given" (so
 :meth:`RunFlags.load` takes the value from ``GPUPOOL_*``, then the ``--config`` TOML file, then the
 model's default), its help the field's description followed by the model's default and the setting
@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import typer
-from pydantic import BaseModel, SecretStr
+from pydantic import SecretStr
 from pydantic.fields import FieldInfo
 
-from runtime.settings import CONFIG_OPTION_HELP, DeploymentSettings, RunFlags, SettingsError
+from runtime.settings import CONFIG_OPTION_HELP, DeploymentSettings, RunFlags, SettingsError, settings_field
 
 __all__ = [
     "ConfigOption",
@@ -41,22 +41,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 ConfigOption = Annotated[Path | None, typer.Option("--config", help=CONFIG_OPTION_HELP)]
 """``--config FILE``: the deployment's TOML settings file."""
-
-
-def settings_field(path: str) -> FieldInfo:
-    """The :class:`DeploymentSettings` field at dotted ``path`` (``"collectors.interval_s"``).
-
-    Raises:
-        KeyError: no such field.
-    """
-    model: type[BaseModel] = DeploymentSettings
-    *groups, leaf = path.split(".")
-    for group in groups:
-        annotation = model.model_fields[group].annotation
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            raise KeyError(f"{group} in {path} is not a settings group")
-        model = annotation
-    return model.model_fields[leaf]
 
 
 def _cli_type(annotation: Any) -> tuple[Any, bool]:

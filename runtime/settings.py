@@ -39,12 +39,15 @@ Example file::
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import tomllib
+from dataclasses import dataclass
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from pydantic.fields import FieldInfo
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -71,10 +74,12 @@ __all__ = [
     "BrokerSettings",
     "CollectorsSettings",
     "DeploymentSettings",
+    "Flag",
     "IdleSettings",
     "MetricsSettings",
     "SettingsError",
     "load_settings",
+    "settings_field",
 ]
 
 CONFIG_ENV = "GPUPOOL_CONFIG"
@@ -88,6 +93,16 @@ def _host_port(value: str) -> str:
     return f"{host}:{port}"
 
 
+@dataclass(frozen=True)
+class Flag:
+    """Marks a settings field that is also a command-line option (``Annotated[T, Flag()]``): the
+    option ``--NAME`` of every command that takes the field (:class:`RunFlags`, options derived by
+    :mod:`runtime.run_options`). ``name`` is in Python spelling (``_`` for ``-``); ``None``: the
+    field's own name. A field without it is set only by the environment or the file."""
+
+    name: str | None = None
+
+
 class MetricsSettings(BaseModel):
     """Where each stage serves Prometheus ``/metrics`` (port 0: off). The ports are the ones
     ``deploy/prometheus`` scrapes. Each field's docstring is its description (the run commands'
@@ -95,13 +110,13 @@ class MetricsSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    addr: str = "127.0.0.1"
+    addr: Annotated[str, Flag("metrics_addr")] = "127.0.0.1"
     """Address every stage's /metrics server binds to."""
-    collectors: int = Field(default=9410, ge=0, le=65535)
+    collectors: Annotated[int, Flag("metrics_port")] = Field(default=9410, ge=0, le=65535)
     """Serve the collectors' Prometheus /metrics on this port (0: off)."""
-    analytics: int = Field(default=9411, ge=0, le=65535)
+    analytics: Annotated[int, Flag("metrics_port")] = Field(default=9411, ge=0, le=65535)
     """Serve the analytics stage's Prometheus /metrics on this port (0: off)."""
-    broker: int = Field(default=9412, ge=0, le=65535)
+    broker: Annotated[int, Flag("metrics_port")] = Field(default=9412, ge=0, le=65535)
     """Serve the broker's Prometheus /metrics on this port (0: off)."""
 
 
@@ -112,20 +127,20 @@ class IdleSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    idle_threshold: float = Field(default=0.05, ge=0, le=1)
+    idle_threshold: Annotated[float, Flag()] = Field(default=0.05, ge=0, le=1)
     """Activity ratio at or below which a sample is idle."""
-    busy_threshold: float = Field(default=0.10, ge=0, le=1)
+    busy_threshold: Annotated[float, Flag()] = Field(default=0.10, ge=0, le=1)
     """Activity ratio at or above which a GPU is busy (>= idle_threshold)."""
-    min_idle_s: float = Field(default=60.0, ge=0)
+    min_idle_s: Annotated[float, Flag()] = Field(default=60.0, ge=0)
     """Seconds of idle samples before a GPU is idle."""
-    stale_after_s: float = Field(default=30.0, gt=0)
+    stale_after_s: Annotated[float, Flag()] = Field(default=30.0, gt=0)
     """A GPU not sampled this long is unknown, seconds."""
-    refresh_s: float = Field(default=30.0, gt=0)
+    refresh_s: Annotated[float, Flag()] = Field(default=30.0, gt=0)
     """Re-publish every GPU's capacity update at least this often, seconds."""
     forget_after_s: float = Field(default=3600.0, gt=0)
     """A GPU not sampled this long is forgotten, seconds (> stale_after_s): analytics stops
     re-publishing it (unknown) and drops it from its gauges; a later sample makes it new again."""
-    pool: str = "default"
+    pool: Annotated[str, Flag()] = "default"
     """Pool name put on capacity updates."""
 
     @model_validator(mode="after")
@@ -143,59 +158,59 @@ class CollectorsSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    dcgm_targets: list[str] = Field(default_factory=list)
+    dcgm_targets: Annotated[list[str], Flag("dcgm_target")] = Field(default_factory=list)
     """dcgm-exporter /metrics URLs."""
-    sysfs_roots: list[str] = Field(default_factory=list)
+    sysfs_roots: Annotated[list[str], Flag("sysfs_root")] = Field(default_factory=list)
     """HOST=PATH of a folder holding class/infiniband, e.g. node-1=/sys."""
-    nvidia_smi: list[str] = Field(default_factory=list)
+    nvidia_smi: Annotated[list[str], Flag()] = Field(default_factory=list)
     """HOST=COMMAND printing nvidia-smi -q -x XML, e.g. node-1="nvidia-smi -q -x", or a CSV query,
     e.g. node-1="nvidia-smi --query-gpu=index,uuid,utilization.gpu,memory.used,memory.total
     --format=csv,noheader,nounits"."""
-    ufm_telemetry: list[str] = Field(default_factory=list)
+    ufm_telemetry: Annotated[list[str], Flag()] = Field(default_factory=list)
     """UFM Telemetry Prometheus endpoint URLs: InfiniBand port counters of the whole fabric, without
     host-side perfquery sweeps."""
-    nvml_host: str | None = None
+    nvml_host: Annotated[str | None, Flag()] = None
     """Read this machine's GPUs through NVML under this host name; none: no NVML."""
-    file_sd: list[Path] = Field(default_factory=list)
+    file_sd: Annotated[list[Path], Flag()] = Field(default_factory=list)
     """Prometheus file_sd JSON files of dcgm-exporter targets, re-read when they change; the last
     component may be a glob, e.g. targets/*.json."""
-    file_sd_refresh_s: float = Field(default=5.0, gt=0)
+    file_sd_refresh_s: Annotated[float, Flag("file_sd_refresh")] = Field(default=5.0, gt=0)
     """Seconds between two checks of the file_sd files for changes."""
-    spool_dir: Path | None = None
+    spool_dir: Annotated[Path | None, Flag()] = None
     """Spool records here (after spool_memory_records in memory) while Kafka is unreachable, and
     resume them after a restart; none: records wait for Kafka only inside aiokafka's buffer."""
-    spool_memory_records: int = Field(default=100_000, ge=0)
+    spool_memory_records: Annotated[int, Flag()] = Field(default=100_000, ge=0)
     """Records the spool holds in memory before it writes to spool_dir."""
-    spool_disk_bytes: int = Field(default=1 << 30, ge=0)
+    spool_disk_bytes: Annotated[int, Flag()] = Field(default=1 << 30, ge=0)
     """Bytes the spool may take in spool_dir."""
-    interval_s: float = Field(default=5.0, gt=0)
+    interval_s: Annotated[float, Flag("interval")] = Field(default=5.0, gt=0)
     """Seconds between the starts of two collection cycles."""
-    timeout_s: float = Field(default=2.0, gt=0)
+    timeout_s: Annotated[float, Flag("timeout")] = Field(default=2.0, gt=0)
     """Deadline of one scrape, seconds."""
-    concurrency: int = Field(default=64, ge=1)
+    concurrency: Annotated[int, Flag()] = Field(default=64, ge=1)
     """Scrapes in flight at most."""
-    fabric: bool = False
+    fabric: Annotated[bool, Flag()] = False
     """Also run the switch-side fabric collector: ibnetdiscover -p (topology to fabric.topology) and
     perfquery -x on every switch and HCA port (to telemetry.ib_port). On one host per fabric whose
     HCA reaches the subnet management (a /dev/infiniband/umad* device, infiniband-diags installed)."""
-    fabric_interval_s: float = Field(default=30.0, gt=0)
+    fabric_interval_s: Annotated[float, Flag("fabric_interval")] = Field(default=30.0, gt=0)
     """Seconds between the starts of two fabric sweeps."""
-    fabric_discover_every: int = Field(default=10, ge=1)
+    fabric_discover_every: Annotated[int, Flag()] = Field(default=10, ge=1)
     """Re-discover the fabric's topology every Nth sweep (1: every sweep)."""
-    fabric_concurrency: int = Field(default=8, ge=1)
+    fabric_concurrency: Annotated[int, Flag()] = Field(default=8, ge=1)
     """perfquery processes at once."""
-    fabric_timeout_s: float = Field(default=5.0, gt=0)
+    fabric_timeout_s: Annotated[float, Flag("fabric_timeout")] = Field(default=5.0, gt=0)
     """Deadline of one perfquery run, seconds (its process group is killed)."""
     fabric_command_prefix: list[str] = Field(default_factory=list)
     """argv prefix of every diag command, e.g. ["sudo", "-n"]."""
     forget_after_s: float = Field(default=300.0, gt=0)
     """A dcgm-exporter target gone from the configuration (static list and file_sd) this long is
     forgotten, seconds: its target series are removed."""
-    slurm_conf: Path | None = None
+    slurm_conf: Annotated[Path | None, Flag()] = None
     """Read this Slurm cluster (its slurm.conf, given to scontrol as SLURM_CONF) every
     slurm_interval_s: nodes, GPUs by GRES index and job, pending jobs with their planned start ->
     telemetry.scheduler; none: no Slurm source."""
-    slurm_interval_s: float = Field(default=10.0, gt=0)
+    slurm_interval_s: Annotated[float, Flag("slurm_interval")] = Field(default=10.0, gt=0)
     """Seconds between the starts of two reads of Slurm."""
 
 
@@ -206,17 +221,17 @@ class AnalyticsSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    group_id: str = "gpupool-analytics"
+    group_id: Annotated[str, Flag()] = "gpupool-analytics"
     """Kafka consumer group of the telemetry consumers (one per deployment)."""
-    memory_limit: str | None = None
+    memory_limit: Annotated[str | None, Flag()] = None
     """Memory the whole analytics process may use, e.g. 2GB; DuckDB gets
     analytics.store.DUCKDB_MEMORY_SHARE (60 %) of it, the rest is left for Python; none: DuckDB's
     own limit."""
-    max_uplink_xmit_wait: float = Field(default=0.5, ge=0, le=1)
+    max_uplink_xmit_wait: Annotated[float, Flag()] = Field(default=0.5, ge=0, le=1)
     """A node is not offered while an uplink of its leaf switch waits for credits more than this
     over the headroom window: XmitWait / (XmitWait + XmitData), 0..1 (0.5, one tick waited per word
     sent, is the GpupoolIbXmitWaitHigh alert's threshold); 1: no check."""
-    scheduler: bool = False
+    scheduler: Annotated[bool, Flag()] = False
     """Join the training scheduler's state (telemetry.scheduler, from gpupool collect run
     --slurm-conf): offer a GPU only when the scheduler has it unallocated, never promise past a
     pending job's planned start on its node."""
@@ -230,15 +245,15 @@ class BrokerPolicy(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    offer_ttl_s: float = Field(default=60.0, gt=0)
+    offer_ttl_s: Annotated[float, Flag("offer_ttl")] = Field(default=60.0, gt=0)
     """Offer lifetime: an offer lapses this long after it is published (Offer.expires_at and the
     MQTT 5 message expiry), seconds; still-idle GPUs are then offered again under a new id."""
-    notice_s: float = Field(default=30.0, ge=0)
+    notice_s: Annotated[float, Flag("notice")] = Field(default=30.0, ge=0)
     """Reclaim notice each lease gets, seconds: on a training demand the site has this long to
     release before the lease is revoked."""
-    lease_ttl_s: float = Field(default=60.0, gt=0)
+    lease_ttl_s: Annotated[float, Flag("lease_ttl")] = Field(default=60.0, gt=0)
     """A lease expires unless renewed within this long, seconds; a renewal never extends it by more."""
-    group_id: str = "gpupool-broker"
+    group_id: Annotated[str, Flag()] = "gpupool-broker"
     """Kafka consumer group of capacity and pool demand (one per deployment)."""
     pool_zones: dict[str, str] = Field(default_factory=dict)
     """Pool name → latency zone stamped on its offers (Offer.zone, [broker.pool_zones]), so claims
@@ -277,27 +292,27 @@ class BrokerSettings(BrokerPolicy):
     fabric isolation and process tuning. MQTT connection settings are the top-level ``mqtt*``
     fields. Each field's docstring is its description."""
 
-    client_id: str = "gpupool-broker"
+    client_id: Annotated[str, Flag()] = "gpupool-broker"
     """MQTT client id; the broker's persistent session is kept under it."""
-    fabric_state: Path | None = None
+    fabric_state: Annotated[Path | None, Flag()] = None
     """fabric.json of an OpenSM fabric (deploy/local/fabric.sh): isolate every lease in a partition
     verified on the fabric; none: fabric isolation disabled."""
-    fabric_gateway: str = "edge-gw"
+    fabric_gateway: Annotated[str, Flag()] = "edge-gw"
     """Node id or port GUID of the edge gateway's HCA, a full member."""
-    fabric_hosts: Path | None = None
+    fabric_hosts: Annotated[Path | None, Flag()] = None
     """JSON file {"<gpu host>": ["<HCA node id or port GUID>", ...]}; none: hosts ending in N map to
     the Nth compute HCA."""
-    fabric_sl: int = Field(default=1, ge=0, le=15)
+    fabric_sl: Annotated[int, Flag()] = Field(default=1, ge=0, le=15)
     """Service level of inference traffic, 0..15."""
-    fabric_timeout_s: float = Field(default=20.0, gt=0)
+    fabric_timeout_s: Annotated[float, Flag("fabric_timeout")] = Field(default=20.0, gt=0)
     """Seconds to wait for the fabric to show a partition change."""
-    fabric_dry_run: bool = False
+    fabric_dry_run: Annotated[bool, Flag()] = False
     """Print the partitions.conf/qos-policy.conf diff of each lease on stderr and change nothing
     (leases are then refused: isolation_failed)."""
     fabric_qos: bool = True
     """Manage fabric QoS with the partitions (the lent VL and its share bound in opensm.conf,
     verified on each lease's paths); off: partitions only."""
-    lent_share_percent: float = Field(default=10.0, ge=0.4, le=50)
+    lent_share_percent: Annotated[float, Flag()] = Field(default=10.0, ge=0.4, le=50)
     """The lent-share bound: the most of a link's bandwidth lent traffic may take while training
     keeps the link busy, percent (0.4..50; the plan rounds it down to 100 / (qos_high_limit + 1));
     shown in each offer and lease. Analytics offers a node's idle GPUs only while the busiest uplink
@@ -306,10 +321,10 @@ class BrokerSettings(BrokerPolicy):
     """The virtual lane of lent traffic (1..14; the inference SL maps to it)."""
     fabric_qos_audit_s: float = Field(default=300.0, gt=0)
     """Seconds between audits of every switch port's QoS tables."""
-    lease_log_linger_ms: float = Field(default=0.0, ge=0)
+    lease_log_linger_ms: Annotated[float, Flag()] = Field(default=0.0, ge=0)
     """Batching delay of the lease-log producer, ms: every claim waits for its lease to be logged,
     so keep it small (Kafka's throughput default is 20)."""
-    tune_gc: bool = True
+    tune_gc: Annotated[bool, Flag()] = True
     """After the start, freeze the objects alive then and re-freeze the young survivors every
     second, with a full collection once an hour (broker.service.tune_gc): no full GC pause walks
     the lease book."""
@@ -335,33 +350,33 @@ class DeploymentSettings(BaseSettings):
 
     config: Path | None = None
     """The TOML file these settings were read from (--config or GPUPOOL_CONFIG)."""
-    kafka: str | None = None
+    kafka: Annotated[str | None, Flag()] = None
     """Kafka bootstrap servers, host:port[,host:port]; required by the stage commands (the demo
     uses its in-process bus without it)."""
-    topic_prefix: str = ""
+    topic_prefix: Annotated[str, Flag()] = ""
     """Prefix of every Kafka topic name (the same for every stage)."""
-    mqtt: str = "127.0.0.1:1883"
+    mqtt: Annotated[str, Flag()] = "127.0.0.1:1883"
     """MQTT server host:port."""
-    mqtt_username: str | None = "gpupool-broker"
+    mqtt_username: Annotated[str | None, Flag("username")] = "gpupool-broker"
     """MQTT user of the broker."""
-    mqtt_password: SecretStr | None = None
+    mqtt_password: Annotated[SecretStr | None, Flag("password")] = None
     """MQTT password of the broker (a secret: masked when shown); better GPUPOOL_MQTT_PASSWORD,
     which keeps it off the command line."""
-    mqtt_root: str = "gpupool/v1"
+    mqtt_root: Annotated[str, Flag("root")] = "gpupool/v1"
     """MQTT topic root."""
-    mqtt_protocol: Literal[4, 5] = 5
+    mqtt_protocol: Annotated[Literal[4, 5], Flag("protocol")] = 5
     """MQTT protocol: 5, or 4 for MQTT 3.1.1."""
-    mqtt_cafile: Path | None = None
+    mqtt_cafile: Annotated[Path | None, Flag()] = None
     """Connect to MQTT over TLS, trusting this CA (PEM) for the server's certificate (the mqtt
     address is then the TLS listener); none: plain TCP unless a client certificate is given (then
     the system's CAs)."""
-    mqtt_certfile: Path | None = None
+    mqtt_certfile: Annotated[Path | None, Flag()] = None
     """TLS client certificate (PEM), for a listener that requires one."""
-    mqtt_keyfile: Path | None = None
+    mqtt_keyfile: Annotated[Path | None, Flag()] = None
     """Private key (PEM) of mqtt_certfile, if not in it."""
     state_dir: Path = Path(".state")
     """Where the demo and local services keep files."""
-    analytics_db: Path = Path("gpupool-analytics.duckdb")
+    analytics_db: Annotated[Path, Flag("db")] = Path("gpupool-analytics.duckdb")
     """The analytics DuckDB file, created if new."""
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     """[metrics]: the /metrics servers."""
@@ -458,20 +473,64 @@ CONFIG_OPTION_HELP = (
 """``--config`` help of every stage's ``run`` command."""
 
 
+def settings_field(path: str) -> FieldInfo:
+    """The :class:`DeploymentSettings` field at dotted ``path`` (``"collectors.interval_s"``).
+
+    Raises:
+        KeyError: no such field.
+    """
+    model: type[BaseModel] = DeploymentSettings
+    *groups, leaf = path.split(".")
+    for group in groups:
+        annotation = model.model_fields[group].annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            raise KeyError(f"{group} in {path} is not a settings group")
+        model = annotation
+    return model.model_fields[leaf]
+
+
+def _flagged(model: type[BaseModel], prefix: str = "") -> dict[str, str]:
+    """Dotted path → option name of every field of ``model`` (groups included) marked :class:`Flag`,
+    in the model's order."""
+    found: dict[str, str] = {}
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            found.update(_flagged(annotation, f"{prefix}{name}."))
+        for mark in field.metadata:
+            if isinstance(mark, Flag):
+                found[prefix + name] = mark.name or name
+    return found
+
+
 class RunFlags:
-    """The options of one command, each mapped to the dotted :class:`DeploymentSettings` field it
-    sets (``{"notice": "broker.notice_s"}``): the one place that turns flags into settings
-    (:meth:`load`); :func:`runtime.run_options.settings_command` derives the options from it.
+    """The options of one command: the :class:`Flag` fields of :class:`DeploymentSettings` it takes,
+    as ``--<flag>`` (:attr:`fields` maps each option's Python name to its dotted field). The one
+    place that turns flags into settings (:meth:`load`); :func:`runtime.run_options.settings_command`
+    derives the options from it.
 
     Args:
         command: the command, for messages (``gpupool broker run``).
-        fields: parameter name → dotted settings field.
+        selection: dotted fields, or ``fnmatch`` patterns over them (``"collectors.*"``,
+            ``"mqtt*"``) taking every :class:`Flag` field that matches, in the model's order.
+
+    Raises:
+        ValueError: a pattern that matches no :class:`Flag` field, or two fields with one flag.
     """
 
-    def __init__(self, command: str, fields: Mapping[str, str]) -> None:
-        """Keep ``fields`` (copied)."""
+    def __init__(self, command: str, *selection: str) -> None:
+        """Resolve ``selection`` to ``fields``."""
         self.command = command
-        self.fields: dict[str, str] = dict(fields)
+        flagged = _flagged(DeploymentSettings)
+        self.fields: dict[str, str] = {}
+        for pattern in selection:
+            matched = [path for path in flagged if fnmatch.fnmatchcase(path, pattern)]
+            if not matched:
+                raise ValueError(f"{command}: no settings field with a Flag matches {pattern!r}")
+            for path in matched:
+                flag = flagged[path]
+                if self.fields.setdefault(flag, path) != path:
+                    raise ValueError(f"{command}: --{flag} would set {self.fields[flag]} and {path}")
 
     def load(self, config: Path | None = None, **flags: Any) -> DeploymentSettings:
         """The settings the command runs with: ``flags`` (its parameters by name; ``None`` = not

@@ -30,8 +30,8 @@ from gpupool.settings import (
     load_settings,
     to_toml,
 )
-from runtime.run_options import option_help, settings_field
-from runtime.settings import DeploymentSettings
+from runtime.run_options import option_help
+from runtime.settings import DeploymentSettings, RunFlags, settings_field
 
 SECRET = "hunter2-do-not-print"
 
@@ -290,6 +290,38 @@ def test_option_help_is_the_description_the_model_default_and_the_setting() -> N
     assert option_help("kafka").endswith("(setting kafka)") and "default" not in option_help("mqtt_password")
     with pytest.raises(KeyError):
         option_help("collectors.intervals")
+
+
+def test_run_flags_select_flagged_fields_by_path_or_pattern() -> None:
+    """A command takes :class:`Flag` fields only, under the Flag's name (else the field's); a
+    pattern takes every flagged field it matches, in the model's order; two fields under one
+    option name, or a selection that matches nothing flagged, are refused."""
+    flags = RunFlags("t", "kafka", "mqtt*", "idle.*", "metrics.broker")
+    assert flags.fields == {
+        "kafka": "kafka",
+        "mqtt": "mqtt",
+        "username": "mqtt_username",
+        "password": "mqtt_password",
+        "root": "mqtt_root",
+        "protocol": "mqtt_protocol",
+        "mqtt_cafile": "mqtt_cafile",
+        "mqtt_certfile": "mqtt_certfile",
+        "mqtt_keyfile": "mqtt_keyfile",
+        "idle_threshold": "idle.idle_threshold",
+        "busy_threshold": "idle.busy_threshold",
+        "min_idle_s": "idle.min_idle_s",
+        "stale_after_s": "idle.stale_after_s",
+        "refresh_s": "idle.refresh_s",
+        "pool": "idle.pool",  # idle.forget_after_s has no Flag: environment or file only
+        "metrics_port": "metrics.broker",
+    }
+    with pytest.raises(ValueError, match="metrics_port"):
+        RunFlags("t", "metrics.broker", "metrics.analytics")  # both are --metrics-port
+    with pytest.raises(ValueError, match="state_dir"):
+        RunFlags("t", "state_dir")  # a field without a Flag
+    with pytest.raises(ValueError, match="nope"):
+        RunFlags("t", "nope.*")
+    assert RunFlags("t", "broker.*").load(None, notice=12.0).broker.notice_s == 12.0
 
 
 @pytest.mark.parametrize("stage", sorted(STAGE_COMMANDS))
