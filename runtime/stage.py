@@ -102,7 +102,9 @@ async def _run(
     except Exception as e:  # noqa: BLE001 — any start failure: one line, exit 1, no traceback
         log.error("stage_start_failed", extra={"command": command, "error": repr(e)})
         await bus.close()
-        typer.echo(f"{command}: cannot start: {type(e).__name__}: {e}", err=True)
+        text = str(e) or repr(e)
+        named = text if text.startswith(type(e).__name__) else f"{type(e).__name__}: {text}"
+        typer.echo(f"{command}: cannot start: {named}", err=True)
         raise typer.Exit(1) from None
     if started is not None:
         started()

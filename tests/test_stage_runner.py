@@ -94,16 +94,28 @@ def test_missing_topics_exit_1_naming_topics_create(capsys: pytest.CaptureFixtur
     assert stage.calls == ["start"] and bus.closed == 1  # never run, bus closed
 
 
-@pytest.mark.parametrize("error", [ConnectionRefusedError("[Errno 111] Connect call failed"), RuntimeError("x")])
+class _NamedError(Exception):
+    def __str__(self) -> str:
+        return "_NamedError: Unable to bootstrap from [('127.0.0.1', 1)]"  # as aiokafka's errors say
+
+
+@pytest.mark.parametrize(
+    ("error", "line"),
+    [
+        (ConnectionRefusedError("[Errno 111] Connect call failed"), "ConnectionRefusedError: [Errno 111] Connect call failed"),
+        (RuntimeError(), "RuntimeError()"),  # no message: its repr
+        (_NamedError(), "_NamedError: Unable to bootstrap from [('127.0.0.1', 1)]"),  # its name once
+    ],
+)
 def test_any_other_start_failure_is_one_line_and_exit_1(
-    error: Exception, capsys: pytest.CaptureFixture[str]
+    error: Exception, line: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     stage, bus = _Stage(fail=error), _Bus()
     with pytest.raises(typer.Exit) as caught:
         _run(stage, bus)
     assert caught.value.exit_code == 1
     err = capsys.readouterr().err  # (and the JSON log line, where a test before set logging up)
-    assert f"gpupool test run: cannot start: {type(error).__name__}: {error}" in err.splitlines()
+    assert f"gpupool test run: cannot start: {line}" in err.splitlines()
     assert "Traceback" not in err
     assert stage.calls == ["start"] and bus.closed == 1
 
