@@ -8,6 +8,8 @@ partition time-compressed (:mod:`simulator.slurm_replay`) and prints, in simulat
 * the fit used (cluster row, size and run-time laws, arrival rate);
 * jobs submitted / started / still pending at the end, final states as Slurm reports them;
 * training queueing delay p50 / p95 / p99 (Slurm's StartTime - SubmitTime);
+* the yardstick, measured first on the idle cluster: submit -> batch script start of a 0-second
+  1-GPU job (Slurm's own start latency), and the replay's p95 against it;
 * idle GPU-hours: unallocated (from the jobs' Slurm times, and from polled ``GresUsed``), and
   allocated-but-idle (GPUs held at 0 % utilisation) shown apart.
 
@@ -35,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpupool.logs import setup_logging  # noqa: E402
-from simulator.slurm_replay import SlurmClient, account, replay  # noqa: E402
+from simulator.slurm_replay import SlurmClient, account, quantile, replay, start_latency  # noqa: E402
 from simulator.training_jobs import (  # noqa: E402
     GPUS_PER_NODE,
     TrainingWorkload,
@@ -98,12 +100,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"slurm: {args.nodes} nodes up in {time.monotonic() - t:.1f} s", flush=True)
         try:
             client = SlurmClient(Path(started.stdout.strip().splitlines()[-1]))
+            yardstick = start_latency(client, Path(tmp) / "yardstick")
             run = replay(client, jobs, compression=compression, horizon_s=horizon_s, cluster_gpus=gpus,
                          out_dir=Path(tmp) / "out", warmup_s=args.warmup_hours * 3600)
         finally:
             _cluster("stop", env)
         report = account(run, workload.idle_fraction)  # reads the jobs' output files
     late = sorted(run.late_submits_s)
+    y50 = quantile(yardstick, 0.5) if yardstick else float("nan")
     p50, p95, p99 = report.queue_delay_s
     rows = [
         ("jobs submitted / started / pending at end",
@@ -113,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
          f"{p50:.0f} / {p95:.0f} / {p99:.0f} s (Slurm times, resolution {report.queue_delay_resolution_s:.0f} s)"),
         ("  submit -> script start p50 / p95 / p99", "{:.0f} / {:.0f} / {:.0f} s".format(*report.script_delay_s)),
         ("  the same, wall", "{:.3f} / {:.3f} / {:.3f} s".format(*report.script_delay_wall_s)),
+        ("  yardstick: idle cluster, wall p50 / max", f"{y50:.3f} / {max(yardstick):.3f} s ({len(yardstick)} jobs)"),
+        ("  replay p95 / yardstick p50", f"{report.script_delay_wall_s[1] / y50:.2f}x"),
         ("GPU-hours in the window", f"{report.window_gpu_hours:.1f}"),
         ("idle GPU-hours, unallocated (job times)",
          f"{report.idle_unallocated_gpu_hours:.1f} ({report.idle_unallocated_gpu_hours / report.window_gpu_hours:.1%})"),
@@ -127,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
           f"max {late[-1]:.3f} s (wall)" if late else "no jobs submitted")
     if args.json:
         args.json.write_text(json.dumps({"fit": fit.describe(), "nodes": args.nodes, "hours": args.hours,
-                                         "compression": compression, "report": asdict(report)}, indent=2))
+                                         "compression": compression, "yardstick_s": yardstick,
+                                         "report": asdict(report)}, indent=2))
     return 0
 
 

@@ -329,6 +329,31 @@ def _poll(client: SlurmClient, run: ReplayRun, observers: Sequence[Callable[[Pol
         observe(snapshot)
 
 
+def start_latency(client: SlurmClient, out_dir: Path, rounds: int = 10, timeout_s: float = 30.0) -> list[float]:
+    """The yardstick: wall seconds from ``sbatch`` to the batch script's first line for a 1-GPU,
+    0-second job on an idle cluster, ``rounds`` times one after the other (Slurm's own start latency,
+    the floor under every queueing delay of a replay).
+
+    Raises:
+        ReplayError: sbatch refused the job, or a job did not end within ``timeout_s``.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = []
+    for i in range(rounds):
+        before = time.time()
+        sid = client.submit(TrainingJob(-1 - i, 0.0, 1, 0.0, "COMPLETED", False), 1.0, out_dir)
+        deadline = before + timeout_s
+        while client.jobs().get(sid, ("PENDING",))[0] in ACTIVE_STATES:
+            if time.time() > deadline:
+                client.cancel(sid)
+                raise ReplayError(f"yardstick job {sid} did not end within {timeout_s} s")
+            time.sleep(0.05)
+        began = script_start(out_dir / f"{sid}.out")
+        if began is not None:
+            out.append(max(0.0, began - before))
+    return out
+
+
 def quantile(values: Sequence[float], q: float) -> float:
     """The q-quantile (0 <= q <= 1) of ``values``, nearest rank (the smallest value with at least
     ``q·n`` values at or below it).

@@ -22,6 +22,7 @@ from simulator.slurm_replay import (
     replay,
     sampled_gpu_seconds,
     script_start,
+    start_latency,
 )
 from simulator.training_jobs import TrainingJob, TrainingWorkload, fit_workload, load_cluster_summary, load_utilisation_cdf
 
@@ -117,3 +118,9 @@ def test_short_replay_on_slurm_adds_up(slurm_conf: Path, tmp_path: Path) -> None
     p50, p95, p99 = report.queue_delay_s
     assert 0 <= p50 <= p95 <= p99
     assert report.script_delay_wall_s[0] < 3.0  # a free slot starts a job within Slurm's scheduling latency
+
+
+def test_yardstick_measures_slurm_start_latency(slurm_conf: Path, tmp_path: Path) -> None:
+    latencies = start_latency(SlurmClient(slurm_conf), tmp_path, rounds=3)
+    assert len(latencies) == 3 and all(0 < t < 5.0 for t in latencies)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({p.name for p in tmp_path.glob("*.out")})
