@@ -6,6 +6,8 @@
 * :mod:`simulator.sysfs` — InfiniBand sysfs trees whose counters advance with the load;
 * :mod:`simulator.demand` — training demand: idle→busy edges of the trace → ``pool.demand``;
 * :mod:`simulator.sites` — simulated edge sites (claim, renew, release over MQTT).
+* :mod:`simulator.training_jobs` — training jobs fitted to AcmeTrace's published job statistics;
+* :mod:`simulator.slurm_replay` — those jobs replayed on a real Slurm cluster, time-compressed, and measured.
 """
 
 from simulator.dcgm_http import FAIL_MODES, FailMode, FleetServer, render_metrics

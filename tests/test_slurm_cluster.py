@@ -115,7 +115,7 @@ def test_training_preempts_a_lent_job_with_sigterm_first(slurm_conf: Path, tmp_p
     _wait_state(slurm_conf, lease, "RUNNING", 20)
     train = _slurm(
         slurm_conf, "sbatch", "--parsable", "-p", "training", "-w", "gpu-node-004", "--gres=gpu:h100:4",
-        "-c", "1", "--wrap", "sleep 2",
+        "-c", "1", "-o", "/dev/null", "--wrap", "sleep 2",
     ).strip()
     waited = _wait_state(slurm_conf, train, "RUNNING", 40)
     text = lease_out.read_text()
