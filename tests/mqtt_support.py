@@ -22,9 +22,10 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-import aiomqtt
 import pytest
 
+from broker.acl import OBSERVER_USER
+from broker.credentials import mqtt_client
 from broker.service import BrokerService
 from contracts import LeaseMessage, MqttTopics, decode
 
@@ -90,14 +91,7 @@ async def retained_leases(creds: dict[str, Any], site: str, root: str | None = N
     ``creds["root"]``), read for 1 s by a fresh MQTT 5 client logged in as the read-only observer
     user (logging in as the site would take its own connection's session over)."""
     found: dict[str, LeaseMessage] = {}
-    async with aiomqtt.Client(
-        creds["host"],
-        creds["port"],
-        username="gpupool-observer",
-        password=creds["users"]["gpupool-observer"],
-        identifier=f"probe-{uuid.uuid4().hex[:10]}",
-        protocol=aiomqtt.ProtocolVersion.V5,
-    ) as c:
+    async with mqtt_client(creds, OBSERVER_USER, identifier=f"probe-{uuid.uuid4().hex[:10]}") as c:
         await c.subscribe(MqttTopics(root or creds["root"]).leases_filter(site), qos=1)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(1.0):
