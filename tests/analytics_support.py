@@ -1,7 +1,6 @@
 """Helpers shared by the tests of the analytics service on the in-process bus.
 
 * :func:`service` — an :class:`AnalyticsService` on :data:`TOPICS` with :data:`IDLE` and a clock;
-* :class:`Clock` — a settable clock for the service's ``clock`` argument;
 * :func:`drain` — step the service until its input is consumed;
 * :func:`latest` — the newest capacity update per host or per GPU from the capacity topic.
 """
@@ -14,21 +13,12 @@ from analytics.classify import IdleConfig
 from analytics.service import AnalyticsService
 from contracts import CapacityUpdate, KafkaTopics, decode
 from contracts.bus import MemoryBus
+from tests.support import Clock
 
 TOPICS = KafkaTopics()
 """The default topic names."""
 IDLE = IdleConfig(min_idle_s=30.0, stale_after_s=25.0)
 """Idle after 30 s without work, stale after 25 s without a sample (samples come every 10 s)."""
-
-
-class Clock:
-    """A clock that reads ``t`` (Unix seconds) until a test moves it."""
-
-    def __init__(self, t: float) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def service(bus: MemoryBus, clock: Clock, db: str = ":memory:", **options: Any) -> AnalyticsService:

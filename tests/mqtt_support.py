@@ -73,7 +73,7 @@ def private_mosquitto(tmp_path: Path) -> Iterator[dict[str, Any]]:
     mosquitto_script(state, "stop")
 
 
-async def until(pred: Callable[[], T | None], timeout_s: float, what: str) -> T:
+async def until(pred: Callable[[], T | None], timeout_s: float = 5.0, what: str = "condition") -> T:
     """Poll ``pred`` every 20 ms until it returns something truthy; return that.
 
     Raises ``AssertionError`` naming ``what`` after ``timeout_s`` seconds."""

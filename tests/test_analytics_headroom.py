@@ -13,7 +13,8 @@ from analytics.classify import FB_USED, GR_ENGINE_ACTIVE
 from analytics.service import AnalyticsService
 from contracts import GpuSample, GpuState, IbPortSample, encode
 from contracts.bus import MemoryBus
-from tests.analytics_support import TOPICS, Clock, drain, latest, service
+from tests.analytics_support import TOPICS, drain, latest, service
+from tests.support import Clock
 
 T0 = 1_700_000_000.0
 RATE = 25_000_000_000  # 200 Gb/s, bytes/s

@@ -11,7 +11,8 @@ from analytics.classify import FB_USED, GR_ENGINE_ACTIVE, IdleConfig
 from analytics.service import AnalyticsService
 from contracts import CapacityUpdate, GpuSample, IbPortSample, KafkaTopics, decode, encode
 from contracts.bus import MemoryBus, Producer, partition_for
-from tests.analytics_support import Clock, drain
+from tests.analytics_support import drain
+from tests.support import Clock
 
 T0 = 1_700_000_000.0
 TOPICS = KafkaTopics()

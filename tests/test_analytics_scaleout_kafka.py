@@ -35,7 +35,7 @@ from contracts import CapacityUpdate, GpuSample, IbPortSample, KafkaTopics, deco
 from contracts.bus import TopicPartition, partition_for
 from runtime.kafka import KafkaBus
 from tests.services import create_stage_topics
-from tests.analytics_support import Clock
+from tests.support import Clock
 
 T0 = 1_700_000_000.0
 PARTITIONS = 4

@@ -13,7 +13,8 @@ from analytics.service import AnalyticsService
 from contracts import GpuSample, GpuState, encode
 from contracts.bus import MemoryBus
 from contracts.scheduler import PendingJob, SchedulerGpu, SchedulerNode
-from tests.analytics_support import IDLE, TOPICS, Clock, drain, latest, service
+from tests.analytics_support import IDLE, TOPICS, drain, latest, service
+from tests.support import Clock
 
 T0 = 1_700_000_000.0
 HOST = "gpu-node-001"

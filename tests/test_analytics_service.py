@@ -21,7 +21,8 @@ from contracts import (
 )
 from contracts.bus import MemoryBus, TopicPartition
 from tests.test_analytics_cases import mig_samples
-from tests.analytics_support import IDLE, TOPICS, Clock, drain, service
+from tests.analytics_support import IDLE, TOPICS, drain, service
+from tests.support import Clock
 
 T0 = 1_700_000_000.0
 

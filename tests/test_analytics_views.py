@@ -26,7 +26,7 @@ from analytics.views import HEADROOM_WINDOW_S, VIEWS, views_markdown
 from contracts import CapacityUpdate, GpuSample, GpuState, IbPortSample, IdleGrade, KafkaTopics, encode
 from contracts.bus import MemoryBus, TopicPartition
 from contracts.counters import CounterTracker, link_utilisation
-from tests.analytics_support import Clock
+from tests.support import Clock
 
 T0 = 1_700_000_000.0  # 2023-11-14T22:13:20Z
 RATE = 50_000_000_000  # NDR 400 Gb/s in bytes/s
