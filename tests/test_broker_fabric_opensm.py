@@ -27,8 +27,8 @@ from broker.service import BrokerService
 from contracts import KafkaTopics, LeaseLogRecord, LeaseState, ReasonCode
 from contracts.bus import MemoryBus
 from tests.fabric_fixture import SimFabric, sim_fabric  # noqa: F401 - the session fixture
-from tests.mqtt_support import running, until
-from tests.test_broker_service import CFG, _Amqtt, _free_port, _idle, _offer_on, _site
+from tests.mqtt_support import until
+from tests.test_broker_service import CFG, _Amqtt, _free_port, _idle, _offer_on, _service, _site
 
 pytestmark = pytest.mark.integration
 log = logging.getLogger(__name__)
@@ -250,12 +250,8 @@ async def test_broker_grants_only_verified_leases(sim_fabric: SimFabric) -> None
     await server.start()
     bus = MemoryBus()
     mgr = _fabric(sim_fabric)
-    svc = BrokerService(
-        bus=bus, topics=KafkaTopics(), mqtt_host="127.0.0.1", mqtt_port=server.port, protocol=4,
-        config=CFG, fabric=mgr,
-    )  # fmt: skip
     try:
-        async with running(svc):
+        async with _service(bus, server.port, fabric=mgr) as svc:
             async with _site(server.port) as site:
                 await _idle(bus, "gpu-node-017", 1)
                 off = await _offer_on(site, "gpu-node-017")

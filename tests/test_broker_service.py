@@ -15,6 +15,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiomqtt
 import pytest
@@ -100,10 +101,12 @@ def mqtt_port(amqtt_server: _Amqtt) -> int:
 
 @contextlib.asynccontextmanager
 async def _service(
-    bus: Bus, port: int, config: BrokerConfig = CFG, topics: KafkaTopics = TOPICS
+    bus: Bus, port: int, config: BrokerConfig = CFG, topics: KafkaTopics = TOPICS, **options: Any
 ) -> AsyncIterator[BrokerService]:
+    """A broker (MQTT 3.1.1, anonymous) on the local server at ``port``, started and serving for the
+    block; ``options`` are further ``BrokerService`` keyword arguments (``fabric``...)."""
     svc = BrokerService(
-        bus=bus, topics=topics, mqtt_host="127.0.0.1", mqtt_port=port, protocol=4, config=config
+        bus=bus, topics=topics, mqtt_host="127.0.0.1", mqtt_port=port, protocol=4, config=config, **options
     )
     async with running(svc):
         yield svc
@@ -500,16 +503,7 @@ class _Fabric:
 async def test_grant_waits_for_a_verified_partition(mqtt_port: int) -> None:
     bus = MemoryBus()
     fabric = _Fabric()
-    svc = BrokerService(
-        bus=bus,
-        topics=TOPICS,
-        mqtt_host="127.0.0.1",
-        mqtt_port=mqtt_port,
-        protocol=4,
-        config=CFG,
-        fabric=fabric,
-    )
-    async with running(svc):
+    async with _service(bus, mqtt_port, fabric=fabric) as svc:
         async with _site(mqtt_port) as site:
             await _idle(bus, "n1", 1)
             for mode in ("unverified", "raise"):
