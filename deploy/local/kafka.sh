@@ -27,10 +27,11 @@
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-repo="$(cd "$here/../.." && pwd)"
-state="${GPUPOOL_STATE:-$repo/.state}/kafka"
+# shellcheck source=deploy/local/service-lib.sh
+. "$here/service-lib.sh"
+svc=kafka
+state="$state_root/kafka"
 libs="${GPUPOOL_CACHE:-$HOME/.cache/gpupool}/kafka-4.1.1/libs"
-py="${GPUPOOL_PYTHON:-$repo/.venv/bin/python}"
 heap="${KAFKA_HEAP:--Xmx512m -Xms256m}"
 # C1 only: about half the CPU to get to "ready" (it matters on a busy 2-core CI machine); peak
 # throughput is lower than with C2, which a single test node does not need.
@@ -46,10 +47,6 @@ pidfile="$state/kafka.pid"
 portsfile="$state/ports"
 bootstrapfile="$state/bootstrap"
 
-svc=kafka
-# shellcheck source=deploy/local/service-lib.sh
-. "$here/service-lib.sh"
-
 _log_tails() {
     # The end of the broker's logs, for a failure message.
     _log_tail "$logs/server.log" "$logs/stdout.log" "$state/format.log"
@@ -62,9 +59,7 @@ _pid() {
 
 _ready() {
     # _ready TIMEOUT [PID]: wait until the broker answers a Metadata request.
-    local args=("$(cat "$bootstrapfile")" --timeout "$1")
-    [ -n "${2:-}" ] && args+=(--pid "$2")
-    "$py" "$here/kafka_ready.py" "${args[@]}"
+    _wait_ready kafka_ready.py "$(cat "$bootstrapfile")" "$@"
 }
 
 _write_config() {
@@ -191,12 +186,4 @@ cmd_status() {
     _status 5
 }
 
-case "${1:-}" in
-    start) cmd_start ;;
-    stop) cmd_stop ;;
-    status) cmd_status ;;
-    *)
-        echo "usage: $0 {start|stop|status}" >&2
-        exit 2
-        ;;
-esac
+_main "${1:-}"
