@@ -3,12 +3,14 @@
 * :data:`T0`, :class:`Clock` — a fixed start time and a clock the test moves by hand;
 * :data:`TRACE_DIR`, :func:`trace` — the Alibaba GenAI trace in ``../shared/data`` and a fixture
   loading it once;
-* :func:`detach_cli_log_handler` — a fixture for tests that invoke the ``gpupool`` CLI.
+* :func:`detach_cli_log_handler` — a fixture for tests that invoke the ``gpupool`` CLI;
+* :func:`settings_file` — a ``gpupool.toml`` as the only source of settings besides the flags.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,3 +49,13 @@ def detach_cli_log_handler() -> Iterator[None]:
     for handler in list(root.handlers):
         if getattr(handler, "_gpupool", False):
             root.removeHandler(handler)
+
+
+def settings_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str) -> Path:
+    """Write ``text`` to ``tmp_path/gpupool.toml`` and unset every ``GPUPOOL_*`` environment
+    variable for the test (so only that file and what the test sets apply); returns the file."""
+    for name in [k for k in os.environ if k.upper().startswith("GPUPOOL_")]:
+        monkeypatch.delenv(name)
+    toml = tmp_path / "gpupool.toml"
+    toml.write_text(text)
+    return toml
