@@ -135,13 +135,7 @@ def timeseries(
     """A time series panel of ``queries`` (refIds A, B, ...), legend as a table under the graph
     with last and max values; ``stack`` stacks the series (for parts of a whole)."""
     panel = (
-        timeseries_b.Panel()
-        .title(title)
-        .description(description)
-        .datasource(DATASOURCE)
-        .unit(unit)
-        .span(width)
-        .height(height)
+        _framed(timeseries_b.Panel(), title, description, unit, width, height)
         .fill_opacity(25 if stack else 10)
         .legend(
             common_b.VizLegendOptions()
@@ -178,13 +172,7 @@ def stat(
     """A stat panel showing the last value of each series, coloured by ``thresholds``:
     ``(from value, colour)`` pairs, the first one's value ``None`` (minus infinity)."""
     panel = (
-        stat_b.Panel()
-        .title(title)
-        .description(description)
-        .datasource(DATASOURCE)
-        .unit(unit)
-        .span(width)
-        .height(height)
+        _framed(stat_b.Panel(), title, description, unit, width, height)
         .color_mode(common_m.BigValueColorMode.VALUE)
         .graph_mode(common_m.BigValueGraphMode.AREA)
         .reduce_options(common_b.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
@@ -221,6 +209,24 @@ def state_timeline(
         .show_value(common_m.VisibilityMode.NEVER)
         .with_target(_target(query, "A"))
     )
+
+
+class _Framed(Protocol):
+    def title(self, title: str) -> Self: ...
+    def description(self, description: str) -> Self: ...
+    def datasource(self, datasource: dashboard_m.DataSourceRef) -> Self: ...
+    def unit(self, unit: str) -> Self: ...
+    def span(self, w: int) -> Self: ...
+    def height(self, h: int) -> Self: ...
+
+
+_F = TypeVar("_F", bound=_Framed)
+
+
+def _framed(panel: _F, title: str, description: str, unit: str, width: int, height: int) -> _F:
+    """``panel`` titled and described, on the :data:`DATASOURCE`, in ``unit``, ``width`` columns by
+    ``height`` rows."""
+    return panel.title(title).description(description).datasource(DATASOURCE).unit(unit).span(width).height(height)
 
 
 class _Targeted(Protocol):
