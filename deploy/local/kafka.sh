@@ -158,18 +158,8 @@ cmd_start() {
     # shellcheck disable=SC2086  # $heap and $jvm_opts are lists of JVM flags
     setsid java $heap $jvm_opts "${java_opts[@]}" \
         -cp "$libs/*" kafka.Kafka "$conf" </dev/null >>"$logs/stdout.log" 2>&1 9>&- &
-    pid=$!
-    echo "$pid" >"$pidfile"
-    local rc=0
-    _ready "$start_timeout" "$pid" 2>"$state/ready.err" || rc=$?
-    if [ "$rc" -ne 0 ]; then
-        cat "$state/ready.err" >&2
-        _log_tails
-        kill -KILL "$pid" 2>/dev/null || true
-        rm -f "$pidfile"
-        [ "$rc" -eq 3 ] && _die "the broker JVM exited during start (see the logs above)"
-        _die "broker did not answer on 127.0.0.1:$port within ${start_timeout} s"
-    fi
+    _await_start $! "the broker JVM exited during start (see the logs above)" \
+        "broker did not answer on 127.0.0.1:$port within ${start_timeout} s"
     cat "$bootstrapfile"
 }
 

@@ -117,18 +117,8 @@ cmd_start() {
 
     echo "=== start $(date -u +%Y-%m-%dT%H:%M:%SZ) on 127.0.0.1:$port" >>"$state/stdout.log"
     setsid mosquitto -c "$conf" </dev/null >>"$state/stdout.log" 2>&1 9>&- &
-    pid=$!
-    echo "$pid" >"$pidfile"
-    local rc=0
-    _ready "$start_timeout" "$pid" 2>"$state/ready.err" || rc=$?
-    if [ "$rc" -ne 0 ]; then
-        cat "$state/ready.err" >&2
-        _log_tails
-        kill -KILL "$pid" 2>/dev/null || true
-        rm -f "$pidfile"
-        [ "$rc" -eq 3 ] && _die "mosquitto exited during start (see the logs above)"
-        _die "no MQTT login on 127.0.0.1:$port within ${start_timeout} s"
-    fi
+    _await_start $! "mosquitto exited during start (see the logs above)" \
+        "no MQTT login on 127.0.0.1:$port within ${start_timeout} s"
     _address
 }
 

@@ -12,13 +12,18 @@
 #   _lock SECONDS                   serialise start/stop of one state dir (flock on fd 9)
 #   _stop SECONDS                   SIGTERM the pid from _pid, SIGKILL after SECONDS, remove $pidfile
 #   _status SECONDS                 exit-code status (0 answering, 1 not running, 2 not answering)
+#   _await_start PID EXITED TIMED_OUT
+#                                   record PID in $pidfile and wait $start_timeout s for _ready; on
+#                                   failure print why and the log tails (_log_tails), kill PID,
+#                                   remove $pidfile and _die with EXITED (PID exited) or TIMED_OUT
 #   _wait_ready SCRIPT TARGET TIMEOUT [PID]
 #                                   run deploy/local/SCRIPT TARGET --timeout TIMEOUT [--pid PID]
 #                                   (kafka_ready.py, mqtt_ready.py: exit 0 ready, 1 not in time,
 #                                   3 PID exited)
 #   _main ARG                       run cmd_start, cmd_stop or cmd_status for start/stop/status,
 #                                   else print the usage and exit 2
-# Scripts define `_pid`, `_ready TIMEOUT PID`, `_address` and the cmd_* functions themselves.
+# Scripts define `_pid`, `_ready TIMEOUT PID`, `_address`, `_log_tails` and the cmd_* functions
+# themselves.
 
 repo="$(cd "$here/../.." && pwd)"
 py="${GPUPOOL_PYTHON:-$repo/.venv/bin/python}"
@@ -89,6 +94,20 @@ _status() {
     fi
     echo "$svc: running (pid $pid) but not answering on $(_address)" >&2
     return 2
+}
+
+_await_start() {
+    local pid="$1" rc=0
+    echo "$pid" >"$pidfile"
+    _ready "$start_timeout" "$pid" 2>"$state/ready.err" || rc=$?
+    if [ "$rc" -ne 0 ]; then
+        cat "$state/ready.err" >&2
+        _log_tails
+        kill -KILL "$pid" 2>/dev/null || true
+        rm -f "$pidfile"
+        [ "$rc" -eq 3 ] && _die "$2"
+        _die "$3"
+    fi
 }
 
 _wait_ready() {
