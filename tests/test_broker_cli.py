@@ -36,6 +36,7 @@ from contracts import (
 from contracts.bus import MemoryBus
 from tests.services import create_stage_topics
 from tests.support import settings_file
+from broker.credentials import edge_client
 
 runner = CliRunner()
 
@@ -292,7 +293,6 @@ async def test_broker_demand_takes_kafka_from_the_config_and_waits_for_the_recla
     """`gpupool broker demand --config FILE --count 1 --wait S` with no --kafka: Kafka and the
     topic prefix come from the file; it prints the demand, then the lease the broker turned
     reclaiming for it (reason demand:<id>), and stops before S once the demand is met."""
-    from broker.edge import EdgeClient
     from contracts import LeaseLogRecord
     from tests.mqtt_support import running
     from tests.test_broker_service import CFG, _idle, _offer_on
@@ -304,10 +304,7 @@ async def test_broker_demand_takes_kafka_from_the_config_and_waits_for_the_recla
         mqtt_username="gpupool-broker", mqtt_password=mosquitto["users"]["gpupool-broker"],
         root=mosquitto["root"], protocol=5, config=CFG, client_id=f"gpupool-broker-demand-{uuid.uuid4().hex[:8]}",
     )  # fmt: skip
-    site = EdgeClient(
-        site="edge-a", host=mosquitto["host"], port=mosquitto["port"], username="edge-a",
-        password=mosquitto["users"]["edge-a"], root=mosquitto["root"], persistent=False, announce=False,
-    )  # fmt: skip
+    site = edge_client(mosquitto, "edge-a", persistent=False, announce=False)
     async with running(svc), site:
         await _idle(kafka_bus, "dw-n1", 2, topics=kafka_topics)
         offer = await _offer_on(site, "dw-n1")
