@@ -28,6 +28,7 @@ from broker.acl import OBSERVER_USER
 from broker.credentials import mqtt_client
 from broker.service import BrokerService
 from contracts import LeaseMessage, MqttTopics, decode
+from tests.services import run_service
 
 T = TypeVar("T")
 
@@ -35,11 +36,9 @@ MOSQUITTO_SH = Path(__file__).resolve().parents[1] / "deploy" / "local" / "mosqu
 
 
 def mosquitto_script(state: Path, action: str) -> subprocess.CompletedProcess[str]:
-    """``deploy/local/mosquitto.sh <action>`` (start, stop, status) on the state dir ``state``."""
-    env = {**os.environ, "GPUPOOL_STATE": str(state)}
-    return subprocess.run(
-        ["bash", str(MOSQUITTO_SH), action], env=env, capture_output=True, text=True, timeout=90, check=False
-    )
+    """``deploy/local/mosquitto.sh <action>`` (start, stop, status) on the state dir ``state``
+    (:func:`tests.services.run_service`, 90 s at most)."""
+    return run_service("mosquitto.sh", action, 90, state=state)
 
 
 async def mosquitto_script_async(state: Path, action: str) -> tuple[int, str, str]:
