@@ -60,10 +60,8 @@ variant is given every run before the replay starts: a ceiling, not a forecast.
 
 from __future__ import annotations
 
-import io
 import logging
 import math
-import tarfile
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -71,23 +69,20 @@ from pathlib import Path
 from typing import Literal
 
 import pyarrow as pa
-import pyarrow.csv as pacsv
 
 from analytics.classify import FB_USED, GPU_UTIL, IdleClassifier, IdleConfig, IdleRun
 from analytics.predict import IdlePredictor, PredictorConfig
 from contracts import GpuState, gpu_key
+from contracts.gpu_trace import COLUMNS, DUTY_CYCLE_FILE, MEMORY_FILE, STEP_S, read_trace_csv
+from contracts.gpu_trace import TraceReadError as TraceReadError  # raised by load_trace, re-exported
 
 ProgressFn = Callable[[str, int, int], None]
 """Progress callback of :func:`read_trace` and :func:`evaluate`: ``(step, done, total)``, called
 when a step starts (``done`` 0), as it advances, and when it ends (``done == total``); steps come
 one after the other, each with its own ``total`` (files, time instants, variants)."""
 
-DUTY_CYCLE_FILE = "pod_gpu_duty_cycle_anon.tar.gz"
-"""Tarball holding the duty-cycle CSV (PROVENANCE.md)."""
-MEMORY_FILE = "pod_gpu_memory_used_bytes_anon.tar.gz"
-"""Tarball holding the memory-used CSV (PROVENANCE.md)."""
-TRACE_STEP_S = 57.0
-"""Sampling period of the trace, seconds (PROVENANCE.md)."""
+TRACE_STEP_S = STEP_S
+"""Sampling period of the trace, seconds (:data:`contracts.gpu_trace.STEP_S`)."""
 TRACE_HOST = "alibaba-genai"
 """Host name given to every replayed pod (the trace has no hosts); a pod's GPU key is
 ``alibaba-genai/<container_ip>``."""
@@ -97,14 +92,8 @@ History = Literal["gpu+pool", "pool", "gpu", "hour+pool"]
 
 log = logging.getLogger(__name__)
 
-_COLUMNS = ("value", "timestamp_anon", "container_ip")
 _MIB = float(1 << 20)
 _POOL = "pool"
-
-
-class TraceReadError(ValueError):
-    """A trace tarball is not a readable ``.tar.gz`` holding exactly one CSV with the columns
-    ``value,timestamp_anon,container_ip``."""
 
 
 # --- reading the trace ---------------------------------------------------------------------------
@@ -172,9 +161,9 @@ def read_trace(
     d = Path(trace_dir)
     dropped: Counter[str] = Counter()
     report("read trace", 0, 3)
-    util = _rows_by_pod(_read_csv_member(d / DUTY_CYCLE_FILE), dropped, count_duplicates=True)
+    util = _rows_by_pod(read_trace_csv(d / DUTY_CYCLE_FILE), dropped, count_duplicates=True)
     report("read trace", 1, 3)
-    mem = _rows_by_pod(_read_csv_member(d / MEMORY_FILE), Counter(), count_duplicates=False)
+    mem = _rows_by_pod(read_trace_csv(d / MEMORY_FILE), Counter(), count_duplicates=False)
     report("read trace", 2, 3)
     names = sorted(util)
     chosen = names if slice_pods is None else names[:slice_pods]
@@ -200,44 +189,12 @@ def _no_progress(step: str, done: int, total: int) -> None:
     """The :data:`ProgressFn` used when none is given."""
 
 
-def _read_csv_member(path: Path) -> pa.Table:
-    """The one CSV inside the tarball at ``path``, columns :data:`_COLUMNS` (value and time as
-    float64, the pod as string; blank cells are nulls)."""
-    if not path.is_file():
-        raise FileNotFoundError(f"trace file not found: {path}")
-    try:
-        with tarfile.open(path, "r:*") as tf:
-            members = [m for m in tf.getmembers() if m.isfile() and m.name.endswith(".csv")]
-            if len(members) != 1:
-                raise TraceReadError(f"{path.name}: expected one .csv member, found {len(members)}")
-            fh = tf.extractfile(members[0])
-            if fh is None:
-                raise TraceReadError(f"{path.name}: cannot read member {members[0].name}")
-            data = fh.read()
-    except (tarfile.TarError, OSError, EOFError) as exc:
-        raise TraceReadError(f"{path.name}: not a readable tar archive: {exc}") from exc
-    try:
-        return pacsv.read_csv(
-            io.BytesIO(data),
-            convert_options=pacsv.ConvertOptions(
-                column_types={
-                    "value": pa.float64(),
-                    "timestamp_anon": pa.float64(),
-                    "container_ip": pa.string(),
-                },
-                include_columns=list(_COLUMNS),
-            ),
-        )
-    except (pa.ArrowInvalid, KeyError) as exc:
-        raise TraceReadError(f"{path.name}: unexpected CSV content ({exc}); want columns {_COLUMNS}") from exc
-
-
 def _rows_by_pod(
     table: pa.Table, dropped: Counter[str], *, count_duplicates: bool
 ) -> dict[str, dict[float, float]]:
     """``pod → {time: value}``; blank rows and repeated (pod, time) rows are dropped and counted."""
     out: dict[str, dict[float, float]] = defaultdict(dict)
-    cols = (table.column(c).to_pylist() for c in _COLUMNS)
+    cols = (table.column(c).to_pylist() for c in COLUMNS)
     for value, ts, pod in zip(*cols, strict=True):
         if value is None or ts is None or pod is None:
             dropped["empty_value"] += 1

@@ -80,7 +80,9 @@ import aiomqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from broker.acl import BROKER_USER
 from broker.config import BrokerConfig
+from broker.credentials import broker_service, edge_client, mqtt_client
 from broker.edge import BrokerRejected, EdgeClient
 from broker.service import BrokerService, tune_gc
 from broker.transport import birth_seq, make_client, subscriptions
@@ -221,18 +223,7 @@ async def _broker_child(creds_path: Path, notice_s: float, lease_ttl_s: float, g
         lease_ttl_s=lease_ttl_s,
         capacity_max_age_s=3600,
     )
-    svc = BrokerService(
-        bus=bus,
-        topics=topics,
-        mqtt_host=creds["host"],
-        mqtt_port=creds["port"],
-        mqtt_username="gpupool-broker",
-        mqtt_password=creds["users"]["gpupool-broker"],
-        root=creds["root"],
-        protocol=5,
-        config=config,
-        client_id=f"bench-broker-{os.getpid()}",
-    )
+    svc = broker_service(creds, bus=bus, topics=topics, config=config, client_id=f"bench-broker-{os.getpid()}")
     await svc.start()
     stop = asyncio.Event()
     runner = asyncio.create_task(svc.run(stop))
@@ -317,13 +308,10 @@ async def _echo_child(creds_path: Path) -> None:
     """Answer each request on ``{root}/sites/+/echo/req`` on its response topic (MQTT 5, QoS 1)."""
     creds = json.loads(creds_path.read_text())
     root = creds["root"]
-    async with aiomqtt.Client(
-        creds["host"],
-        creds["port"],
-        username="gpupool-broker",
-        password=creds["users"]["gpupool-broker"],
+    async with mqtt_client(
+        creds,
+        BROKER_USER,
         identifier=f"bench-responder-{os.getpid()}",
-        protocol=aiomqtt.ProtocolVersion.V5,
         max_queued_incoming_messages=0,
         socket_options=_NODELAY,
     ) as client:
@@ -471,13 +459,10 @@ class _Echo:
         root = creds["root"]
         self.req_topic = f"{root}/sites/{ECHO_USER}/echo/req"
         self.rep_topic = f"{root}/sites/{ECHO_USER}/echo/rep"
-        self.client = aiomqtt.Client(
-            creds["host"],
-            creds["port"],
-            username=ECHO_USER,
-            password=creds["users"][ECHO_USER],
+        self.client = mqtt_client(
+            creds,
+            ECHO_USER,
             identifier=f"bench-requester-{os.getpid()}",
-            protocol=aiomqtt.ProtocolVersion.V5,
             max_queued_incoming_messages=0,
             socket_options=_NODELAY,
         )
@@ -710,7 +695,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "--tune-gc" if args.gc_tune else "--no-tune-gc",
                     *(["--lease-log-linger-ms", str(args.lease_log_linger_ms)]
                       if args.lease_log_linger_ms is not None else []),
-                    env={**os.environ, "GPUPOOL_MQTT_PASSWORD": creds["users"]["gpupool-broker"]},
+                    env={**os.environ, "GPUPOOL_MQTT_PASSWORD": creds["users"][BROKER_USER]},
                     stdin=asyncio.subprocess.DEVNULL,
                     cwd=REPO,
                 )  # fmt: skip
@@ -743,16 +728,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             async with contextlib.AsyncExitStack() as stack:
                 sites = []
                 for name in active_names:
-                    site = EdgeClient(
-                        site=name,
-                        host=creds["host"],
-                        port=creds["port"],
-                        username=name,
-                        password=creds["users"][name],
-                        root=creds["root"],
-                        protocol=5,
-                        connect_timeout_s=30,
-                    )
+                    site = edge_client(creds, name, connect_timeout_s=30)
                     sites.append(await stack.enter_async_context(site))
                 echo = await stack.enter_async_context(_Echo(creds))
                 await feed.capacity(_capacity(args.nodes, args.gpus_per_node, run_id))

@@ -49,25 +49,19 @@ def dashboard() -> dashboard_b.Dashboard:
     """The Fabric dashboard builder (uid :data:`UID`); variables ``datasource`` and ``instance``
     (node_exporter targets)."""
     return (
-        dashboard_b.Dashboard("gpupool / Fabric")
-        .uid(UID)
-        .description(
-            "InfiniBand fabric: gpupool's fabric collector, and per-port counters from node_exporter."
+        panels.dashboard(
+            "gpupool / Fabric",
+            UID,
+            "InfiniBand fabric: gpupool's fabric collector, and per-port counters from node_exporter.",
+            panels.label_variable("instance", "node_infiniband_state_id", "instance", "Host"),
         )
-        .tags(["gpupool"])
-        .link(panels.dashboard_links())
-        .refresh("30s")
-        .time("now-6h", "now")
-        .timezone("browser")
-        .with_variable(panels.datasource_variable())
-        .with_variable(panels.label_variable("instance", "node_infiniband_state_id", "instance", "Host"))
         .with_row(panels.row("Fabric collector (gpupool)"))
         .with_panel(
             panels.stat(
                 "Ports down",
                 [Query("sum(gpupool_collector_fabric_ports_down)")],
                 description="Ports seen connected once and without a peer at the last ibnetdiscover.",
-                thresholds=[(None, "green"), (1, "red")],
+                thresholds=panels.ANY_IS_BAD,
             )
         )
         .with_panel(
@@ -91,7 +85,7 @@ def dashboard() -> dashboard_b.Dashboard:
                 "Diag timeouts in range",
                 [Query("sum(increase(gpupool_collector_fabric_timeouts_total[$__range]))")],
                 description="perfquery / ibnetdiscover runs killed at their timeout over the time range.",
-                thresholds=[(None, "green"), (1, "orange")],
+                thresholds=panels.ANY_IS_WARNING,
             )
         )
         .with_panel(
@@ -173,7 +167,7 @@ def dashboard() -> dashboard_b.Dashboard:
                 [Query("count(max by (switch) (gpupool_broker_fabric_qos_drift_ports) > 0) or vector(0)")],
                 description="Switches whose SL2VL or VL arbitration tables differ from the QoS plan at the last "
                 "audit. Alert GpupoolFabricQosDrift.",
-                thresholds=[(None, "green"), (1, "red")],
+                thresholds=panels.ANY_IS_BAD,
             )
         )
         .with_panel(

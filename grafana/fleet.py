@@ -29,18 +29,12 @@ _GPU_LEGEND = "{{Hostname}} GPU {{gpu}} {{GPU_I_ID}}"
 def dashboard() -> dashboard_b.Dashboard:
     """The Fleet dashboard builder (uid :data:`UID`); variables ``datasource`` and ``Hostname``."""
     return (
-        dashboard_b.Dashboard("gpupool / Fleet")
-        .uid(UID)
-        .description(
-            "GPU state counts from gpupool analytics; per-GPU utilisation, memory, power from dcgm-exporter."
+        panels.dashboard(
+            "gpupool / Fleet",
+            UID,
+            "GPU state counts from gpupool analytics; per-GPU utilisation, memory, power from dcgm-exporter.",
+            panels.label_variable("Hostname", "DCGM_FI_DEV_GPU_UTIL", "Hostname", "Host"),
         )
-        .tags(["gpupool"])
-        .link(panels.dashboard_links())
-        .refresh("30s")
-        .time("now-6h", "now")
-        .timezone("browser")
-        .with_variable(panels.datasource_variable())
-        .with_variable(panels.label_variable("Hostname", "DCGM_FI_DEV_GPU_UTIL", "Hostname", "Host"))
         .with_row(panels.row("Fleet state (gpupool analytics)"))
         .with_panel(
             panels.stat(
@@ -63,7 +57,7 @@ def dashboard() -> dashboard_b.Dashboard:
                 [Query('sum(gpupool_analytics_gpus{state="unknown"})')],
                 description="GPUs analytics cannot classify (missing field, DCGM blank sentinel, out-of-range "
                 "value, stalled profiling, stale samples). Never offered.",
-                thresholds=[(None, "green"), (1, "orange")],
+                thresholds=panels.ANY_IS_WARNING,
             )
         )
         .with_panel(

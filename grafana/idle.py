@@ -25,18 +25,12 @@ _LIVE = 'state=~"granted|active|reclaiming"'
 def dashboard() -> dashboard_b.Dashboard:
     """The Idle capacity dashboard builder (uid :data:`UID`); variables ``datasource`` and ``pool``."""
     return (
-        dashboard_b.Dashboard("gpupool / Idle capacity")
-        .uid(UID)
-        .description(
-            "Idle GPUs found by analytics, and what the broker makes of them: offers, leases, reclaims."
+        panels.dashboard(
+            "gpupool / Idle capacity",
+            UID,
+            "Idle GPUs found by analytics, and what the broker makes of them: offers, leases, reclaims.",
+            panels.label_variable("pool", "gpupool_analytics_idle_gpus", "pool", "Pool"),
         )
-        .tags(["gpupool"])
-        .link(panels.dashboard_links())
-        .refresh("30s")
-        .time("now-6h", "now")
-        .timezone("browser")
-        .with_variable(panels.datasource_variable())
-        .with_variable(panels.label_variable("pool", "gpupool_analytics_idle_gpus", "pool", "Pool"))
         .with_row(panels.row("Idle GPUs (analytics)"))
         .with_panel(
             panels.stat(
@@ -134,7 +128,7 @@ def dashboard() -> dashboard_b.Dashboard:
                 unit="h",
                 width=12,
                 height=8,
-                thresholds=[(None, "green"), (1, "orange")],
+                thresholds=panels.ANY_IS_WARNING,
             )
         )
         .with_panel(
@@ -166,7 +160,7 @@ def dashboard() -> dashboard_b.Dashboard:
                 "Reclaiming",
                 [Query('sum(gpupool_broker_leases{state="reclaiming"})')],
                 description="Leases given notice because training wants their GPUs back.",
-                thresholds=[(None, "green"), (1, "orange")],
+                thresholds=panels.ANY_IS_WARNING,
             )
         )
         .with_panel(
@@ -185,7 +179,7 @@ def dashboard() -> dashboard_b.Dashboard:
                     )
                 ],
                 description="Reclaims where the site did not release within notice and the broker revoked the lease.",
-                thresholds=[(None, "green"), (1, "orange")],
+                thresholds=panels.ANY_IS_WARNING,
             )
         )
         .with_panel(

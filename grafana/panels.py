@@ -11,7 +11,7 @@ Widths are grid columns out of 24; heights grid rows (30 px each).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, Self, TypeVar
 
 from grafana_foundation_sdk.builders import common as common_b
 from grafana_foundation_sdk.builders import dashboard as dashboard_b
@@ -23,8 +23,11 @@ from grafana_foundation_sdk.models import common as common_m
 from grafana_foundation_sdk.models import dashboard as dashboard_m
 
 __all__ = [
+    "ANY_IS_BAD",
+    "ANY_IS_WARNING",
     "DATASOURCE",
     "Query",
+    "dashboard",
     "dashboard_links",
     "datasource_variable",
     "label_variable",
@@ -36,6 +39,12 @@ __all__ = [
 
 DATASOURCE = dashboard_m.DataSourceRef(type_val="prometheus", uid="${datasource}")
 """Reference to the data source chosen by the ``datasource`` template variable."""
+
+
+ANY_IS_WARNING: Sequence[tuple[float | None, str]] = ((None, "green"), (1, "orange"))
+"""Stat thresholds for a count that should stay 0: green at 0, orange from 1."""
+ANY_IS_BAD: Sequence[tuple[float | None, str]] = ((None, "green"), (1, "red"))
+"""Stat thresholds for a count that must stay 0: green at 0, red from 1."""
 
 
 class Query(NamedTuple):
@@ -57,6 +66,32 @@ def dashboard_links() -> dashboard_b.DashboardLink:
         .include_vars(False)
         .target_blank(False)
     )
+
+
+def dashboard(
+    title: str,
+    uid: str,
+    description: str,
+    *variables: dashboard_b.QueryVariable,
+    time_from: str = "now-6h",
+) -> dashboard_b.Dashboard:
+    """A gpupool dashboard ``title`` (uid ``uid``) before its panels: tagged ``gpupool`` with
+    :func:`dashboard_links`, refreshed every 30 s, showing ``time_from`` to now in the browser's
+    time zone, with the :func:`datasource_variable` and then ``variables``."""
+    board = (
+        dashboard_b.Dashboard(title)
+        .uid(uid)
+        .description(description)
+        .tags(["gpupool"])
+        .link(dashboard_links())
+        .refresh("30s")
+        .time(time_from, "now")
+        .timezone("browser")
+        .with_variable(datasource_variable())
+    )
+    for variable in variables:
+        board = board.with_variable(variable)
+    return board
 
 
 def datasource_variable() -> dashboard_b.DatasourceVariable:
@@ -100,13 +135,7 @@ def timeseries(
     """A time series panel of ``queries`` (refIds A, B, ...), legend as a table under the graph
     with last and max values; ``stack`` stacks the series (for parts of a whole)."""
     panel = (
-        timeseries_b.Panel()
-        .title(title)
-        .description(description)
-        .datasource(DATASOURCE)
-        .unit(unit)
-        .span(width)
-        .height(height)
+        _framed(timeseries_b.Panel(), title, description, unit, width, height)
         .fill_opacity(25 if stack else 10)
         .legend(
             common_b.VizLegendOptions()
@@ -127,9 +156,7 @@ def timeseries(
         panel = panel.min(min_value)
     if max_value is not None:
         panel = panel.max(max_value)
-    for ref, query in zip(_ref_ids(), queries, strict=False):
-        panel = panel.with_target(_target(query, ref))
-    return panel
+    return _with_targets(panel, queries)
 
 
 def stat(
@@ -145,21 +172,13 @@ def stat(
     """A stat panel showing the last value of each series, coloured by ``thresholds``:
     ``(from value, colour)`` pairs, the first one's value ``None`` (minus infinity)."""
     panel = (
-        stat_b.Panel()
-        .title(title)
-        .description(description)
-        .datasource(DATASOURCE)
-        .unit(unit)
-        .span(width)
-        .height(height)
+        _framed(stat_b.Panel(), title, description, unit, width, height)
         .color_mode(common_m.BigValueColorMode.VALUE)
         .graph_mode(common_m.BigValueGraphMode.AREA)
         .reduce_options(common_b.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
         .thresholds(_thresholds(thresholds))
     )
-    for ref, query in zip(_ref_ids(), queries, strict=False):
-        panel = panel.with_target(_target(query, ref))
-    return panel
+    return _with_targets(panel, queries)
 
 
 def state_timeline(
@@ -190,6 +209,38 @@ def state_timeline(
         .show_value(common_m.VisibilityMode.NEVER)
         .with_target(_target(query, "A"))
     )
+
+
+class _Framed(Protocol):
+    def title(self, title: str) -> Self: ...
+    def description(self, description: str) -> Self: ...
+    def datasource(self, datasource: dashboard_m.DataSourceRef) -> Self: ...
+    def unit(self, unit: str) -> Self: ...
+    def span(self, w: int) -> Self: ...
+    def height(self, h: int) -> Self: ...
+
+
+_F = TypeVar("_F", bound=_Framed)
+
+
+def _framed(panel: _F, title: str, description: str, unit: str, width: int, height: int) -> _F:
+    """``panel`` titled and described, on the :data:`DATASOURCE`, in ``unit``, ``width`` columns by
+    ``height`` rows."""
+    return panel.title(title).description(description).datasource(DATASOURCE).unit(unit).span(width).height(height)
+
+
+class _Targeted(Protocol):
+    def with_target(self, target: prometheus_b.Dataquery) -> Self: ...
+
+
+_P = TypeVar("_P", bound=_Targeted)
+
+
+def _with_targets(panel: _P, queries: Sequence[Query]) -> _P:
+    """``panel`` with one target per query, refIds A, B, ... in order."""
+    for ref, query in zip(_ref_ids(), queries, strict=False):
+        panel = panel.with_target(_target(query, ref))
+    return panel
 
 
 def _target(query: Query, ref: str) -> prometheus_b.Dataquery:

@@ -34,17 +34,12 @@ def _quantiles(bucket: str, by: str = "", qs: tuple[float, ...] = (0.5, 0.95, 0.
 def dashboard() -> dashboard_b.Dashboard:
     """The Pipeline health dashboard builder (uid :data:`UID`); variable ``datasource``."""
     return (
-        dashboard_b.Dashboard("gpupool / Pipeline health")
-        .uid(UID)
-        .description(
-            "Is telemetry flowing? Scrapes, Kafka throughput and backlog, DuckDB ingest, broker latency."
+        panels.dashboard(
+            "gpupool / Pipeline health",
+            UID,
+            "Is telemetry flowing? Scrapes, Kafka throughput and backlog, DuckDB ingest, broker latency.",
+            time_from="now-3h",
         )
-        .tags(["gpupool"])
-        .link(panels.dashboard_links())
-        .refresh("30s")
-        .time("now-3h", "now")
-        .timezone("browser")
-        .with_variable(panels.datasource_variable())
         .with_row(panels.row("Targets"))
         .with_panel(
             panels.state_timeline(

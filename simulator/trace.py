@@ -20,11 +20,9 @@ exist and its GPU is free: duty cycle 0 and no memory.
 
 from __future__ import annotations
 
-import io
 import logging
 import math
 import os
-import tarfile
 import time
 from array import array
 from dataclasses import dataclass
@@ -32,20 +30,14 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.csv as pacsv
+
+from contracts.gpu_trace import COLUMNS, DUTY_CYCLE_FILE, MEMORY_FILE, STEP_S, TraceReadError, read_trace_csv
 
 log = logging.getLogger(__name__)
 
-DUTY_CYCLE_FILE = "pod_gpu_duty_cycle_anon.tar.gz"
-"""Tarball holding the duty-cycle CSV."""
-MEMORY_FILE = "pod_gpu_memory_used_bytes_anon.tar.gz"
-"""Tarball holding the memory-used CSV."""
-STEP_S = 57.0
-"""Sampling period of the trace, seconds (PROVENANCE.md)."""
 TRACE_DIR_ENV = "GPUPOOL_TRACE_DIR"
 """Environment variable that overrides :func:`default_trace_dir`."""
 
-_COLUMNS = ("value", "timestamp_anon", "container_ip")
 _GRID_TOLERANCE_S = 1e-3
 
 
@@ -192,33 +184,13 @@ def load_trace(trace_dir: Path | str | None = None, *, cache: bool = True) -> Tr
 
 
 def _read_csv_from_tar(path: Path) -> pa.Table:
-    """The single CSV member of the tarball at ``path`` as an Arrow table with :data:`_COLUMNS`."""
-    if not path.is_file():
-        raise FileNotFoundError(f"trace file not found: {path}")
+    """The single CSV member of the tarball at ``path`` as an Arrow table with
+    :data:`~contracts.gpu_trace.COLUMNS` (:func:`~contracts.gpu_trace.read_trace_csv`), none blank."""
     try:
-        with tarfile.open(path, "r:*") as tf:
-            members = [m for m in tf.getmembers() if m.isfile() and m.name.endswith(".csv")]
-            if len(members) != 1:
-                raise TraceError(f"{path.name}: expected one .csv member, found {len(members)}")
-            fh = tf.extractfile(members[0])
-            if fh is None:
-                raise TraceError(f"{path.name}: cannot read member {members[0].name}")
-            data = fh.read()
-    except tarfile.TarError as e:
-        raise TraceError(f"{path.name}: not a readable tar archive: {e}") from e
-    try:
-        table = pacsv.read_csv(
-            io.BytesIO(data),
-            convert_options=pacsv.ConvertOptions(
-                column_types={
-                    "value": pa.float64(), "timestamp_anon": pa.float64(), "container_ip": pa.string(),
-                },
-                include_columns=list(_COLUMNS),
-            ),
-        )
-    except (pa.ArrowInvalid, KeyError) as e:
-        raise TraceError(f"{path.name}: unexpected CSV content ({e}); want columns {_COLUMNS}") from e
-    for col in _COLUMNS:
+        table = read_trace_csv(path)
+    except TraceReadError as e:
+        raise TraceError(str(e)) from e
+    for col in COLUMNS:
         if table.column(col).null_count:
             raise TraceError(f"{path.name}: {table.column(col).null_count} empty values in column {col!r}")
     return table

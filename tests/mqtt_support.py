@@ -22,11 +22,13 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-import aiomqtt
 import pytest
 
+from broker.acl import OBSERVER_USER
+from broker.credentials import mqtt_client
 from broker.service import BrokerService
 from contracts import LeaseMessage, MqttTopics, decode
+from tests.services import run_service
 
 T = TypeVar("T")
 
@@ -34,11 +36,9 @@ MOSQUITTO_SH = Path(__file__).resolve().parents[1] / "deploy" / "local" / "mosqu
 
 
 def mosquitto_script(state: Path, action: str) -> subprocess.CompletedProcess[str]:
-    """``deploy/local/mosquitto.sh <action>`` (start, stop, status) on the state dir ``state``."""
-    env = {**os.environ, "GPUPOOL_STATE": str(state)}
-    return subprocess.run(
-        ["bash", str(MOSQUITTO_SH), action], env=env, capture_output=True, text=True, timeout=90, check=False
-    )
+    """``deploy/local/mosquitto.sh <action>`` (start, stop, status) on the state dir ``state``
+    (:func:`tests.services.run_service`, 90 s at most)."""
+    return run_service("mosquitto.sh", action, 90, state=state)
 
 
 async def mosquitto_script_async(state: Path, action: str) -> tuple[int, str, str]:
@@ -72,7 +72,7 @@ def private_mosquitto(tmp_path: Path) -> Iterator[dict[str, Any]]:
     mosquitto_script(state, "stop")
 
 
-async def until(pred: Callable[[], T | None], timeout_s: float, what: str) -> T:
+async def until(pred: Callable[[], T | None], timeout_s: float = 5.0, what: str = "condition") -> T:
     """Poll ``pred`` every 20 ms until it returns something truthy; return that.
 
     Raises ``AssertionError`` naming ``what`` after ``timeout_s`` seconds."""
@@ -90,14 +90,7 @@ async def retained_leases(creds: dict[str, Any], site: str, root: str | None = N
     ``creds["root"]``), read for 1 s by a fresh MQTT 5 client logged in as the read-only observer
     user (logging in as the site would take its own connection's session over)."""
     found: dict[str, LeaseMessage] = {}
-    async with aiomqtt.Client(
-        creds["host"],
-        creds["port"],
-        username="gpupool-observer",
-        password=creds["users"]["gpupool-observer"],
-        identifier=f"probe-{uuid.uuid4().hex[:10]}",
-        protocol=aiomqtt.ProtocolVersion.V5,
-    ) as c:
+    async with mqtt_client(creds, OBSERVER_USER, identifier=f"probe-{uuid.uuid4().hex[:10]}") as c:
         await c.subscribe(MqttTopics(root or creds["root"]).leases_filter(site), qos=1)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(1.0):

@@ -60,10 +60,16 @@ _SERVICE_ENV = {"slurm.sh": {"GPUPOOL_SLURM_GRACE": str(SLURM_GRACE_S)}}
 """Environment each script gets in tests, on top of this process's."""
 
 
-def run_service(script: str, action: str, timeout_s: float = 180.0) -> subprocess.CompletedProcess[str]:
+def run_service(
+    script: str, action: str, timeout_s: float = 180.0, state: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run ``deploy/local/<script> <action>`` (e.g. ``"kafka.sh", "stop"``) and return the
-    finished process (text stdout/stderr; not checked). Tests that restart a service mid-test
-    use this too. Raises ``subprocess.TimeoutExpired`` after ``timeout_s`` seconds."""
+    finished process (text stdout/stderr; not checked); with ``state``, on that state dir
+    (``GPUPOOL_STATE``) instead of the session's. Tests that restart a service mid-test use this
+    too. Raises ``subprocess.TimeoutExpired`` after ``timeout_s`` seconds."""
+    env = {**os.environ, **_SERVICE_ENV.get(script, {})}
+    if state is not None:
+        env["GPUPOOL_STATE"] = str(state)
     return subprocess.run(
         ["bash", str(DEPLOY / script), action],
         capture_output=True,
@@ -71,7 +77,7 @@ def run_service(script: str, action: str, timeout_s: float = 180.0) -> subproces
         timeout=timeout_s,
         check=False,
         cwd=REPO,
-        env={**os.environ, **_SERVICE_ENV.get(script, {})},
+        env=env,
     )
 
 

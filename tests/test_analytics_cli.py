@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from analytics.rows import gpu_samples_table
 from analytics.store import AnalyticsStore, StoreBatch
 from contracts import GpuSample
 from contracts.bus import TopicPartition
+from tests.support import settings_file
 
 
 def _db(tmp_path: Path) -> str:
@@ -252,12 +252,11 @@ def test_progress_bar_on_request_and_log_lines_otherwise(caplog: pytest.LogCaptu
 def test_run_takes_what_no_flag_gives_from_the_settings(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for name in [k for k in os.environ if k.upper().startswith("GPUPOOL_")]:
-        monkeypatch.delenv(name)
-    toml = tmp_path / "gpupool.toml"
-    toml.write_text(
+    toml = settings_file(
+        tmp_path,
+        monkeypatch,
         'kafka = "k-file:9092"\nanalytics_db = "/data/a.duckdb"\n'
-        '[idle]\npool = "p-file"\nmin_idle_s = 120\n[analytics]\nmemory_limit = "1GB"\n'
+        '[idle]\npool = "p-file"\nmin_idle_s = 120\n[analytics]\nmemory_limit = "1GB"\n',
     )
     monkeypatch.setenv("GPUPOOL_IDLE__MIN_IDLE_S", "90")
     s = run_settings(toml, kafka=None, pool="p-flag", min_idle_s=None, metrics_port=None)

@@ -9,24 +9,16 @@ from typing import Any
 
 import pytest
 
-from analytics.classify import FB_USED, GR_ENGINE_ACTIVE, IdleConfig
+from analytics.classify import FB_USED, GR_ENGINE_ACTIVE
 from analytics.service import AnalyticsService
-from contracts import CapacityUpdate, GpuSample, GpuState, IbPortSample, KafkaTopics, decode, encode
+from contracts import GpuSample, GpuState, IbPortSample, encode
 from contracts.bus import MemoryBus
+from tests.analytics_support import TOPICS, drain, latest, service
+from tests.support import Clock
 
 T0 = 1_700_000_000.0
-TOPICS = KafkaTopics()
-IDLE = IdleConfig(min_idle_s=30.0, stale_after_s=25.0)
 RATE = 25_000_000_000  # 200 Gb/s, bytes/s
 STEP = 10.0
-
-
-class Clock:
-    def __init__(self, t: float) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def gpu(ts: float, host: str) -> GpuSample:
@@ -64,33 +56,9 @@ async def send(bus: MemoryBus, s: GpuSample | IbPortSample) -> None:
     await bus.producer().send(topic, encode(s), key=s.key)
 
 
-def latest(bus: MemoryBus) -> dict[str, CapacityUpdate]:
-    out: dict[str, CapacityUpdate] = {}
-    for m in bus.records(TOPICS.capacity):
-        if m.value is not None:
-            u = decode(CapacityUpdate, m.value)
-            out[u.host] = u
-    return out
-
-
-async def drain(svc: AnalyticsService) -> None:
-    while await svc.step(timeout_s=0.01):
-        pass
-
-
 async def test_a_node_without_headroom_is_not_offerable_until_it_recovers() -> None:
     bus, clock = MemoryBus(), Clock(T0)
-    svc = AnalyticsService(
-        bus=bus,
-        topics=TOPICS,
-        db_path=":memory:",
-        idle=IDLE,
-        clock=clock,
-        refresh_s=3600.0,
-        min_headroom=0.2,
-        headroom_refresh_s=5.0,
-        headroom_window_s=60.0,
-    )
+    svc = service(bus, clock, refresh_s=3600.0, min_headroom=0.2, headroom_refresh_s=5.0, headroom_window_s=60.0)
     queries: list[str] = []
     await svc.start()
     real_sql = svc.store.sql
@@ -114,14 +82,14 @@ async def test_a_node_without_headroom_is_not_offerable_until_it_recovers() -> N
         clock.t = T0 + 60
         await drain(svc)
         # The first refresh ran before these rows were stored: headroom unknown, nothing blocked.
-        assert {h: u.state for h, u in latest(bus).items()} == dict.fromkeys(
+        assert {h: u.state for h, u in latest(bus, "host").items()} == dict.fromkeys(
             ("node-a", "node-b", "node-c"), GpuState.IDLE
         )
-        assert all(u.headroom is None for u in latest(bus).values())
+        assert all(u.headroom is None for u in latest(bus, "host").values())
 
         clock.t = T0 + 70  # next refresh: one query for every host
         await drain(svc)
-        ups = latest(bus)
+        ups = latest(bus, "host")
         now = svc.current_states()  # b and c did not change state: their headroom goes out at refresh_s
         _, [(view_a,)] = svc.store.sql(
             "SELECT min(1 - greatest(utilisation_p95, rcv_utilisation_p95)) FROM fabric_headroom_over(60)"
@@ -161,7 +129,7 @@ async def test_a_node_without_headroom_is_not_offerable_until_it_recovers() -> N
         await drain(svc)
         clock.t = T0 + 150
         await drain(svc)
-        a = latest(bus)["node-a"]  # published at once: its state changed
+        a = latest(bus, "host")["node-a"]  # published at once: its state changed
         assert a.state is GpuState.IDLE and a.since == T0 and a.predicted_idle_until is not None
         assert a.headroom == pytest.approx(0.95, abs=1e-6)
     finally:
@@ -170,15 +138,7 @@ async def test_a_node_without_headroom_is_not_offerable_until_it_recovers() -> N
 
 async def test_min_headroom_zero_never_blocks_and_bad_settings_are_rejected() -> None:
     bus, clock = MemoryBus(), Clock(T0)
-    svc = AnalyticsService(
-        bus=bus,
-        topics=TOPICS,
-        db_path=":memory:",
-        idle=IDLE,
-        clock=clock,
-        min_headroom=0.0,
-        headroom_refresh_s=1.0,
-    )
+    svc = service(bus, clock, min_headroom=0.0, headroom_refresh_s=1.0)
     await svc.start()
     port = Port("node-a", "mlx5_0")
     try:
@@ -190,7 +150,7 @@ async def test_min_headroom_zero_never_blocks_and_bad_settings_are_rejected() ->
         clock.t = T0 + 70
         await drain(svc)
         u = svc.current_states()["node-a/GPU-node-a"]
-        assert latest(bus)["node-a"].state is GpuState.IDLE
+        assert latest(bus, "host")["node-a"].state is GpuState.IDLE
         assert u.state is GpuState.IDLE and u.headroom == pytest.approx(0.0, abs=1e-6)
     finally:
         await svc.stop()

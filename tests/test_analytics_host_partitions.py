@@ -11,6 +11,8 @@ from analytics.classify import FB_USED, GR_ENGINE_ACTIVE, IdleConfig
 from analytics.service import AnalyticsService
 from contracts import CapacityUpdate, GpuSample, IbPortSample, KafkaTopics, decode, encode
 from contracts.bus import MemoryBus, Producer, partition_for
+from tests.analytics_support import drain
+from tests.support import Clock
 
 T0 = 1_700_000_000.0
 TOPICS = KafkaTopics()
@@ -19,14 +21,6 @@ STEP = 10.0
 PARTITIONS = 2
 HOSTS = [f"node-{i}" for i in range(8)]
 BY_PARTITION = {p: {h for h in HOSTS if partition_for(h, PARTITIONS) == p} for p in range(PARTITIONS)}
-
-
-class Clock:
-    def __init__(self, t: float) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class Fleet:
@@ -59,11 +53,6 @@ def expected_headroom(hosts: set[str]) -> dict[str, float]:
 
 def approx(got: dict[str, float], want: dict[str, float]) -> bool:
     return got.keys() == want.keys() and all(abs(got[h] - want[h]) < 1e-3 for h in want)
-
-
-async def drain(svc: AnalyticsService) -> None:
-    while await svc.step(timeout_s=0.01):
-        pass
 
 
 def service(bus: MemoryBus, clock: Clock) -> AnalyticsService:

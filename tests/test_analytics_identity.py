@@ -9,7 +9,9 @@ from analytics.classify import FB_USED, GR_ENGINE_ACTIVE
 from analytics.identity import GpuIdentities
 from contracts import GpuSample, GpuState
 from contracts.bus import MemoryBus
-from tests.test_analytics_service import T0, Clock, drain, make, send, updates
+from tests.analytics_support import drain, service
+from tests.support import Clock
+from tests.test_analytics_service import T0, send, updates
 
 
 def _s(ts: float, uuid: str | None, activity: float = 0.0, index: int = 0, gi: int | None = None) -> GpuSample:
@@ -41,7 +43,7 @@ def test_resolve_stand_in_then_uuid_then_uuid_less_again() -> None:
 
 async def test_history_of_a_gpu_stays_under_one_key_when_its_uuid_appears() -> None:
     bus, clock = MemoryBus(), Clock(T0)
-    svc = make(bus, clock, refresh_s=3600.0)
+    svc = service(bus, clock, refresh_s=3600.0)
     await svc.start()
     try:
         for i in range(4):  # 0..30 s without a UUID: idle from 0, idle state reached at 30 s
@@ -77,14 +79,14 @@ async def test_history_of_a_gpu_stays_under_one_key_when_its_uuid_appears() -> N
 async def test_a_uuid_that_appears_after_a_restart_still_moves_the_stored_history(tmp_path: Path) -> None:
     db = str(tmp_path / "a.duckdb")
     bus, clock = MemoryBus(), Clock(T0)
-    svc = make(bus, clock, db=db, refresh_s=3600.0)
+    svc = service(bus, clock, db=db, refresh_s=3600.0)
     await svc.start()
     try:
         await send(bus, _s(T0, None, index=1, gi=2))
         await drain(svc)
     finally:
         await svc.stop()
-    svc = make(bus, clock, db=db, refresh_s=3600.0)
+    svc = service(bus, clock, db=db, refresh_s=3600.0)
     await svc.start()
     try:
         await send(bus, _s(T0 + 10, "GPU-z", index=1, gi=2))

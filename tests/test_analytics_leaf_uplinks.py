@@ -12,7 +12,9 @@ from analytics.service import AnalyticsService
 from contracts import FabricTopology, GpuState, IbPortSample, encode
 from contracts.bus import MemoryBus
 from contracts.fabric import FabricNode, FabricPort
-from tests.test_analytics_headroom import IDLE, RATE, STEP, T0, TOPICS, Clock, drain, gpu, latest, send
+from tests.analytics_support import IDLE, TOPICS, drain, latest
+from tests.support import Clock
+from tests.test_analytics_headroom import RATE, STEP, T0, gpu, send
 
 SPINE, LEAF1, LEAF2 = "0x0000000000001000", "0x0000000000001001", "0x0000000000001002"
 HOSTS = {"node001": LEAF1, "node002": LEAF1, "node003": LEAF2}
@@ -104,7 +106,7 @@ async def test_leaf_uplinks_without_room_for_the_lent_share_hold_the_leaf_back()
         gauge = metrics.LEAF_UPLINK_HEADROOM.labels(leaf="leaf-1")._value.get()
         assert gauge == pytest.approx(0.15, abs=1e-6) and metrics.LENT_SHARE._value.get() == 0.2
         assert metrics.LEAF_UPLINK_XMIT_WAIT.labels(leaf="leaf-2")._value.get() == 0.0
-        ups = latest(bus)
+        ups = latest(bus, "host")
         for host in ("node001", "node002"):
             u = ups[host]
             assert (u.state, u.reason, u.leaf) == (GpuState.UNKNOWN, "leaf_uplink_headroom", "leaf-1"), host
@@ -119,7 +121,7 @@ async def test_leaf_uplinks_without_room_for_the_lent_share_hold_the_leaf_back()
         await drain(svc)
         clock.t = T0 + 140  # the refresh after the rows are stored
         await drain(svc)
-        ups = latest(bus)
+        ups = latest(bus, "host")
         assert {h: ups[h].state for h in HOSTS} == {
             "node001": GpuState.IDLE,
             "node002": GpuState.IDLE,
@@ -145,7 +147,7 @@ async def test_no_topology_no_leaf_and_zero_share_never_blocks(caplog: pytest.Lo
         assert all(u.leaf is None and u.leaf_headroom is None for u in svc.current_states().values())
         await bus.producer().send(TOPICS.fabric_topology, encode(_topology()), key="topology")
         await drain(svc)  # a new topology refreshes the leaf figures at once
-        assert {u.leaf for u in latest(bus).values()} == {"leaf-1", "leaf-2", None}  # and re-publishes
+        assert {u.leaf for u in latest(bus, "host").values()} == {"leaf-1", "leaf-2", None}  # and re-publishes
         (warning,) = [r for r in caplog.records if r.getMessage() == "analytics_hosts_without_leaf"]
         assert (warning.hosts, warning.first) == (1, ["node-x"])  # type: ignore[attr-defined]
         states = svc.current_states()

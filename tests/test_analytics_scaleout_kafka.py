@@ -35,6 +35,7 @@ from contracts import CapacityUpdate, GpuSample, IbPortSample, KafkaTopics, deco
 from contracts.bus import TopicPartition, partition_for
 from runtime.kafka import KafkaBus
 from tests.services import create_stage_topics
+from tests.support import Clock
 
 T0 = 1_700_000_000.0
 PARTITIONS = 4
@@ -194,19 +195,11 @@ class _Ends:
         await self._bus.close()
 
 
-class _Clock:
-    def __init__(self, t: float) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
 class _Running:
     """One service with its own bus, run in a task until :meth:`stop`."""
 
     def __init__(
-        self, bootstrap: str, topics: KafkaTopics, group: str, db: Path, name: str, clock: _Clock
+        self, bootstrap: str, topics: KafkaTopics, group: str, db: Path, name: str, clock: Clock
     ) -> None:
         self.bus = KafkaBus(bootstrap, client_id=name)
         self.service = AnalyticsService(
@@ -251,7 +244,7 @@ async def test_two_instances_split_the_partitions_and_publish_what_one_does(
         await create_stage_topics(kafka_bootstrap, t, PARTITIONS)
     gpus, ports = _inputs()
 
-    clock = _Clock(T0)
+    clock = Clock(T0)
     a = _Running(kafka_bootstrap, pair_topics, f"pair-{run}", tmp_path / "a.duckdb", "analytics-a", clock)
     b = _Running(kafka_bootstrap, pair_topics, f"pair-{run}", tmp_path / "b.duckdb", "analytics-b", clock)
     one = _Running(kafka_bootstrap, one_topics, f"one-{run}", tmp_path / "one.duckdb", "analytics-one", clock)

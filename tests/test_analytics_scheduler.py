@@ -7,25 +7,17 @@ from __future__ import annotations
 import pytest
 from prometheus_client import REGISTRY
 
-from analytics.classify import FB_USED, GR_ENGINE_ACTIVE, GpuStatus, IdleConfig
+from analytics.classify import FB_USED, GR_ENGINE_ACTIVE, GpuStatus
 from analytics.scheduler import SchedulerJoin
 from analytics.service import AnalyticsService
-from contracts import CapacityUpdate, GpuSample, GpuState, KafkaTopics, decode, encode
+from contracts import GpuSample, GpuState, encode
 from contracts.bus import MemoryBus
 from contracts.scheduler import PendingJob, SchedulerGpu, SchedulerNode
+from tests.analytics_support import IDLE, TOPICS, drain, latest, service
+from tests.support import Clock
 
 T0 = 1_700_000_000.0
-TOPICS = KafkaTopics()
-IDLE = IdleConfig(min_idle_s=30.0, stale_after_s=25.0)
 HOST = "gpu-node-001"
-
-
-class Clock:
-    def __init__(self, t: float) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def sample(ts: float, index: int, activity: float = 0.0, host: str = HOST) -> GpuSample:
@@ -78,20 +70,6 @@ async def send(bus: MemoryBus, rec: GpuSample | SchedulerNode) -> None:
     await bus.producer().send(topic, encode(rec), key=rec.partition_key)
 
 
-def latest(bus: MemoryBus) -> dict[str, CapacityUpdate]:
-    out: dict[str, CapacityUpdate] = {}
-    for m in bus.records(TOPICS.capacity):
-        if m.value is not None:
-            u = decode(CapacityUpdate, m.value)
-            out[u.key] = u
-    return out
-
-
-async def drain(svc: AnalyticsService) -> None:
-    while await svc.step(timeout_s=0.01):
-        pass
-
-
 def gauge(**labels: str) -> float | None:
     return REGISTRY.get_sample_value("gpupool_analytics_allocated_idle_gpus", labels)
 
@@ -111,9 +89,7 @@ async def _feed(
 
 async def test_allocated_gpu_is_not_offered_and_the_window_stops_at_the_planned_start() -> None:
     bus, clock = MemoryBus(), Clock(T0)
-    svc = AnalyticsService(
-        bus=bus, topics=TOPICS, db_path=":memory:", idle=IDLE, clock=clock, refresh_s=3600.0, scheduler=True
-    )
+    svc = service(bus, clock, refresh_s=3600.0, scheduler=True)
     await svc.start()
     try:
         # GPU 0 held by training job 42 (idle by DCGM); job 43 planned onto the node at T0 + 45
@@ -163,10 +139,7 @@ async def test_allocated_gpu_is_not_offered_and_the_window_stops_at_the_planned_
 
 async def test_stale_unknown_and_drained_nodes_are_not_offered() -> None:
     bus, clock = MemoryBus(), Clock(T0)
-    svc = AnalyticsService(
-        bus=bus, topics=TOPICS, db_path=":memory:", idle=IDLE, clock=clock, refresh_s=3600.0,
-        scheduler=True, scheduler_stale_s=20.0,
-    )  # fmt: skip
+    svc = service(bus, clock, refresh_s=3600.0, scheduler=True, scheduler_stale_s=20.0)
     await svc.start()
     try:
         for t in range(0, 31, 10):
@@ -199,9 +172,7 @@ async def test_stale_unknown_and_drained_nodes_are_not_offered() -> None:
 
 async def test_without_the_scheduler_the_join_plays_no_part() -> None:
     bus, clock = MemoryBus(), Clock(T0)
-    svc = AnalyticsService(
-        bus=bus, topics=TOPICS, db_path=":memory:", idle=IDLE, clock=clock, refresh_s=3600.0
-    )
+    svc = service(bus, clock, refresh_s=3600.0)
     await svc.start()
     try:
         records = {T0 + t: node(T0 + t, job_on={0: "42"}, planned_start=T0 + 45) for t in (0, 10, 20, 30)}
@@ -217,7 +188,7 @@ async def test_without_the_scheduler_the_join_plays_no_part() -> None:
 
 async def test_a_bad_scheduler_record_is_counted_and_skipped() -> None:
     bus, clock = MemoryBus(), Clock(T0)
-    svc = AnalyticsService(bus=bus, topics=TOPICS, db_path=":memory:", idle=IDLE, clock=clock, scheduler=True)
+    svc = service(bus, clock, scheduler=True)
     await svc.start()
     rejected = "gpupool_analytics_rejected_records_total"
     before = REGISTRY.get_sample_value(rejected, {"reason": "invalid_record"}) or 0

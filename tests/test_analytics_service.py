@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
-from analytics.classify import FB_USED, GR_ENGINE_ACTIVE, IdleConfig
-from analytics.service import AnalyticsService
+from analytics.classify import FB_USED, GR_ENGINE_ACTIVE
 from analytics.store import StoreBatch
 from contracts import (
     CapacityUpdate,
@@ -17,24 +16,15 @@ from contracts import (
     GpuState,
     IbPortSample,
     IdleGrade,
-    KafkaTopics,
     decode,
     encode,
 )
 from contracts.bus import MemoryBus, TopicPartition
 from tests.test_analytics_cases import mig_samples
+from tests.analytics_support import IDLE, TOPICS, drain, service
+from tests.support import Clock
 
 T0 = 1_700_000_000.0
-TOPICS = KafkaTopics()
-IDLE = IdleConfig(min_idle_s=30.0, stale_after_s=25.0)
-
-
-class Clock:
-    def __init__(self, t: float) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def sample(ts: float, uuid: str, activity: float, fb: int = 100) -> GpuSample:
@@ -63,20 +53,9 @@ def metric(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
-async def drain(svc: AnalyticsService) -> int:
-    total = 0
-    while n := await svc.step(timeout_s=0.01):
-        total += n
-    return total
-
-
-def make(bus: MemoryBus, clock: Clock, db: str = ":memory:", **kw: object) -> AnalyticsService:
-    return AnalyticsService(bus=bus, topics=TOPICS, db_path=db, idle=IDLE, clock=clock, **kw)  # type: ignore[arg-type]
-
-
 async def test_samples_in_capacity_updates_out() -> None:
     bus, clock = MemoryBus(), Clock(T0)
-    svc = make(bus, clock, refresh_s=3600.0)
+    svc = service(bus, clock, refresh_s=3600.0)
     await svc.start()
     try:
         for i in range(5):  # 0..40 s: GPU-busy busy throughout, GPU-idle idle from 0
@@ -138,7 +117,7 @@ async def test_samples_in_capacity_updates_out() -> None:
 
 async def test_garbage_records_are_counted_and_skipped() -> None:
     bus, clock = MemoryBus(), Clock(T0)
-    svc = make(bus, clock)
+    svc = service(bus, clock)
     await svc.start()
     before = {
         r: metric("gpupool_analytics_rejected_records_total", reason=r)
@@ -172,7 +151,7 @@ async def test_garbage_records_are_counted_and_skipped() -> None:
 async def test_restart_resumes_from_duckdb_offsets_without_duplicates(tmp_path: Path) -> None:
     db = str(tmp_path / "analytics.duckdb")
     bus, clock = MemoryBus(), Clock(T0)
-    svc = make(bus, clock, db=db, group_id="g1")
+    svc = service(bus, clock, db=db, group_id="g1")
     await svc.start()
     for i in range(3):
         await send(bus, sample(T0 + i, "GPU-a", 0.9))
@@ -181,7 +160,7 @@ async def test_restart_resumes_from_duckdb_offsets_without_duplicates(tmp_path: 
     for i in range(3, 5):
         await send(bus, sample(T0 + i, "GPU-a", 0.9))
     # A new group has no committed offset at all: only DuckDB's offsets prevent re-reading.
-    svc2 = make(bus, clock, db=db, group_id="another-group")
+    svc2 = service(bus, clock, db=db, group_id="another-group")
     await svc2.start()
     try:
         assert await drain(svc2) == 2
@@ -195,7 +174,7 @@ async def test_failed_write_stores_and_publishes_nothing_then_recovers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     bus, clock = MemoryBus(), Clock(T0)
-    svc = make(bus, clock)
+    svc = service(bus, clock)
     await svc.start()
     try:
         for i in range(3):
@@ -223,7 +202,7 @@ async def test_failed_write_stores_and_publishes_nothing_then_recovers(
 
 async def test_stale_gpus_go_unknown_and_updates_are_refreshed() -> None:
     bus, clock = MemoryBus(), Clock(T0)
-    svc = make(bus, clock, refresh_s=5.0, publish_interval_s=1.0)
+    svc = service(bus, clock, refresh_s=5.0, publish_interval_s=1.0)
     await svc.start()
     try:
         await send(bus, sample(T0, "GPU-a", 0.9))
@@ -242,7 +221,7 @@ async def test_stale_gpus_go_unknown_and_updates_are_refreshed() -> None:
 
 async def test_gpu05_mig_instances_through_the_service() -> None:
     bus, clock = MemoryBus(), Clock(T0)
-    svc = make(bus, clock)
+    svc = service(bus, clock)
     await svc.start()
     try:
         for t in (0.0, 15.0, 30.0):
@@ -261,11 +240,11 @@ async def test_gpu05_mig_instances_through_the_service() -> None:
 
 
 async def test_step_before_start_raises() -> None:
-    svc = make(MemoryBus(), Clock(T0))
+    svc = service(MemoryBus(), Clock(T0))
     with pytest.raises(RuntimeError):
         await svc.step()
     with pytest.raises(ValueError):
-        make(MemoryBus(), Clock(T0), refresh_s=0.0)
+        service(MemoryBus(), Clock(T0), refresh_s=0.0)
 
 
 FORGET_S = 100.0
@@ -282,7 +261,7 @@ async def test_a_gpu_gone_for_forget_after_s_is_forgotten_with_its_series(gone_f
     no longer in the states, no more (refresh) updates, and its model's idle-GPU series are gone
     once it was the model's last GPU. Just under that it is still there, stale (unknown)."""
     bus, clock = MemoryBus(), Clock(T0)
-    svc = make(bus, clock, refresh_s=10.0, forget_after_s=FORGET_S)
+    svc = service(bus, clock, refresh_s=10.0, forget_after_s=FORGET_S)
     gone, model = "node-2/GPU-gone", "NVIDIA A100-SXM4-80GB"
     idle_series = {"pool": "default", "model": model, "grade": "free"}
     await svc.start()
@@ -329,4 +308,4 @@ async def test_a_gpu_gone_for_forget_after_s_is_forgotten_with_its_series(gone_f
 
 def test_forget_after_s_must_be_above_stale_after_s() -> None:
     with pytest.raises(ValueError, match="forget_after_s"):
-        make(MemoryBus(), Clock(T0), forget_after_s=IDLE.stale_after_s)
+        service(MemoryBus(), Clock(T0), forget_after_s=IDLE.stale_after_s)

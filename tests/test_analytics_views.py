@@ -26,19 +26,12 @@ from analytics.views import HEADROOM_WINDOW_S, VIEWS, views_markdown
 from contracts import CapacityUpdate, GpuSample, GpuState, IbPortSample, IdleGrade, KafkaTopics, encode
 from contracts.bus import MemoryBus, TopicPartition
 from contracts.counters import CounterTracker, link_utilisation
+from tests.support import Clock
 
 T0 = 1_700_000_000.0  # 2023-11-14T22:13:20Z
 RATE = 50_000_000_000  # NDR 400 Gb/s in bytes/s
 TOPICS = KafkaTopics()
 MODEL = "NVIDIA H100 80GB HBM3"
-
-
-class Clock:
-    def __init__(self, t: float) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def utc(t: float) -> dt.datetime:

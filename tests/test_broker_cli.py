@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import re
 import socket
 import threading
@@ -36,6 +35,8 @@ from contracts import (
 )
 from contracts.bus import MemoryBus
 from tests.services import create_stage_topics
+from tests.support import settings_file
+from broker.credentials import edge_client
 
 runner = CliRunner()
 
@@ -250,12 +251,11 @@ def test_broker_run_takes_what_no_flag_gives_from_the_settings(
     9412 deploy/prometheus scrapes; the password comes from the environment and stays secret."""
     from broker.cli import run_settings
 
-    for name in [k for k in os.environ if k.upper().startswith("GPUPOOL_")]:
-        monkeypatch.delenv(name)
-    toml = tmp_path / "gpupool.toml"
-    toml.write_text(
+    toml = settings_file(
+        tmp_path,
+        monkeypatch,
         'kafka = "k-file:9092"\nmqtt = "mqtt-file:1883"\nmqtt_root = "root-file"\n'
-        "[broker]\nnotice_s = 45\nlease_ttl_s = 90\nfabric_dry_run = true\n"
+        "[broker]\nnotice_s = 45\nlease_ttl_s = 90\nfabric_dry_run = true\n",
     )
     monkeypatch.setenv("GPUPOOL_MQTT_PASSWORD", "pw-from-env")
     monkeypatch.setenv("GPUPOOL_BROKER__LEASE_TTL_S", "120")
@@ -293,25 +293,18 @@ async def test_broker_demand_takes_kafka_from_the_config_and_waits_for_the_recla
     """`gpupool broker demand --config FILE --count 1 --wait S` with no --kafka: Kafka and the
     topic prefix come from the file; it prints the demand, then the lease the broker turned
     reclaiming for it (reason demand:<id>), and stops before S once the demand is met."""
-    from broker.edge import EdgeClient
     from contracts import LeaseLogRecord
     from tests.mqtt_support import running
     from tests.test_broker_service import CFG, _idle, _offer_on
 
     kafka_topics = kafka_stage_topics
-    for name in [k for k in os.environ if k.upper().startswith("GPUPOOL_")]:
-        monkeypatch.delenv(name)
-    toml = tmp_path / "gpupool.toml"
-    toml.write_text(f'kafka = "{kafka_bootstrap}"\ntopic_prefix = "{kafka_topics.prefix}"\n')
+    toml = settings_file(tmp_path, monkeypatch, f'kafka = "{kafka_bootstrap}"\ntopic_prefix = "{kafka_topics.prefix}"\n')
     svc = BrokerService(
         bus=kafka_bus, topics=kafka_topics, mqtt_host=mosquitto["host"], mqtt_port=mosquitto["port"],
         mqtt_username="gpupool-broker", mqtt_password=mosquitto["users"]["gpupool-broker"],
         root=mosquitto["root"], protocol=5, config=CFG, client_id=f"gpupool-broker-demand-{uuid.uuid4().hex[:8]}",
     )  # fmt: skip
-    site = EdgeClient(
-        site="edge-a", host=mosquitto["host"], port=mosquitto["port"], username="edge-a",
-        password=mosquitto["users"]["edge-a"], root=mosquitto["root"], persistent=False, announce=False,
-    )  # fmt: skip
+    site = edge_client(mosquitto, "edge-a", persistent=False, announce=False)
     async with running(svc), site:
         await _idle(kafka_bus, "dw-n1", 2, topics=kafka_topics)
         offer = await _offer_on(site, "dw-n1")

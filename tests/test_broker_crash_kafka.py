@@ -28,7 +28,6 @@ from typing import Any, TypeVar
 
 import pytest
 
-from broker.edge import EdgeClient
 from contracts import (
     CapacityUpdate,
     GpuState,
@@ -43,6 +42,7 @@ from runtime.kafka import KafkaBus
 from runtime.replay import read_to_end
 from tests.mqtt_support import retained_leases, until
 from tests.services import create_stage_topics
+from broker.credentials import edge_client
 
 pytestmark = pytest.mark.integration
 
@@ -183,17 +183,8 @@ async def test_sigkill_during_a_reclaim_keeps_leases_and_the_deadline(
     # the lease log with 2 partitions: the rebuild must find the end of each
     await create_stage_topics(kafka_bootstrap, kafka_topics, partitions=2)
     await _send(kafka_bootstrap, kafka_topics.capacity, [(c.key, encode(c)) for c in caps])
-    site = EdgeClient(
-        site="edge-a",
-        host=creds["host"],
-        port=creds["port"],
-        username="edge-a",
-        password=creds["users"]["edge-a"],
-        root=root,
-        protocol=5,
-        client_id=f"crash-edge-a-{run_id}",
-        reconnect_min_s=0.1,
-        reconnect_max_s=0.5,
+    site = edge_client(
+        creds, "edge-a", client_id=f"crash-edge-a-{run_id}", reconnect_min_s=0.1, reconnect_max_s=0.5
     )
     broker.start()
     try:

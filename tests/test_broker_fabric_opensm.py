@@ -27,8 +27,8 @@ from broker.service import BrokerService
 from contracts import KafkaTopics, LeaseLogRecord, LeaseState, ReasonCode
 from contracts.bus import MemoryBus
 from tests.fabric_fixture import SimFabric, sim_fabric  # noqa: F401 - the session fixture
-from tests.mqtt_support import running
-from tests.test_broker_service import CFG, _Amqtt, _free_port, _idle, _offer_on, _site, _until
+from tests.mqtt_support import until
+from tests.test_broker_service import CFG, _Amqtt, _free_port, _idle, _offer_on, _service, _site
 
 pytestmark = pytest.mark.integration
 log = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ async def test_a_partition_that_cannot_be_verified_is_taken_back(sim_fabric: Sim
     while _diag(fab, "smpquery", "pkeys", str(lid)).returncode != 0:
         assert time.monotonic() < deadline, "node012 did not come back after ReLink"
         await asyncio.sleep(0.5)
-    await _until(lambda: _pkeys(fab, lid) == [0xFFFF], 30)
+    await until(lambda: _pkeys(fab, lid) == [0xFFFF], 30)
 
 
 async def test_dry_run_prints_the_diff_and_changes_nothing(sim_fabric: SimFabric) -> None:  # noqa: F811
@@ -250,12 +250,8 @@ async def test_broker_grants_only_verified_leases(sim_fabric: SimFabric) -> None
     await server.start()
     bus = MemoryBus()
     mgr = _fabric(sim_fabric)
-    svc = BrokerService(
-        bus=bus, topics=KafkaTopics(), mqtt_host="127.0.0.1", mqtt_port=server.port, protocol=4,
-        config=CFG, fabric=mgr,
-    )  # fmt: skip
     try:
-        async with running(svc):
+        async with _service(bus, server.port, fabric=mgr) as svc:
             async with _site(server.port) as site:
                 await _idle(bus, "gpu-node-017", 1)
                 off = await _offer_on(site, "gpu-node-017")
@@ -273,8 +269,8 @@ async def test_broker_grants_only_verified_leases(sim_fabric: SimFabric) -> None
                 assert part.pkey in _pkeys(sim_fabric, lid)
                 assert part.limited_members == [sim_fabric.node("node013")["port_guid"]]
                 await site.release(lease.lease_id)
-                await _until(lambda: mgr.partitions() == [], 10)
-                await _until(lambda: part.pkey not in _pkeys(sim_fabric, lid), 10)
+                await until(lambda: mgr.partitions() == [], 10)
+                await until(lambda: part.pkey not in _pkeys(sim_fabric, lid), 10)
                 assert any(f"pkey=0x{part.pkey:04x} sl=1 verified" in p for p in svc.stats()["partitions"])
     finally:
         await server.stop()
@@ -353,9 +349,9 @@ async def test_a_restarted_broker_removes_the_partitions_no_live_lease_holds(sim
     try:
         await svc.wait_connected(10)
         mgr = _fabric(sim_fabric)
-        await _until(lambda: {p.name for p in mgr.partitions()} == {keep.lease_id}, 30)
+        await until(lambda: {p.name for p in mgr.partitions()} == {keep.lease_id}, 30)
         # removal is verified before it counts: the PKeys are already gone from the ports
-        await _until(
+        await until(
             lambda: _metric("gpupool_broker_fabric_stale_partitions_removed_total") == removed_before + 2, 30
         )
         assert ended.partition.pkey not in _pkeys(sim_fabric, lids[4])
@@ -364,8 +360,8 @@ async def test_a_restarted_broker_removes_the_partitions_no_live_lease_holds(sim
         assert [r.lease_id for r in svc.book.live_leases()] == [keep.lease_id]
         async with _site(server.port) as site:
             await site.release(keep.lease_id)
-        await _until(lambda: mgr.partitions() == [], 30)
-        await _until(lambda: keep.partition.pkey not in _pkeys(sim_fabric, lids[3]), 30)
+        await until(lambda: mgr.partitions() == [], 30)
+        await until(lambda: keep.partition.pkey not in _pkeys(sim_fabric, lids[3]), 30)
     finally:
         await down(svc, stop, task)
         await server.stop()

@@ -25,12 +25,11 @@ from prometheus_client import REGISTRY
 from broker.edge import ClaimRejected
 from broker.fabric import FabricError
 from broker.fabric_opensm import OpenSmFabric
-from broker.service import BrokerService
-from contracts import KafkaTopics, LeaseLogRecord, LeaseState, ReasonCode
+from contracts import LeaseLogRecord, LeaseState, ReasonCode
 from contracts.bus import MemoryBus
 from tests.fabric_fixture import SimFabric, sim_fabric  # noqa: F401 - the session fixture
-from tests.mqtt_support import running
-from tests.test_broker_service import CFG, _Amqtt, _free_port, _idle, _offer_on, _site, _until
+from tests.mqtt_support import until
+from tests.test_broker_service import CFG, _Amqtt, _free_port, _idle, _offer_on, _service, _site
 
 pytestmark = pytest.mark.integration
 
@@ -126,7 +125,7 @@ async def conf(sim_fabric: SimFabric) -> AsyncIterator[Path]:  # noqa: F811
             path.write_bytes(before)
             os.kill(int((sim_fabric.state_dir / "opensm.pid").read_text()), 1)
             lid = sim_fabric.node("leaf-1")["lid"]
-            await _until(lambda: _vlarb(sim_fabric, lid, 1)["low"] != [(1, 64)], 30)
+            await until(lambda: _vlarb(sim_fabric, lid, 1)["low"] != [(1, 64)], 30)
 
 
 async def test_after_a_grant_every_port_on_the_paths_shows_the_plan(sim_fabric: SimFabric, conf: Path) -> None:  # noqa: F811
@@ -220,12 +219,8 @@ async def test_a_lease_whose_qos_cannot_be_applied_is_refused(sim_fabric: SimFab
     bus = MemoryBus()
     mgr = _fabric(fab)
     cfg = CFG.model_copy(update={"lent_share_percent": mgr.lent_share_percent})
-    svc = BrokerService(
-        bus=bus, topics=KafkaTopics(), mqtt_host="127.0.0.1", mqtt_port=server.port, protocol=4,
-        config=cfg, fabric=mgr,
-    )  # fmt: skip
     try:
-        async with running(svc):
+        async with _service(bus, server.port, cfg, fabric=mgr) as svc:
             async with _site(server.port) as site:
                 await _idle(bus, "gpu-node-007", 1)
                 off = await _offer_on(site, "gpu-node-007")
@@ -244,6 +239,6 @@ async def test_a_lease_whose_qos_cannot_be_applied_is_refused(sim_fabric: SimFab
                 assert lease.partition.qos.verified and lease.partition.qos.ports_verified == 12
                 assert any("qos vl=1 share<=10% verified on 12 ports" in p for p in svc.stats()["partitions"])
                 await site.release(lease.lease_id)
-                await _until(lambda: mgr.partitions() == [], 10)
+                await until(lambda: mgr.partitions() == [], 10)
     finally:
         await server.stop()

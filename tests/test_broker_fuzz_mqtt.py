@@ -35,7 +35,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
+from broker.acl import OBSERVER_USER
 from broker.config import BrokerConfig
+from broker.credentials import broker_service, mqtt_client
 from broker.leases import lease_message
 from broker.service import BrokerService
 from contracts import (
@@ -145,9 +147,7 @@ class _Observer(_Subscriber):
 
     def __init__(self, creds: dict[str, Any]) -> None:
         self.t = MqttTopics(creds["root"])
-        self.client = aiomqtt.Client(creds["host"], creds["port"], username="gpupool-observer",
-                                     password=creds["users"]["gpupool-observer"], identifier="fuzz-observer",
-                                     protocol=aiomqtt.ProtocolVersion.V5)  # fmt: skip
+        self.client = mqtt_client(creds, OBSERVER_USER, identifier="fuzz-observer")
         self.filters = (f"{self.t.root}/sites/+/leases/+",)
         self.leases: dict[str, LeaseMessage] = {}
 
@@ -242,9 +242,7 @@ async def _scenario(
     """Run ``plan`` against a started broker, checking the invariants after every step; the
     request → reply seconds of each good claim are appended to ``latencies`` when given."""
     bus = MemoryBus()
-    svc = BrokerService(bus=bus, topics=TOPICS, mqtt_host=creds["host"], mqtt_port=creds["port"],
-                        mqtt_username="gpupool-broker", mqtt_password=creds["users"]["gpupool-broker"],
-                        root=creds["root"], protocol=5, config=CFG)  # fmt: skip
+    svc = broker_service(creds, bus=bus, topics=TOPICS, config=CFG, client_id="gpupool-broker")
     async with running(svc), _Observer(creds) as observer, _Site(creds, "edge-a", 4) as a, _Site(creds, "edge-b", 5) as b:
         sites = {"edge-a": a, "edge-b": b}
         producer = bus.producer()

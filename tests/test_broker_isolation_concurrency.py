@@ -22,7 +22,8 @@ from broker.service import BrokerService
 from contracts import KafkaTopics, LeaseLogRecord, LeaseState, MqttTopics, Offer, ReasonCode, Reply, decode
 from contracts.bus import MemoryBus
 from contracts.leases import Partition
-from tests.test_broker_service import CFG, _idle, _log, _offer_on, _site, _until, amqtt_server, mqtt_port  # noqa: F401
+from tests.mqtt_support import until
+from tests.test_broker_service import CFG, _idle, _log, _offer_on, _site, amqtt_server, mqtt_port  # noqa: F401
 
 MT = MqttTopics()
 
@@ -86,7 +87,7 @@ async def _service(bus: MemoryBus, port: int, fabric: _SlowFabric) -> AsyncItera
 async def _fresh_offer(site: EdgeClient, host: str, gpus: int) -> Offer:
     """The offer on ``host`` with ``gpus`` GPUs (not an older one whose withdrawal is still on
     its way)."""
-    return await _until(
+    return await until(
         lambda: next((o for o in site.known_offers.values() if o.host == host and len(o.gpus) == gpus), None)
     )
 
@@ -99,7 +100,7 @@ async def test_a_slow_verification_does_not_stall_other_claims(mqtt_port: int) -
         await _idle(bus, "fast", 2)
         slow_offer, fast_offer = await _offer_on(a, "slow"), await _offer_on(b, "fast")
         slow = asyncio.create_task(a.claim(slow_offer.offer_id, claim_id="slow-1", timeout_s=20))
-        await _until(lambda: fabric.started)  # the slow claim holds its GPU, its isolation waits
+        await until(lambda: fabric.started)  # the slow claim holds its GPU, its isolation waits
 
         t0 = time.monotonic()
         fast = await b.claim(fast_offer.offer_id, count=1, timeout_s=5)
@@ -133,7 +134,7 @@ async def test_a_failed_slow_isolation_frees_the_gpus_and_stop_waits_for_isolati
         await _idle(bus, "n1", 1)
         offer = await _offer_on(site, "n1")
         claim = asyncio.create_task(site.claim(offer.offer_id, timeout_s=20))
-        await _until(lambda: fabric.started)
+        await until(lambda: fabric.started)
         fabric.hold["n1"].set()
         with pytest.raises(Exception) as e:
             await claim
@@ -146,7 +147,7 @@ async def test_a_failed_slow_isolation_frees_the_gpus_and_stop_waits_for_isolati
         fabric.fail.clear()
         fabric.hold["n1"] = asyncio.Event()
         pending = asyncio.create_task(site.claim(again.offer_id, timeout_s=20))
-        await _until(lambda: len(fabric.started) == 2)
+        await until(lambda: len(fabric.started) == 2)
         svc.stop_serving.set()  # type: ignore[attr-defined]
         stopping = asyncio.create_task(svc.stop())
         await asyncio.sleep(0.3)
@@ -171,7 +172,7 @@ async def test_a_slow_partition_removal_does_not_hold_the_broker(mqtt_port: int)
         assert time.monotonic() - t0 < 3 and second.state is LeaseState.GRANTED
         assert fabric.removed == []
         gate.set()
-        await _until(lambda: fabric.removed == [first.lease_id])
+        await until(lambda: fabric.removed == [first.lease_id])
         assert fabric.stale_calls == [set()], "after the (empty) rebuild: nothing live to keep"
         assert svc.stats()["leases_by_state"]["released"] == 1
 
@@ -184,9 +185,9 @@ async def test_claims_in_flight_are_kept_by_the_stale_cleanup_after_a_restart(mq
         kept = await site.claim((await _offer_on(site, "n1")).offer_id, count=1)
         gone = await site.claim((await _fresh_offer(site, "n1", gpus=1)).offer_id, count=1)
         await site.release(gone.lease_id)
-        await _until(lambda: gone.lease_id in fabric.removed)
+        await until(lambda: gone.lease_id in fabric.removed)
     async with _service(bus, mqtt_port, fabric):
-        await _until(lambda: len(fabric.stale_calls) == 2)
+        await until(lambda: len(fabric.stale_calls) == 2)
         assert fabric.stale_calls[1] == {kept.lease_id}
 
 
@@ -206,7 +207,7 @@ async def test_a_claim_sent_raw_twice_at_once_is_granted_once(mqtt_port: int) ->
             await c.subscribe(MT.replies("edge-a"), qos=1)
             await c.publish(MT.claims("edge-a"), body, qos=1)
             await c.publish(MT.claims("edge-a"), body, qos=1)
-            await _until(lambda: fabric.started)
+            await until(lambda: fabric.started)
             await asyncio.sleep(0.2)
             fabric.hold["n1"].set()
             async with asyncio.timeout(5):

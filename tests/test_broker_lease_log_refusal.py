@@ -42,6 +42,7 @@ from runtime.kafka import KafkaBus
 from runtime.replay import read_to_end
 from tests.mqtt_support import retained_leases, running, until
 from tests.services import state_dir
+from broker.credentials import edge_client
 
 pytestmark = pytest.mark.integration
 
@@ -64,8 +65,7 @@ def _capacity(nodes: int, per_node: int, run_id: str) -> list[CapacityUpdate]:
 
 
 def _site(creds: dict[str, Any], name: str) -> EdgeClient:
-    return EdgeClient(site=name, host=creds["host"], port=creds["port"], username=name,
-                      password=creds["users"][name], root=creds["root"], protocol=5)  # fmt: skip
+    return edge_client(creds, name)
 
 
 async def _lease_log(bootstrap: str, topics: KafkaTopics) -> dict[str, LeaseLogRecord]:

@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 
 from broker.cli import edge_app
 from broker.config import BrokerConfig
+from broker.credentials import broker_service, edge_client
 from broker.edge import ClaimRejected, EdgeClient
-from broker.service import BrokerService
 from contracts import (
     CapacityUpdate,
     GpuState,
@@ -87,16 +87,7 @@ async def _capacity(bus: MemoryBus, topics: KafkaTopics, host: str, n: int, leaf
 
 
 def _site(creds: dict[str, Any], site: str, run_id: str) -> EdgeClient:
-    return EdgeClient(
-        site=site,
-        host=creds["host"],
-        port=creds["port"],
-        username=site,
-        password=creds["users"][site],
-        root=creds["root"],
-        protocol=5,
-        client_id=f"{site}-{run_id}",
-    )
+    return edge_client(creds, site, client_id=f"{site}-{run_id}")
 
 
 async def test_matched_claims_quotas_and_guarantees_over_mosquitto(private_mosquitto: dict[str, Any]) -> None:
@@ -113,18 +104,8 @@ async def test_matched_claims_quotas_and_guarantees_over_mosquitto(private_mosqu
         pool_zones={"default": "metro-1"},
         site_quotas={"edge-b": 2},
     )
-    svc = BrokerService(
-        bus=bus,
-        topics=topics,
-        mqtt_host=creds["host"],
-        mqtt_port=creds["port"],
-        mqtt_username="gpupool-broker",
-        mqtt_password=creds["users"]["gpupool-broker"],
-        root=creds["root"],
-        protocol=5,
-        config=cfg,
-        fabric=fabric,
-        client_id=f"gpupool-broker-{run_id}",
+    svc = broker_service(
+        creds, bus=bus, topics=topics, config=cfg, fabric=fabric, client_id=f"gpupool-broker-{run_id}"
     )
     async with running(svc):
         await _capacity(bus, topics, "n1", 2, "leaf-1")

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import pytest
 
 from broker.config import BrokerConfig
+from broker.credentials import broker_service, edge_client
 from broker.edge import BrokerRejected, EdgeClient
 from broker.service import BrokerService
 from contracts import (
@@ -124,35 +125,13 @@ def _log(bus: MemoryBus) -> list[LeaseLogRecord]:
 
 @contextlib.asynccontextmanager
 async def _broker(bus: MemoryBus, creds: dict[str, Any], client_id: str) -> AsyncIterator[BrokerService]:
-    svc = BrokerService(
-        bus=bus,
-        topics=TOPICS,
-        mqtt_host=creds["host"],
-        mqtt_port=creds["port"],
-        mqtt_username="gpupool-broker",
-        mqtt_password=creds["users"]["gpupool-broker"],
-        root=creds["root"],
-        protocol=5,
-        config=CFG,
-        client_id=client_id,
-    )
-    async with running(svc):
+    async with running(broker_service(creds, bus=bus, topics=TOPICS, config=CFG, client_id=client_id)) as svc:
         yield svc
 
 
 def _site(creds: dict[str, Any], name: str, run_id: str) -> EdgeClient:
-    return EdgeClient(
-        site=name,
-        host=creds["host"],
-        port=creds["port"],
-        username=name,
-        password=creds["users"][name],
-        root=creds["root"],
-        protocol=5,
-        persistent=True,
-        client_id=f"restart-{name}-{run_id}",
-        reconnect_min_s=0.1,
-        reconnect_max_s=0.5,
+    return edge_client(
+        creds, name, persistent=True, client_id=f"restart-{name}-{run_id}", reconnect_min_s=0.1, reconnect_max_s=0.5
     )
 
 

@@ -15,6 +15,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiomqtt
 import pytest
@@ -42,7 +43,7 @@ from contracts import (
 )
 from contracts.bus import Bus, MemoryBus
 from contracts.leases import Partition
-from tests.mqtt_support import running
+from tests.mqtt_support import running, until
 
 TOPICS = KafkaTopics()
 MT = MqttTopics()
@@ -100,10 +101,12 @@ def mqtt_port(amqtt_server: _Amqtt) -> int:
 
 @contextlib.asynccontextmanager
 async def _service(
-    bus: Bus, port: int, config: BrokerConfig = CFG, topics: KafkaTopics = TOPICS
+    bus: Bus, port: int, config: BrokerConfig = CFG, topics: KafkaTopics = TOPICS, **options: Any
 ) -> AsyncIterator[BrokerService]:
+    """A broker (MQTT 3.1.1, anonymous) on the local server at ``port``, started and serving for the
+    block; ``options`` are further ``BrokerService`` keyword arguments (``fabric``...)."""
     svc = BrokerService(
-        bus=bus, topics=topics, mqtt_host="127.0.0.1", mqtt_port=port, protocol=4, config=config
+        bus=bus, topics=topics, mqtt_host="127.0.0.1", mqtt_port=port, protocol=4, config=config, **options
     )
     async with running(svc):
         yield svc
@@ -139,16 +142,6 @@ async def _idle(
     return keys
 
 
-async def _until(pred, timeout_s: float = 5.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not met in time")
-
-
 def metric(name: str, **labels: str) -> float:
     """A sample of the default Prometheus registry (0 if absent)."""
     return REGISTRY.get_sample_value(name, labels) or 0.0
@@ -176,7 +169,7 @@ async def _retained(port: int, topic: str, wait_s: float = 0.5) -> list[tuple[st
 
 
 async def _offer_on(site: EdgeClient, host: str) -> Offer:
-    return await _until(lambda: next((o for o in site.known_offers.values() if o.host == host), None))
+    return await until(lambda: next((o for o in site.known_offers.values() if o.host == host), None))
 
 
 async def test_offer_claim_renew_demand_release(mqtt_port: int) -> None:
@@ -190,7 +183,7 @@ async def test_offer_claim_renew_demand_release(mqtt_port: int) -> None:
         lease = await site.claim(offer.offer_id, count=2, duration_seconds=600)
         assert lease.state is LeaseState.GRANTED and lease.gpus == gpus[:2] and lease.site == "edge-a"
         # the rest of the node is offered anew; the claimed offer is withdrawn from the server
-        rest = await _until(lambda: [o for o in site.known_offers.values() if o.offer_id != offer.offer_id])
+        rest = await until(lambda: [o for o in site.known_offers.values() if o.offer_id != offer.offer_id])
         assert [g.gpu for g in rest[0].gpus] == gpus[2:]
         retained = dict(await _retained(mqtt_port, MT.offers_filter))
         assert list(retained) == [MT.offer(rest[0].offer_id)]
@@ -357,7 +350,7 @@ async def test_gpu_turning_busy_withdraws_its_offer(mqtt_port: int) -> None:
 
         watcher = asyncio.create_task(follow())
         await _idle(bus, "n1", 1, state=GpuState.BUSY)
-        await _until(lambda: OfferWithdrawn(offer.offer_id) in events)
+        await until(lambda: OfferWithdrawn(offer.offer_id) in events)
         watcher.cancel()
         assert not site.known_offers
         assert await _retained(mqtt_port, MT.offers_filter) == []
@@ -385,7 +378,7 @@ async def test_restart_rebuilds_from_the_lease_log_and_the_reclaim_completes(mqt
             final = await site.wait_lease(lease.lease_id, lambda m: not m.state.live, cfg.notice_s + 3)
             assert final.state is LeaseState.REVOKED
             assert notice.reclaim_deadline is not None and final.ts <= notice.reclaim_deadline + 0.5
-            await _until(lambda: [o for o in site.known_offers.values() if o.host == "n1"])
+            await until(lambda: [o for o in site.known_offers.values() if o.host == "n1"])
             topics = [t for t, _ in await _retained(mqtt_port, MT.offers_filter)]
             assert MT.offer("offer-stale") not in topics and len(topics) == 1
             assert svc2.tally.lease_counts() == svc2.book.lease_counts()
@@ -402,12 +395,12 @@ async def test_service_and_site_reconnect_after_the_mqtt_server_restarts(amqtt_s
         lease = await site.claim(offer.offer_id, count=1)
         # the claim's offer changes go out after its reply: let them land, for amqtt 0.12's
         # shutdown hangs while a QoS 1 delivery to a client is in flight
-        await _until(lambda: [o for o in site.known_offers.values() if o.offer_id != offer.offer_id])
+        await until(lambda: [o for o in site.known_offers.values() if o.offer_id != offer.offer_id])
         await amqtt_server.stop()  # amqtt keeps nothing: every retained message is gone
-        await _until(lambda: not site.connected and not svc.stats()["mqtt_connected"])
+        await until(lambda: not site.connected and not svc.stats()["mqtt_connected"])
         await amqtt_server.start()
         await svc.wait_connected(10)
-        await _until(lambda: site.connected, 10)
+        await until(lambda: site.connected, 10)
         assert site.reconnects >= 1
         reply = await site.renew(lease.lease_id)
         assert reply.code is ReasonCode.OK
@@ -472,12 +465,12 @@ async def test_simulated_sites_claim_renew_and_answer_reclaims(mqtt_port: int) -
             await _idle(bus, host, 2)
         tasks = [asyncio.create_task(s.run(stop)) for s in (keeper, holder)]
         try:
-            await _until(lambda: keeper.counts["leases_granted"] and holder.counts["leases_granted"], 10)
+            await until(lambda: keeper.counts["leases_granted"] and holder.counts["leases_granted"], 10)
             await asyncio.sleep(2 * cfg.lease_ttl_s)  # outlive the TTL: renewals must keep the leases
             assert len(svc.book.live_leases()) == 2
             assert keeper.counts["renewals"] >= 2 and holder.counts["renewals"] >= 2
             await bus.producer().send(TOPICS.pool_demand, encode(PoolDemand(demand_id="all", ts=time.time())))
-            await _until(lambda: keeper.counts["released_in_notice"] and holder.counts["revoked"], 10)
+            await until(lambda: keeper.counts["released_in_notice"] and holder.counts["revoked"], 10)
         finally:
             stop.set()
             await asyncio.gather(*tasks)
@@ -510,16 +503,7 @@ class _Fabric:
 async def test_grant_waits_for_a_verified_partition(mqtt_port: int) -> None:
     bus = MemoryBus()
     fabric = _Fabric()
-    svc = BrokerService(
-        bus=bus,
-        topics=TOPICS,
-        mqtt_host="127.0.0.1",
-        mqtt_port=mqtt_port,
-        protocol=4,
-        config=CFG,
-        fabric=fabric,
-    )
-    async with running(svc):
+    async with _service(bus, mqtt_port, fabric=fabric) as svc:
         async with _site(mqtt_port) as site:
             await _idle(bus, "n1", 1)
             for mode in ("unverified", "raise"):
@@ -528,13 +512,13 @@ async def test_grant_waits_for_a_verified_partition(mqtt_port: int) -> None:
                     await site.claim((await _offer_on(site, "n1")).offer_id)
                 assert e.value.code is ReasonCode.ISOLATION_FAILED
             # the partition made but not verified is taken off again (in the background)
-            await _until(lambda: len(fabric.removed) == 1)
+            await until(lambda: len(fabric.removed) == 1)
             assert _log(bus) == []
             fabric.mode = "verified"
             lease = await site.claim((await _offer_on(site, "n1")).offer_id)  # the GPU was offered again
             assert lease.partition is not None and lease.partition.verified and lease.partition.pkey == 0x12
             await site.release(lease.lease_id)
-            await _until(lambda: lease.lease_id in fabric.removed)
+            await until(lambda: lease.lease_id in fabric.removed)
             assert "pkey=0x0012 sl=1 verified" in svc.stats()["partitions"][0]
 
 
@@ -592,14 +576,14 @@ async def test_last_will_marks_a_cut_site_offline_and_it_comes_back_with_a_highe
 
     try:
         async with _service(bus, mqtt_port) as svc, site:
-            await _until(lambda: svc.stats()["sites_online"] == ["edge-a"])
+            await until(lambda: svc.stats()["sites_online"] == ["edge-a"])
             born = await state()
             assert born.online and born.peer == "edge-a"
             proxy.cut()
-            await _until(lambda: svc.stats()["sites_online"] == [])  # the Will reached the broker
+            await until(lambda: svc.stats()["sites_online"] == [])  # the Will reached the broker
             dead = await state()
             assert (dead.online, dead.seq) == (False, born.seq)
-            await _until(lambda: svc.stats()["sites_online"] == ["edge-a"], 5)
+            await until(lambda: svc.stats()["sites_online"] == ["edge-a"], 5)
             reborn = await state()
             assert reborn.online and reborn.seq > born.seq and site.reconnects == 1
         gone = await state()  # a clean exit says goodbye

@@ -24,7 +24,7 @@ from contracts import KafkaTopics, MqttTopics, PeerState, encode
 from contracts.bus import MemoryBus
 from gpupool.embedded_mqtt import EmbeddedMqttBroker
 from tests.mqtt_support import running, until
-from tests.test_analytics_service import Clock
+from tests.support import Clock
 
 MT = MqttTopics()
 CFG = BrokerConfig(tick_s=0.05, reconnect_min_s=0.05, reconnect_max_s=0.5)

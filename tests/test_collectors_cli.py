@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from collectors.cli import app, run_settings
 from contracts import GpuSample, IbPortSample
+from tests.support import settings_file
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 runner = CliRunner()
@@ -55,12 +56,11 @@ def test_run_needs_kafka_and_something_to_collect() -> None:
 def test_run_takes_what_no_flag_gives_from_the_settings(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for name in [k for k in os.environ if k.upper().startswith("GPUPOOL_")]:
-        monkeypatch.delenv(name)
-    toml = tmp_path / "gpupool.toml"
-    toml.write_text(
+    toml = settings_file(
+        tmp_path,
+        monkeypatch,
         'kafka = "127.0.0.1:1"\n[metrics]\ncollectors = 0\n'
-        '[collectors]\ndcgm_targets = ["http://127.0.0.1:9/metrics"]\ninterval_s = 7\ntimeout_s = 3\n'
+        '[collectors]\ndcgm_targets = ["http://127.0.0.1:9/metrics"]\ninterval_s = 7\ntimeout_s = 3\n',
     )
     monkeypatch.setenv("GPUPOOL_COLLECTORS__TIMEOUT_S", "1.5")
     s = run_settings(toml, interval=None, sysfs_root=["n1=/sys"], dcgm_target=[], concurrency=8)

@@ -22,7 +22,7 @@ from contracts.bus import BusMessage
 from contracts.topics import KafkaTopics
 from runtime.kafka import KafkaBus
 from tests.services import create_stage_topics, run_service
-from tests.test_collectors_scrape import FakeExporters
+from tests.fake_exporters import FakeExporters
 
 SYSFS_CASES = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "cases" / "sysfs_cases"
 OUTAGE_S = 30.0

@@ -4,7 +4,7 @@ failure accounting by reason, and a loop that survives its own exceptions."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -13,20 +13,12 @@ from prometheus_client import REGISTRY
 from collectors.service import CollectorService, CollectStats
 from contracts import GpuSample, IbPortSample, KafkaTopics, decode
 from contracts.bus import MemoryBus
-from tests.test_collectors_scrape import FakeExporters
+from tests.fake_exporters import FakeExporters
 
 SYSFS_CASES = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "cases" / "sysfs_cases"
 TOPICS = KafkaTopics(prefix="t.")
 
 
-@pytest.fixture
-async def exporters() -> AsyncIterator[FakeExporters]:
-    fx = FakeExporters()
-    await fx.start()
-    try:
-        yield fx
-    finally:
-        await fx.stop()
 
 
 def _metric(name: str, **labels: str) -> float:

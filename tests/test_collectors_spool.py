@@ -28,7 +28,9 @@ class FakeBus:
       handed, and are delivered once when ``up`` is set again).
     * ``fail_flush = (k, exc)``: the next flush delivers the first ``k`` pending records, loses the
       others and raises ``exc`` (a flush that fails half way).
-    * ``poison``: values whose ``send`` raises ``ValueError`` (a permanent error).
+    * ``poison``: values whose ``send`` raises ``ValueError`` (a permanent error);
+    * ``busy_sends``: the first that many ``send`` calls raise ``KafkaTimeoutError`` (a full
+      buffer for a while: not the record's fault).
     """
 
     def __init__(self, up: bool = True) -> None:
@@ -39,6 +41,7 @@ class FakeBus:
         self.pending: list[Sent] = []
         self.fail_flush: tuple[int, BaseException] | None = None
         self.poison: set[bytes] = set()
+        self.busy_sends = 0
         self.send_calls = 0
         self.started = 0
         self.stopped = 0
@@ -60,6 +63,8 @@ class FakeBus:
         headers: Sequence[tuple[str, bytes]] = (),
     ) -> None:
         self.send_calls += 1
+        if self.send_calls <= self.busy_sends:
+            raise KafkaTimeoutError()
         if value in self.poison:
             raise ValueError("record refused")
         self.pending.append((topic, key, value, tuple(headers)))
@@ -212,20 +217,8 @@ async def test_poison_record_is_dropped_after_max_attempts_others_flow() -> None
 
 
 async def test_transient_send_errors_never_drop() -> None:
-    class Busy(FakeBus):
-        async def send(
-            self,
-            topic: str,
-            value: bytes | None,
-            key: str | None = None,
-            headers: Sequence[tuple[str, bytes]] = (),
-        ) -> None:
-            if self.send_calls < 12:
-                self.send_calls += 1
-                raise KafkaTimeoutError()  # buffer full for a while: not the record's fault
-            await super().send(topic, value, key, headers)
-
-    fake = Busy()
+    fake = FakeBus()
+    fake.busy_sends = 12
     spool = _spool(fake, max_attempts=2)
     await spool.start()
     for i in range(5):

@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from collectors.service import CollectorService
 from collectors.targets import FileSdError, Target, TargetSet, parse_duration, parse_file_sd
 from contracts import GpuSample, KafkaTopics, decode
 from contracts.bus import MemoryBus
-from tests.test_collectors_scrape import FakeExporters
+from tests.fake_exporters import FakeExporters
 
 TOPICS = KafkaTopics(prefix="sd.")
 
@@ -181,14 +180,6 @@ def test_target_set_refuses_yaml_and_ignores_missing(tmp_path: Path) -> None:
     assert _metric("gpupool_collector_file_sd_errors_total", reason="unsupported_format") == before + 1
 
 
-@pytest.fixture
-async def exporters() -> AsyncIterator[FakeExporters]:
-    fx = FakeExporters()
-    await fx.start()
-    try:
-        yield fx
-    finally:
-        await fx.stop()
 
 
 async def test_service_carries_labels_and_uses_each_target_deadline(

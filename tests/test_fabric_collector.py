@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
@@ -96,22 +97,25 @@ def tools(tmp_path: Path) -> tuple[Path, Path]:
     return ibnet, perf
 
 
-async def test_sweep_counts_every_failure_and_keeps_going(tools: tuple[Path, Path], tmp_path: Path) -> None:
+def _collector(
+    tools: tuple[Path, Path], bus: MemoryBus | None = None, topics: KafkaTopics | None = None, **options: Any
+) -> FabricCollector:
+    """A collector running the fake ``tools`` (ibnetdiscover, perfquery) on ``bus`` (default a new
+    in-process bus); ``options`` are further ``FabricCollector`` keyword arguments."""
     ibnet, perf = tools
+    return FabricCollector(
+        bus or MemoryBus(), topics or KafkaTopics(), perfquery=str(perf), ibnetdiscover=str(ibnet), **options
+    )
+
+
+async def test_sweep_counts_every_failure_and_keeps_going(tools: tuple[Path, Path], tmp_path: Path) -> None:
+    _, perf = tools
     bus, topics = MemoryBus(), KafkaTopics(prefix="t.")
     before = {
         r: _err(r) for r in ("timeout", "unreachable", "empty_output", "missing_port", "too_few_fields")
     }
     timeouts0 = _timeouts()
-    async with FabricCollector(
-        bus,
-        topics,
-        perfquery=str(perf),
-        ibnetdiscover=str(ibnet),
-        timeout_s=0.8,
-        concurrency=4,
-        workdir=tmp_path / "work",
-    ) as fc:
+    async with _collector(tools, bus, topics, timeout_s=0.8, concurrency=4, workdir=tmp_path / "work") as fc:
         topo = await fc.discover()
         assert len(topo.ports) == 9 and [p.reason for p in topo.problems] == ["too_few_fields"]
         t0 = time.monotonic()
@@ -153,11 +157,9 @@ async def test_sweep_counts_every_failure_and_keeps_going(tools: tuple[Path, Pat
 
 
 async def test_a_port_that_loses_its_peer_is_reported_down(tools: tuple[Path, Path], tmp_path: Path) -> None:
-    ibnet, perf = tools
+    ibnet, _ = tools
     bus, topics = MemoryBus(), KafkaTopics()
-    async with FabricCollector(
-        bus, topics, perfquery=str(perf), ibnetdiscover=str(ibnet), timeout_s=0.5, include_cas=False
-    ) as fc:
+    async with _collector(tools, bus, topics, timeout_s=0.5, include_cas=False) as fc:
         await fc.discover()
         first = {(s.node_guid, s.port): s for s in await fc.sweep()}
         assert first[("0x0000000000000a10", 1)].phys_state == "LinkUp"
@@ -200,7 +202,6 @@ async def test_missing_tools_and_not_started(tmp_path: Path) -> None:
 
 
 async def test_run_loop_stops_and_survives_a_failing_bus(tools: tuple[Path, Path]) -> None:
-    ibnet, perf = tools
 
     class _Broken(MemoryBus):
         def producer(self, client_id: str = "gpupool"):  # type: ignore[no-untyped-def]
@@ -214,14 +215,7 @@ async def test_run_loop_stops_and_survives_a_failing_bus(tools: tuple[Path, Path
 
     before = _err("publish")
     stop = asyncio.Event()
-    async with FabricCollector(
-        _Broken(),
-        KafkaTopics(),
-        perfquery=str(perf),
-        ibnetdiscover=str(ibnet),
-        timeout_s=0.3,
-        include_cas=False,
-    ) as fc:
+    async with _collector(tools, _Broken(), timeout_s=0.3, include_cas=False) as fc:
         task = asyncio.create_task(fc.run(0.05, stop=stop))
         await asyncio.sleep(0.6)
         stop.set()
@@ -234,12 +228,9 @@ async def test_legacy_every_nth_sweep_reads_error_counters_only_then(
 ) -> None:
     """``legacy_every=3``: legacy perfquery on sweeps 0 and 3 only; the other sweeps' samples have the
     extended counters and lack the legacy-only ones (absent, not 0, not copied from sweep 0)."""
-    ibnet, perf = tools
-    async with FabricCollector(
-        MemoryBus(),
-        KafkaTopics(),
-        perfquery=str(perf),
-        ibnetdiscover=str(ibnet),
+    _, perf = tools
+    async with _collector(
+        tools,
         timeout_s=5.0,
         include_cas=False,
         legacy_counters="always",
@@ -271,13 +262,10 @@ async def test_legacy_every_nth_sweep_reads_error_counters_only_then(
 async def test_legacy_every_in_auto_mode_and_never(tools: tuple[Path, Path], tmp_path: Path) -> None:
     """auto: the CA whose extended output lacks PortXmitWait gets it on legacy sweeps only; never:
     no legacy run at all, whatever legacy_every says."""
-    ibnet, perf = tools
+    _, perf = tools
     h14 = ("0x0000000000000b14", 1)
-    async with FabricCollector(
-        MemoryBus(),
-        KafkaTopics(),
-        perfquery=str(perf),
-        ibnetdiscover=str(ibnet),
+    async with _collector(
+        tools,
         timeout_s=0.3,  # lid 11 hangs
         legacy_every=2,
         workdir=tmp_path / "work",
@@ -292,11 +280,8 @@ async def test_legacy_every_in_auto_mode_and_never(tools: tuple[Path, Path], tmp
     calls = (perf.parent / "perfquery.log").read_text().split("\n")
     assert calls.count("legacy 14 1") == 2
     (perf.parent / "perfquery.log").unlink()
-    async with FabricCollector(
-        MemoryBus(),
-        KafkaTopics(),
-        perfquery=str(perf),
-        ibnetdiscover=str(ibnet),
+    async with _collector(
+        tools,
         timeout_s=0.3,
         include_cas=False,
         legacy_counters="never",
@@ -313,10 +298,8 @@ async def test_legacy_every_in_auto_mode_and_never(tools: tuple[Path, Path], tmp
 async def test_private_workdir_is_on_tmpfs_and_removed(tools: tuple[Path, Path]) -> None:
     """Without ``workdir`` the commands run in a private directory, under /dev/shm when writable
     (libumad2sim's per-process sysfs tree is cheaper there), removed by stop()."""
-    ibnet, perf = tools
-    async with FabricCollector(
-        MemoryBus(), KafkaTopics(), perfquery=str(perf), ibnetdiscover=str(ibnet), include_cas=False
-    ) as fc:
+    _, perf = tools
+    async with _collector(tools, include_cas=False) as fc:
         await fc.sweep()
     cwds = set((perf.parent / "perfquery.cwd").read_text().split())
     assert len(cwds) == 1
@@ -361,14 +344,7 @@ async def test_a_lost_ibsim_client_slot_is_retried_as_transport(tmp_path: Path, 
     for t in (ibnet, perf):
         t.chmod(0o755)
     before = {r: _err(r) for r in ("transport", "unreachable", "exit_status")}
-    async with FabricCollector(
-        MemoryBus(),
-        KafkaTopics(),
-        perfquery=str(perf),
-        ibnetdiscover=str(ibnet),
-        include_cas=False,
-        retries=1,
-    ) as fc:
+    async with _collector((ibnet, perf), include_cas=False, retries=1) as fc:
         samples = await fc.sweep()
     assert sorted((s.node_guid, s.port) for s in samples) == [
         ("0x0000000000000a10", 1),

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import re
 import shutil
 import subprocess
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import png
@@ -175,15 +173,7 @@ def _write_store(
         store.close()
 
 
-@pytest.fixture(autouse=True)
-def _detach_cli_log_handler() -> Iterator[None]:
-    """``gpupool``'s callback logs to the stderr CliRunner lends it, closed after ``invoke``:
-    detach that handler so later log records do not hit a closed file."""
-    yield
-    root = logging.getLogger()
-    for handler in list(root.handlers):
-        if getattr(handler, "_gpupool", False):
-            root.removeHandler(handler)
+pytestmark = pytest.mark.usefixtures("detach_cli_log_handler")
 
 
 @pytest.fixture

@@ -4,10 +4,8 @@ the TOML file, precedence, validation and secret masking."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import tomllib
-from collections.abc import Iterator
 from pathlib import Path
 
 import typing
@@ -36,15 +34,7 @@ from runtime.settings import DeploymentSettings, RunFlags, settings_field
 SECRET = "hunter2-do-not-print"
 
 
-@pytest.fixture(autouse=True)
-def _detach_cli_log_handler() -> Iterator[None]:
-    """``gpupool``'s callback logs to the stderr CliRunner lends it, closed after ``invoke``:
-    detach that handler so later log records do not hit a closed file."""
-    yield
-    root = logging.getLogger()
-    for handler in list(root.handlers):
-        if getattr(handler, "_gpupool", False):
-            root.removeHandler(handler)
+pytestmark = pytest.mark.usefixtures("detach_cli_log_handler")
 
 
 @pytest.fixture(autouse=True)

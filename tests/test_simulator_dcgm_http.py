@@ -14,16 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from simulator.dcgm_fields import FIELDS
 from simulator.dcgm_http import FleetServer, render_metrics
 from simulator.fleet import Fleet
-from simulator.trace import Trace, load_trace
+from simulator.trace import Trace
+from tests.support import T0
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
-TRACE_DIR = DATA / "traces" / "alibaba_genai_2026"
-T0 = 1_700_000_000.0
-
-
-@pytest.fixture(scope="module")
-def trace() -> Trace:
-    return load_trace(TRACE_DIR)
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from pathlib import Path
 
 import pytest
 
@@ -12,23 +11,9 @@ from contracts import KafkaTopics, PoolDemand, decode
 from contracts.bus import MemoryBus
 from simulator.demand import TrainingDemand
 from simulator.fleet import Fleet
-from simulator.trace import Trace, load_trace
+from simulator.trace import Trace
+from tests.support import T0, Clock
 
-TRACE_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "traces" / "alibaba_genai_2026"
-T0 = 1_700_000_000.0
-
-
-class FakeClock:
-    def __init__(self, t: float = T0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-@pytest.fixture(scope="module")
-def trace() -> Trace:
-    return load_trace(TRACE_DIR)
 
 
 def _expected_edges(fleet: Fleet, trace: Trace, lo: int, hi: int) -> set[tuple[str, int]]:
@@ -44,7 +29,7 @@ def _expected_edges(fleet: Fleet, trace: Trace, lo: int, hi: int) -> set[tuple[s
 
 
 async def test_one_demand_per_idle_to_busy_edge(trace: Trace) -> None:
-    clock = FakeClock()
+    clock = Clock()
     fleet = Fleet(trace, nodes=2, gpus_per_node=8, seed=9, t0=T0, clock=clock)
     bus, topics = MemoryBus(), KafkaTopics(prefix="t.")
     demand = TrainingDemand(fleet, bus, topics, tick_s=1.0)
@@ -68,7 +53,7 @@ async def test_one_demand_per_idle_to_busy_edge(trace: Trace) -> None:
 
 
 async def test_first_poll_is_a_baseline_and_a_gap_yields_one_demand_per_gpu(trace: Trace) -> None:
-    clock = FakeClock()
+    clock = Clock()
     fleet = Fleet(trace, nodes=2, gpus_per_node=8, seed=9, t0=T0, clock=clock)
     bus = MemoryBus()
     demand = TrainingDemand(fleet, bus, KafkaTopics(), tick_s=1.0)
@@ -85,7 +70,7 @@ async def test_first_poll_is_a_baseline_and_a_gap_yields_one_demand_per_gpu(trac
 
 
 async def test_watched_subset_only(trace: Trace) -> None:
-    clock = FakeClock()
+    clock = Clock()
     fleet = Fleet(trace, nodes=2, gpus_per_node=8, seed=9, t0=T0, clock=clock)
     watched = fleet.gpu_keys()[:3]
     demand = TrainingDemand(fleet, MemoryBus(), KafkaTopics(), gpus=watched)
@@ -111,7 +96,7 @@ class _FailingProducer:
 
 
 async def test_send_errors_are_counted_not_raised(trace: Trace) -> None:
-    clock = FakeClock()
+    clock = Clock()
     fleet = Fleet(trace, nodes=2, gpus_per_node=8, seed=9, t0=T0, clock=clock)
     demand = TrainingDemand(fleet, MemoryBus(), KafkaTopics())
     await demand.poll_once(_FailingProducer())
@@ -121,7 +106,7 @@ async def test_send_errors_are_counted_not_raised(trace: Trace) -> None:
 
 
 async def test_run_polls_until_stopped(trace: Trace) -> None:
-    clock = FakeClock()
+    clock = Clock()
     fleet = Fleet(trace, nodes=2, gpus_per_node=8, seed=9, t0=T0, clock=clock)
     bus, topics = MemoryBus(), KafkaTopics()
     demand = TrainingDemand(fleet, bus, topics, tick_s=0.01)

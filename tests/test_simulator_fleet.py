@@ -3,37 +3,20 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
 from contracts import gpu_key
 from simulator.dcgm_fields import FIELD_BY_NAME
 from simulator.fleet import BUSY_THRESHOLD_PCT, FB_RESERVED_MIB, FB_TOTAL_MIB, Fleet
-from simulator.trace import Trace, load_trace
+from simulator.trace import Trace
+from tests.support import T0, Clock
 
-TRACE_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "traces" / "alibaba_genai_2026"
-T0 = 1_700_000_000.0
 UUID_RE = re.compile(r"GPU-[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
 
 
-class FakeClock:
-    """A settable wall clock."""
-
-    def __init__(self, t: float = T0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-@pytest.fixture(scope="module")
-def trace() -> Trace:
-    return load_trace(TRACE_DIR)
-
-
 def _fleet(trace: Trace, **kw: object) -> Fleet:
-    kw.setdefault("clock", FakeClock())
+    kw.setdefault("clock", Clock())
     kw.setdefault("t0", T0)
     return Fleet(trace, **kw)  # type: ignore[arg-type]
 
@@ -88,7 +71,7 @@ def test_more_gpus_than_pods_reuse_pods_with_offsets(trace: Trace) -> None:
 
 
 def test_wall_clock_maps_to_trace_steps(trace: Trace) -> None:
-    clock = FakeClock()
+    clock = Clock()
     f = _fleet(trace, nodes=1, gpus_per_node=2, speedup=57.0, start_step=10, clock=clock)
     assert f.step_wall_s == pytest.approx(1.0)
     assert f.step_at(T0) == 10

@@ -9,15 +9,9 @@ import pytest
 
 from simulator.fleet import Fleet
 from simulator.sysfs import COUNTER_BITS, HW_COUNTERS, LINK_RATE_BYTES_PER_S, SysfsTree
-from simulator.trace import Trace, load_trace
+from simulator.trace import Trace
+from tests.support import T0
 
-TRACE_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "traces" / "alibaba_genai_2026"
-T0 = 1_700_000_000.0
-
-
-@pytest.fixture(scope="module")
-def trace() -> Trace:
-    return load_trace(TRACE_DIR)
 
 
 @pytest.fixture

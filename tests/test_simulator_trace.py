@@ -167,3 +167,14 @@ def test_not_a_tarball_is_a_trace_error(tmp_path: Path) -> None:
     _write_tar(tmp_path, MEMORY_FILE, "timestamp_anon,value,container_ip\n")
     with pytest.raises(TraceError, match="not a readable tar archive"):
         load_trace(tmp_path, cache=False)
+
+
+def test_a_truncated_tarball_is_a_trace_error(tmp_path: Path) -> None:
+    """A download cut short ends the gzip stream mid-member (EOFError inside tarfile): a TraceError
+    the CLI reports, not a traceback."""
+    rows = "".join(f"{i % 100}.0,{1000 + 57 * i}.0,pod-{i % 7}\n" for i in range(20_000))
+    _mk(tmp_path, "value,timestamp_anon,container_ip\n" + rows, "timestamp_anon,value,container_ip\n")
+    whole = (tmp_path / DUTY_CYCLE_FILE).read_bytes()
+    (tmp_path / DUTY_CYCLE_FILE).write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(TraceError, match="not a readable tar archive"):
+        load_trace(tmp_path, cache=False)

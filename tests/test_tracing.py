@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -42,6 +41,7 @@ from collectors.service import CollectorService
 from contracts import KafkaTopics, MqttTopics
 from contracts.bus import MemoryBus
 from runtime import tracing
+from tests.mqtt_support import until
 from tests.test_broker_service import _Amqtt, _free_port
 
 SAMPLE = (
@@ -111,16 +111,6 @@ async def amqtt_port() -> AsyncIterator[int]:
         yield server.port
     finally:
         await server.stop()
-
-
-async def _until(pred: Callable[[], T | None], timeout_s: float = 10.0) -> T:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 # --- unit ---------------------------------------------------------------------------------------
@@ -313,7 +303,7 @@ async def _pipeline(
 
     feeder = asyncio.create_task(feed())
     try:
-        yield await _until(lambda: next(iter(_by_name(spans, f"publish {offers_template}")), None))
+        yield await until(lambda: next(iter(_by_name(spans, f"publish {offers_template}")), None), 10)
     finally:
         feeder.cancel()
         await asyncio.gather(feeder, return_exceptions=True)
@@ -401,9 +391,9 @@ async def test_one_trace_from_scrape_to_lease_over_mqtt5_user_properties(
     ):
         _assert_kafka_chain(offer, spans, host)
         offer_id = str(_attrs(offer)["messaging.message.id"])
-        await _until(lambda: offer_id in site.known_offers)
+        await until(lambda: offer_id in site.known_offers, 10)
         lease = await site.claim(offer_id, count=1, duration_seconds=60)
-        grant = await _until(lambda: next(iter(_by_name(spans, "grant lease")), None))
+        grant = await until(lambda: next(iter(_by_name(spans, "grant lease")), None), 10)
 
     chain = _chain(grant, spans)
     names = [s.name for s in chain]

@@ -27,10 +27,11 @@
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-repo="$(cd "$here/../.." && pwd)"
-state="${GPUPOOL_STATE:-$repo/.state}/kafka"
+# shellcheck source=deploy/local/service-lib.sh
+. "$here/service-lib.sh"
+svc=kafka
+state="$state_root/kafka"
 libs="${GPUPOOL_CACHE:-$HOME/.cache/gpupool}/kafka-4.1.1/libs"
-py="${GPUPOOL_PYTHON:-$repo/.venv/bin/python}"
 heap="${KAFKA_HEAP:--Xmx512m -Xms256m}"
 # C1 only: about half the CPU to get to "ready" (it matters on a busy 2-core CI machine); peak
 # throughput is lower than with C2, which a single test node does not need.
@@ -46,10 +47,6 @@ pidfile="$state/kafka.pid"
 portsfile="$state/ports"
 bootstrapfile="$state/bootstrap"
 
-svc=kafka
-# shellcheck source=deploy/local/service-lib.sh
-. "$here/service-lib.sh"
-
 _log_tails() {
     # The end of the broker's logs, for a failure message.
     _log_tail "$logs/server.log" "$logs/stdout.log" "$state/format.log"
@@ -62,9 +59,7 @@ _pid() {
 
 _ready() {
     # _ready TIMEOUT [PID]: wait until the broker answers a Metadata request.
-    local args=("$(cat "$bootstrapfile")" --timeout "$1")
-    [ -n "${2:-}" ] && args+=(--pid "$2")
-    "$py" "$here/kafka_ready.py" "${args[@]}"
+    _wait_ready kafka_ready.py "$(cat "$bootstrapfile")" "$@"
 }
 
 _write_config() {
@@ -163,18 +158,8 @@ cmd_start() {
     # shellcheck disable=SC2086  # $heap and $jvm_opts are lists of JVM flags
     setsid java $heap $jvm_opts "${java_opts[@]}" \
         -cp "$libs/*" kafka.Kafka "$conf" </dev/null >>"$logs/stdout.log" 2>&1 9>&- &
-    pid=$!
-    echo "$pid" >"$pidfile"
-    local rc=0
-    _ready "$start_timeout" "$pid" 2>"$state/ready.err" || rc=$?
-    if [ "$rc" -ne 0 ]; then
-        cat "$state/ready.err" >&2
-        _log_tails
-        kill -KILL "$pid" 2>/dev/null || true
-        rm -f "$pidfile"
-        [ "$rc" -eq 3 ] && _die "the broker JVM exited during start (see the logs above)"
-        _die "broker did not answer on 127.0.0.1:$port within ${start_timeout} s"
-    fi
+    _await_start $! "the broker JVM exited during start (see the logs above)" \
+        "broker did not answer on 127.0.0.1:$port within ${start_timeout} s"
     cat "$bootstrapfile"
 }
 
@@ -191,12 +176,4 @@ cmd_status() {
     _status 5
 }
 
-case "${1:-}" in
-    start) cmd_start ;;
-    stop) cmd_stop ;;
-    status) cmd_status ;;
-    *)
-        echo "usage: $0 {start|stop|status}" >&2
-        exit 2
-        ;;
-esac
+_main "${1:-}"

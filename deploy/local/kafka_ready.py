@@ -15,20 +15,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import sys
-import time
 
 from aiokafka.admin import AIOKafkaAdminClient
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (a zombie counts as dead)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
+from ready import wait_ready  # deploy/local/ready.py, next to this script
 
 
 async def _probe(bootstrap: str, timeout_s: float) -> int:
@@ -46,27 +38,14 @@ async def _probe(bootstrap: str, timeout_s: float) -> int:
         await admin.close()
 
 
-async def wait_ready(bootstrap: str, timeout_s: float, pid: int | None) -> int:
-    """Poll ``bootstrap`` until ready; returns the exit status described in the module docstring."""
-    deadline = time.monotonic() + timeout_s
-    last = "no attempt"
-    while True:
-        if pid is not None and not _alive(pid):
-            print(f"kafka_ready: process {pid} exited; last error: {last}", file=sys.stderr)
-            return 3
-        try:
-            if await _probe(bootstrap, min(3.0, max(0.5, deadline - time.monotonic()))) > 0:
-                return 0
-            last = "metadata lists no broker yet"
-        except Exception as e:  # noqa: BLE001 — any failure means "not ready yet"; the last one is reported
-            last = f"{type(e).__name__}: {e}"
-        if time.monotonic() >= deadline:
-            print(
-                f"kafka_ready: {bootstrap} not ready after {timeout_s:.0f} s; last error: {last}",
-                file=sys.stderr,
-            )
-            return 1
-        await asyncio.sleep(0.25)
+async def _brokers_listed(bootstrap: str, left_s: float) -> str | None:
+    """One attempt of :func:`ready.wait_ready`: ``None`` when the Metadata response lists a broker."""
+    try:
+        if await _probe(bootstrap, min(3.0, max(0.5, left_s))) > 0:
+            return None
+        return "metadata lists no broker yet"
+    except Exception as e:  # noqa: BLE001 — any failure means "not ready yet"; the last one is reported
+        return f"{type(e).__name__}: {e}"
 
 
 def main() -> int:
@@ -77,7 +56,8 @@ def main() -> int:
     p.add_argument("--pid", type=int, default=None, help="stop waiting if this process exits")
     args = p.parse_args()
     logging.basicConfig(level=logging.CRITICAL)  # aiokafka logs every refused connection
-    return asyncio.run(wait_ready(args.bootstrap, args.timeout, args.pid))
+    probe = functools.partial(_brokers_listed, args.bootstrap)
+    return asyncio.run(wait_ready("kafka_ready", args.bootstrap, probe, args.timeout, args.pid, every_s=0.25))
 
 
 if __name__ == "__main__":

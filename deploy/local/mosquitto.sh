@@ -25,9 +25,10 @@
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-repo="$(cd "$here/../.." && pwd)"
-state="${GPUPOOL_STATE:-$repo/.state}/mosquitto"
-py="${GPUPOOL_PYTHON:-$repo/.venv/bin/python}"
+# shellcheck source=deploy/local/service-lib.sh
+. "$here/service-lib.sh"
+svc=mosquitto
+state="$state_root/mosquitto"
 sites="${GPUPOOL_SITES:-edge-a,edge-b,edge-c}"
 root="${GPUPOOL_MQTT_ROOT:-gpupool/v1}"
 start_timeout="${MOSQUITTO_START_TIMEOUT:-20}"
@@ -40,10 +41,6 @@ tls_portfile="$state/tls_port"
 tls_dir="$state/tls"
 tls="${GPUPOOL_MQTT_TLS:-0}"
 
-svc=mosquitto
-# shellcheck source=deploy/local/service-lib.sh
-. "$here/service-lib.sh"
-
 _log_tails() {
     _log_tail "$state/mosquitto.log" "$state/stdout.log"
 }
@@ -54,10 +51,8 @@ _pid() {
 }
 
 _ready() {
-    # _ready TIMEOUT [PID]: wait until gpupool-broker can log in.
-    local args=("$creds" --timeout "$1")
-    [ -n "${2:-}" ] && args+=(--pid "$2")
-    "$py" "$here/mqtt_ready.py" "${args[@]}"
+    # _ready TIMEOUT [PID]: wait until gpupool-observer can log in.
+    _wait_ready mqtt_ready.py "$creds" "$@"
 }
 
 _address() {
@@ -122,18 +117,8 @@ cmd_start() {
 
     echo "=== start $(date -u +%Y-%m-%dT%H:%M:%SZ) on 127.0.0.1:$port" >>"$state/stdout.log"
     setsid mosquitto -c "$conf" </dev/null >>"$state/stdout.log" 2>&1 9>&- &
-    pid=$!
-    echo "$pid" >"$pidfile"
-    local rc=0
-    _ready "$start_timeout" "$pid" 2>"$state/ready.err" || rc=$?
-    if [ "$rc" -ne 0 ]; then
-        cat "$state/ready.err" >&2
-        _log_tails
-        kill -KILL "$pid" 2>/dev/null || true
-        rm -f "$pidfile"
-        [ "$rc" -eq 3 ] && _die "mosquitto exited during start (see the logs above)"
-        _die "no MQTT login on 127.0.0.1:$port within ${start_timeout} s"
-    fi
+    _await_start $! "mosquitto exited during start (see the logs above)" \
+        "no MQTT login on 127.0.0.1:$port within ${start_timeout} s"
     _address
 }
 
@@ -147,12 +132,4 @@ cmd_status() {
     _status 3
 }
 
-case "${1:-}" in
-    start) cmd_start ;;
-    stop) cmd_stop ;;
-    status) cmd_status ;;
-    *)
-        echo "usage: $0 {start|stop|status}" >&2
-        exit 2
-        ;;
-esac
+_main "${1:-}"

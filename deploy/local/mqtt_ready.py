@@ -15,51 +15,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import sys
 import time
 from typing import Any
 
 import aiomqtt
+from ready import wait_ready  # deploy/local/ready.py, next to this script
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (a zombie counts as dead)."""
+async def _login(creds: dict[str, Any], user: str, left_s: float) -> str | None:
+    """One attempt of :func:`ready.wait_ready`: ``None`` when a CONNECT as ``user`` succeeds."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
-
-
-async def wait_ready(creds: dict[str, Any], user: str, timeout_s: float, pid: int | None) -> int:
-    """Try to log in as ``user`` until it works; returns the exit status of the module docstring."""
-    deadline = time.monotonic() + timeout_s
-    last = "no attempt"
-    while True:
-        if pid is not None and not _alive(pid):
-            print(f"mqtt_ready: process {pid} exited; last error: {last}", file=sys.stderr)
-            return 3
-        try:
-            async with aiomqtt.Client(
-                creds["host"],
-                int(creds["port"]),
-                username=user,
-                password=creds["users"][user],
-                identifier=f"gpupool-ready-{time.monotonic_ns()}",
-                timeout=2.0,
-            ):
-                return 0
-        except aiomqtt.MqttError as e:
-            last = f"{type(e).__name__}: {e}"
-        if time.monotonic() >= deadline:
-            print(
-                f"mqtt_ready: {creds['host']}:{creds['port']} not ready after {timeout_s:.0f} s; "
-                f"last error: {last}",
-                file=sys.stderr,
-            )
-            return 1
-        await asyncio.sleep(0.2)
+        async with aiomqtt.Client(
+            creds["host"],
+            int(creds["port"]),
+            username=user,
+            password=creds["users"][user],
+            identifier=f"gpupool-ready-{time.monotonic_ns()}",
+            timeout=2.0,
+        ):
+            return None
+    except aiomqtt.MqttError as e:
+        return f"{type(e).__name__}: {e}"
 
 
 def main() -> int:
@@ -77,7 +56,9 @@ def main() -> int:
     except (OSError, ValueError, KeyError, TypeError) as e:
         print(f"mqtt_ready: bad credentials file {args.credentials}: {e!r}", file=sys.stderr)
         return 1
-    return asyncio.run(wait_ready(creds, args.user, args.timeout, args.pid))
+    probe = functools.partial(_login, creds, args.user)
+    target = f"{creds['host']}:{creds['port']}"
+    return asyncio.run(wait_ready("mqtt_ready", target, probe, args.timeout, args.pid, every_s=0.2))
 
 
 if __name__ == "__main__":

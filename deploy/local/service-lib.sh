@@ -1,6 +1,10 @@
-# Shared by deploy/local/kafka.sh and deploy/local/mosquitto.sh (sourced, not run).
+# Shared by deploy/local/kafka.sh, mosquitto.sh and slurm.sh (sourced, not run).
 #
-# Each script sets `svc` (its name, for messages), `state` (its state dir) and `pidfile`, then uses:
+# Each script sets `here` (its folder) and sources this first, which sets:
+#   repo                            the repository root
+#   py                              the Python to run helpers with (GPUPOOL_PYTHON, else the repo's .venv)
+#   state_root                      ${GPUPOOL_STATE:-<repo>/.state}: each service keeps its state below it
+# It then sets `svc` (its name, for messages), `state` (its state dir) and `pidfile`, and uses:
 #   _die MESSAGE...                 print "<svc>: MESSAGE" on stderr and exit 1
 #   _log_tail FILE...               print the last 30 lines of each non-empty FILE on stderr
 #   _pid_matching PATTERN           print the pid in $pidfile if that process runs and its command
@@ -8,7 +12,22 @@
 #   _lock SECONDS                   serialise start/stop of one state dir (flock on fd 9)
 #   _stop SECONDS                   SIGTERM the pid from _pid, SIGKILL after SECONDS, remove $pidfile
 #   _status SECONDS                 exit-code status (0 answering, 1 not running, 2 not answering)
-# Scripts define `_pid`, `_ready TIMEOUT PID` and `_address` themselves.
+#   _await_start PID EXITED TIMED_OUT
+#                                   record PID in $pidfile and wait $start_timeout s for _ready; on
+#                                   failure print why and the log tails (_log_tails), kill PID,
+#                                   remove $pidfile and _die with EXITED (PID exited) or TIMED_OUT
+#   _wait_ready SCRIPT TARGET TIMEOUT [PID]
+#                                   run deploy/local/SCRIPT TARGET --timeout TIMEOUT [--pid PID]
+#                                   (kafka_ready.py, mqtt_ready.py: exit 0 ready, 1 not in time,
+#                                   3 PID exited)
+#   _main ARG                       run cmd_start, cmd_stop or cmd_status for start/stop/status,
+#                                   else print the usage and exit 2
+# Scripts define `_pid`, `_ready TIMEOUT PID`, `_address`, `_log_tails` and the cmd_* functions
+# themselves.
+
+repo="$(cd "$here/../.." && pwd)"
+py="${GPUPOOL_PYTHON:-$repo/.venv/bin/python}"
+state_root="${GPUPOOL_STATE:-$repo/.state}"
 
 _die() {
     echo "$svc: $*" >&2
@@ -75,4 +94,36 @@ _status() {
     fi
     echo "$svc: running (pid $pid) but not answering on $(_address)" >&2
     return 2
+}
+
+_await_start() {
+    local pid="$1" rc=0
+    echo "$pid" >"$pidfile"
+    _ready "$start_timeout" "$pid" 2>"$state/ready.err" || rc=$?
+    if [ "$rc" -ne 0 ]; then
+        cat "$state/ready.err" >&2
+        _log_tails
+        kill -KILL "$pid" 2>/dev/null || true
+        rm -f "$pidfile"
+        [ "$rc" -eq 3 ] && _die "$2"
+        _die "$3"
+    fi
+}
+
+_wait_ready() {
+    local args=("$2" --timeout "$3")
+    [ -n "${4:-}" ] && args+=(--pid "$4")
+    "$py" "$here/$1" "${args[@]}"
+}
+
+_main() {
+    case "${1:-}" in
+        start) cmd_start ;;
+        stop) cmd_stop ;;
+        status) cmd_status ;;
+        *)
+            echo "usage: $0 {start|stop|status}" >&2
+            exit 2
+            ;;
+    esac
 }

@@ -42,9 +42,10 @@
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-repo="$(cd "$here/../.." && pwd)"
-state="${GPUPOOL_SLURM_DIR:-${GPUPOOL_STATE:-$repo/.state}/slurm}"
-py="${GPUPOOL_PYTHON:-$repo/.venv/bin/python}"
+# shellcheck source=deploy/local/service-lib.sh
+. "$here/service-lib.sh"
+svc=slurm
+state="${GPUPOOL_SLURM_DIR:-$state_root/slurm}"
 [ -x "$py" ] || py=python3
 nodes="${GPUPOOL_SLURM_NODES:-4}"
 gpus="${GPUPOOL_SLURM_GPUS:-8}"
@@ -58,10 +59,6 @@ pidfile="$state/pid/slurmctld.pid"
 munge_pid="$state/pid/munged.pid"
 socket="$state/munge.socket"
 export SLURM_CONF="$conf"
-
-svc=slurm
-# shellcheck source=deploy/local/service-lib.sh
-. "$here/service-lib.sh"
 
 _node_names() {
     local i
