@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 import typing
