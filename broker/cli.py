@@ -293,6 +293,7 @@ def run(
     from pydantic import ValidationError
 
     from broker.config import broker_config_from
+    from broker.lending import lending_from
     from broker.service import BrokerService
     from runtime.bus import make_bus
 
@@ -345,6 +346,10 @@ def run(
             qos_vl=sb.fabric_lent_vl,
             audit_interval_s=sb.fabric_qos_audit_s,
         )
+    try:
+        lending = lending_from(sb, config_, settings.state_dir)
+    except (OSError, ValueError) as e:
+        raise typer.BadParameter(str(e), param_hint="[broker] slurm_gpu_map") from None
     m_port, m_addr = settings.metrics.broker, settings.metrics.addr
     if m_port:
         try:
@@ -373,6 +378,7 @@ def run(
             client_id=sb.client_id,
             tls=tls,
             lease_log_linger_ms=sb.lease_log_linger_ms,
+            lending=lending,
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

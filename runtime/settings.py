@@ -272,6 +272,27 @@ class BrokerSettings(BaseModel):
         request_max_age_s: requests older than this (by their ``ts``) are ignored, seconds.
         lease_log_timeout_s: a lease-log write not acknowledged within this is undone and the
             request answered ``internal``, seconds.
+        scheduler: the training scheduler that fences lent GPUs: ``"slurm"`` (each lease held by
+            jobs in the lent partition, reclaimed by Slurm's own preemption; see
+            ``broker.lending``) or ``"none"`` (leases are bookkeeping and a fabric partition only).
+        slurm_conf: ``slurm.conf`` of the cluster (``SLURM_CONF`` of every Slurm command);
+            ``None``: the environment's.
+        slurm_partition: the lent partition (low ``PriorityTier``, ``PreemptMode=CANCEL``,
+            ``GraceTime`` = ``notice_s``).
+        slurm_gres_type: GRES type of the GPUs (``gpu:<type>:N``); empty: untyped ``gpu:N``.
+        slurm_gpu_map: JSON file ``{"<node>": ["<GPU UUID of index 0>", ...]}`` mapping Slurm's
+            GRES indices to the GPU UUIDs of the telemetry (``nvidia-smi --query-gpu=index,uuid``
+            on each node); ``None``: GPU keys are ``<node>/gpu<index>``.
+        slurm_poll_s: seconds between reads of Slurm's jobs (preemption seen within this).
+        slurm_placeholder_minutes: time limit of an idle placeholder job, minutes (it is
+            replaced when it ends).
+        slurm_output_dir: where hold jobs write their output and read their workload's start
+            file (on a filesystem the nodes share with the broker); ``None``: a folder under
+            ``GPUPOOL_STATE``.
+        workloads: the operator's workload profiles, ``[[broker.workloads]]`` tables with
+            ``name``, ``argv`` (template fields ``{port} {lease_id} {site} {gpus}``),
+            ``port_min``, ``port_max``, ``health_path``, ``health_timeout_s``, ``cpus_per_gpu``,
+            ``sites`` (validated by ``broker.workloads.WorkloadProfile``).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -303,6 +324,15 @@ class BrokerSettings(BaseModel):
     site_request_burst: float = Field(default=LIMITS.site_request_burst, ge=1)
     request_max_age_s: float = Field(default=LIMITS.request_max_age_seconds, gt=0)
     lease_log_timeout_s: float = Field(default=5.0, gt=0)
+    scheduler: Literal["none", "slurm"] = "none"
+    slurm_conf: Path | None = None
+    slurm_partition: str = Field(default="lent", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    slurm_gres_type: str = Field(default="h100", pattern=r"^[A-Za-z0-9_.-]{0,64}$")
+    slurm_gpu_map: Path | None = None
+    slurm_poll_s: float = Field(default=0.25, gt=0, le=5)
+    slurm_placeholder_minutes: int = Field(default=60, ge=1)
+    slurm_output_dir: Path | None = None
+    workloads: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class DeploymentSettings(BaseSettings):
