@@ -41,9 +41,10 @@ from datetime import datetime
 from pathlib import Path
 
 from broker.scheduler import Hold, HoldRequest, HoldState, SchedulerError
+from contracts.scheduler import LENT_JOB_NAME
 
-JOB_NAME = "gpupool-lease"
-"""Job name of every lease hold (``squeue -n gpupool-lease`` lists them)."""
+JOB_NAME = LENT_JOB_NAME
+"""Job name of every lease hold and placeholder (``squeue -n gpupool-lease`` lists them)."""
 
 COMMENT_PREFIX = "gpupool-lease="
 """A hold's ``Comment`` is this prefix + the lease id."""
