@@ -10,8 +10,8 @@ GPUs are held for the lease; else why not, and the claim is refused ``isolation_
 :class:`NoLending` (``[broker] scheduler = "none"``) holds nothing. :class:`SlurmLending`
 (``"slurm"``) carves leases out of placeholder jobs (:mod:`broker.placeholders`): every GPU in a
 live offer is held ahead of time by a one-GPU job in the lent partition, so a claim is granted
-without waiting for Slurm (a claim whose GPUs have no running placeholder yet is refused, and the
-site claims again). Every ``poll_s`` it reads Slurm's jobs once (``scontrol show job -d -o``):
+without submitting anything to Slurm (a claim whose GPUs have no running placeholder, or whose
+placeholder Slurm has just taken back, is refused, and the site claims again). Every ``poll_s`` it reads Slurm's jobs once (``scontrol show job -d -o``):
 
 * a lease hold Slurm chose for preemption (a pending training job needs the GPUs, partition
   preemption) → the lease is reclaimed with Slurm's own deadline (``EndTime``, the end of the
@@ -248,8 +248,10 @@ class SlurmLending:
 
     # leases ----------------------------------------------------------------------------------------
     async def hold(self, record: LeaseLogRecord) -> str:
-        """See :meth:`Lending.hold`: carve the placeholders on ``record.gpus`` (no Slurm command
-        on this path; the rename and time limit follow in the background)."""
+        """See :meth:`Lending.hold`: carve the placeholders on ``record.gpus``: no ``sbatch`` and
+        no wait for Slurm's scheduler on this path, only one ``scontrol show job`` per placeholder
+        (at once) to check that Slurm has not taken it back since the last read; the rename and
+        time limit follow in the background."""
         taken: list[Hold] = []
         for key in record.gpus:
             where = self.gpu_map.locate(key)
@@ -259,10 +261,31 @@ class SlurmLending:
                     self._idle.setdefault(h.host, {})[h.gpu_indices[0]] = h
                 return f"{key}: not held in Slurm's {self.scheduler.partition} partition yet; claim again"
             taken.append(hold)
-        self._leases[record.lease_id] = taken
         for h in taken:
             self._unwanted.pop(h.job_id, None)
             self._file(h.job_id, "held").touch()
+        # Slurm may have taken a placeholder back since the last read (a training job preempted
+        # it, and an idle one leaves at once): read each again now that its held file exists (a
+        # SIGTERM from here on keeps the GPU until the deadline, which the next read reports).
+        try:
+            now = await asyncio.gather(*(self.scheduler.jobs(h.job_id) for h in taken))
+        except SchedulerError as e:
+            m.SCHEDULER_ERRORS.labels(operation="read").inc()
+            now, why = [[] for _ in taken], f"cannot read Slurm: {e}"
+        else:
+            why = f"Slurm took a GPU back for training just now ({self.scheduler.partition} partition); claim again"
+        lost = [
+            h
+            for h, found in zip(taken, now, strict=True)
+            if not found or found[0].state is not HoldState.RUNNING
+        ]
+        if lost:
+            for h in taken:
+                self._file(h.job_id, "held").unlink(missing_ok=True)
+                if h not in lost:
+                    self._idle.setdefault(h.host, {})[h.gpu_indices[0]] = h
+            return why
+        self._leases[record.lease_id] = taken
         m.PLACEHOLDERS.set(sum(len(v) for v in self._idle.values()))
         if record.workload is not None:
             problem = self._start_workload(record, taken)
@@ -396,7 +419,7 @@ class SlurmLending:
         t0 = time.perf_counter()
         ids = [h.job_id for h in holds]
         await self._cancel(ids, "release")
-        for _ in range(int(5.0 / 0.02)):
+        for _ in range(int(5.0 / 0.05)):
             try:
                 running = [
                     h
@@ -412,7 +435,7 @@ class SlurmLending:
                     extra={"lease_id": lease_id, "job_ids": ids, "seconds": time.perf_counter() - t0},
                 )
                 return
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.05)
         m.SCHEDULER_ERRORS.labels(operation="release").inc()
         log.error("hold_release_slow", extra={"lease_id": lease_id, "job_ids": ids})
 

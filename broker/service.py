@@ -299,7 +299,7 @@ class BrokerService:
         self._linger_ms = lease_log_linger_ms
         self.lending: Lending = lending or NoLending()
         self.lending.bind(self._scheduler_reclaim, self._offered_gpus, self._republish_lease)
-        self._inline_isolation = isinstance(self.fabric, NoIsolation) and not self.lending.enforced
+        self._inline_isolation = isinstance(self.fabric, NoIsolation)
         self._claiming: dict[_ClaimKey, tuple[str, asyncio.Task[None]]] = {}
         """Claims whose fabric isolation is in progress: key → (lease id, task)."""
         self._background: set[asyncio.Task[Any]] = set()
@@ -510,8 +510,9 @@ class BrokerService:
                 restore, offers = self.book.undo(ch, undone, now)
                 self._unlogged.extend(restore)
                 for rec in restore:
-                    if not rec.state.live and not self._inline_isolation:  # a grant undone: unisolate
+                    if not rec.state.live:  # a grant undone: its hold goes
                         self.lending.ended(rec)
+                    if not rec.state.live and not self._inline_isolation:  # and its partition
                         self._in_background(self._remove_partition(rec), f"fabric-remove-{rec.lease_id}")
                 m.LEASE_LOG_WRITE_FAILURES.inc(len(undone))
                 log.error("lease_transitions_undone", extra={"lease_ids": sorted(undone)})
@@ -1107,6 +1108,9 @@ class BrokerService:
                 self._claiming[key] = (step.record.lease_id, task)
                 await self._apply(ch, now)  # the claimed offer withdrawn, the node's rest offered
                 return None
+            if isinstance(step, PendingGrant) and (problem := await self.lending.hold(step.record)):
+                step, refused = self.book.abort(step, ReasonCode.ISOLATION_FAILED, problem, now)
+                ch.extend(refused)  # the training scheduler holds nothing for it (in memory: fast)
             if isinstance(step, PendingGrant):
                 with _grant_span(step) as grant:
                     answer, ch2 = self.book.grant(step, now, None)
