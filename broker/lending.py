@@ -248,10 +248,9 @@ class SlurmLending:
 
     # leases ----------------------------------------------------------------------------------------
     async def hold(self, record: LeaseLogRecord) -> str:
-        """See :meth:`Lending.hold`: carve the placeholders on ``record.gpus``: no ``sbatch`` and
-        no wait for Slurm's scheduler on this path, only one ``scontrol show job`` per placeholder
-        (at once) to check that Slurm has not taken it back since the last read; the rename and
-        time limit follow in the background."""
+        """See :meth:`Lending.hold`: carve the placeholders on ``record.gpus`` (their idle files
+        renamed to held files, :mod:`broker.placeholders`): no Slurm command on this path; the
+        jobs' rename and time limit follow in the background."""
         taken: list[Hold] = []
         for key in record.gpus:
             where = self.gpu_map.locate(key)
@@ -261,30 +260,27 @@ class SlurmLending:
                     self._idle.setdefault(h.host, {})[h.gpu_indices[0]] = h
                 return f"{key}: not held in Slurm's {self.scheduler.partition} partition yet; claim again"
             taken.append(hold)
+        carved: list[Hold] = []
+        leaving: Hold | None = None
+        for h in taken:
+            try:  # atomic against the script leaving on SIGTERM (broker.placeholders)
+                self._file(h.job_id, "idle").rename(self._file(h.job_id, "held"))
+            except FileNotFoundError:
+                leaving = h
+                break
+            carved.append(h)
+        if leaving is not None:
+            for h in carved:
+                with contextlib.suppress(FileNotFoundError):
+                    self._file(h.job_id, "held").rename(self._file(h.job_id, "idle"))
+            for h in taken:
+                if h is not leaving:
+                    self._idle.setdefault(h.host, {})[h.gpu_indices[0]] = h
+            return (
+                f"Slurm is taking a GPU back for training ({self.scheduler.partition} partition); claim again"
+            )
         for h in taken:
             self._unwanted.pop(h.job_id, None)
-            self._file(h.job_id, "held").touch()
-        # Slurm may have taken a placeholder back since the last read (a training job preempted
-        # it, and an idle one leaves at once): read each again now that its held file exists (a
-        # SIGTERM from here on keeps the GPU until the deadline, which the next read reports).
-        try:
-            now = await asyncio.gather(*(self.scheduler.jobs(h.job_id) for h in taken))
-        except SchedulerError as e:
-            m.SCHEDULER_ERRORS.labels(operation="read").inc()
-            now, why = [[] for _ in taken], f"cannot read Slurm: {e}"
-        else:
-            why = f"Slurm took a GPU back for training just now ({self.scheduler.partition} partition); claim again"
-        lost = [
-            h
-            for h, found in zip(taken, now, strict=True)
-            if not found or found[0].state is not HoldState.RUNNING
-        ]
-        if lost:
-            for h in taken:
-                self._file(h.job_id, "held").unlink(missing_ok=True)
-                if h not in lost:
-                    self._idle.setdefault(h.host, {})[h.gpu_indices[0]] = h
-            return why
         self._leases[record.lease_id] = taken
         m.PLACEHOLDERS.set(sum(len(v) for v in self._idle.values()))
         if record.workload is not None:
@@ -307,7 +303,7 @@ class SlurmLending:
         if not holds:
             return
         for h in holds:
-            for kind in ("held", "start"):
+            for kind in ("held", "start", "idle"):
                 self._file(h.job_id, kind).unlink(missing_ok=True)
         self._file(record.lease_id, "endpoint").unlink(missing_ok=True)
         self._background(self._release(record.lease_id, holds), f"hold-release-{record.lease_id}")
@@ -404,9 +400,13 @@ class SlurmLending:
             if record.ends_at is not None:
                 started = h.started_at if h.started_at is not None else self._clock()
                 argv.append(f"TimeLimit={max(1, math.ceil((record.ends_at - started) / 60.0))}")
+            if record.lease_id not in self._leases:
+                return  # ended meanwhile: its jobs are cancelled
             try:
                 await self.scheduler.command(*argv)
             except SchedulerError as e:
+                if record.lease_id not in self._leases:
+                    return
                 m.SCHEDULER_ERRORS.labels(operation="retag").inc()
                 log.error(
                     "hold_retag_failed",
@@ -481,6 +481,7 @@ class SlurmLending:
         """One read of Slurm: preemptions and lost holds → reclaims; placeholders kept."""
         jobs = {h.job_id: h for h in await self.scheduler.jobs() if h.state is not HoldState.ENDED}
         now = self._clock()
+        confirm: list[Hold] = []
         for lease_id, holds in list(self._leases.items()):
             if lease_id in self._noticed:
                 continue
@@ -497,12 +498,12 @@ class SlurmLending:
                 )
                 if chosen[0].preempted_at is not None:
                     m.PREEMPTION_NOTICE.observe(max(0.0, self._clock() - chosen[0].preempted_at))
-                for h in current:
-                    if h is not None:
-                        await self.scheduler.confirm_notice(h)
+                confirm.extend(h for h in current if h is not None)
             elif gone:
                 self._noticed.add(lease_id)
                 await self._notify(lease_id, now, f"{LeaseReason.HOLD_LOST}:{gone[0]}")
+        if confirm:  # every job of the lease gets SIGTERM (the workload drains), off the notices' path
+            self._background(self._confirm(confirm), "hold-confirm-notice")
         self._keep_placeholders(jobs, now)
         wanted: dict[str, set[int]] = {}
         for key in self._offered():
@@ -537,7 +538,8 @@ class SlurmLending:
         m.PLACEHOLDERS.set(sum(len(v) for v in self._idle.values()))
 
     def _keep_placeholders(self, jobs: dict[str, Hold], now: float) -> None:
-        """Rebuild the idle placeholders from Slurm's jobs (those carved meanwhile stay out)."""
+        """Rebuild the idle placeholders from Slurm's jobs whose script has written its idle file
+        (those carved meanwhile stay out)."""
         carved = {h.job_id for hs in self._leases.values() for h in hs}
         idle: dict[str, dict[int, Hold]] = {}
         for h in jobs.values():
@@ -548,11 +550,23 @@ class SlurmLending:
                 or len(h.gpu_indices) != 1
             ):
                 continue
+            if not self._file(h.job_id, "idle").exists():
+                continue  # its script has not started yet (still counted as submitted)
             idle.setdefault(h.host, {})[h.gpu_indices[0]] = h
             self._submitted.pop(h.job_id, None)
         self._idle = idle
         for job_id in [j for j in self._unwanted if j not in jobs]:
             del self._unwanted[job_id]
+
+    async def _confirm(self, holds: list[Hold]) -> None:
+        """:meth:`SlurmScheduler.confirm_notice` of each of ``holds``, at once."""
+        results = await asyncio.gather(
+            *(self.scheduler.confirm_notice(h) for h in holds), return_exceptions=True
+        )
+        for h, r in zip(holds, results, strict=True):
+            if isinstance(r, Exception):
+                m.SCHEDULER_ERRORS.labels(operation="signal").inc()
+                log.error("notice_signal_failed", extra={"job_id": h.job_id, "error": str(r)})
 
     async def _notify(self, lease_id: str, deadline: float, reason: str) -> None:
         log.info(

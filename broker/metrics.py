@@ -168,6 +168,6 @@ PREEMPTION_NOTICE = Histogram(
 )
 SCHEDULER_ERRORS = Counter(
     "gpupool_broker_scheduler_errors_total",
-    "Training-scheduler commands that failed, by operation: read, submit, retag, release, start.",
+    "Training-scheduler commands that failed, by operation: read, submit, retag, release, signal, start (health check).",
     ["operation"],
 )

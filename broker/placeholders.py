@@ -8,15 +8,18 @@ Slurm chooses its GPU; the GRES index it allocated (``scontrol show job -d``: ``
 to the GPU's key by a :class:`GpuMap`. Being in the lent partition, it is preempted by any pending
 training job that needs its GPU, exactly as a lease's hold is, whether or not gpupool runs.
 
-Carving a lease: the broker takes the placeholders on the lease's GPUs, writes each one's
-*held* file (``<control dir>/<job id>.held``), renames them ``Comment=gpupool-lease=<lease id>``
+Carving a lease: the broker takes the placeholders on the lease's GPUs, renames each one's
+*idle* file (``<control dir>/<job id>.idle``, written by the script when it starts) to its
+*held* file (``<job id>.held``), renames the jobs ``Comment=gpupool-lease=<lease id>``
 and sets their time limit to the lease's end; the first one's *start* file
 (``<job id>.start``, a bash script) starts the workload with ``CUDA_VISIBLE_DEVICES`` = the GRES
 indices Slurm allocated to the lease's placeholders. The script (:func:`placeholder_script`)
 polls for its start file every 0.1 s.
 
 Signals (``--signal=B:TERM@<notice>``, ``preempt_send_user_signal``): an idle placeholder leaves
-at once on SIGTERM (training gets the GPU at Slurm's next scheduling pass); one running the
+at once on SIGTERM (training gets the GPU at Slurm's next scheduling pass) after renaming its idle
+file away; ``rename(2)`` is atomic, so either the broker carves it (and it stays, as a lease's
+hold, for the notice) or it leaves (and the claim is refused), never both; one running the
 workload forwards SIGTERM to it and leaves when it exits or ``notice`` seconds have passed; one
 of a lease without the workload keeps its GPU, at most ``notice`` seconds, while its held file
 exists (the broker removes it when the lease ends).
@@ -93,9 +96,14 @@ def placeholder_script(notice_s: float, control_dir: Path) -> str:
     ctl = shlex.quote(str(control_dir))
     return f"""#!/bin/bash
 # gpupool placeholder: hold one GPU until a lease takes it; run the lease's workload; leave on notice.
+idle={ctl}/$SLURM_JOB_ID.idle
 held={ctl}/$SLURM_JOB_ID.held
 start={ctl}/$SLURM_JOB_ID.start
-{leave_function(notice, '"$held"')}echo "gpupool-placeholder start $(date +%s) CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES"
+{leave_function(notice, '"$held"')}# SIGTERM while idle: take the idle file away (rename: exactly one of this and a carving wins)
+# and leave at once; once carved (the broker renamed it to the held file), leave as a lease hold.
+trap 'if mv -T "$idle" "$idle.left" 2>/dev/null; then rm -f "$idle.left"; leaving=1; exit 0; fi; leave $notice_ds' TERM
+: >"$idle"
+echo "gpupool-placeholder start $(date +%s) CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES"
 while true; do
     if [ -z "$child" ] && [ -f "$start" ]; then
         bash "$start" &

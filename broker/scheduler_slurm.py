@@ -280,8 +280,11 @@ class SlurmScheduler:
             if job_id and "Invalid job id" in str(e):
                 return []
             raise
+        # only gpupool's own lines are parsed: the controller lists every job it remembers
+        # (finished ones for MinJobAge, 300 s by default), which on a busy cluster is most of it
+        ours = "\n".join(line for line in text.splitlines() if f" JobName={JOB_NAME} " in line)
         try:
-            holds = [hold_from_record(rec) for rec in parse_job_lines(text)]
+            holds = [hold_from_record(rec) for rec in parse_job_lines(ours)]
         except ValueError as e:
             raise SchedulerError(f"unreadable scontrol output: {e}") from e
         return [h for h in holds if h is not None]

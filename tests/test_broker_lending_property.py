@@ -42,7 +42,8 @@ class _Job:
 
 
 class _Slurm:
-    """Slurm's rules for one node, as far as the broker sees them (module docstring)."""
+    """Slurm's rules for one node, as far as the broker sees them (module docstring), and the
+    placeholder script's side of the idle/held files (broker.placeholders)."""
 
     partition, gres_type, cpus_per_gpu = "lent", "h100", 1
 
@@ -113,9 +114,13 @@ class _Slurm:
         now = self.clock[0]
         for j in self.jobs_.values():
             if j.lent and j.state == "RUNNING" and j.preempted_at is not None:
-                held = (self.control / f"{j.job_id}.held").exists()
-                if not held or (j.end is not None and now >= j.end):
+                idle = self.control / f"{j.job_id}.idle"
+                try:  # the script's SIGTERM trap: leave at once if still idle
+                    idle.rename(self.control / f"{j.job_id}.idle.left")
                     self._end(j.job_id)
+                except FileNotFoundError:  # carved: a lease's hold, until its end (or scancel)
+                    if j.end is not None and now >= j.end:
+                        self._end(j.job_id)
         used = {i for j in self.jobs_.values() if j.state == "RUNNING" for i in j.indices}
         free = [i for i in range(GPUS) if i not in used]
         waiting = False
@@ -137,6 +142,7 @@ class _Slurm:
             if free and j.gpus <= len(free):
                 j.indices, free = tuple(free[: j.gpus]), free[j.gpus :]
                 j.state, j.started_at, j.end = "RUNNING", now, now + 3600
+                (self.control / f"{j.job_id}.idle").touch()  # the script starts
 
 
 class LendingMachine(RuleBasedStateMachine):
