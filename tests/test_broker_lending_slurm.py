@@ -141,6 +141,18 @@ async def _offer_with_holds(site: EdgeClient, lending: SlurmLending, host: str, 
     raise AssertionError(f"no offer of {host} with {gpus} GPUs held by placeholders")
 
 
+@contextlib.asynccontextmanager
+async def _lent_node(
+    bus: Bus, topics: KafkaTopics, creds: dict[str, Any], conf: Path, tmp_path: Path, host: str
+) -> AsyncIterator[tuple[SlurmLending, EdgeClient, str]]:
+    """Every GPU of ``host`` idle, a broker lending through Slurm, a site: (lending, site, the
+    offer of ``host`` once placeholders hold its 8 GPUs)."""
+    lending = _lending(conf, tmp_path)
+    await _idle(bus, topics, host)
+    async with _broker(bus, topics, creds, lending), _site(creds) as site:
+        yield lending, site, await _offer_with_holds(site, lending, host, 8)
+
+
 async def _until(cond: Any, timeout_s: float, step_s: float = 0.05) -> float:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
@@ -154,10 +166,7 @@ async def test_fencing_training_pends_while_the_lease_lives_and_runs_once_it_is_
     kafka_bus: Bus, kafka_stage_topics: KafkaTopics, mosquitto: dict[str, Any], slurm_clean: Path, tmp_path: Path
 ) -> None:
     conf, host = slurm_clean, "gpu-node-001"
-    lending = _lending(conf, tmp_path)
-    await _idle(kafka_bus, kafka_stage_topics, host)
-    async with _broker(kafka_bus, kafka_stage_topics, mosquitto, lending), _site(mosquitto) as site:
-        offer = await _offer_with_holds(site, lending, host, 8)
+    async with _lent_node(kafka_bus, kafka_stage_topics, mosquitto, conf, tmp_path, host) as (lending, site, offer):
         lease = await site.claim(offer, count=8, duration_seconds=600)
         held = lending.held_gpus()[lease.lease_id]
         assert held == tuple(range(8))  # what Slurm allocated, mapped to the lease's GPU keys
@@ -182,10 +191,7 @@ async def test_slurm_preempts_a_lease_the_site_gets_the_deadline_the_workload_dr
     kafka_bus: Bus, kafka_stage_topics: KafkaTopics, mosquitto: dict[str, Any], slurm_clean: Path, tmp_path: Path
 ) -> None:
     conf, host = slurm_clean, "gpu-node-002"
-    lending = _lending(conf, tmp_path)
-    await _idle(kafka_bus, kafka_stage_topics, host)
-    async with _broker(kafka_bus, kafka_stage_topics, mosquitto, lending), _site(mosquitto) as site:
-        offer = await _offer_with_holds(site, lending, host, 8)
+    async with _lent_node(kafka_bus, kafka_stage_topics, mosquitto, conf, tmp_path, host) as (lending, site, offer):
         lease = await site.claim(offer, count=2, duration_seconds=600, workload="infer")
         assert lease.workload == "infer"
         ready = await site.wait_lease(lease.lease_id, lambda m: m.endpoint is not None, 20)
@@ -223,11 +229,8 @@ async def test_workload_profiles_only_and_never_a_command(
     kafka_bus: Bus, kafka_stage_topics: KafkaTopics, mosquitto: dict[str, Any], slurm_clean: Path, tmp_path: Path
 ) -> None:
     conf, host = slurm_clean, "gpu-node-003"
-    lending = _lending(conf, tmp_path)
-    await _idle(kafka_bus, kafka_stage_topics, host)
     mt = MqttTopics(mosquitto["root"])
-    async with _broker(kafka_bus, kafka_stage_topics, mosquitto, lending), _site(mosquitto) as site:
-        offer = await _offer_with_holds(site, lending, host, 8)
+    async with _lent_node(kafka_bus, kafka_stage_topics, mosquitto, conf, tmp_path, host) as (lending, site, offer):
         with pytest.raises(ClaimRejected) as refused:
             await site.claim(offer, count=1, workload="bitcoin-miner")
         assert refused.value.reply.code is ReasonCode.UNKNOWN_WORKLOAD
@@ -257,10 +260,7 @@ async def test_gpupool_down_training_still_takes_the_lent_gpus(
     kafka_bus: Bus, kafka_stage_topics: KafkaTopics, mosquitto: dict[str, Any], slurm_clean: Path, tmp_path: Path
 ) -> None:
     conf, host = slurm_clean, "gpu-node-004"
-    lending = _lending(conf, tmp_path)
-    await _idle(kafka_bus, kafka_stage_topics, host)
-    async with _broker(kafka_bus, kafka_stage_topics, mosquitto, lending), _site(mosquitto) as site:
-        offer = await _offer_with_holds(site, lending, host, 8)
+    async with _lent_node(kafka_bus, kafka_stage_topics, mosquitto, conf, tmp_path, host) as (lending, site, offer):
         await site.claim(offer, count=4, duration_seconds=600, workload="infer")
         await _until(lambda: bool(lending.held_gpus()), 2)
     # every gpupool process of this test is stopped (broker, its watcher, the site); Slurm alone
