@@ -183,6 +183,8 @@ class SlurmLending:
         """Leases already reclaimed for the scheduler (preempted or hold lost)."""
         self._submitted: dict[str, tuple[str, float]] = {}
         """Placeholders submitted and not yet seen running: job id → (node, submit time)."""
+        self._submitting: dict[str, int] = {}
+        """``sbatch`` of a placeholder in progress, per node."""
         self._unwanted: dict[str, float] = {}
         """Idle placeholders on GPUs not offered: job id → since when (clock)."""
         self._ports: dict[str, tuple[str, str, int]] = {}
@@ -462,11 +464,16 @@ class SlurmLending:
             m.SCHEDULER_ERRORS.labels(operation="submit").inc()
             log.error("placeholder_submit_failed", extra={"host": host, "error": str(e)})
             return
-        self._submitted[out.strip().split(";")[0]] = (host, self._clock())
+        else:
+            self._submitted[out.strip().split(";")[0]] = (host, self._clock())
+        finally:
+            self._submitting[host] -= 1
 
     async def _watch_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.poll_s)
+        due = time.monotonic()
+        while True:  # at a fixed rate: a slow read does not stretch the period
+            due = max(due + self.poll_s, time.monotonic())
+            await asyncio.sleep(due - time.monotonic())
             try:
                 await self._poll()
             except asyncio.CancelledError:
@@ -528,13 +535,14 @@ class SlurmLending:
                 for index in [i for i, h in by_index.items() if h.job_id in cancel]:
                     del by_index[index]
             await self._cancel(cancel, "release")
-        pending: dict[str, int] = {}
+        pending = dict(self._submitting)
         for host, _ in self._submitted.values():
             pending[host] = pending.get(host, 0) + 1
         for host, indices in sorted(wanted.items()):
             missing = len(indices - set(self._idle.get(host, {}))) - pending.get(host, 0)
-            for _ in range(max(0, missing)):
-                await self._submit(host)
+            for _ in range(max(0, missing)):  # in the background: the next read is not delayed
+                self._submitting[host] = self._submitting.get(host, 0) + 1
+                self._background(self._submit(host), f"placeholder-submit-{host}")
         m.PLACEHOLDERS.set(sum(len(v) for v in self._idle.values()))
 
     def _keep_placeholders(self, jobs: dict[str, Hold], now: float) -> None:
