@@ -264,9 +264,14 @@ async def _notices(cluster: Cluster, site: EdgeClient, slurm: SlurmLending, out:
                 chosen = time.perf_counter()
             else:
                 await asyncio.sleep(0.02)
-        await site.wait_lease(lease.lease_id, lambda m: m.state is LeaseState.RECLAIMING, 30)
-        out["notice"].append(time.perf_counter() - chosen)
-        out["submit_notice"].append(time.perf_counter() - t0)
+        msg = await site.wait_lease(
+            lease.lease_id, lambda m: m.state not in (LeaseState.GRANTED, LeaseState.ACTIVE), 30
+        )
+        if msg.state is LeaseState.RECLAIMING:
+            out["notice"].append(time.perf_counter() - chosen)
+            out["submit_notice"].append(time.perf_counter() - t0)
+        else:  # e.g. revoked at once because a hold was gone (hold_lost) before the site saw reclaiming
+            print(f"lease {lease.lease_id}: {msg.state} ({msg.reason}) instead of a notice", file=sys.stderr)
         await cluster.cancel(job)
 
     await asyncio.gather(*(one(h) for h in NODES))

@@ -95,6 +95,10 @@ class Lending(Protocol):
         why not (nothing is held then). Never raises."""
         ...
 
+    def reclaiming(self, record: LeaseLogRecord) -> None:
+        """The lease is being reclaimed (its notice runs): its workload gets SIGTERM now."""
+        ...
+
     def ended(self, record: LeaseLogRecord) -> None:
         """The lease ended (or its grant was undone): its hold goes, in the background."""
         ...
@@ -121,6 +125,9 @@ class NoLending:
     async def hold(self, record: LeaseLogRecord) -> str:
         """Nothing is held: ``""``."""
         return ""
+
+    def reclaiming(self, record: LeaseLogRecord) -> None:
+        """No workload runs."""
 
     def ended(self, record: LeaseLogRecord) -> None:
         """Nothing to release."""
@@ -208,6 +215,9 @@ class SlurmLending:
         live_ids = {r.lease_id: r for r in live}
         stale: list[str] = []
         for h in jobs:
+            if not h.lease_id and self._file(h.job_id, "held").exists():
+                stale.append(h.job_id)  # carved by a broker that stopped before naming it
+                continue
             if not h.lease_id:
                 continue
             if h.lease_id in live_ids:
@@ -292,6 +302,19 @@ class SlurmLending:
                 return problem
         self._background(self._retag(record, taken), f"hold-retag-{record.lease_id}")
         return ""
+
+    def reclaiming(self, record: LeaseLogRecord) -> None:
+        """See :meth:`Lending.reclaiming`: a reclaim gpupool started (a training demand) signals
+        the lease's jobs as Slurm's preemption does (each leaves by the notice's end); one Slurm
+        started was signalled when it was seen; one deferred past the notice (a minimum
+        guarantee) is not signalled (its jobs would leave before its deadline)."""
+        holds = self._leases.get(record.lease_id)
+        deadline = record.reclaim_deadline
+        if deadline is not None and deadline - self._clock() > self.notice_s + 1.0:
+            return  # deferred to its guarantee's end: the jobs would leave too early; scancel then
+        if holds and record.lease_id not in self._noticed:
+            self._noticed.add(record.lease_id)
+            self._background(self._confirm(list(holds)), f"hold-confirm-{record.lease_id}")
 
     def ended(self, record: LeaseLogRecord) -> None:
         """See :meth:`Lending.ended`."""

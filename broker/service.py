@@ -535,6 +535,7 @@ class BrokerService:
             )
             if rec.state is LeaseState.RECLAIMING and rec.reclaim_deadline is not None:
                 self._deadlines[rec.lease_id] = rec.reclaim_deadline
+                self.lending.reclaiming(rec)
             elif not rec.state.live:
                 self._deadlines.pop(rec.lease_id, None)
                 self.lending.ended(rec)

@@ -28,7 +28,17 @@ from broker.lending import SlurmLending
 from broker.scheduler_slurm import JOB_NAME, SlurmScheduler
 from broker.service import BrokerService
 from broker.workloads import WorkloadProfile
-from contracts import CapacityUpdate, GpuState, KafkaTopics, LeaseState, MqttTopics, ReasonCode, Reply, encode
+from contracts import (
+    CapacityUpdate,
+    GpuState,
+    KafkaTopics,
+    LeaseState,
+    MqttTopics,
+    PoolDemand,
+    ReasonCode,
+    Reply,
+    encode,
+)
 from contracts.bus import Bus
 from tests.mqtt_support import running
 from tests.services import SLURM_GRACE_S
@@ -254,6 +264,28 @@ async def test_workload_profiles_only_and_never_a_command(
         async with httpx.AsyncClient(timeout=2.0) as http:
             answer = (await http.post(f"http://{ready.endpoint}/v1/infer", json={})).json()
         assert sorted(answer["gpus"]) == list(lending.held_gpus()[lease.lease_id]) and len(answer["gpus"]) == 3
+        # an operator's training demand (not Slurm) reclaims it: the workload gets SIGTERM at the notice
+        producer = kafka_bus.producer()
+        await producer.start()
+        demand = PoolDemand(demand_id=f"d-{uuid.uuid4().hex[:8]}", ts=time.time(), gpus=list(lease.gpus))
+        await producer.send(kafka_stage_topics.pool_demand, encode(demand), key=demand.demand_id)
+        await producer.flush()
+        await producer.stop()
+        msg = await site.wait_lease(lease.lease_id, lambda m: m.state is LeaseState.RECLAIMING, 10)
+        assert msg.reason.startswith("demand:")
+
+        async def draining() -> bool:
+            async with httpx.AsyncClient(timeout=1.0) as http:
+                try:
+                    return (await http.get(f"http://{ready.endpoint}/health")).status_code != 200
+                except httpx.HTTPError:
+                    return True
+
+        for _ in range(40):
+            if await draining():
+                break
+            await asyncio.sleep(0.05)
+        assert await draining(), "the workload did not get SIGTERM at the notice"
 
 
 async def test_gpupool_down_training_still_takes_the_lent_gpus(
