@@ -243,10 +243,22 @@ async def _broker_phase(
 
 
 async def _notices(cluster: Cluster, site: EdgeClient, slurm: SlurmLending, out: dict[str, list[float]]) -> None:
-    """One lease of all 8 GPUs per node, then a training job on each node: submit → the site holds
-    the reclaim notice (state ``reclaiming`` with Slurm's deadline)."""
+    """One lease of all 8 GPUs per node, then a training job on each node: Slurm choosing the
+    lease's hold (``PreemptTime`` set, seen by one reader of every job every 50 ms, as light on
+    the machine as the broker's own) → the site holding the reclaim notice (state
+    ``reclaiming`` with Slurm's deadline); and submit → notice."""
     for host in NODES:
         while len(slurm._idle.get(host, {})) < 8:
+            await asyncio.sleep(0.05)
+    chosen: dict[str, float] = {}
+    done = asyncio.Event()
+
+    async def reader() -> None:
+        while not done.is_set():
+            now = time.perf_counter()
+            for h in await slurm.scheduler.jobs():
+                if h.state is HoldState.PREEMPTED:
+                    chosen.setdefault(h.job_id, now)
             await asyncio.sleep(0.05)
 
     async def one(host: str) -> None:
@@ -258,23 +270,25 @@ async def _notices(cluster: Cluster, site: EdgeClient, slurm: SlurmLending, out:
         jobs = {h.job_id for h in slurm._leases[lease.lease_id]}
         t0 = time.perf_counter()
         job = await cluster.submit_training(host, 1)
-        chosen = None  # when this process first sees Slurm's choice (PreemptTime set), read every 20 ms
-        while chosen is None:
-            if any(h.job_id in jobs and h.state is HoldState.PREEMPTED for h in await slurm.scheduler.jobs()):
-                chosen = time.perf_counter()
-            else:
-                await asyncio.sleep(0.02)
         msg = await site.wait_lease(
             lease.lease_id, lambda m: m.state not in (LeaseState.GRANTED, LeaseState.ACTIVE), 30
         )
+        seen = time.perf_counter()
         if msg.state is LeaseState.RECLAIMING:
-            out["notice"].append(time.perf_counter() - chosen)
-            out["submit_notice"].append(time.perf_counter() - t0)
+            first = min((chosen[j] for j in jobs if j in chosen), default=None)
+            if first is not None:
+                out["notice"].append(max(0.0, seen - first))
+            out["submit_notice"].append(seen - t0)
         else:  # e.g. revoked at once because a hold was gone (hold_lost) before the site saw reclaiming
             print(f"lease {lease.lease_id}: {msg.state} ({msg.reason}) instead of a notice", file=sys.stderr)
         await cluster.cancel(job)
 
-    await asyncio.gather(*(one(h) for h in NODES))
+    watcher = asyncio.create_task(reader())
+    try:
+        await asyncio.gather(*(one(h) for h in NODES))
+    finally:
+        done.set()
+        await watcher
 
 
 async def _main(args: argparse.Namespace) -> int:

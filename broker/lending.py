@@ -65,6 +65,9 @@ Offered = Callable[[], Iterable[str]]
 Republish = Callable[[str], None]
 """Publish the lease message of ``lease_id`` again (its endpoint changed)."""
 
+_RETAG_DELAY_S = 0.05
+"""Seconds between a carving and the Slurm commands that name its jobs."""
+
 _NODE_ADDR = re.compile(r"(?:^|\s)NodeAddr=(\S+)")
 
 
@@ -419,7 +422,10 @@ class SlurmLending:
         return self.control_dir / f"{name}.{kind}"
 
     async def _retag(self, record: LeaseLogRecord, holds: list[Hold]) -> None:
-        """Name the carved placeholders after the lease and set their time limit to its end."""
+        """Name the carved placeholders after the lease and set their time limit to its end
+        (after :data:`_RETAG_DELAY_S`: a process start must not hold up the lease message and
+        reply of the claim that carved them, which are still being published)."""
+        await asyncio.sleep(_RETAG_DELAY_S)
         for h in holds:
             argv = ["scontrol", "update", f"JobId={h.job_id}", f"Comment={COMMENT_PREFIX}{record.lease_id}"]
             if record.ends_at is not None:
