@@ -7,7 +7,8 @@ the index DCGM reports: the scheduler's GRES index on the same host, :mod:`contr
 * :meth:`SchedulerJoin.block_reason`: why the GPU must not be offered even if its telemetry says
   idle and free. Reasons (the ``reason`` of the capacity update, whose state is then
   ``unknown``): ``scheduler_allocated`` (the scheduler has the GPU allocated to a job, or held
-  without a known job), ``scheduler_node_<state>`` (the node is down, drained... :data:`contracts.
+  without a known job; not for gpupool's own holds, jobs named
+  :data:`contracts.scheduler.LENT_JOB_NAME`, which hold it to lend it), ``scheduler_node_<state>`` (the node is down, drained... :data:`contracts.
   scheduler.UNSCHEDULABLE_NODE_STATES`, lowercase), ``scheduler_planned_start`` (a pending job is
   planned onto the node at or before now), ``scheduler_unknown`` (no scheduler state for the host
   yet, or the scheduler does not list a GPU of that index there, or the GPU's index is unknown),
@@ -35,7 +36,7 @@ from analytics import metrics
 from analytics.classify import GpuStatus
 from analytics.rows import Column, arrow_schema, create_table_sql
 from contracts import GpuState
-from contracts.scheduler import UNSCHEDULABLE_NODE_STATES, SchedulerNode
+from contracts.scheduler import LENT_JOB_NAME, UNSCHEDULABLE_NODE_STATES, SchedulerNode
 
 __all__ = [
     "SCHEDULER_GPU_COLUMNS",
@@ -181,7 +182,7 @@ class SchedulerJoin:
         gpu = next((g for g in node.gpus if g.index == index), None) if index is not None else None
         if gpu is None:
             return "scheduler_unknown"
-        if gpu.allocated:
+        if gpu.allocated and gpu.job_name != LENT_JOB_NAME:  # gpupool's own holds lend it
             return "scheduler_allocated"
         start = node.next_planned_start()
         if start is not None and start <= max(now, st.ts):
@@ -204,7 +205,7 @@ class SchedulerJoin:
             if node is None or index is None:
                 continue
             gpu = next((g for g in node.gpus if g.index == index), None)
-            if gpu is not None and gpu.job_id is not None:
+            if gpu is not None and gpu.job_id is not None and gpu.job_name != LENT_JOB_NAME:
                 out[(gpu.partition or "", gpu.user or "", gpu.job_id)] += 1
         return out
 

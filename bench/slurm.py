@@ -14,12 +14,23 @@ node in parallel, for ``--rounds`` rounds:
 * a hold's start: :meth:`SlurmScheduler.hold` -> running on its GPUs (what a claim would wait for
   without placeholder holds).
 
+Then, with ``--claims N`` (default 200; 0: skip), the broker end to end on the same cluster: an
+embedded MQTT server and the in-process bus, every GPU of the 4 nodes idle, one site claiming one
+GPU at a time and releasing it, ``N`` claims against a broker without the scheduler
+(:class:`broker.lending.NoLending`: the yardstick) and ``N`` against one lending through Slurm
+(:class:`broker.lending.SlurmLending`, placeholder holds), alternating in blocks of 10: claim →
+lease at the site, p50/p99 of each and their ratio; a claim whose GPU had no placeholder yet
+(refused, claimed again) is counted. For the Slurm broker also: release → Slurm runs no job of
+the lease (hold gone, read every 20 ms), and, for ``--preemptions`` leases (one per node at a
+time), training submit → the site holding the reclaim notice with Slurm's deadline.
+
 It prints p50/p99 of each, the added time (lent - yardstick, per round and node) against the
-target (<= notice + 5 s, p99 over at least 50 preemptions), and the release p99 against 1 s.
+target (<= notice + 5 s, p99 over at least 50 preemptions), the release p99 against 1 s, the
+claim p99 with Slurm against 100 ms and the notice p99 against 1 s.
 The cluster is stopped at the end, also on an error or Ctrl-C.
 
-Run: ``.venv/bin/python bench/slurm.py [--rounds 13] [--notice-s 3] [--gpus 4]`` (4 nodes x 13
-rounds = 52 preemptions). Needs Debian's slurmctld, slurmd, slurm-client and munge
+Run: ``.venv/bin/python bench/slurm.py [--rounds 13] [--notice-s 3] [--gpus 4] [--claims 200]``
+(4 nodes x 13 rounds = 52 preemptions; ``--rounds 0`` for the broker part only). Needs Debian's slurmctld, slurmd, slurm-client and munge
 (``deploy/local/install-system.sh``). Exit 0 when both targets are met, 1 otherwise, 2 when the
 cluster could not start.
 """
@@ -38,8 +49,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from broker.config import BrokerConfig  # noqa: E402
+from broker.edge import ClaimRejected, EdgeClient  # noqa: E402
+from broker.lending import Lending, NoLending, SlurmLending  # noqa: E402
 from broker.scheduler import HoldRequest, HoldState  # noqa: E402
-from broker.scheduler_slurm import SlurmScheduler  # noqa: E402
+from broker.scheduler_slurm import JOB_NAME, SlurmScheduler  # noqa: E402
+from broker.service import BrokerService  # noqa: E402
+from contracts import CapacityUpdate, GpuState, KafkaTopics, LeaseState, encode  # noqa: E402
+from contracts.bus import MemoryBus  # noqa: E402
+from gpupool.embedded_mqtt import EmbeddedMqttBroker  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 NODES = [f"gpu-node-00{i}" for i in (1, 2, 3, 4)]
@@ -83,6 +101,12 @@ class Cluster:
     async def cancel(self, *jobs: str) -> None:
         proc = await asyncio.create_subprocess_exec("scancel", *jobs, env={**self.env, "SLURM_CONF": str(self.conf)})
         await proc.wait()
+
+    async def cancel_all(self) -> None:
+        """Cancel every gpupool and training job."""
+        for argv in (["-n", JOB_NAME], ["-p", "training"]):
+            proc = await asyncio.create_subprocess_exec("scancel", *argv, env={**self.env, "SLURM_CONF": str(self.conf)})
+            await proc.wait()
 
     async def until_running(self, job: str, t0: float, timeout_s: float = 120.0) -> float:
         while time.monotonic() - t0 < timeout_s:
@@ -136,6 +160,137 @@ async def _round(cluster: Cluster, sched: SlurmScheduler, host: str, n: int, gpu
     out["release"].append(time.monotonic() - t0)
 
 
+async def _lent_jobs(cluster: Cluster, job_ids: set[str] | None = None) -> set[str]:
+    """Ids of the running gpupool jobs (of ``job_ids`` when given)."""
+    proc = await asyncio.create_subprocess_exec(
+        "squeue", "-h", "-n", JOB_NAME, "-t", "RUNNING", "-o", "%i", stdout=asyncio.subprocess.PIPE,
+        env={**cluster.env, "SLURM_CONF": str(cluster.conf)},
+    )
+    out, _ = await proc.communicate()
+    ids = set(out.decode().split())
+    return ids if job_ids is None else ids & job_ids
+
+
+async def _broker_phase(
+    cluster: Cluster, lending: Lending, claims: int, notice_s: int, out: dict[str, list[float]], tag: str
+) -> None:
+    """``claims`` claims of one GPU each (claim → lease into ``out[tag]``), released at once; with
+    a :class:`SlurmLending`, release → hold gone into ``out["hold_gone"]``."""
+    mqtt = EmbeddedMqttBroker()
+    await mqtt.start()
+    bus, topics = MemoryBus(), KafkaTopics()
+    cfg = BrokerConfig(offer_ttl_s=600, lease_ttl_s=300, notice_s=notice_s, tick_s=0.1)
+    svc = BrokerService(bus=bus, topics=topics, mqtt_host=mqtt.host, mqtt_port=mqtt.port, protocol=4,
+                        config=cfg, lending=lending)  # fmt: skip
+    producer = bus.producer()
+    await producer.start()
+    now = time.time()
+    for host in NODES:
+        for i in range(8):
+            u = CapacityUpdate(ts=now, host=host, gpu_uuid=f"gpu{i}", state=GpuState.IDLE, since=now - 60,
+                               predicted_idle_until=now + 3600, model_name="NVIDIA H100 80GB HBM3")  # fmt: skip
+            await producer.send(topics.capacity, encode(u), key=u.key)
+    await producer.flush()
+    await svc.start()
+    stop = asyncio.Event()
+    serve = asyncio.create_task(svc.run(stop))
+    slurm = lending if isinstance(lending, SlurmLending) else None
+    try:
+        await svc.wait_connected(10)
+        async with EdgeClient(site="bench", host=mqtt.host, port=mqtt.port, protocol=4) as site:
+            if slurm is not None:  # placeholders on every offered GPU before the first claim
+                while sum(len(v) for v in slurm._idle.values()) < 8 * len(NODES):
+                    await asyncio.sleep(0.05)
+            n = 0
+            while n < claims:
+                if slurm is not None:  # steady state: the released GPU held again, no release running
+                    t_refill = time.perf_counter()
+                    while sum(len(v) for v in slurm._idle.values()) < 8 * len(NODES) or any(
+                        t.get_name().startswith("hold-") for t in slurm._tasks
+                    ):
+                        await asyncio.sleep(0.02)
+                    if n:
+                        out["refill"].append(time.perf_counter() - t_refill)
+                offer = next((o for o in site.known_offers.values() if o.gpus), None)
+                if offer is None:
+                    await asyncio.sleep(0.01)
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    lease = await site.claim(offer.offer_id, count=1, timeout_s=10)
+                except ClaimRejected:
+                    out[f"{tag}_refused"].append(time.perf_counter() - t0)
+                    await asyncio.sleep(0.05)
+                    continue
+                out[tag].append(time.perf_counter() - t0)
+                n += 1
+                jobs = {h.job_id for h in slurm._leases.get(lease.lease_id, [])} if slurm else set()
+                t1 = time.perf_counter()
+                await site.release(lease.lease_id)
+                if slurm is not None:
+                    while await _lent_jobs(cluster, jobs):
+                        await asyncio.sleep(0.02)
+                    out["hold_gone"].append(time.perf_counter() - t1)
+            if slurm is not None:
+                await _notices(cluster, site, slurm, out)
+    finally:
+        stop.set()
+        await serve
+        await svc.stop()
+        await producer.stop()
+        await mqtt.stop()
+        await cluster.cancel_all()
+
+
+async def _notices(cluster: Cluster, site: EdgeClient, slurm: SlurmLending, out: dict[str, list[float]]) -> None:
+    """One lease of all 8 GPUs per node, then a training job on each node: Slurm choosing the
+    lease's hold (``PreemptTime`` set, seen by one reader of every job every 50 ms, as light on
+    the machine as the broker's own) → the site holding the reclaim notice (state
+    ``reclaiming`` with Slurm's deadline); and submit → notice."""
+    for host in NODES:
+        while len(slurm._idle.get(host, {})) < 8:
+            await asyncio.sleep(0.05)
+    chosen: dict[str, float] = {}
+    done = asyncio.Event()
+
+    async def reader() -> None:
+        while not done.is_set():
+            now = time.perf_counter()
+            for h in await slurm.scheduler.jobs():
+                if h.state is HoldState.PREEMPTED:
+                    chosen.setdefault(h.job_id, now)
+            await asyncio.sleep(0.05)
+
+    async def one(host: str) -> None:
+        offer = None
+        while offer is None:
+            offer = next((o for o in site.known_offers.values() if o.host == host and len(o.gpus) == 8), None)
+            await asyncio.sleep(0.01)
+        lease = await site.claim(offer.offer_id, count=8, timeout_s=10)
+        jobs = {h.job_id for h in slurm._leases[lease.lease_id]}
+        t0 = time.perf_counter()
+        job = await cluster.submit_training(host, 1)
+        msg = await site.wait_lease(
+            lease.lease_id, lambda m: m.state not in (LeaseState.GRANTED, LeaseState.ACTIVE), 30
+        )
+        seen = time.perf_counter()
+        if msg.state is LeaseState.RECLAIMING:
+            first = min((chosen[j] for j in jobs if j in chosen), default=None)
+            if first is not None:
+                out["notice"].append(max(0.0, seen - first))
+            out["submit_notice"].append(seen - t0)
+        else:  # e.g. revoked at once because a hold was gone (hold_lost) before the site saw reclaiming
+            print(f"lease {lease.lease_id}: {msg.state} ({msg.reason}) instead of a notice", file=sys.stderr)
+        await cluster.cancel(job)
+
+    watcher = asyncio.create_task(reader())
+    try:
+        await asyncio.gather(*(one(h) for h in NODES))
+    finally:
+        done.set()
+        await watcher
+
+
 async def _main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="gpupool-bench-slurm-") as tmp:
         cluster = Cluster(Path(tmp) / "slurm", args.notice_s)
@@ -149,8 +304,35 @@ async def _main(args: argparse.Namespace) -> int:
             for n in range(args.rounds):
                 await asyncio.gather(*(_round(cluster, sched, h, n, args.gpus, args.notice_s, out) for h in NODES))
                 print(f"round {n + 1}/{args.rounds}: {len(out['lent'])} preemptions", file=sys.stderr, flush=True)
+            for k in ("none", "slurm", "none_refused", "slurm_refused", "hold_gone", "notice", "submit_notice",
+                      "refill"):
+                out[k] = []
+            for block in range(0, args.claims, 10):
+                size = min(10, args.claims - block)
+                await _broker_phase(cluster, NoLending(), size, args.notice_s, out, "none")
+                lending = SlurmLending(SlurmScheduler(cluster.conf), notice_s=args.notice_s,
+                                       control_dir=Path(tmp) / "lending", poll_s=0.25)  # fmt: skip
+                await _broker_phase(cluster, lending, size, args.notice_s, out, "slurm")
+                print(f"claims: {len(out['slurm'])}/{args.claims}", file=sys.stderr, flush=True)
         finally:
             cluster.script("stop")
+    if args.claims:
+        print(f"\nclaim -> lease at the site, {args.claims} claims each, same run")
+        print(f"{'':42} {'p50 ms':>8} {'p99 ms':>8}")
+        for name, key in (("broker without the scheduler (yardstick)", "none"), ("broker lending through Slurm", "slurm")):
+            print(f"{name:42} {statistics.median(out[key]) * 1e3:8.1f} {_pct(out[key], 0.99) * 1e3:8.1f}")
+        print(f"{'release -> hold gone (Slurm)':42} {statistics.median(out['hold_gone']) * 1e3:8.1f} "
+              f"{_pct(out['hold_gone'], 0.99) * 1e3:8.1f}")
+        for name, key in (("Slurm chose the hold -> notice at the site", "notice"),
+                          ("training submit -> notice at the site", "submit_notice"),
+                          ("release -> GPU held by a placeholder again", "refill")):
+            print(f"{name:42} {statistics.median(out[key]) * 1e3:8.1f} {_pct(out[key], 0.99) * 1e3:8.1f}")
+        print(f"claims refused for want of a placeholder: {len(out['slurm_refused'])}; ratio p99 slurm/none "
+              f"{_pct(out['slurm'], 0.99) / _pct(out['none'], 0.99):.2f}x; claim p99 target 100 ms: "
+              f"{'met' if _pct(out['slurm'], 0.99) <= 0.1 else 'MISSED'}; notice p99 target 1 s: "
+              f"{'met' if _pct(out['notice'], 0.99) <= 1.0 else 'MISSED'} ({len(out['notice'])} preemptions)")
+    if not args.rounds:
+        return 0
     added = [lent - free for lent, free in zip(out["lent"], out["free"], strict=True)]
     rows = [
         ("training job, GPUs free (yardstick)", out["free"]),
@@ -179,6 +361,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=13)
     p.add_argument("--notice-s", type=int, default=3)
     p.add_argument("--gpus", type=int, default=4)
+    p.add_argument("--claims", type=int, default=200)
     return asyncio.run(_main(p.parse_args()))
 
 

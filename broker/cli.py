@@ -149,6 +149,7 @@ def run(settings: DeploymentSettings) -> None:
     from pydantic import ValidationError
 
     from broker.config import broker_config_from
+    from broker.lending import lending_from
     from broker.service import BrokerService, tune_gc
     from runtime.bus import make_bus
 
@@ -172,6 +173,10 @@ def run(settings: DeploymentSettings) -> None:
             qos_vl=sb.fabric_lent_vl,
             audit_interval_s=sb.fabric_qos_audit_s,
         )
+    try:
+        lending = lending_from(sb, config, settings.state_dir)
+    except (OSError, ValueError) as e:
+        raise typer.BadParameter(str(e), param_hint="[broker] slurm_gpu_map") from None
     secret = settings.mqtt_password.get_secret_value() if settings.mqtt_password is not None else None
     tls = tls_options(settings.mqtt_cafile, settings.mqtt_certfile, settings.mqtt_keyfile)
 
@@ -191,6 +196,7 @@ def run(settings: DeploymentSettings) -> None:
             client_id=sb.client_id,
             tls=tls,
             lease_log_linger_ms=sb.lease_log_linger_ms,
+            lending=lending,
         )
         return service, bus
 

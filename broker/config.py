@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator
 
 from broker.fabric_qos import effective_share_percent
+from broker.workloads import WorkloadProfile
 from runtime.settings import BrokerPolicy, BrokerSettings
 
 DEFAULT_SITE_QUOTA = BrokerPolicy.model_fields["default_site_quota"].default
@@ -34,6 +35,8 @@ class BrokerConfig(BrokerPolicy):
         lent_share_percent: the lent-share bound shown in each offer and lease (percent of a busy
             link lent traffic can take at most, as the fabric manager's QoS plan gives it);
             ``None``: no fabric QoS is managed.
+        workloads: the operator's workload profiles a claim may name (``Claim.workload``); a
+            name that is not here, or not allowed to the site, is refused ``unknown_workload``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -47,6 +50,16 @@ class BrokerConfig(BrokerPolicy):
     reconnect_max_s: float = Field(default=30.0, gt=0)
     rebuild_timeout_s: float = Field(default=60.0, gt=0)
     lent_share_percent: float | None = Field(default=None, gt=0, le=100)
+    workloads: tuple[WorkloadProfile, ...] = ()
+
+    @field_validator("workloads")
+    @classmethod
+    def _names_unique(cls, workloads: tuple[WorkloadProfile, ...]) -> tuple[WorkloadProfile, ...]:
+        names = [w.name for w in workloads]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"workload profiles declared twice: {twice}")
+        return workloads
 
     def quota_of(self, site: str) -> int | None:
         """The most GPUs ``site`` may hold at once; ``None``: unlimited."""
@@ -68,6 +81,7 @@ def broker_config_from(settings: BrokerSettings) -> BrokerConfig:
     """
     return BrokerConfig(
         **settings.model_dump(include=set(BrokerPolicy.model_fields)),
+        workloads=tuple(WorkloadProfile.model_validate(w) for w in settings.workloads),
         lent_share_percent=(
             effective_share_percent(settings.lent_share_percent)
             if settings.fabric_state is not None and settings.fabric_qos

@@ -300,6 +300,7 @@ class EdgeClient:
         timeout_s: float = 5.0,
         claim_id: str | None = None,
         min_duration_seconds: float = 0.0,
+        workload: str | None = None,
     ) -> LeaseMessage:
         """Claim GPUs of an offer and wait for the lease.
 
@@ -313,6 +314,9 @@ class EdgeClient:
             claim_id: idempotency key (default: a random one); a repeated id gets the same answer.
             min_duration_seconds: minimum guaranteed duration (see :meth:`request`); the offer
                 must be promised that long (else ``duration_unavailable``).
+            workload: an operator-declared workload profile to run on the GPUs (else
+                ``unknown_workload``); its ``endpoint`` comes in a later lease message
+                (:meth:`wait_lease`).
 
         Returns the lease's retained :class:`contracts.LeaseMessage` (state ``granted``).
         Raises :class:`ClaimRejected` with the broker's reply, ``TimeoutError`` if no answer came.
@@ -328,6 +332,7 @@ class EdgeClient:
             min_duration_seconds=min_duration_seconds,
             ts=time.time(),
             request_id=_request_id(),
+            workload=workload,
         )
         return await self._submit(claim, timeout_s)
 

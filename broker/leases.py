@@ -59,6 +59,7 @@ from broker import metrics as m
 from broker.config import BrokerConfig
 from broker.match import Placement, match
 from broker.quota import WaitingSites, fair_share, holdings, quota_refusal, reclaim_order
+from broker.workloads import WorkloadError, allowed
 from contracts import (
     CapacityUpdate,
     Claim,
@@ -186,9 +187,9 @@ def _default_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:16]}"
 
 
-def lease_message(record: LeaseLogRecord) -> LeaseMessage:
+def lease_message(record: LeaseLogRecord, endpoint: str | None = None) -> LeaseMessage:
     """The retained MQTT message (:class:`contracts.LeaseMessage`) that tells a site the state of
-    the lease in ``record``."""
+    the lease in ``record``; ``endpoint``: ``host:port`` of its healthy workload, if any."""
     return LeaseMessage(
         lease_id=record.lease_id,
         site=record.site,
@@ -208,6 +209,8 @@ def lease_message(record: LeaseLogRecord) -> LeaseMessage:
         lent_share_percent=record.lent_share_percent,
         reason=record.reason,
         seq=record.seq,
+        workload=record.workload,
+        endpoint=endpoint,
     )
 
 
@@ -319,7 +322,8 @@ class LeaseBook:
         answer, ``replayed=True``), or ``(PendingGrant, Changes)``: the GPUs are reserved and the
         offers withdrawn (their remaining GPUs offered anew); finish with :meth:`grant` or
         :meth:`abort`. A claim without ``offer_id`` is matched to the best offers
-        (:func:`broker.match.match`). Rejection codes: ``site_mismatch``, ``unknown_offer``,
+        (:func:`broker.match.match`). Rejection codes: ``site_mismatch``, ``unknown_workload``
+        (the claim's workload profile is not declared or not allowed to the site), ``unknown_offer``,
         ``offer_expired``, ``gpu_unavailable`` (leased, not idle, not in the offer, too few),
         ``notice_too_short``, ``duration_unavailable`` (offer not promised for
         ``min_duration_seconds``), ``no_match`` (nothing meets the requirements),
@@ -500,6 +504,11 @@ class LeaseBook:
     def _validate_claim(self, site: str, claim: Claim, now: float) -> Answer | PendingGrant:
         if claim.site != site:
             return Answer(ReasonCode.SITE_MISMATCH, f"claim names site {claim.site!r} on {site!r}'s topic")
+        if claim.workload is not None:
+            try:
+                allowed(self.config.workloads, site, claim.workload)
+            except WorkloadError as e:
+                return Answer(ReasonCode.UNKNOWN_WORKLOAD, str(e))
         if claim.offer_id is None:
             return self._validate_match(site, claim, now)
         offer = self._offers.get(claim.offer_id)
@@ -584,6 +593,7 @@ class LeaseBook:
             lent_share_percent=self.config.lent_share_percent,
             reason=LeaseReason.CLAIM.value if placed is None else f"{LeaseReason.MATCH}:{placed.tier}",
             seq=1,
+            workload=claim.workload,
         )
         return PendingGrant(
             site=site,
@@ -694,8 +704,11 @@ class LeaseBook:
         count: int = 0,
         reason: str = LeaseReason.RECLAIM.value,
         force: bool = False,
+        deadline: float | None = None,
     ) -> Changes:
-        """Move leases to ``reclaiming`` with ``reclaim_deadline = now + notice_seconds``.
+        """Move leases to ``reclaiming`` with ``reclaim_deadline = now + notice_seconds`` (or
+        ``deadline`` when given: the training scheduler's own, e.g. the end of Slurm's grace time;
+        with ``force``, as the scheduler does not wait for the guarantee).
 
         ``gpus`` (GPU keys): every granted/active lease holding one of them; named GPUs that are
         not leased are held back from offers (training wants them). Else ``count`` > 0: leases
@@ -745,12 +758,15 @@ class LeaseBook:
             else:
                 targets = ordered
         for r in targets:
-            ch.add(self._start_reclaim(r, now, reason, force), r)
+            ch.add(self._start_reclaim(r, now, reason, force, deadline), r)
         return ch
 
-    def _start_reclaim(self, r: LeaseLogRecord, now: float, reason: str, force: bool) -> LeaseLogRecord:
-        """``r`` → ``reclaiming``; its deadline respects the minimum guarantee unless forced."""
-        deadline = now + r.notice_seconds
+    def _start_reclaim(
+        self, r: LeaseLogRecord, now: float, reason: str, force: bool, at: float | None = None
+    ) -> LeaseLogRecord:
+        """``r`` → ``reclaiming``; its deadline (``at``, else ``now + notice``) respects the minimum
+        guarantee unless forced."""
+        deadline = now + r.notice_seconds if at is None else at
         why = reason
         if _guarded(r, now) and r.min_until is not None:
             extra = {"lease_id": r.lease_id, "site": r.site, "min_until": r.min_until, "reason": reason}

@@ -152,3 +152,22 @@ MQTT_PUBLISH_FAILURES = Counter(
     "dropped (the outbox was full).",
     ["outcome"],
 )
+PLACEHOLDERS = Gauge(
+    "gpupool_broker_placeholder_gpus",
+    "GPUs held by idle placeholder jobs in the training scheduler (ready to be carved into leases).",
+)
+HOLD_RELEASE = Histogram(
+    "gpupool_broker_hold_release_seconds",
+    "From a lease's end (release, expiry, revocation) to the scheduler no longer running its hold.",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+)
+PREEMPTION_NOTICE = Histogram(
+    "gpupool_broker_preemption_notice_seconds",
+    "From the training scheduler choosing a lease's hold for preemption to the reclaim notice logged.",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0),
+)
+SCHEDULER_ERRORS = Counter(
+    "gpupool_broker_scheduler_errors_total",
+    "Training-scheduler commands that failed, by operation: read, submit, retag, release, signal, start (health check).",
+    ["operation"],
+)

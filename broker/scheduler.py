@@ -76,6 +76,7 @@ class Hold:
         deadline: when the GPUs go back (Unix s): for a preempted hold the end of its notice,
             else the time limit; ``None`` if unknown.
         preempted_at: when the scheduler chose it for preemption (Unix s), else ``None``.
+        started_at: when it started running (Unix s), ``None`` while pending or unknown.
     """
 
     lease_id: str
@@ -85,6 +86,7 @@ class Hold:
     state: HoldState = HoldState.PENDING
     deadline: float | None = None
     preempted_at: float | None = None
+    started_at: float | None = None
 
 
 class TrainingScheduler(Protocol):

@@ -41,12 +41,17 @@ from datetime import datetime
 from pathlib import Path
 
 from broker.scheduler import Hold, HoldRequest, HoldState, SchedulerError
+from contracts.scheduler import LENT_JOB_NAME
 
-JOB_NAME = "gpupool-lease"
-"""Job name of every lease hold (``squeue -n gpupool-lease`` lists them)."""
+JOB_NAME = LENT_JOB_NAME
+"""Job name of every lease hold and placeholder (``squeue -n gpupool-lease`` lists them)."""
 
 COMMENT_PREFIX = "gpupool-lease="
 """A hold's ``Comment`` is this prefix + the lease id."""
+
+IDLE_COMMENT = "gpupool-idle"
+"""``Comment`` of a placeholder hold not yet carved into a lease (:mod:`broker.placeholders`):
+read as a :class:`Hold` with ``lease_id == ""``."""
 
 _LEASE_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _FIELD = re.compile(r"(?:^|\s)([A-Za-z_][\w:/]*)=(\S*)")
@@ -112,7 +117,7 @@ def hold_from_record(rec: Mapping[str, str]) -> Hold | None:
     ``EndTime``. Raises ``ValueError`` on a malformed time or GRES index list.
     """
     comment = rec.get("Comment", "")
-    if rec.get("JobName") != JOB_NAME or not comment.startswith(COMMENT_PREFIX):
+    if rec.get("JobName") != JOB_NAME or not (comment.startswith(COMMENT_PREFIX) or comment == IDLE_COMMENT):
         return None
     slurm_state = rec.get("JobState", "")
     preempted_at = parse_time(rec.get("PreemptTime", "None"))
@@ -130,14 +135,53 @@ def hold_from_record(rec: Mapping[str, str]) -> Hold | None:
             raise ValueError(f"GRES count {match.group(1)} but indices {match.group(2)}")
     host = rec.get("NodeList", "")
     return Hold(
-        lease_id=comment[len(COMMENT_PREFIX):],
+        lease_id=comment[len(COMMENT_PREFIX):] if comment != IDLE_COMMENT else "",
         job_id=rec.get("JobId", ""),
         host="" if host in ("(null)", "") else host,
         gpu_indices=indices,
         state=state,
         deadline=parse_time(rec.get("EndTime", "Unknown")),
         preempted_at=preempted_at,
+        started_at=parse_time(rec.get("StartTime", "Unknown")) if state is not HoldState.PENDING else None,
     )
+
+
+def leave_function(notice: int, held_while: str = "") -> str:
+    """The bash prelude of every hold script: ``leave``, run on SIGTERM, TERMs the workload
+    (``$child``), waits for it at most ``notice`` seconds, KILLs it and exits; a second SIGTERM
+    changes nothing. ``held_while``: a file, as a bash word (quoted by the caller); a script
+    without a workload then keeps its GPUs, up to ``notice`` seconds, while that file exists (a
+    lease's other GPUs, whose workload runs in another hold job, stay held until it is gone)."""
+    hold_on = f"""    elif [ -f {held_while} ]; then
+        for ((i = 0; i < $1; i++)); do
+            [ -f {held_while} ] || break
+            sleep 0.1
+        done
+""" if held_while else ""
+    return f"""notice_ds={notice * 10}
+child=
+leaving=
+sleeper=
+leave() {{  # leave TENTHS: TERM the workload, wait for it at most TENTHS/10 s, KILL it, exit
+    local i
+    [ -n "$leaving" ] && return 0  # a second SIGTERM (gpupool's confirmation) changes nothing
+    leaving=1
+    if [ -n "$child" ]; then
+        kill -TERM "$child" 2>/dev/null
+        for ((i = 0; i < $1; i++)); do
+            kill -0 "$child" 2>/dev/null || break
+            sleep 0.1
+        done
+        kill -KILL "$child" 2>/dev/null
+{hold_on}    fi
+    # Reap every child before leaving: an orphan (even a finished one, where PID 1 does not
+    # reap) keeps the job's process group alive and Slurm then waits for KillWait.
+    [ -n "$sleeper" ] && kill -KILL $sleeper 2>/dev/null
+    wait
+    exit 0
+}}
+trap 'leave $notice_ds' TERM
+"""
 
 
 def lease_script(request: HoldRequest) -> str:
@@ -150,33 +194,10 @@ def lease_script(request: HoldRequest) -> str:
     notice = max(0, math.ceil(request.notice_s))
     return f"""#!/bin/bash
 # gpupool lease {request.lease_id}: hold the GPUs, run the site's workload, leave on notice.
-notice_ds={notice * 10}
-child=
-leaving=
-leave() {{  # leave TENTHS: TERM the workload, wait for it at most TENTHS/10 s, KILL it, exit
-    local i
-    [ -n "$leaving" ] && return 0  # a second SIGTERM (gpupool's confirmation) changes nothing
-    leaving=1
-    if [ -n "$child" ]; then
-        kill -TERM "$child" 2>/dev/null
-        for ((i = 0; i < $1; i++)); do
-            kill -0 "$child" 2>/dev/null || break
-            sleep 0.1
-        done
-        kill -KILL "$child" 2>/dev/null
-    fi
-    # Reap every child before leaving: an orphan (even a finished one, where PID 1 does not
-    # reap) keeps the job's process group alive and Slurm then waits for KillWait.
-    kill -KILL $sleeper 2>/dev/null
-    wait
-    exit 0
-}}
-trap 'leave $notice_ds' TERM
-export GPUPOOL_LEASE_ID={shlex.quote(request.lease_id)}
+{leave_function(notice)}export GPUPOOL_LEASE_ID={shlex.quote(request.lease_id)}
 echo "gpupool-lease start $(date +%s) CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES"
 {command + " &" if command else ":"}
 {"child=$!" if command else ""}
-sleeper=
 while true; do sleep 0.2 & sleeper=$!; wait $sleeper; done
 """
 
@@ -222,8 +243,8 @@ class SlurmScheduler:
         if slurm_conf is not None:
             self._env["SLURM_CONF"] = str(slurm_conf)
 
-    async def _run(self, *argv: str, stdin: str | None = None) -> str:
-        """Run one Slurm command; its stdout. Raises :class:`SchedulerError` on a non-zero exit,
+    async def command(self, *argv: str, stdin: str | None = None) -> str:
+        """Run one Slurm command (``SLURM_CONF`` set to :attr:`slurm_conf`); its stdout. Raises :class:`SchedulerError` on a non-zero exit,
         a missing command or a time-out."""
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -248,17 +269,22 @@ class SlurmScheduler:
             raise SchedulerError(f"{shlex.join(argv)} exited {proc.returncode}: {err.decode(errors='replace').strip()}")
         return out.decode(errors="replace")
 
-    async def _jobs(self, job_id: str | None = None) -> list[Hold]:
-        """The lease holds Slurm lists (one job, or every job)."""
+    async def jobs(self, job_id: str | None = None) -> list[Hold]:
+        """The hold jobs Slurm lists (one job, or every job), placeholders not carved into a
+        lease included (``lease_id == ""``), ended ones too. Raises :class:`SchedulerError` if
+        Slurm cannot be read or prints what :func:`hold_from_record` cannot read."""
         argv = ["scontrol", "show", "job", "-d", "-o"] + ([job_id] if job_id else [])
         try:
-            text = await self._run(*argv)
+            text = await self.command(*argv)
         except SchedulerError as e:
             if job_id and "Invalid job id" in str(e):
                 return []
             raise
+        # only gpupool's own lines are parsed: the controller lists every job it remembers
+        # (finished ones for MinJobAge, 300 s by default), which on a busy cluster is most of it
+        ours = "\n".join(line for line in text.splitlines() if f" JobName={JOB_NAME} " in line)
         try:
-            holds = [hold_from_record(rec) for rec in parse_job_lines(text)]
+            holds = [hold_from_record(rec) for rec in parse_job_lines(ours)]
         except ValueError as e:
             raise SchedulerError(f"unreadable scontrol output: {e}") from e
         return [h for h in holds if h is not None]
@@ -280,15 +306,15 @@ class SlurmScheduler:
             f"--job-name={JOB_NAME}", f"--comment={COMMENT_PREFIX}{request.lease_id}",
             f"--output={output}", "--no-requeue",
         ]
-        job_id = (await self._run(*argv, stdin=lease_script(request))).strip().split(";")[0]
+        job_id = (await self.command(*argv, stdin=lease_script(request))).strip().split(";")[0]
         deadline = time.monotonic() + timeout_s
         while True:
-            found = await self._jobs(job_id)
+            found = await self.jobs(job_id)
             hold = found[0] if found else None
             if hold is not None and hold.state is HoldState.RUNNING and hold.gpu_indices:
                 return hold
             if hold is None or hold.state is HoldState.ENDED or time.monotonic() >= deadline:
-                await self._run("scancel", job_id)
+                await self.command("scancel", job_id)
                 why = "ended before it ran" if hold is None or hold.state is HoldState.ENDED else (
                     f"did not run within {timeout_s} s")
                 raise SchedulerError(f"hold of lease {request.lease_id} (job {job_id}) on {request.host} {why}")
@@ -301,10 +327,10 @@ class SlurmScheduler:
         jobs = [h.job_id for h in (await self.holds()).values() if h.lease_id == lease_id]
         if not jobs:
             return
-        await self._run("scancel", *jobs)
+        await self.command("scancel", *jobs)
         deadline = time.monotonic() + timeout_s
         while True:
-            left = [h for j in jobs for h in await self._jobs(j) if h.state is not HoldState.ENDED]
+            left = [h for j in jobs for h in await self.jobs(j) if h.state is not HoldState.ENDED]
             if not left:
                 return
             if time.monotonic() >= deadline:
@@ -320,14 +346,14 @@ class SlurmScheduler:
         ignores a second SIGTERM, so its deadline never moves. Raises :class:`SchedulerError`
         if ``scancel`` fails for another reason than the job being gone."""
         try:
-            await self._run("scancel", "--batch", "--signal=TERM", hold.job_id)
+            await self.command("scancel", "--batch", "--signal=TERM", hold.job_id)
         except SchedulerError as e:
             if "Invalid job id" not in str(e) and "already completing" not in str(e):
                 raise
 
     async def holds(self) -> dict[str, Hold]:
         """See :meth:`broker.scheduler.TrainingScheduler.holds` (ended jobs are left out)."""
-        return {h.lease_id: h for h in await self._jobs() if h.state is not HoldState.ENDED}
+        return {h.lease_id: h for h in await self.jobs() if h.lease_id and h.state is not HoldState.ENDED}
 
     async def remove_stale(self, keep: Collection[str]) -> list[str]:
         """See :meth:`broker.scheduler.TrainingScheduler.remove_stale`."""

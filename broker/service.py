@@ -62,6 +62,7 @@ from opentelemetry.context import Context
 from broker import metrics as m
 from broker.config import BrokerConfig
 from broker.fabric import FabricError, FabricManager, NoIsolation, isolation_problem
+from broker.lending import Lending, NoLending
 from broker.leases import Answer, Changes, LeaseBook, PendingGrant, demand_of, lease_message
 from broker.ratelimit import SiteRateLimiter
 from broker.tally import Tally
@@ -96,7 +97,7 @@ from contracts import (
 from contracts.base import decode_compatible
 from contracts.bus import Bus, BusMessage, Consumer, Producer, TopicPartition, require_topics
 from contracts.leases import LeaseReason, Partition
-from contracts.mqtt import REPLY_ADDED_FIELDS
+from contracts.mqtt import CLAIM_COMMAND_FIELDS, REPLY_ADDED_FIELDS
 from runtime import tracing
 from runtime.backoff import Backoff
 from runtime.replay import read_to_end
@@ -236,6 +237,9 @@ class BrokerService:
         config: offer/lease/notice times and the consumer group (:class:`BrokerConfig`).
         fabric: fabric isolation applied before each grant; default :class:`NoIsolation`
             ("fabric isolation disabled by configuration").
+        lending: the training scheduler's side of each lease (:mod:`broker.lending`: the hold
+            placed before each grant, removed at its end, preemption read back as reclaims);
+            default :class:`broker.lending.NoLending` (``[broker] scheduler = "none"``).
         client_id: MQTT client id; the broker keeps a persistent session under it, so claims sent
             while it is briefly disconnected are delivered when it is back.
         clock: Unix time source (seconds), injectable for tests.
@@ -264,6 +268,7 @@ class BrokerService:
         clock: Callable[[], float] = time.time,
         tls: TlsOptions | None = None,
         lease_log_linger_ms: float | None = LEASE_LOG_LINGER_MS,
+        lending: Lending | None = None,
     ) -> None:
         protocol_version(protocol)
         if lease_log_linger_ms is not None and not lease_log_linger_ms >= 0:
@@ -293,6 +298,8 @@ class BrokerService:
         self._offer_trace: dict[str, Context] = {}
         self._tls = tls
         self._linger_ms = lease_log_linger_ms
+        self.lending: Lending = lending or NoLending()
+        self.lending.bind(self._scheduler_reclaim, self._offered_gpus, self._republish_lease)
         self._inline_isolation = isinstance(self.fabric, NoIsolation)
         self._claiming: dict[_ClaimKey, tuple[str, asyncio.Task[None]]] = {}
         """Claims whose fabric isolation is in progress: key → (lease id, task)."""
@@ -370,6 +377,7 @@ class BrokerService:
             "lease_book_rebuilt", extra={"records": len(records), "live_leases": len(self.book.live_leases())}
         )
         self._in_background(self._remove_stale_partitions(), "fabric-remove-stale")
+        await self.lending.start(self.book.live_leases())
         self._tasks = [
             asyncio.create_task(self._mqtt_loop(), name="broker-mqtt"),
             asyncio.create_task(self._tick_loop(), name="broker-tick"),
@@ -434,6 +442,7 @@ class BrokerService:
                     await client.publish(self.mqtt.broker_state, self._peer_state(False), qos=1, retain=True)
             except aiomqtt.MqttError as e:
                 log.warning("mqtt_goodbye_failed", extra={"error": str(e)})
+        await self.lending.stop()
         # publishes still waiting for their PUBACK (each gives up after _PUBLISH_TIMEOUT_S)
         await asyncio.gather(*list(self._publishing), return_exceptions=True)
         tasks, self._tasks = self._tasks, []
@@ -502,7 +511,9 @@ class BrokerService:
                 restore, offers = self.book.undo(ch, undone, now)
                 self._unlogged.extend(restore)
                 for rec in restore:
-                    if not rec.state.live and not self._inline_isolation:  # a grant undone: unisolate
+                    if not rec.state.live:  # a grant undone: its hold goes
+                        self.lending.ended(rec)
+                    if not rec.state.live and not self._inline_isolation:  # and its partition
                         self._in_background(self._remove_partition(rec), f"fabric-remove-{rec.lease_id}")
                 m.LEASE_LOG_WRITE_FAILURES.inc(len(undone))
                 log.error("lease_transitions_undone", extra={"lease_ids": sorted(undone)})
@@ -519,14 +530,16 @@ class BrokerService:
             self._count_transition(rec)
             self._publish(
                 self.mqtt.lease(rec.site, rec.lease_id),
-                encode(lease_message(rec)),
+                encode(lease_message(rec, self.lending.endpoint(rec.lease_id))),
                 retain=True,
                 properties=traced,
             )
             if rec.state is LeaseState.RECLAIMING and rec.reclaim_deadline is not None:
                 self._deadlines[rec.lease_id] = rec.reclaim_deadline
+                self.lending.reclaiming(rec)
             elif not rec.state.live:
                 self._deadlines.pop(rec.lease_id, None)
+                self.lending.ended(rec)
                 if not self._inline_isolation:
                     self._in_background(self._remove_partition(rec), f"fabric-remove-{rec.lease_id}")
         if reply is not None:
@@ -592,7 +605,7 @@ class BrokerService:
             m.RECORDS_PRODUCED.labels(topic=self.topics.leases_log).inc(len(written_undo))
         for rec in written_undo:
             if rec.reason != LeaseReason.LOG_WRITE_FAILED:
-                self._publish(self.mqtt.lease(rec.site, rec.lease_id), encode(lease_message(rec)), retain=True)
+                self._publish(self.mqtt.lease(rec.site, rec.lease_id), encode(lease_message(rec, self.lending.endpoint(rec.lease_id))), retain=True)
         taken = len(records) - sum(1 for r in records if id(r) in failed_ids)
         if taken:
             m.RECORDS_PRODUCED.labels(topic=self.topics.leases_log).inc(taken)
@@ -816,7 +829,7 @@ class BrokerService:
             for rec in list(self.book.leases.values()):
                 with self._resync_step("lease", rec.lease_id):
                     self._publish(
-                        self.mqtt.lease(rec.site, rec.lease_id), encode(lease_message(rec)), retain=True
+                        self.mqtt.lease(rec.site, rec.lease_id), encode(lease_message(rec, self.lending.endpoint(rec.lease_id))), retain=True
                     )
             outbox, self._outbox = list(self._outbox), collections.deque()
             for topic, payload, props in outbox:
@@ -1063,7 +1076,7 @@ class BrokerService:
         the lock (other claims, renewals and ticks go on meanwhile) and that task grants or
         aborts and replies. Returns the reply's code, or ``None`` when a task took the claim over
         (it then ends ``span``). ``t0``: the claim's arrival (``time.perf_counter``)."""
-        claim = parse_site_message(Claim, payload, "claim_id")
+        claim = parse_site_message(Claim, payload, "claim_id", CLAIM_COMMAND_FIELDS)
         if isinstance(claim, Malformed):
             self._malformed(site, "claim", claim, route)
             self.tally.claim(claim.code)
@@ -1091,6 +1104,9 @@ class BrokerService:
                 self._claiming[key] = (step.record.lease_id, task)
                 await self._apply(ch, now)  # the claimed offer withdrawn, the node's rest offered
                 return None
+            if isinstance(step, PendingGrant) and (problem := await self.lending.hold(step.record)):
+                step, refused = self.book.abort(step, ReasonCode.ISOLATION_FAILED, problem, now)
+                ch.extend(refused)  # the training scheduler holds nothing for it (in memory: fast)
             if isinstance(step, PendingGrant):
                 with _grant_span(step) as grant:
                     answer, ch2 = self.book.grant(step, now, None)
@@ -1106,7 +1122,7 @@ class BrokerService:
                 answer = step
                 rec = self.book.leases.get(answer.lease_id or "")
                 if answer.replayed and rec is not None:
-                    self._publish(self.mqtt.lease(site, rec.lease_id), encode(lease_message(rec)), retain=True)
+                    self._publish(self.mqtt.lease(site, rec.lease_id), encode(lease_message(rec, self.lending.endpoint(rec.lease_id))), retain=True)
                 await self._apply(
                     ch, now, reply=lambda _: self._reply(site, claim.claim_id, answer, route, "claim", claim.request_id)
                 )  # fmt: skip
@@ -1186,7 +1202,7 @@ class BrokerService:
         partition = None
         try:
             partition = await self.fabric.isolate(pending.record)
-            problem = isolation_problem(self.fabric, partition)
+            problem = isolation_problem(self.fabric, partition) or await self.lending.hold(pending.record)
         except FabricError as e:
             problem = str(e) or "fabric isolation failed"
         except Exception as e:  # noqa: BLE001 — a broken manager must not leave the GPUs reserved
@@ -1349,6 +1365,31 @@ class BrokerService:
                 "error": str(error)[:300],
             },
         )
+
+    # training scheduler (broker.lending) ---------------------------------------------------------------
+    async def _scheduler_reclaim(self, lease_id: str, deadline: float, reason: str) -> None:
+        """Reclaim a granted or active lease whose hold the training scheduler takes back, with
+        the scheduler's deadline (Unix s; forced: the scheduler does not wait for guarantees)."""
+        async with self._lock:
+            rec = self.book.leases.get(lease_id)
+            if rec is None or rec.state not in (LeaseState.GRANTED, LeaseState.ACTIVE):
+                return
+            now = self._clock()
+            await self._apply(self.book.reclaim(now, rec.gpus, reason=reason, force=True, deadline=deadline), now)
+
+    def _offered_gpus(self) -> Iterator[str]:
+        """GPU keys of every live offer (what placeholders should hold)."""
+        return (g.gpu for offer in self.book.offers.values() for g in offer.gpus)
+
+    def _republish_lease(self, lease_id: str) -> None:
+        """Publish a live lease's message again (its workload's endpoint became known)."""
+        rec = self.book.leases.get(lease_id)
+        if rec is not None and rec.state.live:
+            self._publish(
+                self.mqtt.lease(rec.site, lease_id),
+                encode(lease_message(rec, self.lending.endpoint(lease_id))),
+                retain=True,
+            )
 
     # time -------------------------------------------------------------------------------------------------
     async def _tick_loop(self) -> None:

@@ -9,7 +9,9 @@ Checks, in order, each failing with ``malformed`` (``unsupported_version`` for t
 than ``max_depth``, checked on the text before parsing so no input can exhaust the parser's
 recursion), ``non_finite`` (a number that overflows to infinity), ``object`` (not a JSON object),
 ``version`` and ``schema`` (pydantic strict mode: no type coercion — ``true`` is not a count,
-``"600"`` is not a duration — plus every bound of the model).
+``"600"`` is not a duration — plus every bound of the model). A claim that carries a command
+field (:data:`contracts.mqtt.CLAIM_COMMAND_FIELDS`) fails check ``command`` with
+``command_not_allowed``, before the schema.
 
 Readers are tolerant of additive changes: fields the model does not know are dropped (at every
 nesting level) before validation, and every integer ``schema_version`` >= 1 is accepted.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -30,7 +33,7 @@ from contracts.mqtt import LIMITS
 
 R = TypeVar("R", bound=Record)
 
-CHECKS = ("size", "utf8", "json", "depth", "non_finite", "object", "version", "schema")
+CHECKS = ("size", "utf8", "json", "depth", "non_finite", "object", "version", "command", "schema")
 """Every ``check`` a site message can fail (the metric's label values)."""
 
 
@@ -128,8 +131,14 @@ def _ident(obj: dict[str, Any], field: str) -> str | None:
     return None
 
 
-def parse_site_message(model: type[R], payload: bytes, id_field: str) -> R | Malformed:
+def parse_site_message(
+    model: type[R], payload: bytes, id_field: str, refused: Collection[str] = ()
+) -> R | Malformed:
     """Parse ``payload`` as ``model`` (e.g. :class:`contracts.Claim` with ``id_field="claim_id"``).
+
+    ``refused``: top-level field names a site may never send (a claim's
+    :data:`contracts.mqtt.CLAIM_COMMAND_FIELDS`): a payload carrying one is answered
+    ``command_not_allowed`` (check ``command``) instead of having the field ignored as unknown.
 
     Returns the model, or a :class:`Malformed` saying which check failed and why (see the
     module docstring). Never raises.
@@ -167,6 +176,15 @@ def parse_site_message(model: type[R], payload: bytes, id_field: str) -> R | Mal
             f"schema_version {str(version)[:40]!r}: an integer >= 1 is expected",
             in_reply_to,
             "version",
+            request_id,
+        )
+    sent = sorted(set(refused).intersection(obj))
+    if sent:
+        return Malformed(
+            ReasonCode.COMMAND_NOT_ALLOWED,
+            f"a site never sends a command ({', '.join(sent)}): name a workload profile",
+            in_reply_to,
+            "command",
             request_id,
         )
     fields = known_fields(model, obj)

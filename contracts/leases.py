@@ -56,6 +56,13 @@ class LeaseReason(StrEnum):
     """Reclaiming for a training demand: ``demand:<demand_id>``."""
     RECLAIM = "reclaim"
     """Reclaiming asked for by the operator without a demand record."""
+    SCHEDULER_PREEMPTED = "scheduler_preempted"
+    """Reclaiming because the training scheduler chose the lease's hold for preemption (a
+    pending training job needs the GPUs); ``scheduler_preempted:<job id>``, the deadline is the
+    scheduler's own (the end of its grace time)."""
+    HOLD_LOST = "hold_lost"
+    """Reclaiming at once: the lease's hold in the training scheduler ended while the lease was
+    live (cancelled by an operator, node failure); ``hold_lost:<job id>``."""
     RECLAIM_DEADLINE = "reclaim_deadline"
     """Revoked: the reclaim deadline passed."""
     REBUILD_CONFLICT = "rebuild_conflict"
@@ -146,6 +153,8 @@ class LeaseLogRecord(Record):
             a reclaim adds ``;guarantee_broken`` when forced inside the guarantee and
             ``;deferred_to_guarantee_end`` when its deadline was moved to ``min_until``.
         seq: per-lease transition counter (1, 2, 3...).
+        workload: the operator's workload profile the site named in its claim
+            (``[broker] workloads``), run on the leased GPUs; ``None``: hold only.
     """
 
     lease_id: str
@@ -167,3 +176,4 @@ class LeaseLogRecord(Record):
     lent_share_percent: float | None = Field(default=None, gt=0, le=100)
     reason: str = ""
     seq: int = 1
+    workload: str | None = None

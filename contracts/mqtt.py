@@ -214,6 +214,11 @@ class Claim(Message):
     request_id: Id | None = None
     """Optional id of this message, echoed in the reply's ``request_id`` (match replies without
     MQTT 5 correlation data)."""
+    workload: Name | None = None
+    """The operator-declared workload profile to run on the leased GPUs (``[broker] workloads``
+    of the broker's settings); the lease message then carries its ``endpoint`` once healthy.
+    ``null``: the GPUs are held and nothing runs. A profile the site may not use is refused
+    (``unknown_workload``); a claim never carries a command (``command_not_allowed``)."""
 
     @model_validator(mode="after")
     def _one_kind(self) -> Claim:
@@ -296,6 +301,11 @@ class LeaseMessage(Message):
     suffix where documented there (e.g. ``match:node``, ``demand:<demand_id>;guarantee_broken``)."""
     seq: int = 1
     """Transition counter of the lease (1, 2, 3…): a message with a lower ``seq`` is older."""
+    workload: str | None = None
+    """The workload profile running on the lease (the claim's ``workload``); ``null``: none."""
+    endpoint: str | None = None
+    """``host:port`` where the lease's workload serves, once its health check passed (the lease
+    message is then published again with it); ``null``: no workload, or not healthy yet."""
 
 
 class Renewal(Message):
@@ -369,7 +379,14 @@ class ReasonCode(StrEnum):
     LEASE_NOT_LIVE = "lease_not_live"
     """The lease is terminal (released, expired, revoked) or its TTL already passed."""
     ISOLATION_FAILED = "isolation_failed"
-    """The fabric partition could not be applied or verified; nothing was granted."""
+    """The fabric partition could not be applied or verified, or the training scheduler could
+    not hold the GPUs for the lease (``text`` says which); nothing was granted."""
+    UNKNOWN_WORKLOAD = "unknown_workload"
+    """The claim's ``workload`` names no profile the operator declared, or one this site may not
+    use; nothing changed."""
+    COMMAND_NOT_ALLOWED = "command_not_allowed"
+    """The claim tried to pass a command (a ``command``, ``argv``, ``args``, ``cmd``, ``env``,
+    ``entrypoint``, ``image`` or ``script`` field): a site only names a workload profile."""
     INTERNAL = "internal"
     """Something failed inside the broker (e.g. the lease log refused the write); nothing
     changed — retry (a claim with the same ``claim_id``)."""
@@ -391,6 +408,8 @@ REASON_ANSWERS: dict[ReasonCode, tuple[str, ...]] = {
     ReasonCode.UNKNOWN_LEASE: ("renewal", "release"),
     ReasonCode.LEASE_NOT_LIVE: ("renewal", "release"),
     ReasonCode.ISOLATION_FAILED: ("claim",),
+    ReasonCode.UNKNOWN_WORKLOAD: ("claim",),
+    ReasonCode.COMMAND_NOT_ALLOWED: ("claim",),
     ReasonCode.INTERNAL: ("claim", "renewal", "release"),
 }
 """Which requests (claim, renewal, release) each reason code can answer."""
@@ -430,6 +449,11 @@ class Reply(Message):
     """For an ``ok`` claim or renewal: the broker's lease TTL, seconds (the most one renewal
     extends by)."""
 
+
+CLAIM_COMMAND_FIELDS = frozenset({"command", "argv", "args", "cmd", "env", "entrypoint", "image", "script"})
+"""Fields by which a claim would pass a command, arguments, environment or image of its own: a
+claim carrying any of them is refused ``command_not_allowed`` (a site only names a workload
+profile the operator declared)."""
 
 REPLY_ADDED_FIELDS = frozenset({"request", "request_id", "expires_at", "ttl_seconds"})
 """Reply fields added after the first release of protocol v1: sent only in answer to a request

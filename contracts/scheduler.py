@@ -35,6 +35,10 @@ UNSCHEDULABLE_NODE_STATES: frozenset[str] = frozenset(
 the scheduler places no new job on the node: its GPUs are not lent either (an operator drains a
 node to work on it)."""
 
+LENT_JOB_NAME = "gpupool-lease"
+"""Job name of gpupool's own jobs in the lent partition (the broker's placeholder and lease holds,
+``broker.placeholders``): a GPU one of them holds is lendable, not allocated to training."""
+
 
 class SchedulerGpu(Record):
     """One GPU of a node as the scheduler sees it.

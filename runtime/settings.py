@@ -328,6 +328,33 @@ class BrokerSettings(BrokerPolicy):
     """After the start, freeze the objects alive then and re-freeze the young survivors every
     second, with a full collection once an hour (broker.service.tune_gc): no full GC pause walks
     the lease book."""
+    scheduler: Annotated[Literal["none", "slurm"], Flag()] = "none"
+    """The training scheduler that fences lent GPUs: slurm (each lease held by jobs in the lent
+    partition and reclaimed by Slurm's own preemption, broker.lending) or none (leases are
+    bookkeeping and a fabric partition only)."""
+    slurm_conf: Annotated[Path | None, Flag()] = None
+    """slurm.conf of the cluster (SLURM_CONF of every Slurm command the broker runs); none: the
+    environment's."""
+    slurm_partition: str = Field(default="lent", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    """The lent partition (low PriorityTier, PreemptMode=CANCEL, GraceTime = notice_s)."""
+    slurm_gres_type: str = Field(default="h100", pattern=r"^[A-Za-z0-9_.-]{0,64}$")
+    """GRES type of the GPUs (gpu:<type>:N); empty: untyped gpu:N."""
+    slurm_gpu_map: Path | None = None
+    """JSON file {"<node>": ["<GPU UUID of index 0>", ...]} mapping Slurm's GRES indices to the GPU
+    UUIDs of the telemetry (nvidia-smi --query-gpu=index,uuid on each node); none: GPU keys are
+    <node>/gpu<index>."""
+    slurm_poll_s: float = Field(default=0.25, gt=0, le=5)
+    """Seconds between reads of Slurm's jobs: a preemption is seen within this."""
+    slurm_placeholder_minutes: int = Field(default=60, ge=1)
+    """Time limit of an idle placeholder job, minutes (it is replaced when it ends)."""
+    slurm_output_dir: Path | None = None
+    """Where hold jobs write their output and read their workload's start file (on a filesystem the
+    nodes share with the broker); none: a folder under GPUPOOL_STATE."""
+    workloads: list[dict[str, Any]] = Field(default_factory=list)
+    """The operator's workload profiles, [[broker.workloads]] tables with name, argv (template
+    fields {port} {lease_id} {site} {gpus}), port_min, port_max, health_path, health_timeout_s,
+    cpus_per_gpu, sites (validated by broker.workloads.WorkloadProfile); a site never sends a
+    command."""
 
 
 class DeploymentSettings(BaseSettings):

@@ -230,3 +230,20 @@ def test_join_keeps_the_newest_state_and_mig_instances_follow_their_gpu() -> Non
     assert join.block_reason(_status("k0"), T0 + 10) == "scheduler_unknown" and join.node(HOST) is None
     with pytest.raises(ValueError):
         SchedulerJoin(stale_after_s=0)
+
+
+def test_gpus_held_by_gpupools_own_lent_jobs_stay_lendable() -> None:
+    from contracts.scheduler import LENT_JOB_NAME
+
+    join = SchedulerJoin(stale_after_s=60.0)
+    for i in range(3):
+        join.note_gpu(f"k{i}", i)
+    rec = node(T0, job_on={0: "50", 1: "51"})
+    gpus = [
+        g.model_copy(update={"job_name": LENT_JOB_NAME, "partition": "lent"}) if g.index == 0 else g
+        for g in rec.gpus
+    ]
+    join.observe(rec.model_copy(update={"gpus": gpus}))
+    assert join.block_reason(_status("k0"), T0) is None  # a placeholder or lease hold: lendable
+    assert join.block_reason(_status("k1"), T0) == "scheduler_allocated"  # a training job
+    assert join.allocated_idle([_status(f"k{i}") for i in range(3)]) == {("training", "alice", "51"): 1}

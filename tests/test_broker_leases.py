@@ -470,6 +470,7 @@ def test_tick_reoffers_at_hold_end_and_withdraws_stale_gpus_without_new_capacity
     lid = book.claim("edge-a", _claim(oid, count=1), 0.0)[0].lease_id or ""
     book.reclaim(1.0, count=1, reason="r")
     book.release("edge-a", Release(lease_id=lid, site="edge-a", ts=0), 2.0)
+
     def offered() -> list[str]:
         return sorted(g.gpu for o in book.offers.values() for g in o.gpus)
 
@@ -493,3 +494,46 @@ def test_idle_tick_looks_at_no_node(monkeypatch: pytest.MonkeyPatch) -> None:
     book.tick(CFG.offer_ttl_s)  # every offer expires: each node is looked at once, and re-offered
     assert sorted(looked) == [("default", "n1"), ("default", "n2"), ("default", "n3")]
     assert len(book.offers) == 3 and book.violations() == []
+
+
+def test_a_claim_names_only_a_workload_profile_its_site_may_use() -> None:
+    from broker.workloads import WorkloadProfile
+
+    profiles = (
+        WorkloadProfile(name="infer", argv=("srv", "--port", "{port}"), port_min=20000, port_max=20001),
+        WorkloadProfile(name="private", argv=("srv",), port_min=20000, port_max=20000, sites=("edge-b",)),
+    )
+    book = _book(CFG.model_copy(update={"workloads": profiles}))
+    offer = _idle_node(book)
+    for name, why in (("nope", "unknown workload profile"), ("private", "not allowed to site")):
+        answer, ch = book.begin_claim("edge-a", _claim(offer, cid=f"c-{name}", count=1, workload=name), 1.0)
+        assert (
+            isinstance(answer, Answer) and answer.code is ReasonCode.UNKNOWN_WORKLOAD and why in answer.text
+        )
+        assert not ch.records and offer in book.offers  # nothing changed
+    step, _ = book.begin_claim("edge-a", _claim(offer, cid="c-ok", count=1, workload="infer"), 1.0)
+    assert isinstance(step, PendingGrant) and step.record.workload == "infer"
+    _, ch = book.grant(step, 1.0)
+    assert ch.records[0].workload == "infer"
+    step, _ = book.begin_claim(
+        "edge-b", _claim(_idle_node(book, "n2"), cid="c-b", site="edge-b", workload="private"), 1.0
+    )
+    assert isinstance(step, PendingGrant)
+
+
+def test_a_scheduler_deadline_is_the_reclaim_deadline_even_inside_a_guarantee() -> None:
+    book = _book()
+    offer = _idle_node(book)
+    step, _ = book.begin_claim(
+        "edge-a", _claim(offer, count=2, duration_seconds=600, min_duration_seconds=300), 1.0
+    )
+    assert isinstance(step, PendingGrant)
+    book.grant(step, 1.0)
+    lease = step.record.lease_id
+    ch = book.reclaim(10.0, step.record.gpus, reason="scheduler_preempted:7", force=True, deadline=14.5)
+    (rec,) = ch.records
+    assert rec.lease_id == lease and rec.state is LeaseState.RECLAIMING
+    assert rec.reclaim_deadline == 14.5 and rec.reason.startswith("scheduler_preempted:7")
+    assert book.tick(14.4).records == []
+    (revoked,) = book.tick(14.5).records
+    assert revoked.state is LeaseState.REVOKED

@@ -22,7 +22,7 @@ from contracts import (
     Reply,
 )
 from contracts.base import decode_compatible
-from contracts.mqtt import LIMITS
+from contracts.mqtt import CLAIM_COMMAND_FIELDS, LIMITS
 
 SAMPLES = Path(__file__).resolve().parent / "fixtures" / "wire" / "v1"
 GOOD: dict[str, Any] = {"claim_id": "c-1", "site": "edge-a", "count": 1, "ts": 1796100000.0}
@@ -156,7 +156,26 @@ def test_in_reply_to_and_request_id_are_read_only_when_safe() -> None:
 
 
 def test_every_check_is_named() -> None:
-    assert set(CHECKS) == {"size", "utf8", "json", "depth", "non_finite", "object", "version", "schema"}
+    assert set(CHECKS) == {"size", "utf8", "json", "depth", "non_finite", "object", "version", "command", "schema"}
+
+
+def _with(obj: dict[str, Any], refused: frozenset[str] = CLAIM_COMMAND_FIELDS) -> Claim | Malformed:
+    return parse_site_message(Claim, json.dumps(obj).encode(), "claim_id", refused)
+
+
+def test_a_claim_never_passes_a_command() -> None:
+    for field in sorted(CLAIM_COMMAND_FIELDS):
+        got = _with({**GOOD, field: ["rm", "-rf", "/"], "request_id": "r-1"})
+        assert isinstance(got, Malformed) and field in got.text
+        assert (got.code, got.check, got.in_reply_to, got.request_id) == (
+            ReasonCode.COMMAND_NOT_ALLOWED, "command", "c-1", "r-1"
+        )  # fmt: skip
+    # a profile name is what a site sends; without a refused set an unknown field is dropped
+    named = _with({**GOOD, "workload": "vllm-small"})
+    assert isinstance(named, Claim) and named.workload == "vllm-small"
+    assert isinstance(_with({**GOOD, "command": "x"}, frozenset()), Claim)
+    old = _with(GOOD)  # an old claim (no workload) stays valid, with no workload
+    assert isinstance(old, Claim) and old.workload is None
 
 
 _MODELS = {

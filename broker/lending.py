@@ -1,0 +1,642 @@
+"""Leases in the training scheduler: fencing, training wins, the site's workload.
+
+The broker (:class:`broker.service.BrokerService`) calls a :class:`Lending` at four points:
+:meth:`~Lending.start` after the lease book is rebuilt (adopt the scheduler's holds, cancel those
+of leases that are no longer live), :meth:`~Lending.hold` before a claim is granted (``""``: the
+GPUs are held for the lease; else why not, and the claim is refused ``isolation_failed``),
+:meth:`~Lending.ended` when a lease ends (release, expiry, revocation: the hold goes), and
+:meth:`~Lending.endpoint` when it publishes a lease message.
+
+:class:`NoLending` (``[broker] scheduler = "none"``) holds nothing. :class:`SlurmLending`
+(``"slurm"``) carves leases out of placeholder jobs (:mod:`broker.placeholders`): every GPU in a
+live offer is held ahead of time by a one-GPU job in the lent partition, so a claim is granted
+without submitting anything to Slurm (a claim whose GPUs have no running placeholder, or whose
+placeholder Slurm has just taken back, is refused, and the site claims again). Every ``poll_s`` it reads Slurm's jobs once (``scontrol show job -d -o``):
+
+* a lease hold Slurm chose for preemption (a pending training job needs the GPUs, partition
+  preemption) → the lease is reclaimed with Slurm's own deadline (``EndTime``, the end of the
+  lent partition's ``GraceTime``), reason ``scheduler_preempted:<job id>``; every job of the lease
+  is sent SIGTERM, so the workload drains; at the deadline the lease is revoked;
+* a lease hold that ended while the lease is live (an operator's ``scancel``, a node failure)
+  → the lease is reclaimed with the deadline ``now`` (revoked at the next tick), ``hold_lost``;
+* placeholders are submitted for offered GPUs not yet held, and idle placeholders on GPUs no
+  longer offered are cancelled after ``unwanted_grace_s``.
+
+Slurm needs nothing from gpupool: holds are ordinary jobs with time limits (a lease's end), and
+partition preemption takes them back with the grace time whether or not the broker runs.
+
+The minimum guaranteed duration of a claim maps to Slurm's ``PreemptExemptTime`` (cluster-wide,
+counted from a job's start): Slurm does not preempt a hold younger than it. A placeholder older
+than that carries no exemption, so with placeholders a lease is guaranteed only what gpupool
+enforces (demands), not what Slurm does when gpupool is down; the broker refuses nothing for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import re
+import time
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import httpx
+
+from broker import metrics as m
+from broker.config import BrokerConfig
+from broker.placeholders import GpuMap, placeholder_script, start_script
+from broker.scheduler import Hold, HoldState, SchedulerError
+from broker.scheduler_slurm import COMMENT_PREFIX, IDLE_COMMENT, JOB_NAME, SlurmScheduler
+from broker.workloads import WorkloadError, WorkloadProfile, allowed, pick_port, render
+from contracts import LeaseLogRecord, LeaseState
+from contracts.leases import LeaseReason
+from runtime.settings import BrokerSettings
+
+log = logging.getLogger(__name__)
+
+Reclaim = Callable[[str, float, str], Awaitable[None]]
+"""``(lease_id, deadline, reason)``: reclaim a live lease with that deadline (Unix s)."""
+Offered = Callable[[], Iterable[str]]
+"""The GPU keys of every live offer."""
+Republish = Callable[[str], None]
+"""Publish the lease message of ``lease_id`` again (its endpoint changed)."""
+
+_RETAG_DELAY_S = 0.05
+"""Seconds between a carving and the Slurm commands that name its jobs."""
+
+_NODE_ADDR = re.compile(r"(?:^|\s)NodeAddr=(\S+)")
+
+
+class Lending(Protocol):
+    """What the broker asks of the training scheduler (module docstring).
+
+    Attributes:
+        enforced: True if a lease is granted only with a running hold in the scheduler.
+    """
+
+    enforced: bool
+
+    def bind(self, reclaim: Reclaim, offered: Offered, republish: Republish) -> None:
+        """Give the broker's callbacks (called from :meth:`start` on)."""
+        ...
+
+    async def start(self, live: Sequence[LeaseLogRecord]) -> None:
+        """Adopt the scheduler's holds of the ``live`` leases, cancel the others, start watching.
+        Raises :class:`broker.scheduler.SchedulerError` if the scheduler cannot be read."""
+        ...
+
+    async def stop(self) -> None:
+        """Stop watching (the holds stay: Slurm keeps fencing while gpupool is down)."""
+        ...
+
+    async def hold(self, record: LeaseLogRecord) -> str:
+        """Hold ``record.gpus`` for the lease (and start its workload); ``""`` when held, else
+        why not (nothing is held then). Never raises."""
+        ...
+
+    def reclaiming(self, record: LeaseLogRecord) -> None:
+        """The lease is being reclaimed (its notice runs): its workload gets SIGTERM now."""
+        ...
+
+    def ended(self, record: LeaseLogRecord) -> None:
+        """The lease ended (or its grant was undone): its hold goes, in the background."""
+        ...
+
+    def endpoint(self, lease_id: str) -> str | None:
+        """``host:port`` of the lease's workload once healthy, else ``None``."""
+        ...
+
+
+class NoLending:
+    """``[broker] scheduler = "none"``: leases hold nothing in a training scheduler."""
+
+    enforced = False
+
+    def bind(self, reclaim: Reclaim, offered: Offered, republish: Republish) -> None:
+        """Nothing to call back."""
+
+    async def start(self, live: Sequence[LeaseLogRecord]) -> None:
+        """Nothing to adopt."""
+
+    async def stop(self) -> None:
+        """Nothing runs."""
+
+    async def hold(self, record: LeaseLogRecord) -> str:
+        """Nothing is held: ``""``."""
+        return ""
+
+    def reclaiming(self, record: LeaseLogRecord) -> None:
+        """No workload runs."""
+
+    def ended(self, record: LeaseLogRecord) -> None:
+        """Nothing to release."""
+
+    def endpoint(self, lease_id: str) -> str | None:
+        """No workload runs: ``None``."""
+        return None
+
+
+class SlurmLending:
+    """Leases carved from placeholder jobs in Slurm's lent partition (module docstring).
+
+    Args:
+        scheduler: runs and reads Slurm's commands (its ``partition``, ``gres_type``,
+            ``slurm_conf``).
+        gpu_map: GRES index ↔ GPU key.
+        workloads: the operator's profiles (``BrokerConfig.workloads``).
+        notice_s: the leases' notice (= the lent partition's ``GraceTime``), seconds.
+        control_dir: where placeholder jobs write their output and find their held and start
+            files (shared with the nodes).
+        poll_s: seconds between two reads of Slurm's jobs.
+        placeholder_minutes: time limit of an idle placeholder, minutes.
+        unwanted_grace_s: an idle placeholder on a GPU no longer offered is cancelled after
+            this many seconds; a placeholder pending this long is cancelled too.
+        clock: Unix time source.
+    """
+
+    enforced = True
+
+    def __init__(
+        self,
+        scheduler: SlurmScheduler,
+        *,
+        gpu_map: GpuMap | None = None,
+        workloads: Collection[WorkloadProfile] = (),
+        notice_s: float = 30.0,
+        control_dir: Path,
+        poll_s: float = 0.25,
+        placeholder_minutes: int = 60,
+        unwanted_grace_s: float = 5.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.scheduler = scheduler
+        self.gpu_map = gpu_map or GpuMap()
+        self.workloads = tuple(workloads)
+        self.notice_s = notice_s
+        self.control_dir = control_dir
+        self.poll_s = poll_s
+        self.placeholder_minutes = placeholder_minutes
+        self.unwanted_grace_s = unwanted_grace_s
+        self._clock = clock
+        self._reclaim: Reclaim | None = None
+        self._offered: Offered = lambda: ()
+        self._republish: Republish = lambda _: None
+        self._idle: dict[str, dict[int, Hold]] = {}
+        """Running placeholders not carved into a lease: node → GRES index → hold."""
+        self._leases: dict[str, list[Hold]] = {}
+        """Holds of each live lease (job ids fixed at carving; states as carved)."""
+        self._noticed: set[str] = set()
+        """Leases already reclaimed for the scheduler (preempted or hold lost)."""
+        self._submitted: dict[str, tuple[str, float]] = {}
+        """Placeholders submitted and not yet seen running: job id → (node, submit time)."""
+        self._submitting: dict[str, int] = {}
+        """``sbatch`` of a placeholder in progress, per node."""
+        self._unwanted: dict[str, float] = {}
+        """Idle placeholders on GPUs not offered: job id → since when (clock)."""
+        self._ports: dict[str, tuple[str, str, int]] = {}
+        """Workload of each lease: lease id → (node, profile, port)."""
+        self._endpoints: dict[str, str] = {}
+        self._addr: dict[str, str] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._watch: asyncio.Task[None] | None = None
+
+    # wiring --------------------------------------------------------------------------------------
+    def bind(self, reclaim: Reclaim, offered: Offered, republish: Republish) -> None:
+        """See :meth:`Lending.bind`."""
+        self._reclaim, self._offered, self._republish = reclaim, offered, republish
+
+    async def start(self, live: Sequence[LeaseLogRecord]) -> None:
+        """See :meth:`Lending.start`: holds of live leases are adopted (their workload's health
+        checked again), holds of other leases cancelled, live leases without any hold reclaimed
+        at once (``hold_lost``)."""
+        self.control_dir.mkdir(parents=True, exist_ok=True)
+        jobs = [h for h in await self.scheduler.jobs() if h.state is not HoldState.ENDED]
+        live_ids = {r.lease_id: r for r in live}
+        stale: list[str] = []
+        for h in jobs:
+            if not h.lease_id and self._file(h.job_id, "held").exists():
+                stale.append(h.job_id)  # carved by a broker that stopped before naming it
+                continue
+            if not h.lease_id:
+                continue
+            if h.lease_id in live_ids:
+                self._leases.setdefault(h.lease_id, []).append(h)
+            else:
+                stale.append(h.job_id)
+        if stale:
+            await self._cancel(stale, "release")
+            log.info("stale_holds_cancelled", extra={"job_ids": stale})
+        for rec in live:
+            if rec.state is LeaseState.RECLAIMING:
+                self._noticed.add(rec.lease_id)
+            if rec.lease_id not in self._leases:
+                self._noticed.add(rec.lease_id)
+                if rec.state is not LeaseState.RECLAIMING and self._reclaim is not None:
+                    log.warning("hold_missing_at_start", extra={"lease_id": rec.lease_id})
+                    await self._reclaim(rec.lease_id, self._clock(), f"{LeaseReason.HOLD_LOST}:none")
+            else:
+                self._adopt_workload(rec)
+        await self._poll()
+        self._watch = asyncio.create_task(self._watch_forever(), name="broker-lending-watch")
+        log.info(
+            "lending_started",
+            extra={
+                "adopted_leases": sorted(self._leases),
+                "placeholders": sum(len(v) for v in self._idle.values()),
+            },
+        )
+
+    async def stop(self) -> None:
+        """See :meth:`Lending.stop`; releases in progress are awaited."""
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
+            self._watch = None
+        for t in list(self._tasks):
+            if not t.get_name().startswith("hold-release"):
+                t.cancel()
+        await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    # leases ----------------------------------------------------------------------------------------
+    async def hold(self, record: LeaseLogRecord) -> str:
+        """See :meth:`Lending.hold`: carve the placeholders on ``record.gpus`` (their idle files
+        renamed to held files, :mod:`broker.placeholders`): no Slurm command on this path; the
+        jobs' rename and time limit follow in the background."""
+        taken: list[Hold] = []
+        for key in record.gpus:
+            where = self.gpu_map.locate(key)
+            hold = self._idle.get(where[0], {}).pop(where[1], None) if where else None
+            if hold is None:
+                for h in taken:
+                    self._idle.setdefault(h.host, {})[h.gpu_indices[0]] = h
+                return f"{key}: not held in Slurm's {self.scheduler.partition} partition yet; claim again"
+            taken.append(hold)
+        carved: list[Hold] = []
+        leaving: Hold | None = None
+        for h in taken:
+            try:  # atomic against the script leaving on SIGTERM (broker.placeholders)
+                self._file(h.job_id, "idle").rename(self._file(h.job_id, "held"))
+            except FileNotFoundError:
+                leaving = h
+                break
+            carved.append(h)
+        if leaving is not None:
+            for h in carved:
+                with contextlib.suppress(FileNotFoundError):
+                    self._file(h.job_id, "held").rename(self._file(h.job_id, "idle"))
+            for h in taken:
+                if h is not leaving:
+                    self._idle.setdefault(h.host, {})[h.gpu_indices[0]] = h
+            return (
+                f"Slurm is taking a GPU back for training ({self.scheduler.partition} partition); claim again"
+            )
+        for h in taken:
+            self._unwanted.pop(h.job_id, None)
+        self._leases[record.lease_id] = taken
+        m.PLACEHOLDERS.set(sum(len(v) for v in self._idle.values()))
+        if record.workload is not None:
+            problem = self._start_workload(record, taken)
+            if problem:
+                self.ended(record)
+                return problem
+        self._background(self._retag(record, taken), f"hold-retag-{record.lease_id}")
+        return ""
+
+    def reclaiming(self, record: LeaseLogRecord) -> None:
+        """See :meth:`Lending.reclaiming`: a reclaim gpupool started (a training demand) signals
+        the lease's jobs as Slurm's preemption does (each leaves by the notice's end); one Slurm
+        started was signalled when it was seen; one deferred past the notice (a minimum
+        guarantee) is not signalled (its jobs would leave before its deadline)."""
+        holds = self._leases.get(record.lease_id)
+        deadline = record.reclaim_deadline
+        if deadline is not None and deadline - self._clock() > self.notice_s + 1.0:
+            return  # deferred to its guarantee's end: the jobs would leave too early; scancel then
+        if holds and record.lease_id not in self._noticed:
+            self._noticed.add(record.lease_id)
+            self._background(self._confirm(list(holds)), f"hold-confirm-{record.lease_id}")
+
+    def ended(self, record: LeaseLogRecord) -> None:
+        """See :meth:`Lending.ended`."""
+        holds = self._leases.pop(record.lease_id, None)
+        self._noticed.discard(record.lease_id)
+        self._ports.pop(record.lease_id, None)
+        self._endpoints.pop(record.lease_id, None)
+        for t in list(self._tasks):
+            if t.get_name() == f"workload-health-{record.lease_id}":
+                t.cancel()
+        if not holds:
+            return
+        for h in holds:
+            for kind in ("held", "start", "idle"):
+                self._file(h.job_id, kind).unlink(missing_ok=True)
+        self._file(record.lease_id, "endpoint").unlink(missing_ok=True)
+        self._background(self._release(record.lease_id, holds), f"hold-release-{record.lease_id}")
+
+    def endpoint(self, lease_id: str) -> str | None:
+        """See :meth:`Lending.endpoint`."""
+        return self._endpoints.get(lease_id)
+
+    def held_gpus(self) -> dict[str, tuple[int, ...]]:
+        """GRES indices held per live lease (for tests and the demo's summary)."""
+        return {lid: tuple(sorted(h.gpu_indices[0] for h in hs)) for lid, hs in self._leases.items()}
+
+    # workload ------------------------------------------------------------------------------------
+    def _start_workload(self, record: LeaseLogRecord, holds: list[Hold]) -> str:
+        """Write the start file of the lease's workload on the first node of its holds; ``""``
+        or why it cannot run (unknown profile, no free port)."""
+        assert record.workload is not None
+        host = holds[0].host
+        try:
+            profile = allowed(self.workloads, record.site, record.workload)
+            in_use = [p for (h, name, p) in self._ports.values() if h == host and name == profile.name]
+            port = pick_port(profile, in_use)
+        except WorkloadError as e:
+            return str(e)
+        on_host = [h for h in holds if h.host == host]
+        argv = render(profile, port=port, lease_id=record.lease_id, site=record.site, gpus=len(on_host))
+        indices = [h.gpu_indices[0] for h in on_host]
+        self._file(on_host[0].job_id, "start").write_text(start_script(argv, indices, record.lease_id))
+        self._file(record.lease_id, "endpoint").write_text(json.dumps({"host": host, "port": port}))
+        self._ports[record.lease_id] = (host, profile.name, port)
+        self._background(
+            self._health(record.lease_id, profile, host, port), f"workload-health-{record.lease_id}"
+        )
+        return ""
+
+    def _adopt_workload(self, record: LeaseLogRecord) -> None:
+        """After a restart: check the health of a live lease's workload again."""
+        if record.workload is None:
+            return
+        try:
+            info = json.loads(self._file(record.lease_id, "endpoint").read_text())
+            profile = allowed(self.workloads, record.site, record.workload)
+        except (OSError, ValueError, WorkloadError) as e:
+            log.warning("workload_not_adopted", extra={"lease_id": record.lease_id, "error": str(e)})
+            return
+        self._ports[record.lease_id] = (info["host"], profile.name, int(info["port"]))
+        self._background(
+            self._health(record.lease_id, profile, info["host"], int(info["port"])),
+            f"workload-health-{record.lease_id}",
+        )
+
+    async def _health(self, lease_id: str, profile: WorkloadProfile, host: str, port: int) -> None:
+        """Poll the workload's health path until it answers 200 (then publish the endpoint) or
+        ``profile.health_timeout_s`` passes (logged; the lease keeps no endpoint)."""
+        addr = await self._node_addr(host)
+        url = f"http://{addr}:{port}{profile.health_path}"
+        deadline = time.monotonic() + profile.health_timeout_s
+        async with httpx.AsyncClient(timeout=1.0) as client:
+            while time.monotonic() < deadline:
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(url)).status_code == 200:
+                        self._endpoints[lease_id] = f"{addr}:{port}"
+                        log.info(
+                            "workload_healthy", extra={"lease_id": lease_id, "endpoint": f"{addr}:{port}"}
+                        )
+                        self._republish(lease_id)
+                        return
+                await asyncio.sleep(0.1)
+        m.SCHEDULER_ERRORS.labels(operation="start").inc()
+        log.warning(
+            "workload_unhealthy",
+            extra={"lease_id": lease_id, "url": url, "timeout_s": profile.health_timeout_s},
+        )
+
+    async def _node_addr(self, host: str) -> str:
+        """The node's ``NodeAddr`` in Slurm (where its workloads listen); the node name if unread."""
+        if host not in self._addr:
+            try:
+                text = await self.scheduler.command("scontrol", "show", "node", host, "-o")
+                found = _NODE_ADDR.search(text)
+                self._addr[host] = found.group(1) if found else host
+            except SchedulerError:
+                return host
+        return self._addr[host]
+
+    # Slurm ------------------------------------------------------------------------------------------
+    def _file(self, name: str, kind: str) -> Path:
+        return self.control_dir / f"{name}.{kind}"
+
+    async def _retag(self, record: LeaseLogRecord, holds: list[Hold]) -> None:
+        """Name the carved placeholders after the lease and set their time limit to its end
+        (after :data:`_RETAG_DELAY_S`: a process start must not hold up the lease message and
+        reply of the claim that carved them, which are still being published)."""
+        await asyncio.sleep(_RETAG_DELAY_S)
+        for h in holds:
+            argv = ["scontrol", "update", f"JobId={h.job_id}", f"Comment={COMMENT_PREFIX}{record.lease_id}"]
+            if record.ends_at is not None:
+                started = h.started_at if h.started_at is not None else self._clock()
+                argv.append(f"TimeLimit={max(1, math.ceil((record.ends_at - started) / 60.0))}")
+            if record.lease_id not in self._leases:
+                return  # ended meanwhile: its jobs are cancelled
+            try:
+                await self.scheduler.command(*argv)
+            except SchedulerError as e:
+                if record.lease_id not in self._leases:
+                    return
+                m.SCHEDULER_ERRORS.labels(operation="retag").inc()
+                log.error(
+                    "hold_retag_failed",
+                    extra={"lease_id": record.lease_id, "job_id": h.job_id, "error": str(e)},
+                )
+
+    async def _release(self, lease_id: str, holds: list[Hold]) -> None:
+        """``scancel`` the lease's jobs and wait until Slurm no longer runs them; observed in
+        ``gpupool_broker_hold_release_seconds``."""
+        t0 = time.perf_counter()
+        ids = [h.job_id for h in holds]
+        await self._cancel(ids, "release")
+        for _ in range(int(5.0 / 0.05)):
+            try:
+                running = [
+                    h
+                    for h in await self.scheduler.jobs()
+                    if h.job_id in ids and h.state is not HoldState.ENDED
+                ]
+            except SchedulerError:
+                running = holds
+            if not running:
+                m.HOLD_RELEASE.observe(time.perf_counter() - t0)
+                log.info(
+                    "hold_released",
+                    extra={"lease_id": lease_id, "job_ids": ids, "seconds": time.perf_counter() - t0},
+                )
+                return
+            await asyncio.sleep(0.05)
+        m.SCHEDULER_ERRORS.labels(operation="release").inc()
+        log.error("hold_release_slow", extra={"lease_id": lease_id, "job_ids": ids})
+
+    async def _cancel(self, job_ids: Sequence[str], operation: str) -> None:
+        try:
+            await self.scheduler.command("scancel", *job_ids)
+        except SchedulerError as e:
+            m.SCHEDULER_ERRORS.labels(operation=operation).inc()
+            log.error("scancel_failed", extra={"job_ids": list(job_ids), "error": str(e)})
+
+    async def _submit(self, host: str) -> None:
+        """One placeholder on ``host``."""
+        s = self.scheduler
+        gres = f"gpu:{s.gres_type}:1" if s.gres_type else "gpu:1"
+        argv = [
+            "sbatch", "--parsable", f"--partition={s.partition}", f"--nodelist={host}", "--nodes=1",
+            f"--gres={gres}", f"--cpus-per-task={s.cpus_per_gpu}", f"--time={self.placeholder_minutes}",
+            f"--signal=B:TERM@{max(1, math.ceil(self.notice_s))}", f"--job-name={JOB_NAME}",
+            f"--comment={IDLE_COMMENT}", f"--output={self.control_dir / 'placeholder-%j.out'}", "--no-requeue",
+        ]  # fmt: skip
+        try:
+            out = await s.command(*argv, stdin=placeholder_script(self.notice_s, self.control_dir))
+        except SchedulerError as e:
+            m.SCHEDULER_ERRORS.labels(operation="submit").inc()
+            log.error("placeholder_submit_failed", extra={"host": host, "error": str(e)})
+            return
+        else:
+            self._submitted[out.strip().split(";")[0]] = (host, self._clock())
+        finally:
+            self._submitting[host] -= 1
+
+    async def _watch_forever(self) -> None:
+        due = time.monotonic()
+        while True:  # at a fixed rate: a slow read does not stretch the period
+            due = max(due + self.poll_s, time.monotonic())
+            await asyncio.sleep(due - time.monotonic())
+            try:
+                await self._poll()
+            except asyncio.CancelledError:
+                raise
+            except SchedulerError as e:
+                m.SCHEDULER_ERRORS.labels(operation="read").inc()
+                log.error("scheduler_read_failed", extra={"error": str(e)})
+            except Exception:  # noqa: BLE001 — a bug in one poll must not stop watching
+                log.exception("lending_poll_failed")
+
+    async def _poll(self) -> None:
+        """One read of Slurm: preemptions and lost holds → reclaims; placeholders kept."""
+        jobs = {h.job_id: h for h in await self.scheduler.jobs() if h.state is not HoldState.ENDED}
+        now = self._clock()
+        confirm: list[Hold] = []
+        for lease_id, holds in list(self._leases.items()):
+            if lease_id in self._noticed:
+                continue
+            current = [jobs.get(h.job_id) for h in holds]
+            chosen = [h for h in current if h is not None and h.state is HoldState.PREEMPTED]
+            gone = [h.job_id for h, c in zip(holds, current, strict=True) if c is None]
+            if chosen:
+                self._noticed.add(lease_id)
+                deadline = min(
+                    (h.deadline for h in chosen if h.deadline is not None), default=now + self.notice_s
+                )
+                await self._notify(
+                    lease_id, deadline, f"{LeaseReason.SCHEDULER_PREEMPTED}:{chosen[0].job_id}"
+                )
+                if chosen[0].preempted_at is not None:
+                    m.PREEMPTION_NOTICE.observe(max(0.0, self._clock() - chosen[0].preempted_at))
+                confirm.extend(h for h in current if h is not None)
+            elif gone:
+                self._noticed.add(lease_id)
+                await self._notify(lease_id, now, f"{LeaseReason.HOLD_LOST}:{gone[0]}")
+        if confirm:  # every job of the lease gets SIGTERM (the workload drains), off the notices' path
+            self._background(self._confirm(confirm), "hold-confirm-notice")
+        self._keep_placeholders(jobs, now)
+        wanted: dict[str, set[int]] = {}
+        for key in self._offered():
+            where = self.gpu_map.locate(key)
+            if where is not None:
+                wanted.setdefault(where[0], set()).add(where[1])
+        for job_id, (_, since) in list(self._submitted.items()):
+            if job_id not in jobs:
+                del self._submitted[job_id]
+            elif jobs[job_id].state is HoldState.PENDING and now - since >= self.unwanted_grace_s:
+                del self._submitted[job_id]
+                await self._cancel([job_id], "release")
+        cancel: list[str] = []
+        for host, by_index in self._idle.items():
+            for index, h in by_index.items():
+                if index in wanted.get(host, ()):
+                    self._unwanted.pop(h.job_id, None)
+                elif now - self._unwanted.setdefault(h.job_id, now) >= self.unwanted_grace_s:
+                    cancel.append(h.job_id)
+        if cancel:
+            for by_index in self._idle.values():
+                for index in [i for i, h in by_index.items() if h.job_id in cancel]:
+                    del by_index[index]
+            await self._cancel(cancel, "release")
+        pending = dict(self._submitting)
+        for host, _ in self._submitted.values():
+            pending[host] = pending.get(host, 0) + 1
+        for host, indices in sorted(wanted.items()):
+            missing = len(indices - set(self._idle.get(host, {}))) - pending.get(host, 0)
+            for _ in range(max(0, missing)):  # in the background: the next read is not delayed
+                self._submitting[host] = self._submitting.get(host, 0) + 1
+                self._background(self._submit(host), f"placeholder-submit-{host}")
+        m.PLACEHOLDERS.set(sum(len(v) for v in self._idle.values()))
+
+    def _keep_placeholders(self, jobs: dict[str, Hold], now: float) -> None:
+        """Rebuild the idle placeholders from Slurm's jobs whose script has written its idle file
+        (those carved meanwhile stay out)."""
+        carved = {h.job_id for hs in self._leases.values() for h in hs}
+        idle: dict[str, dict[int, Hold]] = {}
+        for h in jobs.values():
+            if (
+                h.job_id in carved
+                or h.lease_id
+                or h.state is not HoldState.RUNNING
+                or len(h.gpu_indices) != 1
+            ):
+                continue
+            if not self._file(h.job_id, "idle").exists():
+                continue  # its script has not started yet (still counted as submitted)
+            idle.setdefault(h.host, {})[h.gpu_indices[0]] = h
+            self._submitted.pop(h.job_id, None)
+        self._idle = idle
+        for job_id in [j for j in self._unwanted if j not in jobs]:
+            del self._unwanted[job_id]
+
+    async def _confirm(self, holds: list[Hold]) -> None:
+        """:meth:`SlurmScheduler.confirm_notice` of each of ``holds``, at once."""
+        results = await asyncio.gather(
+            *(self.scheduler.confirm_notice(h) for h in holds), return_exceptions=True
+        )
+        for h, r in zip(holds, results, strict=True):
+            if isinstance(r, Exception):
+                m.SCHEDULER_ERRORS.labels(operation="signal").inc()
+                log.error("notice_signal_failed", extra={"job_id": h.job_id, "error": str(r)})
+
+    async def _notify(self, lease_id: str, deadline: float, reason: str) -> None:
+        log.info(
+            "scheduler_reclaim", extra={"lease_id": lease_id, "reclaim_deadline": deadline, "reason": reason}
+        )
+        if self._reclaim is not None:
+            await self._reclaim(lease_id, deadline, reason)
+
+    def _background(self, coro: Awaitable[None], name: str) -> None:
+        async def run() -> None:
+            await coro
+
+        task = asyncio.create_task(run(), name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def lending_from(settings: BrokerSettings, config: BrokerConfig, state_dir: Path) -> Lending:
+    """The :class:`Lending` of the ``[broker]`` settings group: :class:`NoLending` for
+    ``scheduler = "none"``, else a :class:`SlurmLending` on ``slurm_conf`` (its control folder
+    ``slurm_output_dir``, or ``<state_dir>/broker-slurm``). Raises ``ValueError`` or ``OSError``
+    for an unreadable ``slurm_gpu_map``."""
+    if settings.scheduler == "none":
+        return NoLending()
+    scheduler = SlurmScheduler(
+        settings.slurm_conf, partition=settings.slurm_partition, gres_type=settings.slurm_gres_type or None
+    )
+    return SlurmLending(
+        scheduler,
+        gpu_map=GpuMap.load(settings.slurm_gpu_map),
+        workloads=config.workloads,
+        notice_s=config.notice_s,
+        control_dir=settings.slurm_output_dir or state_dir / "broker-slurm",
+        poll_s=settings.slurm_poll_s,
+        placeholder_minutes=settings.slurm_placeholder_minutes,
+    )

@@ -1,0 +1,125 @@
+"""Placeholder holds: idle GPUs held ahead of time by one-GPU jobs in Slurm's lent partition,
+carved into leases on claim (as HTCondor's glide-ins hold slots), so no ``sbatch`` is on a
+claim's path.
+
+A placeholder is a batch job ``sbatch -p <lent> -w <node> --gres=gpu[:type]:1`` named
+``gpupool-lease`` with ``Comment=gpupool-idle`` (:data:`broker.scheduler_slurm.IDLE_COMMENT`).
+Slurm chooses its GPU; the GRES index it allocated (``scontrol show job -d``: ``IDX:``) is mapped
+to the GPU's key by a :class:`GpuMap`. Being in the lent partition, it is preempted by any pending
+training job that needs its GPU, exactly as a lease's hold is, whether or not gpupool runs.
+
+Carving a lease: the broker takes the placeholders on the lease's GPUs, renames each one's
+*idle* file (``<control dir>/<job id>.idle``, written by the script when it starts) to its
+*held* file (``<job id>.held``), renames the jobs ``Comment=gpupool-lease=<lease id>``
+and sets their time limit to the lease's end; the first one's *start* file
+(``<job id>.start``, a bash script) starts the workload with ``CUDA_VISIBLE_DEVICES`` = the GRES
+indices Slurm allocated to the lease's placeholders. The script (:func:`placeholder_script`)
+polls for its start file every 0.1 s.
+
+Signals (``--signal=B:TERM@<notice>``, ``preempt_send_user_signal``): an idle placeholder leaves
+at once on SIGTERM (training gets the GPU at Slurm's next scheduling pass) after renaming its idle
+file away; ``rename(2)`` is atomic, so either the broker carves it (and it stays, as a lease's
+hold, for the notice) or it leaves (and the claim is refused), never both; one running the
+workload forwards SIGTERM to it and leaves when it exits or ``notice`` seconds have passed; one
+of a lease without the workload keeps its GPU, at most ``notice`` seconds, while its held file
+exists (the broker removes it when the lease ends).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shlex
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from broker.scheduler_slurm import leave_function
+from contracts.topics import gpu_key
+
+_INDEX_ID = re.compile(r"^gpu(\d+)$")
+
+
+class GpuMap:
+    """Node-local GRES indices ↔ GPU keys (:func:`contracts.topics.gpu_key`).
+
+    Args:
+        uuids: node → the GPU UUIDs by index (``nvidia-smi --query-gpu=index,uuid`` on each
+            node); a node not listed uses keys ``<node>/gpu<index>`` (what telemetry sends for a
+            GPU known without a UUID).
+    """
+
+    def __init__(self, uuids: Mapping[str, Sequence[str]] | None = None) -> None:
+        self._uuids = {h: list(u) for h, u in (uuids or {}).items()}
+        self._where = {gpu_key(h, u): (h, i) for h, us in self._uuids.items() for i, u in enumerate(us)}
+
+    @classmethod
+    def load(cls, path: Path | None) -> GpuMap:
+        """A map from a JSON file ``{"<node>": ["<uuid of index 0>", ...]}``; ``None``: empty.
+        Raises ``ValueError`` on a file of another shape, ``OSError`` if it cannot be read."""
+        if path is None:
+            return cls()
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or not all(
+            isinstance(h, str) and isinstance(us, list) and all(isinstance(u, str) for u in us)
+            for h, us in data.items()
+        ):
+            raise ValueError(f"{path}: expected {{node: [uuid, ...]}}")
+        return cls(data)
+
+    def key(self, host: str, index: int) -> str:
+        """The key of GPU ``index`` on ``host``. Raises ``KeyError`` for an index the node's
+        UUID list does not have."""
+        uuids = self._uuids.get(host)
+        if uuids is None:
+            return gpu_key(host, f"gpu{index}")
+        if not 0 <= index < len(uuids):
+            raise KeyError(f"{host} has no GPU index {index} in the GPU map")
+        return gpu_key(host, uuids[index])
+
+    def locate(self, key: str) -> tuple[str, int] | None:
+        """``(host, index)`` of a GPU key, or ``None`` if it is not a whole GPU this map knows
+        (a MIG instance, a UUID not listed)."""
+        found = self._where.get(key)
+        if found is not None:
+            return found
+        host, _, rest = key.partition("/")
+        match = _INDEX_ID.match(rest)
+        if host and match and host not in self._uuids:
+            return host, int(match.group(1))
+        return None
+
+
+def placeholder_script(notice_s: float, control_dir: Path) -> str:
+    """The batch script of a placeholder (module docstring: start and held files, signals)."""
+    notice = max(0, math.ceil(notice_s))
+    ctl = shlex.quote(str(control_dir))
+    return f"""#!/bin/bash
+# gpupool placeholder: hold one GPU until a lease takes it; run the lease's workload; leave on notice.
+idle={ctl}/$SLURM_JOB_ID.idle
+held={ctl}/$SLURM_JOB_ID.held
+start={ctl}/$SLURM_JOB_ID.start
+{leave_function(notice, '"$held"')}# SIGTERM while idle: take the idle file away (rename: exactly one of this and a carving wins)
+# and leave at once; once carved (the broker renamed it to the held file), leave as a lease hold.
+trap 'if mv -T "$idle" "$idle.left" 2>/dev/null; then rm -f "$idle.left"; leaving=1; exit 0; fi; leave $notice_ds' TERM
+: >"$idle"
+echo "gpupool-placeholder start $(date +%s) CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES"
+while true; do
+    if [ -z "$child" ] && [ -f "$start" ]; then
+        bash "$start" &
+        child=$!
+    fi
+    sleep 0.1 & sleeper=$!; wait $sleeper
+done
+"""
+
+
+def start_script(argv: Sequence[str], gpu_indices: Sequence[int], lease_id: str) -> str:
+    """The start file of a lease's workload: ``CUDA_VISIBLE_DEVICES`` = ``gpu_indices`` (the
+    GRES indices Slurm allocated to the lease), ``GPUPOOL_LEASE_ID``, then ``exec`` of ``argv``
+    (the rendered profile, quoted with :func:`shlex.join`; never text from a site)."""
+    return (
+        f"export CUDA_VISIBLE_DEVICES={','.join(str(i) for i in sorted(gpu_indices))}\n"
+        f"export GPUPOOL_LEASE_ID={shlex.quote(lease_id)}\n"
+        f"exec {shlex.join(argv)}\n"
+    )
