@@ -355,7 +355,8 @@ def _sample_argv(flag: str, path: str) -> tuple[list[str], Any]:
         item = typing.get_args(annotation)[0]
         return [name, "a", name, "b"], [item("a"), item("b")]
     if typing.get_origin(annotation) is typing.Literal:
-        return [name, "4"], 4
+        value = typing.get_args(annotation)[-1]
+        return [name, str(value)], value
     if kind in (int, float):
         return [name, "3"], kind(3)
     if kind is Path:
