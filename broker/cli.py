@@ -56,6 +56,7 @@ from runtime.settings import RunFlags
 
 if TYPE_CHECKING:
     from broker.fabric_opensm import OpenSmFabric
+    from broker.metrics import FabricMetrics
 
 broker_app = typer.Typer(
     no_args_is_help=True, help="Broker: capacity → MQTT offers → leases; training demand."
@@ -293,6 +294,7 @@ def run(
     from pydantic import ValidationError
 
     from broker.config import broker_config_from
+    from broker.metrics import BrokerMetrics
     from broker.service import BrokerService
     from runtime.bus import make_bus
 
@@ -332,6 +334,7 @@ def run(
         config_ = broker_config_from(sb)
     except ValidationError as e:
         raise typer.BadParameter(str(e), param_hint="[broker] settings") from None
+    metrics = BrokerMetrics()
     fabric = None
     if sb.fabric_state is not None:
         fabric = opensm_fabric(
@@ -344,11 +347,12 @@ def run(
             qos_share_percent=sb.lent_share_percent if sb.fabric_qos else None,
             qos_vl=sb.fabric_lent_vl,
             audit_interval_s=sb.fabric_qos_audit_s,
+            metrics=metrics.fabric,
         )
     m_port, m_addr = settings.metrics.broker, settings.metrics.addr
     if m_port:
         try:
-            start_http_server(m_port, addr=m_addr)
+            start_http_server(m_port, addr=m_addr, registry=metrics.registry)
         except OSError as e:
             typer.echo(f"gpupool broker run: cannot serve /metrics on {m_addr}:{m_port}: {e}", err=True)
             raise typer.Exit(1) from None
@@ -373,6 +377,7 @@ def run(
             client_id=sb.client_id,
             tls=tls,
             lease_log_linger_ms=sb.lease_log_linger_ms,
+            metrics=metrics,
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -402,9 +407,10 @@ def opensm_fabric(
     qos_share_percent: float | None = None,
     qos_vl: int = 1,
     audit_interval_s: float = 300.0,
+    metrics: FabricMetrics | None = None,
 ) -> OpenSmFabric:
     """The OpenSM fabric manager for ``gpupool broker run`` (dry-run diffs go to stderr); the
-    ``qos_*`` and ``audit_interval_s`` arguments are :class:`OpenSmFabric`'s.
+    ``qos_*``, ``audit_interval_s`` and ``metrics`` arguments are :class:`OpenSmFabric`'s.
 
     ``hosts`` is a JSON object host → list of HCA node ids / port GUIDs. Raises
     ``typer.BadParameter`` when ``state`` or ``hosts`` cannot be read or the gateway is not an HCA.
@@ -434,6 +440,7 @@ def opensm_fabric(
             qos_share_percent=qos_share_percent,
             qos_vl=qos_vl,
             audit_interval_s=audit_interval_s,
+            metrics=metrics,
         )
     except (OSError, ValueError) as e:
         raise typer.BadParameter(f"--fabric-state {state}: {e}") from None

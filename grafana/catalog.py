@@ -3,7 +3,7 @@
 Three sources, each read from where it is defined:
 
 * gpupool's own metrics: the ``prometheus_client`` ``Counter`` / ``Gauge`` / ``Histogram`` /
-  ``Summary`` / ``Info`` / ``Enum`` objects created in the stages' ``metrics.py`` modules
+  ``Summary`` / ``Info`` / ``Enum`` objects (and :class:`runtime.metrics.StateGauge` gauges) created in the stages' ``metrics.py`` modules
   (``collectors/metrics.py``, ``collectors/fabric_metrics.py``, ``collectors/slurm_metrics.py``,
   ``analytics/metrics.py``, ``broker/metrics.py``, ``simulator/metrics.py``), read by parsing
   those files (no stage is imported). Exposed sample names follow the OpenMetrics rules
@@ -96,7 +96,9 @@ NODE_EXPORTER_INFINIBAND: Mapping[str, frozenset[str]] = {
 node_exporter 1.6 on. Source: prometheus/node_exporter ``collector/infiniband_linux.go``; all but
 ``symbol_error_total`` also appear in ``../shared/data/telemetry/node_exporter_e2e_output_infiniband.prom``."""
 
-_METRIC_CLASSES = frozenset({"Counter", "Gauge", "Histogram", "Summary", "Info", "Enum"})
+_METRIC_CLASSES = frozenset({"Counter", "Gauge", "Histogram", "Summary", "Info", "Enum", "StateGauge"})
+_KIND_OF = {"StateGauge": "Gauge"}
+"""Metric classes exposed as another kind (:class:`runtime.metrics.StateGauge`: a gauge read at scrape time)."""
 
 
 def gpupool_metrics(repo_root: Path) -> dict[str, tuple[str, frozenset[str]]]:
@@ -114,7 +116,7 @@ def gpupool_metrics(repo_root: Path) -> dict[str, tuple[str, frozenset[str]]]:
             kind = _call_name(node) if isinstance(node, ast.Call) else None
             if isinstance(node, ast.Call) and kind in _METRIC_CLASSES:
                 name, labels = _metric_literal(node, path)
-                found[name] = (str(kind), labels)
+                found[name] = (_KIND_OF.get(str(kind), str(kind)), labels)
     return found
 
 
