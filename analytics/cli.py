@@ -35,6 +35,7 @@ from rich.progress import (
 from rich.table import Table
 
 from analytics.classify import IdleConfig, idle_config_from
+from analytics.metrics import AnalyticsMetrics
 from analytics.evaluate import (
     TRACE_STEP_S,
     Evaluation,
@@ -233,11 +234,12 @@ def run(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     port, addr = settings.metrics.analytics, settings.metrics.addr
+    metrics = AnalyticsMetrics()
     if port:
         from prometheus_client import start_http_server
 
         try:
-            start_http_server(port, addr=addr)
+            start_http_server(port, addr=addr, registry=metrics.registry)
         except OSError as exc:
             typer.echo(f"gpupool analytics run: cannot serve /metrics on {addr}:{port}: {exc}", err=True)
             raise typer.Exit(1) from None
@@ -255,6 +257,7 @@ def run(
             settings.analytics.max_uplink_xmit_wait,
             s_idle.forget_after_s,
             settings.analytics.scheduler,
+            metrics=metrics,
         )
     )
 
@@ -272,6 +275,8 @@ async def _run(
     max_uplink_xmit_wait: float,
     forget_after_s: float,
     scheduler: bool = False,
+    *,
+    metrics: AnalyticsMetrics | None = None,
 ) -> None:
     bus = make_bus(kafka, client_id="gpupool-analytics")
     service = AnalyticsService(
@@ -287,6 +292,7 @@ async def _run(
         max_uplink_xmit_wait=max_uplink_xmit_wait,
         forget_after_s=forget_after_s,
         scheduler=scheduler,
+        metrics=metrics,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
