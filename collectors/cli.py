@@ -28,6 +28,7 @@ from runtime.settings import CollectorsSettings, RunFlags
 
 if TYPE_CHECKING:
     from collectors.fabric_collector import FabricCollector
+    from prometheus_client import CollectorRegistry
     from contracts.bus import Bus
 
 log = logging.getLogger(__name__)
@@ -290,7 +291,10 @@ def run(
             "--nvml-host, --fabric or --slurm-conf (or [collectors] dcgm_targets, file_sd, sysfs_roots, "
             "nvidia_smi, ufm_telemetry, nvml_host, fabric, slurm_conf in the settings)"
         )
-    _serve_metrics(settings.metrics.collectors, settings.metrics.addr)
+    from collectors.metrics import CollectorMetrics
+
+    metrics = CollectorMetrics()
+    _serve_metrics(settings.metrics.collectors, settings.metrics.addr, metrics.registry)
 
     async def _main() -> None:
         bus = make_bus(bootstrap, client_id="gpupool-collector")
@@ -311,16 +315,17 @@ def run(
             spool_dir=cs.spool_dir,
             spool_memory_records=cs.spool_memory_records,
             spool_disk_bytes=cs.spool_disk_bytes,
-            fabric=_fabric_collector(bus, topics, cs),
+            fabric=_fabric_collector(bus, topics, cs, metrics.registry),
             fabric_interval_s=cs.fabric_interval_s,
             fabric_discover_every=cs.fabric_discover_every,
             forget_after_s=cs.forget_after_s,
+            metrics=metrics,
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        slurm = _slurm_collector(bus, service.topics, cs.slurm_conf)
+        slurm = _slurm_collector(bus, service.topics, cs.slurm_conf, service.registry)
         try:
             async with exit_on_missing_topics("gpupool collect run", bus):
                 await service.start()
@@ -356,12 +361,15 @@ def run(
     asyncio.run(_main())
 
 
-def _fabric_collector(bus: Bus, topics: KafkaTopics, cs: CollectorsSettings) -> FabricCollector | None:
+def _fabric_collector(
+    bus: Bus, topics: KafkaTopics, cs: CollectorsSettings, registry: CollectorRegistry
+) -> FabricCollector | None:
     """The :class:`collectors.fabric_collector.FabricCollector` the ``[collectors]`` settings ask
-    for, or ``None`` when ``fabric`` is off."""
+    for (its metrics on ``registry``), or ``None`` when ``fabric`` is off."""
     if not cs.fabric:
         return None
     from collectors.fabric_collector import FabricCollector
+    from collectors.metrics import FabricCollectorMetrics
 
     return FabricCollector(
         bus,
@@ -369,28 +377,30 @@ def _fabric_collector(bus: Bus, topics: KafkaTopics, cs: CollectorsSettings) -> 
         run_prefix=cs.fabric_command_prefix,
         concurrency=cs.fabric_concurrency,
         timeout_s=cs.fabric_timeout_s,
+        metrics=FabricCollectorMetrics(registry),
     )
 
 
-def _slurm_collector(bus: Any, topics: KafkaTopics, slurm_conf: Path | None) -> Any:
-    """The Slurm source (:class:`collectors.slurm_collector.SlurmCollector`) for ``slurm_conf``,
-    ``None`` without one."""
+def _slurm_collector(bus: Any, topics: KafkaTopics, slurm_conf: Path | None, registry: CollectorRegistry) -> Any:
+    """The Slurm source (:class:`collectors.slurm_collector.SlurmCollector`) for ``slurm_conf``
+    (its metrics on ``registry``), ``None`` without one."""
     if slurm_conf is None:
         return None
+    from collectors.metrics import SlurmMetrics
     from collectors.slurm_collector import SlurmCollector
 
-    return SlurmCollector(bus, topics, slurm_conf=slurm_conf)
+    return SlurmCollector(bus, topics, slurm_conf=slurm_conf, metrics=SlurmMetrics(registry))
 
 
-def _serve_metrics(port: int, addr: str) -> None:
-    """Start the Prometheus /metrics server (port 0: none). Exit 1 with a message when the port
-    cannot be bound (in use, or an address this host does not have)."""
+def _serve_metrics(port: int, addr: str, registry: CollectorRegistry) -> None:
+    """Start the Prometheus /metrics server of ``registry`` (port 0: none). Exit 1 with a message
+    when the port cannot be bound (in use, or an address this host does not have)."""
     if not port:
         return
     from prometheus_client import start_http_server
 
     try:
-        start_http_server(port, addr=addr)
+        start_http_server(port, addr=addr, registry=registry)
     except OSError as e:
         typer.echo(f"gpupool collect run: cannot serve /metrics on {addr}:{port}: {e}", err=True)
         raise typer.Exit(1) from None

@@ -3,8 +3,8 @@
 Three sources, each read from where it is defined:
 
 * gpupool's own metrics: the ``prometheus_client`` ``Counter`` / ``Gauge`` / ``Histogram`` /
-  ``Summary`` / ``Info`` / ``Enum`` objects (and :class:`runtime.metrics.StateGauge` gauges) created in the stages' ``metrics.py`` modules
-  (``collectors/metrics.py``, ``collectors/fabric_metrics.py``, ``collectors/slurm_metrics.py``,
+  ``Summary`` / ``Info`` / ``Enum`` objects (and :class:`runtime.metrics.StateGauge` gauges)
+  created in the stages' ``metrics.py`` modules (``collectors/metrics.py``,
   ``analytics/metrics.py``, ``broker/metrics.py``, ``simulator/metrics.py``), read by parsing
   those files (no stage is imported). Exposed sample names follow the OpenMetrics rules
   prometheus_client applies: a counter ``x`` or ``x_total`` exposes ``x_total`` and ``x_created``; a
@@ -42,8 +42,6 @@ TARGET_LABELS: frozenset[str] = frozenset({"job", "instance"})
 
 STAGE_METRICS_MODULES: tuple[str, ...] = (
     "collectors/metrics.py",
-    "collectors/fabric_metrics.py",
-    "collectors/slurm_metrics.py",
     "analytics/metrics.py",
     "broker/metrics.py",
     "simulator/metrics.py",

@@ -753,4 +753,4 @@ async def test_two_brokers_in_one_process_keep_their_metrics_apart(mqtt_port: in
             assert metric(b, name, **labels) == 0, name
         assert metric(b, "gpupool_broker_leases", state="granted") == 0
         assert metric(a, "gpupool_broker_site_up", site="edge-a") == 1
-    assert not [m.name for m in REGISTRY.collect() if m.name.startswith("gpupool_")]
+    assert not [m.name for m in REGISTRY.collect() if m.name.startswith("gpupool_broker_")]
