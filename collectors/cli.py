@@ -362,10 +362,10 @@ def run(
 
 
 def _fabric_collector(
-    bus: Bus, topics: KafkaTopics, cs: CollectorsSettings, registry: CollectorRegistry
+    bus: Bus, topics: KafkaTopics, cs: CollectorsSettings, registry: CollectorRegistry | None = None
 ) -> FabricCollector | None:
     """The :class:`collectors.fabric_collector.FabricCollector` the ``[collectors]`` settings ask
-    for (its metrics on ``registry``), or ``None`` when ``fabric`` is off."""
+    for (its metrics on ``registry``; ``None``: one of its own), or ``None`` when ``fabric`` is off."""
     if not cs.fabric:
         return None
     from collectors.fabric_collector import FabricCollector
@@ -381,9 +381,11 @@ def _fabric_collector(
     )
 
 
-def _slurm_collector(bus: Any, topics: KafkaTopics, slurm_conf: Path | None, registry: CollectorRegistry) -> Any:
+def _slurm_collector(
+    bus: Any, topics: KafkaTopics, slurm_conf: Path | None, registry: CollectorRegistry | None = None
+) -> Any:
     """The Slurm source (:class:`collectors.slurm_collector.SlurmCollector`) for ``slurm_conf``
-    (its metrics on ``registry``), ``None`` without one."""
+    (its metrics on ``registry``; ``None``: one of its own), ``None`` without one."""
     if slurm_conf is None:
         return None
     from collectors.metrics import SlurmMetrics
