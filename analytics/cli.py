@@ -5,8 +5,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import csv
 import datetime as dt
 import io
@@ -14,7 +12,6 @@ import json
 import logging
 import math
 import re
-import signal
 import time
 from enum import StrEnum
 from pathlib import Path
@@ -34,8 +31,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from analytics.classify import IdleConfig, idle_config_from
-from analytics.metrics import AnalyticsMetrics
+from analytics.classify import idle_config_from
 from analytics.evaluate import (
     TRACE_STEP_S,
     Evaluation,
@@ -49,16 +45,10 @@ from analytics.service import AnalyticsService
 from analytics.store import AnalyticsStore, StoreSchemaError
 from contracts import KafkaTopics
 from runtime.bus import make_bus
-from runtime.run_options import (
-    ConfigOption,
-    KafkaOption,
-    MetricsAddrOption,
-    TopicPrefixOption,
-    exit_on_missing_topics,
-    load_run_settings,
-    metrics_port_option,
-)
-from runtime.settings import RunFlags
+from contracts.bus import Bus
+from runtime.run_options import settings_command
+from runtime.settings import DeploymentSettings, RunFlags
+from runtime.stage import run_stage
 
 log = logging.getLogger(__name__)
 
@@ -67,35 +57,21 @@ app = typer.Typer(
 )
 
 
-RUN_SETTINGS: dict[str, str] = {
-    "kafka": "kafka",
-    "db": "analytics_db",
-    "metrics_port": "metrics.analytics",
-    "metrics_addr": "metrics.addr",
-    "topic_prefix": "topic_prefix",
-    "group_id": "analytics.group_id",
-    "pool": "idle.pool",
-    "min_idle_s": "idle.min_idle_s",
-    "idle_threshold": "idle.idle_threshold",
-    "busy_threshold": "idle.busy_threshold",
-    "stale_after_s": "idle.stale_after_s",
-    "refresh_s": "idle.refresh_s",
-    "memory_limit": "analytics.memory_limit",
-    "lent_share_percent": "broker.lent_share_percent",
-    "max_uplink_xmit_wait": "analytics.max_uplink_xmit_wait",
-    "scheduler": "analytics.scheduler",
-}
-"""Parameter of ``run`` → the :class:`runtime.settings.DeploymentSettings` field it sets."""
+RUN_FLAGS = RunFlags(
+    "gpupool analytics run", "kafka", "analytics_db", "topic_prefix", "metrics.analytics", "metrics.addr",
+    "analytics.*", "idle.*", "broker.lent_share_percent",
+)  # fmt: skip
+"""The settings fields that are options of ``gpupool analytics run`` (each field's :class:`runtime.settings.Flag`
+names its option; :func:`runtime.run_options.settings_command` derives the options)."""
 
-
-_RUN = RunFlags("gpupool analytics run", RUN_SETTINGS)
-run_settings = _RUN.load
+run_settings = RUN_FLAGS.load
 """The settings ``gpupool analytics run`` runs with (:meth:`runtime.settings.RunFlags.load`)."""
-_setting = _RUN.help
 
 
-@app.command(
+@settings_command(
+    app,
     "run",
+    RUN_FLAGS,
     help="Run the analytics stage until Ctrl-C or SIGTERM: read GPU and InfiniBand telemetry from "
     "Kafka into a DuckDB file, decide which GPUs are idle, and publish capacity updates.\n\n"
     "Each option not given as a flag comes from its GPUPOOL_* variable, then the --config file, "
@@ -103,100 +79,11 @@ _setting = _RUN.help
     "can open the DuckDB file (gpupool analytics sql, maintain, report): stop it first, or work "
     "on a copy made while it was stopped.\n\n"
     "Exit code 2 on invalid settings, no Kafka configured or thresholds that do not fit together "
-    "(idle must be below busy); 1 when the metrics port cannot be bound or the DuckDB file cannot "
-    "be opened.",
+    "(idle must be below busy); 1 when Kafka cannot be reached, a topic is missing, the metrics "
+    "port cannot be bound or the DuckDB file cannot be opened.",
 )
-def run(
-    config: ConfigOption = None,
-    kafka: KafkaOption = None,
-    db: Annotated[
-        str | None,
-        typer.Option(
-            help="DuckDB file, created if new (default gpupool-analytics.duckdb)." + _setting("db")
-        ),
-    ] = None,
-    metrics_port: Annotated[int | None, metrics_port_option("analytics", 9411)] = None,
-    metrics_addr: MetricsAddrOption = None,
-    topic_prefix: TopicPrefixOption = None,
-    group_id: Annotated[
-        str | None,
-        typer.Option(help="Kafka consumer group (default gpupool-analytics)." + _setting("group_id")),
-    ] = None,
-    pool: Annotated[
-        str | None,
-        typer.Option(help="Pool name put on capacity updates (default default)." + _setting("pool")),
-    ] = None,
-    min_idle_s: Annotated[
-        float | None,
-        typer.Option(
-            help="Seconds of idle samples before a GPU is idle (default 60)." + _setting("min_idle_s")
-        ),
-    ] = None,
-    idle_threshold: Annotated[
-        float | None,
-        typer.Option(
-            help="Activity ratio at or below which a sample is idle (default 0.05)."
-            + _setting("idle_threshold")
-        ),
-    ] = None,
-    busy_threshold: Annotated[
-        float | None,
-        typer.Option(
-            help="Activity ratio at or above which a GPU is busy (default 0.10)." + _setting("busy_threshold")
-        ),
-    ] = None,
-    stale_after_s: Annotated[
-        float | None,
-        typer.Option(
-            help="A GPU not sampled this long is unknown, seconds (default 30)." + _setting("stale_after_s")
-        ),
-    ] = None,
-    refresh_s: Annotated[
-        float | None,
-        typer.Option(
-            help="Re-publish every GPU's update at least this often, seconds (default 30)."
-            + _setting("refresh_s")
-        ),
-    ] = None,
-    memory_limit: Annotated[
-        str | None,
-        typer.Option(
-            help="Memory the analytics process may use, e.g. 2GB; DuckDB gets 60 % of it "
-            "(default: DuckDB's own limit)." + _setting("memory_limit")
-        ),
-    ] = None,
-    lent_share_percent: Annotated[
-        float | None,
-        typer.Option(
-            min=0.4,
-            max=50.0,
-            help="The lent-share bound, percent of a link lent traffic may take: a node is offered "
-            "only while the busiest uplink of its leaf switch (from fabric.topology and the switch "
-            "ports' counters) has at least this much headroom left by training "
-            "(default 10, the broker's QoS bound)." + _setting("lent_share_percent"),
-        ),
-    ] = None,
-    max_uplink_xmit_wait: Annotated[
-        float | None,
-        typer.Option(
-            min=0.0,
-            max=1.0,
-            help="A node is not offered while an uplink of its leaf waits for credits more than "
-            "this: XmitWait / (XmitWait + XmitData), 0..1; 1: no check (default 0.5)."
-            + _setting("max_uplink_xmit_wait"),
-        ),
-    ] = None,
-    scheduler: Annotated[
-        bool | None,
-        typer.Option(
-            "--scheduler/--no-scheduler",
-            help="Join the training scheduler's state (telemetry.scheduler, from gpupool collect run "
-            "--slurm-conf): offer a GPU only when the scheduler has it unallocated, never promise past "
-            "a pending job's planned start on its node (default off)." + _setting("scheduler"),
-        ),
-    ] = None,
-) -> None:
-    """Run the analytics stage against Kafka until SIGINT/SIGTERM.
+def run(settings: DeploymentSettings) -> None:
+    """Run the analytics stage against Kafka until SIGINT/SIGTERM (:func:`runtime.stage.run_stage`).
 
     Every option can also come from the deployment's settings (runtime/settings.py): a flag
     wins over its GPUPOOL_* variable (e.g. GPUPOOL_KAFKA, GPUPOOL_ANALYTICS_DB,
@@ -204,108 +91,36 @@ def run(
     the idle, analytics and metrics tables), which wins over the defaults.
 
     Exit code 2 on invalid settings, no Kafka configured, or a bad threshold (``IdleConfig``
-    raises ``ValueError``); 1 when the /metrics port cannot be bound; the error of the bus or of
-    DuckDB (locked or incompatible file) otherwise.
+    raises ``ValueError``); 1 when a start fails (Kafka unreachable, a topic missing, the DuckDB
+    file locked or incompatible) or the /metrics port cannot be bound.
     """
-    settings = load_run_settings(
-        _RUN,
-        config,
-        kafka=kafka,
-        db=db,
-        metrics_port=metrics_port,
-        metrics_addr=metrics_addr,
-        topic_prefix=topic_prefix,
-        group_id=group_id,
-        pool=pool,
-        min_idle_s=min_idle_s,
-        idle_threshold=idle_threshold,
-        busy_threshold=busy_threshold,
-        stale_after_s=stale_after_s,
-        refresh_s=refresh_s,
-        memory_limit=memory_limit,
-        lent_share_percent=lent_share_percent,
-        max_uplink_xmit_wait=max_uplink_xmit_wait,
-        scheduler=scheduler,
-    )
-    assert settings.kafka is not None  # load_run_settings guarantees it
-    s_idle = settings.idle
+    assert settings.kafka is not None  # settings_command guarantees it
+    kafka, s_idle = settings.kafka, settings.idle
     try:
         idle = idle_config_from(s_idle)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    port, addr = settings.metrics.analytics, settings.metrics.addr
-    metrics = AnalyticsMetrics()
-    if port:
-        from prometheus_client import start_http_server
 
-        try:
-            start_http_server(port, addr=addr, registry=metrics.registry)
-        except OSError as exc:
-            typer.echo(f"gpupool analytics run: cannot serve /metrics on {addr}:{port}: {exc}", err=True)
-            raise typer.Exit(1) from None
-    asyncio.run(
-        _run(
-            settings.kafka,
-            str(settings.analytics_db),
-            idle,
-            KafkaTopics(settings.topic_prefix),
-            settings.analytics.group_id,
-            s_idle.pool,
-            s_idle.refresh_s,
-            settings.analytics.memory_limit,
-            settings.broker.lent_share_percent / 100.0,
-            settings.analytics.max_uplink_xmit_wait,
-            s_idle.forget_after_s,
-            settings.analytics.scheduler,
-            metrics=metrics,
+    def build() -> tuple[AnalyticsService, Bus]:
+        bus = make_bus(kafka, client_id="gpupool-analytics")
+        service = AnalyticsService(
+            bus=bus,
+            topics=KafkaTopics(settings.topic_prefix),
+            db_path=str(settings.analytics_db),
+            idle=idle,
+            group_id=settings.analytics.group_id,
+            pool=s_idle.pool,
+            refresh_s=s_idle.refresh_s,
+            memory_limit=settings.analytics.memory_limit,
+            lent_share=settings.broker.lent_share_percent / 100.0,
+            max_uplink_xmit_wait=settings.analytics.max_uplink_xmit_wait,
+            forget_after_s=s_idle.forget_after_s,
+            scheduler=settings.analytics.scheduler,
         )
-    )
+        return service, bus
 
-
-async def _run(
-    kafka: str,
-    db: str,
-    idle: IdleConfig,
-    topics: KafkaTopics,
-    group_id: str,
-    pool: str,
-    refresh_s: float,
-    memory_limit: str | None,
-    lent_share: float,
-    max_uplink_xmit_wait: float,
-    forget_after_s: float,
-    scheduler: bool = False,
-    *,
-    metrics: AnalyticsMetrics | None = None,
-) -> None:
-    bus = make_bus(kafka, client_id="gpupool-analytics")
-    service = AnalyticsService(
-        bus=bus,
-        topics=topics,
-        db_path=db,
-        idle=idle,
-        group_id=group_id,
-        pool=pool,
-        refresh_s=refresh_s,
-        memory_limit=memory_limit,
-        lent_share=lent_share,
-        max_uplink_xmit_wait=max_uplink_xmit_wait,
-        forget_after_s=forget_after_s,
-        scheduler=scheduler,
-        metrics=metrics,
-    )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    async with exit_on_missing_topics("gpupool analytics run", bus):
-        await service.start()
-    try:
-        await service.run(stop)
-    finally:
-        await service.stop()
-        await bus.close()
+    metrics = settings.metrics
+    run_stage("gpupool analytics run", build, metrics_port=metrics.analytics, metrics_addr=metrics.addr)
 
 
 class OutputFormat(StrEnum):

@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
-import signal
 import sys
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Coroutine
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Protocol
+from typing import TYPE_CHECKING, Annotated, Any, Protocol, TypeVar
 
 import typer
 
@@ -43,16 +44,9 @@ from contracts import (
 from contracts.base import decode_compatible
 from contracts.bus import Bus, Consumer, MissingTopicsError, TopicPartition, require_topics
 from contracts.mqtt import Requirements
-from runtime.run_options import (
-    ConfigOption,
-    KafkaOption,
-    MetricsAddrOption,
-    TopicPrefixOption,
-    exit_on_missing_topics,
-    load_run_settings,
-    metrics_port_option,
-)
-from runtime.settings import RunFlags
+from runtime.run_options import derived_command, settings_command
+from runtime.settings import DeploymentSettings, RunFlags
+from runtime.stage import run_stage
 
 if TYPE_CHECKING:
     from broker.fabric_opensm import OpenSmFabric
@@ -62,6 +56,8 @@ broker_app = typer.Typer(
     no_args_is_help=True, help="Broker: capacity → MQTT offers → leases; training demand."
 )
 edge_app = typer.Typer(no_args_is_help=True, help="Edge-site client: offers, claim, renew, release, watch.")
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 _Mqtt = Annotated[str, typer.Option("--mqtt", envvar="GPUPOOL_MQTT", help="MQTT server host:port.")]
 _Protocol = Annotated[int, typer.Option(help="MQTT protocol: 5, or 4 for MQTT 3.1.1.")]
@@ -125,158 +121,18 @@ def _print(obj: Record | dict[str, object] | list[object]) -> None:
 
 
 # broker ----------------------------------------------------------------------------------------------
-RUN_SETTINGS: dict[str, str] = {
-    "kafka": "kafka",
-    "mqtt": "mqtt",
-    "username": "mqtt_username",
-    "password": "mqtt_password",
-    "protocol": "mqtt_protocol",
-    "root": "mqtt_root",
-    "topic_prefix": "topic_prefix",
-    "group_id": "broker.group_id",
-    "client_id": "broker.client_id",
-    "metrics_port": "metrics.broker",
-    "metrics_addr": "metrics.addr",
-    "offer_ttl": "broker.offer_ttl_s",
-    "notice": "broker.notice_s",
-    "lease_ttl": "broker.lease_ttl_s",
-    "fabric_state": "broker.fabric_state",
-    "fabric_gateway": "broker.fabric_gateway",
-    "fabric_hosts": "broker.fabric_hosts",
-    "fabric_sl": "broker.fabric_sl",
-    "fabric_timeout": "broker.fabric_timeout_s",
-    "fabric_dry_run": "broker.fabric_dry_run",
-    "mqtt_cafile": "mqtt_cafile",
-    "mqtt_certfile": "mqtt_certfile",
-    "mqtt_keyfile": "mqtt_keyfile",
-    "lease_log_linger_ms": "broker.lease_log_linger_ms",
-    "tune_gc": "broker.tune_gc",
-}
-"""Parameter of ``broker run`` → the :class:`runtime.settings.DeploymentSettings` field it sets."""
+RUN_FLAGS = RunFlags(
+    "gpupool broker run", "kafka", "mqtt*", "topic_prefix", "metrics.broker", "metrics.addr", "broker.*"
+)
+"""The settings fields that are options of ``gpupool broker run`` (each field's :class:`runtime.settings.Flag`
+names its option; :func:`runtime.run_options.settings_command` derives the options)."""
 
-
-_RUN = RunFlags("gpupool broker run", RUN_SETTINGS)
-run_settings = _RUN.load
+run_settings = RUN_FLAGS.load
 """The settings ``gpupool broker run`` runs with (:meth:`runtime.settings.RunFlags.load`)."""
-_setting = _RUN.help
 
 
-@broker_app.command("run")
-def run(
-    config: ConfigOption = None,
-    kafka: KafkaOption = None,
-    mqtt: Annotated[
-        str | None,
-        typer.Option("--mqtt", help="MQTT server host:port (default 127.0.0.1:1883)." + _setting("mqtt")),
-    ] = None,
-    username: Annotated[
-        str | None, typer.Option(help="MQTT user (default gpupool-broker)." + _setting("username"))
-    ] = None,
-    password: Annotated[
-        str | None,
-        typer.Option(
-            help="MQTT password; better GPUPOOL_MQTT_PASSWORD, which keeps it off the command line."
-            + _setting("password")
-        ),
-    ] = None,
-    protocol: Annotated[
-        int | None,
-        typer.Option(help="MQTT protocol: 5, or 4 for MQTT 3.1.1 (default 5)." + _setting("protocol")),
-    ] = None,
-    root: Annotated[
-        str | None, typer.Option(help="MQTT topic root (default gpupool/v1)." + _setting("root"))
-    ] = None,
-    topic_prefix: TopicPrefixOption = None,
-    group_id: Annotated[
-        str | None,
-        typer.Option(
-            help="Kafka consumer group of capacity and demand, one per deployment (default "
-            "gpupool-broker)." + _setting("group_id")
-        ),
-    ] = None,
-    client_id: Annotated[
-        str | None,
-        typer.Option(
-            help="MQTT client id; the broker's persistent session is kept under it (default "
-            "gpupool-broker)." + _setting("client_id")
-        ),
-    ] = None,
-    metrics_port: Annotated[int | None, metrics_port_option("broker", 9412)] = None,
-    metrics_addr: MetricsAddrOption = None,
-    offer_ttl: Annotated[
-        float | None, typer.Option(help="Offer lifetime, seconds (default 60)." + _setting("offer_ttl"))
-    ] = None,
-    notice: Annotated[
-        float | None,
-        typer.Option(help="Reclaim notice of each lease, seconds (default 30)." + _setting("notice")),
-    ] = None,
-    lease_ttl: Annotated[
-        float | None,
-        typer.Option(help="Lease TTL between renewals, seconds (default 60)." + _setting("lease_ttl")),
-    ] = None,
-    fabric_state: Annotated[
-        Path | None,
-        typer.Option(
-            help="fabric.json of an OpenSM fabric (deploy/local/fabric.sh): isolate every lease in a "
-            "partition verified on the fabric. Without it, fabric isolation is disabled."
-            + _setting("fabric_state"),
-        ),
-    ] = None,
-    fabric_gateway: Annotated[
-        str | None,
-        typer.Option(
-            help="Node id or port GUID of the edge gateway's HCA, a full member (default edge-gw)."
-            + _setting("fabric_gateway")
-        ),
-    ] = None,
-    fabric_hosts: Annotated[
-        Path | None,
-        typer.Option(
-            help='JSON file {"<gpu host>": ["<HCA node id or port GUID>", ...]}; default: hosts '
-            "ending in N map to the Nth compute HCA." + _setting("fabric_hosts")
-        ),
-    ] = None,
-    fabric_sl: Annotated[
-        int | None,
-        typer.Option(help="Service level of inference traffic, 0..15 (default 1)." + _setting("fabric_sl")),
-    ] = None,
-    fabric_timeout: Annotated[
-        float | None,
-        typer.Option(
-            help="Seconds to wait for the fabric to show a partition change (default 20)."
-            + _setting("fabric_timeout")
-        ),
-    ] = None,
-    fabric_dry_run: Annotated[
-        bool | None,
-        typer.Option(
-            "--fabric-dry-run/--no-fabric-dry-run",
-            help="Print the partitions.conf/qos-policy.conf diff of each lease on stderr and change "
-            "nothing (leases are then refused: isolation_failed)." + _setting("fabric_dry_run"),
-        ),
-    ] = None,
-    mqtt_cafile: _CaFile = None,
-    mqtt_certfile: _CertFile = None,
-    mqtt_keyfile: _KeyFile = None,
-    lease_log_linger_ms: Annotated[
-        float | None,
-        typer.Option(
-            min=0,
-            help="Batching delay of the lease-log producer, ms: every claim waits for its lease to "
-            "be logged, so keep it small (Kafka's throughput default is 20; default 0)."
-            + _setting("lease_log_linger_ms"),
-        ),
-    ] = None,
-    tune_gc: Annotated[
-        bool | None,
-        typer.Option(
-            "--tune-gc/--no-tune-gc",
-            help="After the start, freeze the objects alive then, and every second the young "
-            "survivors (broker.service.tune_gc): no full GC pause walks the lease book (default on)."
-            + _setting("tune_gc"),
-        ),
-    ] = None,
-) -> None:
+@settings_command(broker_app, "run", RUN_FLAGS)
+def run(settings: DeploymentSettings) -> None:
     """Run the broker stage until SIGINT/SIGTERM.
 
     Reads capacity and pool demand from Kafka, offers idle GPUs over MQTT, turns claims into leases
@@ -288,53 +144,24 @@ def run(
     wins over its GPUPOOL_* variable (GPUPOOL_KAFKA, GPUPOOL_MQTT, GPUPOOL_MQTT_PASSWORD,
     GPUPOOL_BROKER__NOTICE_S...), which wins over the --config TOML file (kafka, mqtt*, the broker
     and metrics tables), which wins over the defaults. Exit status 2 on invalid settings or no Kafka
-    configured, 1 when the /metrics port cannot be bound.
+    configured; 1 when Kafka cannot be reached, a topic is missing or the /metrics port cannot be
+    bound.
     """
-    from prometheus_client import start_http_server
     from pydantic import ValidationError
 
     from broker.config import broker_config_from
     from broker.metrics import BrokerMetrics
-    from broker.service import BrokerService
+    from broker.service import BrokerService, tune_gc
     from runtime.bus import make_bus
 
-    settings = load_run_settings(
-        _RUN,
-        config,
-        kafka=kafka,
-        mqtt=mqtt,
-        username=username,
-        password=password,
-        protocol=protocol,
-        root=root,
-        topic_prefix=topic_prefix,
-        group_id=group_id,
-        client_id=client_id,
-        metrics_port=metrics_port,
-        metrics_addr=metrics_addr,
-        offer_ttl=offer_ttl,
-        notice=notice,
-        lease_ttl=lease_ttl,
-        fabric_state=fabric_state,
-        fabric_gateway=fabric_gateway,
-        fabric_hosts=fabric_hosts,
-        fabric_sl=fabric_sl,
-        fabric_timeout=fabric_timeout,
-        fabric_dry_run=fabric_dry_run,
-        mqtt_cafile=mqtt_cafile,
-        mqtt_certfile=mqtt_certfile,
-        mqtt_keyfile=mqtt_keyfile,
-        lease_log_linger_ms=lease_log_linger_ms,
-        tune_gc=tune_gc,
-    )
-    bootstrap = settings.kafka
-    sb = settings.broker
+    assert settings.kafka is not None  # settings_command guarantees it
+    bootstrap, sb = settings.kafka, settings.broker
     host, port = _host_port(settings.mqtt)
     try:
-        config_ = broker_config_from(sb)
+        config = broker_config_from(sb)
     except ValidationError as e:
         raise typer.BadParameter(str(e), param_hint="[broker] settings") from None
-    metrics = BrokerMetrics()
+    broker_metrics = BrokerMetrics()  # the service's registry, the fabric manager's metrics on it
     fabric = None
     if sb.fabric_state is not None:
         fabric = opensm_fabric(
@@ -347,21 +174,12 @@ def run(
             qos_share_percent=sb.lent_share_percent if sb.fabric_qos else None,
             qos_vl=sb.fabric_lent_vl,
             audit_interval_s=sb.fabric_qos_audit_s,
-            metrics=metrics.fabric,
+            metrics=broker_metrics.fabric,
         )
-    m_port, m_addr = settings.metrics.broker, settings.metrics.addr
-    if m_port:
-        try:
-            start_http_server(m_port, addr=m_addr, registry=metrics.registry)
-        except OSError as e:
-            typer.echo(f"gpupool broker run: cannot serve /metrics on {m_addr}:{m_port}: {e}", err=True)
-            raise typer.Exit(1) from None
     secret = settings.mqtt_password.get_secret_value() if settings.mqtt_password is not None else None
     tls = tls_options(settings.mqtt_cafile, settings.mqtt_certfile, settings.mqtt_keyfile)
 
-    async def _main() -> None:
-        from broker.service import tune_gc as _tune_gc
-
+    def build() -> tuple[BrokerService, Bus]:
         bus = make_bus(bootstrap, client_id=sb.client_id)
         service = BrokerService(
             bus=bus,
@@ -372,28 +190,23 @@ def run(
             mqtt_password=secret,
             root=settings.mqtt_root,
             protocol=settings.mqtt_protocol,
-            config=config_,
+            config=config,
             fabric=fabric,
             client_id=sb.client_id,
             tls=tls,
             lease_log_linger_ms=sb.lease_log_linger_ms,
-            metrics=metrics,
+            metrics=broker_metrics,
         )
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        async with exit_on_missing_topics("gpupool broker run", bus):
-            await service.start()
-        if sb.tune_gc:
-            _tune_gc()
-        try:
-            await service.run(stop)
-        finally:
-            await service.stop()
-            await bus.close()
+        return service, bus
 
-    asyncio.run(_main())
+    metrics = settings.metrics
+    run_stage(
+        "gpupool broker run",
+        build,
+        metrics_port=metrics.broker,
+        metrics_addr=metrics.addr,
+        started=tune_gc if sb.tune_gc else None,
+    )
 
 
 def opensm_fabric(
@@ -446,23 +259,19 @@ def opensm_fabric(
         raise typer.BadParameter(f"--fabric-state {state}: {e}") from None
 
 
-DEMAND_SETTINGS: dict[str, str] = {"kafka": "kafka", "topic_prefix": "topic_prefix"}
-"""Parameter of ``broker demand`` → the :class:`runtime.settings.DeploymentSettings` field it sets."""
-
-_DEMAND = RunFlags("gpupool broker demand", DEMAND_SETTINGS)
+DEMAND_FLAGS = RunFlags("gpupool broker demand", "kafka", "topic_prefix")
+"""The settings fields that are options of ``gpupool broker demand``."""
 
 
-@broker_app.command("demand")
+@settings_command(broker_app, "demand", DEMAND_FLAGS)
 def demand(
-    kafka: KafkaOption = None,
+    settings: DeploymentSettings,
     count: Annotated[int, typer.Option(help="Take back this many leased GPUs (0 with no --gpu: all).")] = 0,
     gpu: Annotated[
         list[str] | None, typer.Option(help="GPU key host/uuid[/gi] to take back; repeatable.")
     ] = None,
     reason: Annotated[str, typer.Option(help="Why (the training job), for the log.")] = "cli",
     force: Annotated[bool, typer.Option(help="Cut a lease's minimum guaranteed duration short.")] = False,
-    topic_prefix: TopicPrefixOption = None,
-    config: ConfigOption = None,
     wait: Annotated[
         float,
         typer.Option(
@@ -489,8 +298,7 @@ def demand(
         raise typer.BadParameter("--count must be >= 0")
     if wait < 0:
         raise typer.BadParameter("--wait must be >= 0")
-    settings = load_run_settings(_DEMAND, config, kafka=kafka, topic_prefix=topic_prefix)
-    assert settings.kafka is not None  # load_run_settings guarantees it
+    assert settings.kafka is not None  # settings_command guarantees it
     topics = KafkaTopics(prefix=settings.topic_prefix)
     record = PoolDemand(
         demand_id=f"cli-{uuid.uuid4().hex[:12]}",
@@ -705,31 +513,84 @@ def edge_tls(
     return tls_options(*chosen)
 
 
-def _edge(
-    mqtt: str,
-    site: str,
-    username: str | None,
-    password: str | None,
-    protocol: int,
-    root: str,
-    timeout: float,
-    tls: TlsOptions | None,
-    persistent: bool = False,
-) -> EdgeClient:
-    host, port = _host_port(mqtt)
-    return EdgeClient(
-        site=site,
-        host=host,
-        port=port,
-        username=username or site,
-        password=password,
-        root=root,
-        protocol=protocol,
-        persistent=persistent,
-        announce=False,
-        connect_timeout_s=timeout,
-        tls=tls,
-    )
+@dataclass(frozen=True)
+class EdgeConnection:
+    """How an edge command reaches the broker: the options every ``gpupool edge`` command shares
+    (:func:`edge_command` adds them).
+
+    Attributes:
+        site: the edge site's name (MQTT topics ``<root>/sites/<site>/...``).
+        mqtt: MQTT server ``host:port``.
+        username / password: MQTT login; ``username`` ``None``: the site name.
+        protocol: 5, or 4 for MQTT 3.1.1.
+        root: MQTT topic root.
+        timeout: how long to wait for the broker, seconds.
+        tls: MQTT over TLS, ``None``: plain TCP.
+    """
+
+    site: str
+    mqtt: str
+    username: str | None
+    password: str | None
+    protocol: int
+    root: str
+    timeout: float
+    tls: TlsOptions | None
+
+    def client(self, *, persistent: bool = False) -> EdgeClient:
+        """An :class:`broker.edge.EdgeClient` of this connection (not connected: ``async with``
+        it). Raises ``typer.BadParameter`` when ``mqtt`` is not ``host:port``."""
+        host, port = _host_port(self.mqtt)
+        return EdgeClient(
+            site=self.site,
+            host=host,
+            port=port,
+            username=self.username or self.site,
+            password=self.password,
+            root=self.root,
+            protocol=self.protocol,
+            persistent=persistent,
+            announce=False,
+            connect_timeout_s=self.timeout,
+            tls=self.tls,
+        )
+
+
+def _edge_parameters(timeout: float) -> list[inspect.Parameter]:
+    """The connection options of an edge command, ``--timeout`` defaulting to ``timeout`` s."""
+    kw = inspect.Parameter.KEYWORD_ONLY
+    return [
+        inspect.Parameter("ctx", kw, annotation=typer.Context),
+        inspect.Parameter("site", kw, annotation=_Site),
+        inspect.Parameter("mqtt", kw, default="127.0.0.1:1883", annotation=_Mqtt),
+        inspect.Parameter("username", kw, default=None, annotation=_SiteUser),
+        inspect.Parameter("password", kw, default=None, annotation=_Password),
+        inspect.Parameter("protocol", kw, default=5, annotation=_Protocol),
+        inspect.Parameter("root", kw, default="gpupool/v1", annotation=_Root),
+        inspect.Parameter("timeout", kw, default=timeout, annotation=_Timeout),
+        inspect.Parameter("mqtt_cafile", kw, default=None, annotation=_CaFile),
+        inspect.Parameter("mqtt_certfile", kw, default=None, annotation=_CertFile),
+        inspect.Parameter("mqtt_keyfile", kw, default=None, annotation=_KeyFile),
+    ]
+
+
+def _edge_connection(values: dict[str, Any]) -> EdgeConnection:
+    tls = edge_tls(values.pop("ctx"), *(values.pop(name) for name in _TLS_PARAMS))
+    return EdgeConnection(tls=tls, **values)
+
+
+def edge_command(name: str, *, timeout: float) -> Callable[[F], F]:
+    """Register ``func`` as ``gpupool edge NAME`` with the shared connection options (``--site``,
+    ``--mqtt``, ``--username``, ``--password``, ``--protocol``, ``--root``, ``--timeout`` defaulting
+    to ``timeout`` seconds, ``--mqtt-cafile/--mqtt-certfile/--mqtt-keyfile``: :func:`edge_tls`)
+    after its own; ``func`` gets them as its ``conn`` parameter (:class:`EdgeConnection`).
+    Returns ``func`` unchanged."""
+
+    def register(func: F) -> F:
+        edge_app.command(name)(derived_command(func, "conn", _edge_parameters(timeout), _edge_connection))
+        return func
+
+    return register
 
 
 def _run_edge(coro_factory: Callable[[], Coroutine[Any, Any, None]]) -> None:
@@ -751,46 +612,36 @@ def _run_edge(coro_factory: Callable[[], Coroutine[Any, Any, None]]) -> None:
         raise typer.Exit(1) from None
 
 
-@edge_app.command("offers")
-def offers(
-    ctx: typer.Context,
-    site: _Site,
-    mqtt: _Mqtt = "127.0.0.1:1883",
-    username: _SiteUser = None,
-    password: _Password = None,
-    protocol: _Protocol = 5,
-    root: _Root = "gpupool/v1",
-    timeout: _Timeout = 2.0,
-    mqtt_cafile: _CaFile = None,
-    mqtt_certfile: _CertFile = None,
-    mqtt_keyfile: _KeyFile = None,
-) -> None:
-    """Print the live offers as a JSON list of Offer objects (contracts/mqtt.py)."""
-
-    tls = edge_tls(ctx, mqtt_cafile, mqtt_certfile, mqtt_keyfile)
+def _print_answer(conn: EdgeConnection, ask: Callable[[EdgeClient], Awaitable[Record]]) -> None:
+    """Connect, print what ``ask(client)`` answers as JSON, disconnect; exits as :func:`_run_edge`."""
 
     async def _main() -> None:
-        async with _edge(mqtt, site, username, password, protocol, root, timeout, tls) as client:
-            found: list[Offer] = await client.offers(timeout_s=timeout)
+        async with conn.client() as client:
+            answer = await ask(client)
+        _print(answer)
+
+    _run_edge(_main)
+
+
+@edge_command("offers", timeout=2.0)
+def offers(conn: EdgeConnection) -> None:
+    """Print the live offers as a JSON list of Offer objects (contracts/mqtt.py)."""
+
+    async def _main() -> None:
+        async with conn.client() as client:
+            found: list[Offer] = await client.offers(timeout_s=conn.timeout)
         _print([o.model_dump(mode="json") for o in found])
 
     _run_edge(_main)
 
 
-@edge_app.command("claim")
+@edge_command("claim", timeout=5.0)
 def claim(
-    ctx: typer.Context,
-    site: _Site,
+    conn: EdgeConnection,
     offer_id: Annotated[
         str | None,
         typer.Argument(help="The offer to claim; omit it to let the broker match --count GPUs to offers."),
     ] = None,
-    mqtt: _Mqtt = "127.0.0.1:1883",
-    username: _SiteUser = None,
-    password: _Password = None,
-    protocol: _Protocol = 5,
-    root: _Root = "gpupool/v1",
-    timeout: _Timeout = 5.0,
     gpu: Annotated[list[str] | None, typer.Option(help="GPU key of the offer to take; repeatable.")] = None,
     count: Annotated[
         int, typer.Option(help="How many GPUs when no --gpu (0: all of the offer; >= 1 without an offer).")
@@ -826,9 +677,6 @@ def claim(
     memory_held: Annotated[
         bool, typer.Option(help="Accept GPUs whose memory a resident model holds. Matching only.")
     ] = True,
-    mqtt_cafile: _CaFile = None,
-    mqtt_certfile: _CertFile = None,
-    mqtt_keyfile: _KeyFile = None,
 ) -> None:
     """Claim an offer (OFFER_ID), or --count GPUs that meet the requirements (no OFFER_ID: the broker
     picks one node, else several under one leaf switch): print the granted LeaseMessage as JSON
@@ -849,118 +697,65 @@ def claim(
         allow_cross_leaf=cross_leaf,
         allow_memory_held=memory_held,
     )
+    timeout = conn.timeout
 
-    tls = edge_tls(ctx, mqtt_cafile, mqtt_certfile, mqtt_keyfile)
+    async def ask(client: EdgeClient) -> LeaseMessage:
+        if offer_id is None:
+            return await client.request(
+                count,
+                requirements,
+                duration_seconds=duration,
+                min_notice_seconds=min_notice,
+                min_duration_seconds=min_duration,
+                timeout_s=timeout,
+            )
+        return await client.claim(
+            offer_id,
+            gpus=gpu or [],
+            count=count,
+            duration_seconds=duration,
+            min_notice_seconds=min_notice,
+            min_duration_seconds=min_duration,
+            timeout_s=timeout,
+        )
 
-    async def _main() -> None:
-        async with _edge(mqtt, site, username, password, protocol, root, timeout, tls) as client:
-            lease: LeaseMessage
-            if offer_id is None:
-                lease = await client.request(
-                    count,
-                    requirements,
-                    duration_seconds=duration,
-                    min_notice_seconds=min_notice,
-                    min_duration_seconds=min_duration,
-                    timeout_s=timeout,
-                )
-            else:
-                lease = await client.claim(
-                    offer_id,
-                    gpus=gpu or [],
-                    count=count,
-                    duration_seconds=duration,
-                    min_notice_seconds=min_notice,
-                    min_duration_seconds=min_duration,
-                    timeout_s=timeout,
-                )
-        _print(lease)
-
-    _run_edge(_main)
+    _print_answer(conn, ask)
 
 
-@edge_app.command("renew")
+@edge_command("renew", timeout=5.0)
 def renew(
-    ctx: typer.Context,
+    conn: EdgeConnection,
     lease_id: Annotated[str, typer.Argument(help="The lease to renew.")],
-    site: _Site,
-    mqtt: _Mqtt = "127.0.0.1:1883",
-    username: _SiteUser = None,
-    password: _Password = None,
-    protocol: _Protocol = 5,
-    root: _Root = "gpupool/v1",
-    timeout: _Timeout = 5.0,
     extend: Annotated[
         float | None, typer.Option(help="Extend by this long, seconds (capped by the TTL).")
     ] = None,
-    mqtt_cafile: _CaFile = None,
-    mqtt_certfile: _CertFile = None,
-    mqtt_keyfile: _KeyFile = None,
 ) -> None:
     """Renew a lease: print the broker's Reply as JSON; exit 1 if refused."""
-
-    tls = edge_tls(ctx, mqtt_cafile, mqtt_certfile, mqtt_keyfile)
-
-    async def _main() -> None:
-        async with _edge(mqtt, site, username, password, protocol, root, timeout, tls) as client:
-            reply: Reply = await client.renew(lease_id, extend_seconds=extend, timeout_s=timeout)
-        _print(reply)
-
-    _run_edge(_main)
+    _print_answer(conn, lambda client: client.renew(lease_id, extend_seconds=extend, timeout_s=conn.timeout))
 
 
-@edge_app.command("release")
+@edge_command("release", timeout=5.0)
 def release(
-    ctx: typer.Context,
+    conn: EdgeConnection,
     lease_id: Annotated[str, typer.Argument(help="The lease to release.")],
-    site: _Site,
-    mqtt: _Mqtt = "127.0.0.1:1883",
-    username: _SiteUser = None,
-    password: _Password = None,
-    protocol: _Protocol = 5,
-    root: _Root = "gpupool/v1",
-    timeout: _Timeout = 5.0,
-    mqtt_cafile: _CaFile = None,
-    mqtt_certfile: _CertFile = None,
-    mqtt_keyfile: _KeyFile = None,
 ) -> None:
     """Release a lease early: print the broker's Reply as JSON; exit 1 if refused."""
-
-    tls = edge_tls(ctx, mqtt_cafile, mqtt_certfile, mqtt_keyfile)
-
-    async def _main() -> None:
-        async with _edge(mqtt, site, username, password, protocol, root, timeout, tls) as client:
-            reply: Reply = await client.release(lease_id, timeout_s=timeout)
-        _print(reply)
-
-    _run_edge(_main)
+    _print_answer(conn, lambda client: client.release(lease_id, timeout_s=conn.timeout))
 
 
-@edge_app.command("watch")
+@edge_command("watch", timeout=10.0)
 def watch(
-    ctx: typer.Context,
-    site: _Site,
-    mqtt: _Mqtt = "127.0.0.1:1883",
-    username: _SiteUser = None,
-    password: _Password = None,
-    protocol: _Protocol = 5,
-    root: _Root = "gpupool/v1",
-    timeout: _Timeout = 10.0,
+    conn: EdgeConnection,
     persistent: Annotated[bool, typer.Option(help="Persistent session: notices queue while away.")] = False,
     limit: Annotated[int, typer.Option(help="Stop after this many events (0: never).")] = 0,
-    mqtt_cafile: _CaFile = None,
-    mqtt_certfile: _CertFile = None,
-    mqtt_keyfile: _KeyFile = None,
 ) -> None:
     """Follow offers, withdrawals, lease messages and replies, one JSON object per line.
 
     Each line has a "type": offer, offer_withdrawn, lease or reply. Runs until interrupted or --limit.
     """
 
-    tls = edge_tls(ctx, mqtt_cafile, mqtt_certfile, mqtt_keyfile)
-
     async def _main() -> None:
-        async with _edge(mqtt, site, username, password, protocol, root, timeout, tls, persistent) as client:
+        async with conn.client(persistent=persistent) as client:
             seen = 0
             async with contextlib.aclosing(client.watch()) as events:
                 async for event in events:

@@ -56,6 +56,7 @@ from broker.transport import (
     make_client,
     protocol_version,
     publish_properties,
+    serve_mqtt,
     subscriptions,
     user_properties,
 )
@@ -380,14 +381,8 @@ class EdgeClient:
         topic = self.topics.claims(self.site)
         offer_ctx = tracing.extract_mqtt_context(self._offer_trace.get(offer_id) if offer_id else None)
         own = trace.get_current_span().get_span_context().is_valid
-        attrs = tracing.messaging_attributes(
-            tracing.MQTT,
-            "send",
-            topic,
-            operation_name="publish",
-            template=self.topics.claims("{site}"),
-            message_id=claim.claim_id,
-            client_id=self._client_id,
+        attrs = tracing.mqtt_publish_attributes(
+            topic, template=self.topics.claims("{site}"), message_id=claim.claim_id, client_id=self._client_id
         )
         if offer_id is not None:
             attrs["gpupool.offer.id"] = offer_id
@@ -514,10 +509,13 @@ class EdgeClient:
         return encode(PeerState(peer=self.site, online=online, seq=self._seq, ts=time.time()))
 
     async def _loop(self) -> None:
+        """Stay connected (:func:`broker.transport.serve_mqtt`) until a refused login or TLS
+        mismatch on the first connection ends it (:attr:`_fatal`)."""
         first = True
-        while True:
+
+        def connect() -> aiomqtt.Client:
             self._seq = birth_seq()
-            client = make_client(
+            return make_client(
                 self._host,
                 self._port,
                 username=self._username,
@@ -533,39 +531,36 @@ class EdgeClient:
                 # below the connect timeout, so a missing CONNACK is seen (and explained) in time
                 timeout_s=min(10.0, self._connect_timeout_s * 0.75),
             )
-            entered = False
-            try:
-                async with client:
-                    entered = True
-                    self._client = client
-                    await self._on_connect(client)
-                    if not first:
-                        self.reconnects += 1
-                    first = False
-                    self._ever_connected = True
-                    self._backoff.reset()
-                    async for msg in client.messages:
-                        await self._dispatch(msg)
-            except aiomqtt.MqttError as e:
-                failure = (
-                    None
-                    if entered
-                    else connect_failure(e, username=self._username, tls=self._tls is not None)
-                )
-                self._last_error = str(failure or e)
-                if failure is not None and not self._ever_connected:
-                    # a refused login or a TLS mismatch: retrying cannot help, __aenter__ says so
-                    self._fatal = failure
-                    log.warning("edge_connect_refused", extra={"site": self.site, "error": str(failure)})
-                    return
-                log.warning("edge_disconnected", extra={"site": self.site, "error": self._last_error})
-            except Exception as e:  # noqa: BLE001 — keep the site connected whatever happened
+
+        async def on_connect(client: aiomqtt.Client) -> None:
+            nonlocal first
+            self._client = client
+            await self._on_connect(client)
+            if not first:
+                self.reconnects += 1
+            first = False
+            self._ever_connected = True
+
+        def on_error(e: Exception, connected: bool) -> bool:
+            if not isinstance(e, aiomqtt.MqttError):
                 self._last_error = repr(e)
-                log.exception("edge_loop_error", extra={"site": self.site})
-            finally:
-                self._client = None
-                self._connected.clear()
-            await asyncio.sleep(self._backoff.next())
+                log.error("edge_loop_error", exc_info=e, extra={"site": self.site})
+                return False
+            failure = None if connected else connect_failure(e, username=self._username, tls=self._tls is not None)
+            self._last_error = str(failure or e)
+            if failure is not None and not self._ever_connected:
+                # a refused login or a TLS mismatch: retrying cannot help, __aenter__ says so
+                self._fatal = failure
+                log.warning("edge_connect_refused", extra={"site": self.site, "error": str(failure)})
+                return True
+            log.warning("edge_disconnected", extra={"site": self.site, "error": self._last_error})
+            return False
+
+        def on_disconnect() -> None:
+            self._client = None
+            self._connected.clear()
+
+        await serve_mqtt(connect, on_connect, self._dispatch, on_error, on_disconnect, self._backoff)
 
     async def _on_connect(self, client: aiomqtt.Client) -> None:
         # withdrawals published while away are not retained: forget every offer, the retained

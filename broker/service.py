@@ -73,6 +73,7 @@ from broker.transport import (
     protocol_version,
     publish_properties,
     response_route,
+    serve_mqtt,
     subscriptions,
     user_properties,
 )
@@ -718,14 +719,8 @@ class BrokerService:
         if parent is None:
             yield None
             return
-        attrs = tracing.messaging_attributes(
-            tracing.MQTT,
-            "send",
-            topic,
-            operation_name="publish",
-            template=self.mqtt.offer("{offer_id}"),
-            message_id=offer.offer_id,
-            client_id=self._client_id,
+        attrs = tracing.mqtt_publish_attributes(
+            topic, template=self.mqtt.offer("{offer_id}"), message_id=offer.offer_id, client_id=self._client_id
         )
         attrs.update({"host.name": offer.host, "gpupool.offer.gpus": [g.gpu for g in offer.gpus]})
         with _TRACER.start_as_current_span(
@@ -787,49 +782,49 @@ class BrokerService:
 
     # MQTT -------------------------------------------------------------------------------------------------
     async def _mqtt_loop(self) -> None:
-        """Connect, serve, and reconnect with backoff — forever: every error of a connection, a
-        message or a resync ends only that connection (the resync is bounded by
-        :data:`_CONNECT_STEP_TIMEOUT_S`)."""
+        """Connect, serve, and reconnect with backoff — forever (:func:`broker.transport.serve_mqtt`):
+        every error of a connection, a message or a resync ends only that connection (the resync
+        is bounded by :data:`_CONNECT_STEP_TIMEOUT_S`)."""
+
+        def connect() -> aiomqtt.Client:
+            self._seq = birth_seq()
+            client = make_client(
+                self._host,
+                self._port,
+                username=self._username,
+                password=self._password,
+                identifier=self._client_id,
+                protocol=self._protocol,
+                state_topic=self.mqtt.broker_state,
+                peer=self._client_id,
+                seq=self._seq,
+                persistent=True,
+                tls=self._tls,
+            )
+            client.pending_calls_threshold = _PENDING_PUBLISHES_WARN
+            return client
+
+        async def on_connect(client: aiomqtt.Client) -> None:
+            self.metrics.mqtt_connections.labels(result="connected").inc()
+            self._client = client
+            async with asyncio.timeout(_CONNECT_STEP_TIMEOUT_S):
+                await self._on_connect(client)
+
+        def on_error(e: Exception, connected: bool) -> bool:
+            self.metrics.mqtt_connections.labels(result="lost" if connected else "failed").inc()
+            where = {"host": self._host, "port": self._port}
+            if isinstance(e, aiomqtt.MqttError):
+                log.warning("mqtt_disconnected", extra={**where, "error": str(e)})
+            else:  # e.g. a resync step timing out: reconnect, never die
+                log.error("mqtt_loop_error", exc_info=e, extra=where)
+            return False
+
+        def on_disconnect() -> None:
+            self._client = None
+            self._connected.clear()
+
         backoff = Backoff(self.config.reconnect_min_s, self.config.reconnect_max_s)
-        while True:
-            connected = False
-            try:
-                self._seq = birth_seq()
-                client = make_client(
-                    self._host,
-                    self._port,
-                    username=self._username,
-                    password=self._password,
-                    identifier=self._client_id,
-                    protocol=self._protocol,
-                    state_topic=self.mqtt.broker_state,
-                    peer=self._client_id,
-                    seq=self._seq,
-                    persistent=True,
-                    tls=self._tls,
-                )
-                client.pending_calls_threshold = _PENDING_PUBLISHES_WARN
-                async with client:
-                    connected = True
-                    self.metrics.mqtt_connections.labels(result="connected").inc()
-                    backoff.reset()
-                    self._client = client
-                    async with asyncio.timeout(_CONNECT_STEP_TIMEOUT_S):
-                        await self._on_connect(client)
-                    async for msg in client.messages:
-                        await self._on_message(msg)
-            except aiomqtt.MqttError as e:
-                self.metrics.mqtt_connections.labels(result="lost" if connected else "failed").inc()
-                log.warning(
-                    "mqtt_disconnected", extra={"host": self._host, "port": self._port, "error": str(e)}
-                )
-            except Exception:  # noqa: BLE001 — e.g. a resync step timing out: reconnect, never die
-                self.metrics.mqtt_connections.labels(result="lost" if connected else "failed").inc()
-                log.exception("mqtt_loop_error", extra={"host": self._host, "port": self._port})
-            finally:
-                self._client = None
-                self._connected.clear()
-            await asyncio.sleep(backoff.next())
+        await serve_mqtt(connect, on_connect, self._on_message, on_error, on_disconnect, backoff)
 
     async def _on_connect(self, client: aiomqtt.Client) -> None:
         """Birth, subscriptions, then republish every offer and lease (resync after an outage)."""

@@ -8,6 +8,7 @@
   properties when the protocol is 5, nothing on 3.1.1 (every essential field is in the JSON
   payload anyway; the ``traceparent`` user property only continues a trace).
 * :class:`Backoff` — exponential reconnect delay with jitter.
+* :func:`serve_mqtt` — the one reconnect loop: connect, set up, serve messages, back off, again.
 * :class:`TlsOptions` — MQTT over TLS (a listener made by ``gpupool broker acl --tls-port``):
   the CA that signed the server's certificate and, for mutual TLS, the client's certificate.
 * :func:`connect_failure` — tells a failed connection attempt that retrying cannot fix (the
@@ -18,10 +19,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import ssl
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -282,3 +284,41 @@ def user_properties(message: aiomqtt.Message) -> list[tuple[str, str]]:
     props = message.properties
     found = getattr(props, "UserProperty", None) if props is not None else None
     return [(str(k), str(v)) for k, v in found] if found else []
+
+
+async def serve_mqtt(
+    connect: Callable[[], aiomqtt.Client],
+    on_connect: Callable[[aiomqtt.Client], Awaitable[None]],
+    on_message: Callable[[aiomqtt.Message], Awaitable[None]],
+    on_error: Callable[[Exception, bool], bool],
+    on_disconnect: Callable[[], None],
+    backoff: Backoff,
+) -> None:
+    """The one MQTT reconnect loop (broker service and edge-site client): connect with a fresh
+    client from ``connect()`` (:func:`make_client`: each attempt has its own birth and Will), run
+    ``on_connect`` (subscriptions, resync), then hand every incoming message to ``on_message``
+    until the connection ends; then ``on_disconnect()``, sleep ``backoff.next()`` and connect again.
+    ``backoff`` is reset once ``on_connect`` has returned (a connection that keeps failing while
+    being set up keeps backing off).
+
+    Every exception of an attempt (``aiomqtt.MqttError`` and any other) goes to
+    ``on_error(error, connected)``, ``connected`` telling whether the server had accepted the
+    connection; it logs and counts, and returns ``True`` to end the loop (a refused login: retrying
+    cannot help), ``False`` to reconnect. Returns only then; runs until cancelled otherwise.
+    """
+    while True:
+        connected = False
+        try:
+            client = connect()
+            async with client:
+                connected = True
+                await on_connect(client)
+                backoff.reset()
+                async for msg in client.messages:
+                    await on_message(msg)
+        except Exception as e:  # noqa: BLE001 — on_error decides; the loop never dies of an attempt
+            if on_error(e, connected):
+                return
+        finally:
+            on_disconnect()
+        await asyncio.sleep(backoff.next())

@@ -6,7 +6,6 @@ import asyncio
 import json
 import logging
 import shlex
-import signal
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -15,20 +14,15 @@ import typer
 
 from contracts import KafkaTopics
 from runtime.bus import make_bus
-from runtime.run_options import (
-    ConfigOption,
-    KafkaOption,
-    MetricsAddrOption,
-    TopicPrefixOption,
-    exit_on_missing_topics,
-    load_run_settings,
-    metrics_port_option,
-)
-from runtime.settings import CollectorsSettings, RunFlags
+from runtime.run_options import settings_command
+from runtime.settings import CollectorsSettings, DeploymentSettings, RunFlags
+from runtime.stage import run_stage
 
 if TYPE_CHECKING:
-    from collectors.fabric_collector import FabricCollector
     from prometheus_client import CollectorRegistry
+
+    from collectors.fabric_collector import FabricCollector
+    from collectors.service import CollectorService
     from contracts.bus import Bus
 
 log = logging.getLogger(__name__)
@@ -51,177 +45,18 @@ def _sysfs_root(spec: str) -> tuple[str, Path]:
     return host, Path(path)
 
 
-RUN_SETTINGS: dict[str, str] = {
-    "kafka": "kafka",
-    "topic_prefix": "topic_prefix",
-    "dcgm_target": "collectors.dcgm_targets",
-    "sysfs_root": "collectors.sysfs_roots",
-    "nvidia_smi": "collectors.nvidia_smi",
-    "ufm_telemetry": "collectors.ufm_telemetry",
-    "nvml_host": "collectors.nvml_host",
-    "file_sd": "collectors.file_sd",
-    "file_sd_refresh": "collectors.file_sd_refresh_s",
-    "spool_dir": "collectors.spool_dir",
-    "spool_memory_records": "collectors.spool_memory_records",
-    "spool_disk_bytes": "collectors.spool_disk_bytes",
-    "interval": "collectors.interval_s",
-    "timeout": "collectors.timeout_s",
-    "concurrency": "collectors.concurrency",
-    "fabric": "collectors.fabric",
-    "fabric_interval": "collectors.fabric_interval_s",
-    "fabric_discover_every": "collectors.fabric_discover_every",
-    "fabric_concurrency": "collectors.fabric_concurrency",
-    "fabric_timeout": "collectors.fabric_timeout_s",
-    "slurm_conf": "collectors.slurm_conf",
-    "slurm_interval": "collectors.slurm_interval_s",
-    "metrics_port": "metrics.collectors",
-    "metrics_addr": "metrics.addr",
-}
-"""Parameter of ``run`` → the :class:`runtime.settings.DeploymentSettings` field it sets."""
+RUN_FLAGS = RunFlags(
+    "gpupool collect run", "kafka", "collectors.*", "topic_prefix", "metrics.collectors", "metrics.addr"
+)
+"""The settings fields that are options of ``gpupool collect run`` (each field's :class:`runtime.settings.Flag`
+names its option; :func:`runtime.run_options.settings_command` derives the options)."""
 
-
-_RUN = RunFlags("gpupool collect run", RUN_SETTINGS)
-run_settings = _RUN.load
+run_settings = RUN_FLAGS.load
 """The settings ``gpupool collect run`` runs with (:meth:`runtime.settings.RunFlags.load`)."""
-_setting = _RUN.help
 
 
-@app.command("run")
-def run(
-    config: ConfigOption = None,
-    kafka: KafkaOption = None,
-    dcgm_target: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--dcgm-target", help="dcgm-exporter /metrics URL (repeatable)." + _setting("dcgm_target")
-        ),
-    ] = None,
-    sysfs_root: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--sysfs-root",
-            help="HOST=PATH of a folder holding class/infiniband, e.g. node-1=/sys (repeatable)."
-            + _setting("sysfs_root"),
-        ),
-    ] = None,
-    nvidia_smi: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--nvidia-smi",
-            help='HOST=COMMAND printing nvidia-smi -q -x XML, e.g. node-1="nvidia-smi -q -x", or a CSV '
-            'query, e.g. node-1="nvidia-smi --query-gpu=index,uuid,utilization.gpu,memory.used,memory.total '
-            '--format=csv,noheader,nounits" (repeatable).' + _setting("nvidia_smi"),
-        ),
-    ] = None,
-    ufm_telemetry: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--ufm-telemetry",
-            help="UFM Telemetry Prometheus endpoint URL: InfiniBand port counters of the fabric "
-            "(repeatable)." + _setting("ufm_telemetry"),
-        ),
-    ] = None,
-    nvml_host: Annotated[
-        str | None,
-        typer.Option(
-            help="Read this machine's GPUs through NVML under this host name." + _setting("nvml_host")
-        ),
-    ] = None,
-    file_sd: Annotated[
-        list[Path] | None,
-        typer.Option(
-            "--file-sd",
-            help="Prometheus file_sd JSON file of dcgm-exporter targets, re-read when it changes; "
-            "the last component may be a glob, e.g. targets/*.json (repeatable)." + _setting("file_sd"),
-        ),
-    ] = None,
-    file_sd_refresh: Annotated[
-        float | None,
-        typer.Option(
-            help="Seconds between two checks of the --file-sd files for changes (default 5)."
-            + _setting("file_sd_refresh")
-        ),
-    ] = None,
-    spool_dir: Annotated[
-        Path | None,
-        typer.Option(
-            help="Spool records here (after --spool-memory-records in memory) while Kafka is "
-            "unreachable, and resume them after a restart; without it records wait for Kafka only "
-            "inside aiokafka's buffer." + _setting("spool_dir")
-        ),
-    ] = None,
-    spool_memory_records: Annotated[
-        int | None,
-        typer.Option(
-            help="Records the spool holds in memory before it writes to --spool-dir (default 100000)."
-            + _setting("spool_memory_records")
-        ),
-    ] = None,
-    spool_disk_bytes: Annotated[
-        int | None,
-        typer.Option(
-            help="Bytes the spool may take in --spool-dir (default 1 GiB)." + _setting("spool_disk_bytes")
-        ),
-    ] = None,
-    interval: Annotated[
-        float | None,
-        typer.Option(help="Seconds between the starts of two cycles (default 5)." + _setting("interval")),
-    ] = None,
-    timeout: Annotated[
-        float | None, typer.Option(help="Deadline of one scrape, seconds (default 2)." + _setting("timeout"))
-    ] = None,
-    concurrency: Annotated[
-        int | None, typer.Option(help="Scrapes in flight at most (default 64)." + _setting("concurrency"))
-    ] = None,
-    fabric: Annotated[
-        bool | None,
-        typer.Option(
-            "--fabric/--no-fabric",
-            help="Also run the switch-side fabric collector: ibnetdiscover -p (topology to "
-            "fabric.topology) and perfquery -x on every switch and HCA port (to telemetry.ib_port). "
-            "On one host per fabric whose HCA reaches the subnet (a /dev/infiniband/umad* device, "
-            "infiniband-diags installed); default off." + _setting("fabric"),
-        ),
-    ] = None,
-    fabric_interval: Annotated[
-        float | None,
-        typer.Option(
-            help="Seconds between the starts of two fabric sweeps (default 30)." + _setting("fabric_interval")
-        ),
-    ] = None,
-    fabric_discover_every: Annotated[
-        int | None,
-        typer.Option(
-            help="Re-discover the fabric's topology every Nth sweep (default 10)."
-            + _setting("fabric_discover_every")
-        ),
-    ] = None,
-    fabric_concurrency: Annotated[
-        int | None,
-        typer.Option(help="perfquery processes at once (default 8)." + _setting("fabric_concurrency")),
-    ] = None,
-    fabric_timeout: Annotated[
-        float | None,
-        typer.Option(
-            help="Deadline of one perfquery run, seconds (default 5)." + _setting("fabric_timeout")
-        ),
-    ] = None,
-    slurm_conf: Annotated[
-        Path | None,
-        typer.Option(
-            help="Read this Slurm cluster (its slurm.conf) every --slurm-interval: nodes, GPUs by "
-            "GRES index and job, pending jobs with their planned start -> telemetry.scheduler."
-            + _setting("slurm_conf")
-        ),
-    ] = None,
-    slurm_interval: Annotated[
-        float | None,
-        typer.Option(help="Seconds between two reads of Slurm (default 10)." + _setting("slurm_interval")),
-    ] = None,
-    topic_prefix: TopicPrefixOption = None,
-    metrics_port: Annotated[int | None, metrics_port_option("collectors", 9410)] = None,
-    metrics_addr: MetricsAddrOption = None,
-) -> None:
+@settings_command(app, "run", RUN_FLAGS)
+def run(settings: DeploymentSettings) -> None:
     """Scrape every dcgm-exporter and UFM Telemetry target, read every sysfs root, run every
     nvidia-smi command (-q -x XML or a --query-gpu CSV query) and read NVML each interval and
     produce GpuSample / NvSwitchSample / IbPortSample records to Kafka until SIGINT or SIGTERM.
@@ -249,116 +84,107 @@ def run(
     """
     from collectors.service import CollectorService
 
-    settings = load_run_settings(
-        _RUN,
-        config,
-        kafka=kafka,
-        topic_prefix=topic_prefix,
-        dcgm_target=dcgm_target,
-        sysfs_root=sysfs_root,
-        nvidia_smi=nvidia_smi,
-        ufm_telemetry=ufm_telemetry,
-        nvml_host=nvml_host,
-        file_sd=file_sd,
-        file_sd_refresh=file_sd_refresh,
-        spool_dir=spool_dir,
-        spool_memory_records=spool_memory_records,
-        spool_disk_bytes=spool_disk_bytes,
-        interval=interval,
-        timeout=timeout,
-        concurrency=concurrency,
-        fabric=fabric,
-        fabric_interval=fabric_interval,
-        fabric_discover_every=fabric_discover_every,
-        fabric_concurrency=fabric_concurrency,
-        fabric_timeout=fabric_timeout,
-        slurm_conf=slurm_conf,
-        slurm_interval=slurm_interval,
-        metrics_port=metrics_port,
-        metrics_addr=metrics_addr,
-    )
+    assert settings.kafka is not None  # settings_command guarantees it
     bootstrap = settings.kafka
     cs = settings.collectors
-    targets = list(cs.dcgm_targets)
     roots = [_sysfs_root(s) for s in cs.sysfs_roots]
     commands = [_nvsmi_command(s) for s in cs.nvidia_smi]
-    sd_files = list(cs.file_sd)
-    ufm = list(cs.ufm_telemetry)
-    has_gpu_source = targets or roots or commands or cs.nvml_host or sd_files or ufm or cs.fabric
+    has_gpu_source = bool(
+        cs.dcgm_targets or roots or commands or cs.nvml_host or cs.file_sd or cs.ufm_telemetry or cs.fabric
+    )
     if not has_gpu_source and cs.slurm_conf is None:
         raise typer.BadParameter(
             "give at least one --dcgm-target, --file-sd, --sysfs-root, --nvidia-smi, --ufm-telemetry, "
             "--nvml-host, --fabric or --slurm-conf (or [collectors] dcgm_targets, file_sd, sysfs_roots, "
             "nvidia_smi, ufm_telemetry, nvml_host, fabric, slurm_conf in the settings)"
         )
-    from collectors.metrics import CollectorMetrics
 
-    metrics = CollectorMetrics()
-    _serve_metrics(settings.metrics.collectors, settings.metrics.addr, metrics.registry)
+    def build() -> tuple[_CollectorStage, Bus]:
+        from collectors.metrics import CollectorMetrics
 
-    async def _main() -> None:
         bus = make_bus(bootstrap, client_id="gpupool-collector")
         topics = KafkaTopics(prefix=settings.topic_prefix)
+        stage_metrics = CollectorMetrics()  # one registry: the service's, fabric's and Slurm's metrics
         service = CollectorService(
             bus=bus,
             topics=topics,
-            dcgm_targets=targets,
+            dcgm_targets=list(cs.dcgm_targets),
             sysfs_roots=roots,
             interval_s=cs.interval_s,
             timeout_s=cs.timeout_s,
             concurrency=cs.concurrency,
             nvsmi_commands=commands,
-            ufm_targets=ufm,
+            ufm_targets=list(cs.ufm_telemetry),
             nvml_host=cs.nvml_host,
-            file_sd=sd_files,
+            file_sd=list(cs.file_sd),
             file_sd_refresh_s=cs.file_sd_refresh_s,
             spool_dir=cs.spool_dir,
             spool_memory_records=cs.spool_memory_records,
             spool_disk_bytes=cs.spool_disk_bytes,
-            fabric=_fabric_collector(bus, topics, cs, metrics.registry),
+            fabric=_fabric_collector(bus, topics, cs, stage_metrics.registry),
             fabric_interval_s=cs.fabric_interval_s,
             fabric_discover_every=cs.fabric_discover_every,
             forget_after_s=cs.forget_after_s,
-            metrics=metrics,
+            metrics=stage_metrics,
         )
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        slurm = _slurm_collector(bus, service.topics, cs.slurm_conf, service.registry)
-        try:
-            async with exit_on_missing_topics("gpupool collect run", bus):
-                await service.start()
-                if slurm is not None:
-                    await slurm.start()
-        except typer.Exit:
-            raise
-        except Exception as e:
-            log.error("bus_unreachable", extra={"bootstrap": bootstrap, "error": repr(e)})
-            await bus.close()
-            raise typer.Exit(1) from e
+        slurm = _slurm_collector(bus, topics, cs.slurm_conf, stage_metrics.registry)
+        return _CollectorStage(service, slurm, settings, gpu_sources=has_gpu_source), bus
+
+    metrics = settings.metrics
+    run_stage("gpupool collect run", build, metrics_port=metrics.collectors, metrics_addr=metrics.addr)
+
+
+class _CollectorStage:
+    """The collector service with the Slurm source beside it, as one stage for
+    :func:`runtime.stage.run_stage`; ``gpu_sources=False`` (only Slurm): the service starts (its
+    metrics, the bus) but does not collect."""
+
+    def __init__(
+        self, service: CollectorService, slurm: Any, settings: DeploymentSettings, *, gpu_sources: bool
+    ) -> None:
+        """Keep the parts."""
+        self.service, self.slurm, self.settings, self.gpu_sources = service, slurm, settings, gpu_sources
+
+    @property
+    def registry(self) -> Any:
+        """The service's metrics registry (else the default one), served on /metrics."""
+        from prometheus_client import REGISTRY
+
+        return getattr(self.service, "registry", REGISTRY)
+
+    async def start(self) -> None:
+        """Start the service, then the Slurm source; log ``collector_started``."""
+        await self.service.start()
+        if self.slurm is not None:
+            await self.slurm.start()
+        cs = self.settings.collectors
         log.info(
             "collector_started",
             extra={
-                "targets": len(service.targets.targets),
-                "sysfs_roots": len(roots),
+                "targets": len(self.service.targets.targets),
+                "sysfs_roots": len(cs.sysfs_roots),
                 "fabric": cs.fabric,
                 "spool_dir": str(cs.spool_dir) if cs.spool_dir else None,
-                "config": str(settings.config) if settings.config else None,
+                "config": str(self.settings.config) if self.settings.config else None,
             },
         )
-        try:
-            await asyncio.gather(
-                service.run(stop) if has_gpu_source else stop.wait(),
-                *([slurm.run(cs.slurm_interval_s, stop)] if slurm is not None else []),
-            )
-        finally:
-            if slurm is not None:
-                await slurm.stop()
-            await service.stop()
-            await bus.close()
 
-    asyncio.run(_main())
+    async def run(self, stop: asyncio.Event) -> None:
+        """Collect (and read Slurm) until ``stop`` is set."""
+        await asyncio.gather(
+            self.service.run(stop) if self.gpu_sources else stop.wait(),
+            *(
+                [self.slurm.run(self.settings.collectors.slurm_interval_s, stop)]
+                if self.slurm is not None
+                else []
+            ),
+        )
+
+    async def stop(self) -> None:
+        """Stop the Slurm source, then the service."""
+        if self.slurm is not None:
+            await self.slurm.stop()
+        await self.service.stop()
 
 
 def _fabric_collector(
@@ -392,20 +218,6 @@ def _slurm_collector(
     from collectors.slurm_collector import SlurmCollector
 
     return SlurmCollector(bus, topics, slurm_conf=slurm_conf, metrics=SlurmMetrics(registry))
-
-
-def _serve_metrics(port: int, addr: str, registry: CollectorRegistry) -> None:
-    """Start the Prometheus /metrics server of ``registry`` (port 0: none). Exit 1 with a message
-    when the port cannot be bound (in use, or an address this host does not have)."""
-    if not port:
-        return
-    from prometheus_client import start_http_server
-
-    try:
-        start_http_server(port, addr=addr, registry=registry)
-    except OSError as e:
-        typer.echo(f"gpupool collect run: cannot serve /metrics on {addr}:{port}: {e}", err=True)
-        raise typer.Exit(1) from None
 
 
 @app.command("parse-dcgm")

@@ -37,8 +37,8 @@ from aiokafka.errors import KafkaError
 
 from contracts.topics import KafkaTopics
 from runtime.kafka import KafkaBus
-from runtime.run_options import ConfigOption, KafkaOption, TopicPrefixOption, load_run_settings
-from runtime.settings import RunFlags
+from runtime.run_options import settings_command
+from runtime.settings import DeploymentSettings, RunFlags
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ DEFAULT_PARTITIONS = 6
 """Partitions per topic of ``topics create`` when not given: room for six analytics instances."""
 METADATA_WAIT_S = 15.0
 """How long ``create`` waits for the topics it created to show in the cluster metadata, seconds."""
-TOPICS_FLAGS = RunFlags("gpupool topics", {"kafka": "kafka", "topic_prefix": "topic_prefix"})
+TOPICS_FLAGS = RunFlags("gpupool topics", "kafka", "topic_prefix")
 """The options of ``gpupool topics create|list`` → the settings they set (kafka, topic_prefix)."""
 
 
@@ -188,11 +188,9 @@ def _run(coro: Any) -> Any:
         raise typer.Exit(1) from None
 
 
-@topics_app.command("create")
+@settings_command(topics_app, "create", TOPICS_FLAGS)
 def create(
-    kafka: KafkaOption = None,
-    topic_prefix: TopicPrefixOption = None,
-    config: ConfigOption = None,
+    settings: DeploymentSettings,
     partitions: Annotated[
         int, typer.Option(min=1, help="Partitions of each topic (both telemetry topics need the same "
                           "count; it bounds the number of analytics instances).")
@@ -210,24 +208,18 @@ def create(
     wrong (telemetry partition counts differ, a compacted topic is not compacted) or Kafka
     refuses; exit 2 without Kafka bootstrap servers (--kafka, GPUPOOL_KAFKA or the settings file).
     """
-    settings = load_run_settings(TOPICS_FLAGS, config, kafka=kafka, topic_prefix=topic_prefix)
-    assert settings.kafka is not None  # load_run_settings guarantees it
+    assert settings.kafka is not None  # settings_command guarantees it
     topics = KafkaTopics(prefix=settings.topic_prefix)
     states = _run(create_all(settings.kafka, topics, partitions, replication_factor))
     _report(settings.kafka, topics, states)
 
 
-@topics_app.command("list")
-def list_(
-    kafka: KafkaOption = None,
-    topic_prefix: TopicPrefixOption = None,
-    config: ConfigOption = None,
-) -> None:
+@settings_command(topics_app, "list", TOPICS_FLAGS)
+def list_(settings: DeploymentSettings) -> None:
     """List every gpupool Kafka topic of the prefix with its partitions, replication factor and
     cleanup.policy (JSON, as `topics create` prints it; created is always false). Exit 1 when one
     is missing or wrong, or Kafka cannot be reached; exit 2 without Kafka bootstrap servers."""
-    settings = load_run_settings(TOPICS_FLAGS, config, kafka=kafka, topic_prefix=topic_prefix)
-    assert settings.kafka is not None
+    assert settings.kafka is not None  # settings_command guarantees it
     topics = KafkaTopics(prefix=settings.topic_prefix)
     states = _run(describe_topics(settings.kafka, topics.all()))
     _report(settings.kafka, topics, states)

@@ -39,12 +39,15 @@ Example file::
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import tomllib
+from dataclasses import dataclass
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from pydantic.fields import FieldInfo
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -67,13 +70,16 @@ from contracts.mqtt import LIMITS
 __all__ = [
     "CONFIG_ENV",
     "AnalyticsSettings",
+    "BrokerPolicy",
     "BrokerSettings",
     "CollectorsSettings",
     "DeploymentSettings",
+    "Flag",
     "IdleSettings",
     "MetricsSettings",
     "SettingsError",
     "load_settings",
+    "settings_field",
 ]
 
 CONFIG_ENV = "GPUPOOL_CONFIG"
@@ -87,49 +93,55 @@ def _host_port(value: str) -> str:
     return f"{host}:{port}"
 
 
+@dataclass(frozen=True)
+class Flag:
+    """Marks a settings field that is also a command-line option (``Annotated[T, Flag()]``): the
+    option ``--NAME`` of every command that takes the field (:class:`RunFlags`, options derived by
+    :mod:`runtime.run_options`). ``name`` is in Python spelling (``_`` for ``-``); ``None``: the
+    field's own name. A field without it is set only by the environment or the file."""
+
+    name: str | None = None
+
+
 class MetricsSettings(BaseModel):
-    """Where each stage serves Prometheus ``/metrics`` (port 0: off).
+    """Where each stage serves Prometheus ``/metrics`` (port 0: off). The ports are the ones
+    ``deploy/prometheus`` scrapes. Each field's docstring is its description (the run commands'
+    help, :mod:`runtime.run_options`)."""
 
-    Attributes:
-        addr: listen address of every stage's ``/metrics``.
-        collectors / analytics / broker: port of each stage (the ones ``deploy/prometheus``
-            scrapes: 9410, 9411, 9412).
-    """
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    model_config = ConfigDict(extra="forbid")
-
-    addr: str = "127.0.0.1"
-    collectors: int = Field(default=9410, ge=0, le=65535)
-    analytics: int = Field(default=9411, ge=0, le=65535)
-    broker: int = Field(default=9412, ge=0, le=65535)
+    addr: Annotated[str, Flag("metrics_addr")] = "127.0.0.1"
+    """Address every stage's /metrics server binds to."""
+    collectors: Annotated[int, Flag("metrics_port")] = Field(default=9410, ge=0, le=65535)
+    """Serve the collectors' Prometheus /metrics on this port (0: off)."""
+    analytics: Annotated[int, Flag("metrics_port")] = Field(default=9411, ge=0, le=65535)
+    """Serve the analytics stage's Prometheus /metrics on this port (0: off)."""
+    broker: Annotated[int, Flag("metrics_port")] = Field(default=9412, ge=0, le=65535)
+    """Serve the broker's Prometheus /metrics on this port (0: off)."""
 
 
 class IdleSettings(BaseModel):
     """Idle detection of the analytics stage (``analytics.classify.IdleConfig``; activity is a
     ratio 0..1). The cross-check ``idle_threshold <= busy_threshold`` is IdleConfig's own: the
-    analytics CLI and :mod:`gpupool.settings` apply it.
+    analytics CLI and :mod:`gpupool.settings` apply it. Each field's docstring is its description."""
 
-    Attributes:
-        idle_threshold: activity at or below this is an idle sample.
-        busy_threshold: activity at or above this makes a GPU busy (>= ``idle_threshold``).
-        min_idle_s: seconds of idle samples before a GPU is idle.
-        stale_after_s: a GPU not sampled this long is unknown, seconds.
-        refresh_s: analytics re-publishes every GPU's capacity update at least this often, s.
-        forget_after_s: a GPU not sampled this long is forgotten, seconds (> ``stale_after_s``):
-            analytics stops re-publishing it (unknown) and drops it from its gauges; a later
-            sample makes it new again.
-        pool: pool name put on capacity updates.
-    """
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    model_config = ConfigDict(extra="forbid")
-
-    idle_threshold: float = Field(default=0.05, ge=0, le=1)
-    busy_threshold: float = Field(default=0.10, ge=0, le=1)
-    min_idle_s: float = Field(default=60.0, ge=0)
-    stale_after_s: float = Field(default=30.0, gt=0)
-    refresh_s: float = Field(default=30.0, gt=0)
+    idle_threshold: Annotated[float, Flag()] = Field(default=0.05, ge=0, le=1)
+    """Activity ratio at or below which a sample is idle."""
+    busy_threshold: Annotated[float, Flag()] = Field(default=0.10, ge=0, le=1)
+    """Activity ratio at or above which a GPU is busy (>= idle_threshold)."""
+    min_idle_s: Annotated[float, Flag()] = Field(default=60.0, ge=0)
+    """Seconds of idle samples before a GPU is idle."""
+    stale_after_s: Annotated[float, Flag()] = Field(default=30.0, gt=0)
+    """A GPU not sampled this long is unknown, seconds."""
+    refresh_s: Annotated[float, Flag()] = Field(default=30.0, gt=0)
+    """Re-publish every GPU's capacity update at least this often, seconds."""
     forget_after_s: float = Field(default=3600.0, gt=0)
-    pool: str = "default"
+    """A GPU not sampled this long is forgotten, seconds (> stale_after_s): analytics stops
+    re-publishing it (unknown) and drops it from its gauges; a later sample makes it new again."""
+    pool: Annotated[str, Flag()] = "default"
+    """Pool name put on capacity updates."""
 
     @model_validator(mode="after")
     def _forget_after_stale(self) -> IdleSettings:
@@ -141,189 +153,186 @@ class IdleSettings(BaseModel):
 
 
 class CollectorsSettings(BaseModel):
-    """Sources and timing of the collector stage (``gpupool collect run``).
+    """Sources and timing of the collector stage (``gpupool collect run``). Each field's
+    docstring is its description."""
 
-    Attributes:
-        dcgm_targets: dcgm-exporter ``/metrics`` URLs.
-        sysfs_roots: ``HOST=PATH`` of folders holding ``class/infiniband`` (e.g. ``node-1=/sys``).
-        nvidia_smi: ``HOST=COMMAND`` printing ``nvidia-smi -q -x`` XML, or a
-            ``nvidia-smi --query-gpu=... --format=csv[,noheader][,nounits]`` query.
-        ufm_telemetry: UFM Telemetry Prometheus endpoint URLs (InfiniBand port counters of the
-            whole fabric, without host-side perfquery sweeps).
-        nvml_host: read this machine's GPUs through NVML under this host name; ``None``: no NVML.
-        file_sd: Prometheus file_sd JSON files of dcgm-exporter targets (last component may be a glob).
-        file_sd_refresh_s: seconds between two checks of the file_sd files.
-        spool_dir: spool records here while Kafka is unreachable; ``None``: memory only.
-        spool_memory_records: records the spool holds in memory before it writes to ``spool_dir``.
-        spool_disk_bytes: bytes the spool may take in ``spool_dir``.
-        interval_s: seconds between the starts of two collection cycles.
-        timeout_s: deadline of one scrape, seconds.
-        concurrency: scrapes in flight at most.
-        fabric: also run the switch-side fabric collector (:mod:`collectors.fabric_collector`):
-            ``ibnetdiscover -p`` → ``fabric.topology``, ``perfquery -x`` on every switch and HCA
-            port → ``telemetry.ib_port``. Only on a host whose HCA reaches the fabric's subnet
-            management (a ``/dev/infiniband/umad*`` device, infiniband-diags installed), and on
-            one such host per fabric.
-        fabric_interval_s: seconds between the starts of two fabric sweeps.
-        fabric_discover_every: re-discover the topology every Nth sweep (1 = every sweep).
-        fabric_concurrency: perfquery processes at once.
-        fabric_timeout_s: deadline of one perfquery run, seconds (its process group is killed).
-        fabric_command_prefix: argv prefix of every diag command (e.g. ``["sudo", "-n"]``).
-        forget_after_s: a dcgm-exporter target gone from the configuration (static list and
-            file_sd) this long is forgotten, seconds: its ``target`` series are removed.
-        slurm_conf: read this Slurm cluster (its ``slurm.conf``, given to ``scontrol`` as
-            ``SLURM_CONF``) every ``slurm_interval_s``; ``None``: no Slurm source.
-        slurm_interval_s: seconds between the starts of two reads of Slurm.
-    """
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    model_config = ConfigDict(extra="forbid")
-
-    dcgm_targets: list[str] = Field(default_factory=list)
-    sysfs_roots: list[str] = Field(default_factory=list)
-    nvidia_smi: list[str] = Field(default_factory=list)
-    ufm_telemetry: list[str] = Field(default_factory=list)
-    nvml_host: str | None = None
-    file_sd: list[Path] = Field(default_factory=list)
-    file_sd_refresh_s: float = Field(default=5.0, gt=0)
-    spool_dir: Path | None = None
-    spool_memory_records: int = Field(default=100_000, ge=0)
-    spool_disk_bytes: int = Field(default=1 << 30, ge=0)
-    interval_s: float = Field(default=5.0, gt=0)
-    timeout_s: float = Field(default=2.0, gt=0)
-    concurrency: int = Field(default=64, ge=1)
-    fabric: bool = False
-    fabric_interval_s: float = Field(default=30.0, gt=0)
-    fabric_discover_every: int = Field(default=10, ge=1)
-    fabric_concurrency: int = Field(default=8, ge=1)
-    fabric_timeout_s: float = Field(default=5.0, gt=0)
+    dcgm_targets: Annotated[list[str], Flag("dcgm_target")] = Field(default_factory=list)
+    """dcgm-exporter /metrics URLs."""
+    sysfs_roots: Annotated[list[str], Flag("sysfs_root")] = Field(default_factory=list)
+    """HOST=PATH of a folder holding class/infiniband, e.g. node-1=/sys."""
+    nvidia_smi: Annotated[list[str], Flag()] = Field(default_factory=list)
+    """HOST=COMMAND printing nvidia-smi -q -x XML, e.g. node-1="nvidia-smi -q -x", or a CSV query,
+    e.g. node-1="nvidia-smi --query-gpu=index,uuid,utilization.gpu,memory.used,memory.total
+    --format=csv,noheader,nounits"."""
+    ufm_telemetry: Annotated[list[str], Flag()] = Field(default_factory=list)
+    """UFM Telemetry Prometheus endpoint URLs: InfiniBand port counters of the whole fabric, without
+    host-side perfquery sweeps."""
+    nvml_host: Annotated[str | None, Flag()] = None
+    """Read this machine's GPUs through NVML under this host name; none: no NVML."""
+    file_sd: Annotated[list[Path], Flag()] = Field(default_factory=list)
+    """Prometheus file_sd JSON files of dcgm-exporter targets, re-read when they change; the last
+    component may be a glob, e.g. targets/*.json."""
+    file_sd_refresh_s: Annotated[float, Flag("file_sd_refresh")] = Field(default=5.0, gt=0)
+    """Seconds between two checks of the file_sd files for changes."""
+    spool_dir: Annotated[Path | None, Flag()] = None
+    """Spool records here (after spool_memory_records in memory) while Kafka is unreachable, and
+    resume them after a restart; none: records wait for Kafka only inside aiokafka's buffer."""
+    spool_memory_records: Annotated[int, Flag()] = Field(default=100_000, ge=0)
+    """Records the spool holds in memory before it writes to spool_dir."""
+    spool_disk_bytes: Annotated[int, Flag()] = Field(default=1 << 30, ge=0)
+    """Bytes the spool may take in spool_dir."""
+    interval_s: Annotated[float, Flag("interval")] = Field(default=5.0, gt=0)
+    """Seconds between the starts of two collection cycles."""
+    timeout_s: Annotated[float, Flag("timeout")] = Field(default=2.0, gt=0)
+    """Deadline of one scrape, seconds."""
+    concurrency: Annotated[int, Flag()] = Field(default=64, ge=1)
+    """Scrapes in flight at most."""
+    fabric: Annotated[bool, Flag()] = False
+    """Also run the switch-side fabric collector: ibnetdiscover -p (topology to fabric.topology) and
+    perfquery -x on every switch and HCA port (to telemetry.ib_port). On one host per fabric whose
+    HCA reaches the subnet management (a /dev/infiniband/umad* device, infiniband-diags installed)."""
+    fabric_interval_s: Annotated[float, Flag("fabric_interval")] = Field(default=30.0, gt=0)
+    """Seconds between the starts of two fabric sweeps."""
+    fabric_discover_every: Annotated[int, Flag()] = Field(default=10, ge=1)
+    """Re-discover the fabric's topology every Nth sweep (1: every sweep)."""
+    fabric_concurrency: Annotated[int, Flag()] = Field(default=8, ge=1)
+    """perfquery processes at once."""
+    fabric_timeout_s: Annotated[float, Flag("fabric_timeout")] = Field(default=5.0, gt=0)
+    """Deadline of one perfquery run, seconds (its process group is killed)."""
     fabric_command_prefix: list[str] = Field(default_factory=list)
+    """argv prefix of every diag command, e.g. ["sudo", "-n"]."""
     forget_after_s: float = Field(default=300.0, gt=0)
-    slurm_conf: Path | None = None
-    slurm_interval_s: float = Field(default=10.0, gt=0)
+    """A dcgm-exporter target gone from the configuration (static list and file_sd) this long is
+    forgotten, seconds: its target series are removed."""
+    slurm_conf: Annotated[Path | None, Flag()] = None
+    """Read this Slurm cluster (its slurm.conf, given to scontrol as SLURM_CONF) every
+    slurm_interval_s: nodes, GPUs by GRES index and job, pending jobs with their planned start ->
+    telemetry.scheduler; none: no Slurm source."""
+    slurm_interval_s: Annotated[float, Flag("slurm_interval")] = Field(default=10.0, gt=0)
+    """Seconds between the starts of two reads of Slurm."""
 
 
 class AnalyticsSettings(BaseModel):
     """Kafka and DuckDB options of the analytics stage (the database file is the top-level
-    ``analytics_db``, idle detection the ``[idle]`` group).
+    ``analytics_db``, idle detection the ``[idle]`` group). Each field's docstring is its
+    description."""
 
-    Attributes:
-        group_id: Kafka consumer group of the telemetry consumers (one per deployment).
-        memory_limit: memory the whole analytics process may use (e.g. ``"2GB"``); DuckDB gets
-            ``analytics.store.DUCKDB_MEMORY_SHARE`` of it, the rest is left for Python; ``None``:
-            DuckDB's default.
-        max_uplink_xmit_wait: an idle GPU is not offered while an uplink of its leaf switch waits
-            more than this: ΔPortXmitWait / (ΔPortXmitWait + ΔPortXmitData) over the headroom
-            window, 0..1 (0.5 = one tick waited per word sent, the GpupoolIbXmitWaitHigh alert's
-            threshold); 1 turns the check off.
-        scheduler: join the training scheduler's state (``telemetry.scheduler``) with the GPU
-            telemetry: a GPU is offered only when the scheduler has it unallocated, and no promise
-            runs past a pending job's planned start on its node (``analytics.scheduler``).
-    """
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    model_config = ConfigDict(extra="forbid")
-
-    group_id: str = "gpupool-analytics"
-    memory_limit: str | None = None
-    max_uplink_xmit_wait: float = Field(default=0.5, ge=0, le=1)
-    scheduler: bool = False
+    group_id: Annotated[str, Flag()] = "gpupool-analytics"
+    """Kafka consumer group of the telemetry consumers (one per deployment)."""
+    memory_limit: Annotated[str | None, Flag()] = None
+    """Memory the whole analytics process may use, e.g. 2GB; DuckDB gets
+    analytics.store.DUCKDB_MEMORY_SHARE (60 %) of it, the rest is left for Python; none: DuckDB's
+    own limit."""
+    max_uplink_xmit_wait: Annotated[float, Flag()] = Field(default=0.5, ge=0, le=1)
+    """A node is not offered while an uplink of its leaf switch waits for credits more than this
+    over the headroom window: XmitWait / (XmitWait + XmitData), 0..1 (0.5, one tick waited per word
+    sent, is the GpupoolIbXmitWaitHigh alert's threshold); 1: no check."""
+    scheduler: Annotated[bool, Flag()] = False
+    """Join the training scheduler's state (telemetry.scheduler, from gpupool collect run
+    --slurm-conf): offer a GPU only when the scheduler has it unallocated, never promise past a
+    pending job's planned start on its node."""
 
 
-class BrokerSettings(BaseModel):
-    """Offers, leases and fabric isolation of the broker stage (``broker.config.BrokerConfig``
-    for the times). MQTT connection settings are the top-level ``mqtt*`` fields.
+class BrokerPolicy(BaseModel):
+    """The lease policy the broker runs with: offer and lease times, quotas, fair share, request
+    limits. Both the ``[broker]`` settings (:class:`BrokerSettings`) and the broker's own
+    ``broker.config.BrokerConfig`` are this policy plus their own fields. Each field's docstring is
+    its description."""
 
-    Attributes:
-        offer_ttl_s: an offer lapses this long after it is published, seconds.
-        notice_s: reclaim notice each lease gets, seconds.
-        lease_ttl_s: a lease expires unless renewed within this long, seconds.
-        group_id: Kafka consumer group of capacity and pool demand (one per deployment).
-        client_id: MQTT client id; the broker's persistent session is kept under it.
-        fabric_state: ``fabric.json`` of an OpenSM fabric; ``None``: fabric isolation disabled.
-        fabric_gateway: node id or port GUID of the edge gateway's HCA (full member).
-        fabric_hosts: JSON file ``{"<gpu host>": ["<HCA node id or port GUID>", ...]}``.
-        fabric_sl: service level of inference traffic (0..15).
-        fabric_timeout_s: seconds to wait for the fabric to show a partition change.
-        fabric_dry_run: print partition diffs and change nothing.
-        fabric_qos: manage fabric QoS with the partitions (the lent VL and its share bound in
-            ``opensm.conf``, verified on each lease's paths); false: partitions only.
-        lent_share_percent: the lent-share bound: the most of a link's bandwidth lent traffic may
-            take while training keeps the link busy, percent (0.4..50; the plan rounds it down to
-            ``100 / (qos_high_limit + 1)``). Shown in each offer and lease. Analytics offers a node's
-            idle GPUs only while the busiest uplink of its leaf switch has at least this share of
-            headroom left by training (``CapacityUpdate.leaf_headroom``).
-        fabric_lent_vl: the virtual lane of lent traffic (1..14; the inference SL maps to it).
-        fabric_qos_audit_s: seconds between audits of every switch port's QoS tables.
-        lease_log_linger_ms: batching delay of the lease-log producer, ms (every claim waits for
-            its lease to be logged: keep it small).
-        tune_gc: freeze the objects alive at start and re-freeze the young survivors every second,
-            with a full collection once an hour (GC pauses off the claim path:
-            ``broker.service.tune_gc``).
-        pool_zones: pool name → latency zone stamped on its offers (``[broker.pool_zones]``).
-        site_quotas: site → the most GPUs it may hold at once (``[broker.site_quotas]``).
-        default_site_quota: quota of sites not in ``site_quotas``; default 64 GPUs (so no
-            site takes a whole pool by flooding); a large number for practically unlimited.
-        site_weights: site → fair-share weight, > 0 (``[broker.site_weights]``; default 1).
-        fair_share_window_s: a site refused this recently still counts as waiting for its share,
-            seconds (policy: :mod:`broker.quota`).
-        site_forget_after_s: a site offline this long with no live lease is forgotten, seconds:
-            its ``site`` series (``gpupool_broker_site_up``, claim decisions) are removed.
-        site_request_rate_per_s / site_request_burst: per-site token bucket of claims, renewals
-            and releases (past it: ``rate_limited``); defaults 50/s and 100.
-        request_max_age_s: requests older than this (by their ``ts``) are ignored, seconds.
-        lease_log_timeout_s: a lease-log write not acknowledged within this is undone and the
-            request answered ``internal``, seconds.
-    """
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    model_config = ConfigDict(extra="forbid")
-
-    offer_ttl_s: float = Field(default=60.0, gt=0)
-    notice_s: float = Field(default=30.0, ge=0)
-    lease_ttl_s: float = Field(default=60.0, gt=0)
-    group_id: str = "gpupool-broker"
-    client_id: str = "gpupool-broker"
-    fabric_state: Path | None = None
-    fabric_gateway: str = "edge-gw"
-    fabric_hosts: Path | None = None
-    fabric_sl: int = Field(default=1, ge=0, le=15)
-    fabric_timeout_s: float = Field(default=20.0, gt=0)
-    fabric_dry_run: bool = False
-    fabric_qos: bool = True
-    lent_share_percent: float = Field(default=10.0, ge=0.4, le=50)
-    fabric_lent_vl: int = Field(default=1, ge=1, le=14)
-    fabric_qos_audit_s: float = Field(default=300.0, gt=0)
-    lease_log_linger_ms: float = Field(default=0.0, ge=0)
-    tune_gc: bool = True
+    offer_ttl_s: Annotated[float, Flag("offer_ttl")] = Field(default=60.0, gt=0)
+    """Offer lifetime: an offer lapses this long after it is published (Offer.expires_at and the
+    MQTT 5 message expiry), seconds; still-idle GPUs are then offered again under a new id."""
+    notice_s: Annotated[float, Flag("notice")] = Field(default=30.0, ge=0)
+    """Reclaim notice each lease gets, seconds: on a training demand the site has this long to
+    release before the lease is revoked."""
+    lease_ttl_s: Annotated[float, Flag("lease_ttl")] = Field(default=60.0, gt=0)
+    """A lease expires unless renewed within this long, seconds; a renewal never extends it by more."""
+    group_id: Annotated[str, Flag()] = "gpupool-broker"
+    """Kafka consumer group of capacity and pool demand (one per deployment)."""
     pool_zones: dict[str, str] = Field(default_factory=dict)
+    """Pool name → latency zone stamped on its offers (Offer.zone, [broker.pool_zones]), so claims
+    can ask for a zone; a pool not listed has no zone."""
     site_quotas: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+    """Site → the most GPUs it may hold at once, live leases plus claims being granted
+    ([broker.site_quotas]); a site not listed gets default_site_quota."""
     default_site_quota: int | None = Field(default=64, ge=0)
+    """Quota of sites not in site_quotas, GPUs (so no site takes a whole pool by flooding); none:
+    unlimited."""
     site_weights: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
+    """Site → fair-share weight, > 0 ([broker.site_weights]); a site not listed weighs 1 (policy,
+    weighted max-min: broker.quota)."""
     fair_share_window_s: float = Field(default=60.0, ge=0)
+    """A site refused this recently (for want of GPUs or quota) still counts as waiting for its
+    fair share, seconds."""
     site_forget_after_s: float = Field(default=3600.0, gt=0)
+    """A site offline this long (its Last Will, or a death) with no live lease is forgotten,
+    seconds: its site series (gpupool_broker_site_up, claim decisions) are removed; a later birth
+    makes it new again."""
     site_request_rate_per_s: float = Field(default=LIMITS.site_request_rate_per_s, gt=0)
+    """Per-site token bucket of claims, renewals and releases together (broker.ratelimit): refill
+    rate, per second; past it a request is answered rate_limited."""
     site_request_burst: float = Field(default=LIMITS.site_request_burst, ge=1)
+    """Per-site token bucket of claims, renewals and releases: burst size."""
     request_max_age_s: float = Field(default=LIMITS.request_max_age_seconds, gt=0)
+    """A claim, renewal or release whose ts is older than this when it arrives is ignored (counted
+    as stale), seconds: a site's queued backlog after an outage is not acted on long after."""
     lease_log_timeout_s: float = Field(default=5.0, gt=0)
+    """How long writing a change to the lease log may take, seconds; past it (or on any refusal)
+    the change is undone and the request answered internal."""
+
+
+class BrokerSettings(BrokerPolicy):
+    """The ``[broker]`` settings: the lease policy (:class:`BrokerPolicy`), the broker's identity,
+    fabric isolation and process tuning. MQTT connection settings are the top-level ``mqtt*``
+    fields. Each field's docstring is its description."""
+
+    client_id: Annotated[str, Flag()] = "gpupool-broker"
+    """MQTT client id; the broker's persistent session is kept under it."""
+    fabric_state: Annotated[Path | None, Flag()] = None
+    """fabric.json of an OpenSM fabric (deploy/local/fabric.sh): isolate every lease in a partition
+    verified on the fabric; none: fabric isolation disabled."""
+    fabric_gateway: Annotated[str, Flag()] = "edge-gw"
+    """Node id or port GUID of the edge gateway's HCA, a full member."""
+    fabric_hosts: Annotated[Path | None, Flag()] = None
+    """JSON file {"<gpu host>": ["<HCA node id or port GUID>", ...]}; none: hosts ending in N map to
+    the Nth compute HCA."""
+    fabric_sl: Annotated[int, Flag()] = Field(default=1, ge=0, le=15)
+    """Service level of inference traffic, 0..15."""
+    fabric_timeout_s: Annotated[float, Flag("fabric_timeout")] = Field(default=20.0, gt=0)
+    """Seconds to wait for the fabric to show a partition change."""
+    fabric_dry_run: Annotated[bool, Flag()] = False
+    """Print the partitions.conf/qos-policy.conf diff of each lease on stderr and change nothing
+    (leases are then refused: isolation_failed)."""
+    fabric_qos: bool = True
+    """Manage fabric QoS with the partitions (the lent VL and its share bound in opensm.conf,
+    verified on each lease's paths); off: partitions only."""
+    lent_share_percent: Annotated[float, Flag()] = Field(default=10.0, ge=0.4, le=50)
+    """The lent-share bound: the most of a link's bandwidth lent traffic may take while training
+    keeps the link busy, percent (0.4..50; the plan rounds it down to 100 / (qos_high_limit + 1));
+    shown in each offer and lease. Analytics offers a node's idle GPUs only while the busiest uplink
+    of its leaf switch has at least this share of headroom left by training."""
+    fabric_lent_vl: int = Field(default=1, ge=1, le=14)
+    """The virtual lane of lent traffic (1..14; the inference SL maps to it)."""
+    fabric_qos_audit_s: float = Field(default=300.0, gt=0)
+    """Seconds between audits of every switch port's QoS tables."""
+    lease_log_linger_ms: Annotated[float, Flag()] = Field(default=0.0, ge=0)
+    """Batching delay of the lease-log producer, ms: every claim waits for its lease to be logged,
+    so keep it small (Kafka's throughput default is 20)."""
+    tune_gc: Annotated[bool, Flag()] = True
+    """After the start, freeze the objects alive then and re-freeze the young survivors every
+    second, with a full collection once an hour (broker.service.tune_gc): no full GC pause walks
+    the lease book."""
 
 
 class DeploymentSettings(BaseSettings):
-    """Every setting of a gpupool deployment (sources and precedence: module docstring).
-
-    Attributes:
-        config: the TOML file these settings were read from (``--config`` or ``GPUPOOL_CONFIG``).
-        kafka: Kafka bootstrap servers ``host:port[,host:port]``; ``None``: not configured (the
-            stage commands refuse to run, the demo uses its in-process bus).
-        topic_prefix: prefix of every Kafka topic name (the same for every stage).
-        mqtt: MQTT server ``host:port``.
-        mqtt_username / mqtt_password: MQTT credentials of the broker (the password is a secret:
-            masked when shown, best given by environment, never on a command line).
-        mqtt_root: MQTT topic root.
-        mqtt_protocol: 5, or 4 for MQTT 3.1.1.
-        mqtt_cafile: connect to MQTT over TLS, trusting this CA (PEM); ``None``: plain TCP unless
-            a client certificate is given (then the system's CAs).
-        mqtt_certfile / mqtt_keyfile: TLS client certificate (PEM) and its key, if separate.
-        state_dir: where the demo and local services keep files.
-        analytics_db: the analytics DuckDB file.
-        metrics / idle / collectors / analytics / broker: the groups above.
+    """Every setting of a gpupool deployment (sources and precedence: module docstring). Each
+    field's docstring is its description (the help of the run commands' options).
 
     Raises:
         pydantic.ValidationError: a value of any source is invalid (the message names the field).
@@ -332,27 +341,53 @@ class DeploymentSettings(BaseSettings):
     """
 
     model_config = SettingsConfigDict(
-        env_prefix="GPUPOOL_", env_nested_delimiter="__", extra="forbid", case_sensitive=False
+        env_prefix="GPUPOOL_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        case_sensitive=False,
+        use_attribute_docstrings=True,
     )
 
     config: Path | None = None
-    kafka: str | None = None
-    topic_prefix: str = ""
-    mqtt: str = "127.0.0.1:1883"
-    mqtt_username: str | None = "gpupool-broker"
-    mqtt_password: SecretStr | None = None
-    mqtt_root: str = "gpupool/v1"
-    mqtt_protocol: Literal[4, 5] = 5
-    mqtt_cafile: Path | None = None
-    mqtt_certfile: Path | None = None
-    mqtt_keyfile: Path | None = None
+    """The TOML file these settings were read from (--config or GPUPOOL_CONFIG)."""
+    kafka: Annotated[str | None, Flag()] = None
+    """Kafka bootstrap servers, host:port[,host:port]; required by the stage commands (the demo
+    uses its in-process bus without it)."""
+    topic_prefix: Annotated[str, Flag()] = ""
+    """Prefix of every Kafka topic name (the same for every stage)."""
+    mqtt: Annotated[str, Flag()] = "127.0.0.1:1883"
+    """MQTT server host:port."""
+    mqtt_username: Annotated[str | None, Flag("username")] = "gpupool-broker"
+    """MQTT user of the broker."""
+    mqtt_password: Annotated[SecretStr | None, Flag("password")] = None
+    """MQTT password of the broker (a secret: masked when shown); better GPUPOOL_MQTT_PASSWORD,
+    which keeps it off the command line."""
+    mqtt_root: Annotated[str, Flag("root")] = "gpupool/v1"
+    """MQTT topic root."""
+    mqtt_protocol: Annotated[Literal[4, 5], Flag("protocol")] = 5
+    """MQTT protocol: 5, or 4 for MQTT 3.1.1."""
+    mqtt_cafile: Annotated[Path | None, Flag()] = None
+    """Connect to MQTT over TLS, trusting this CA (PEM) for the server's certificate (the mqtt
+    address is then the TLS listener); none: plain TCP unless a client certificate is given (then
+    the system's CAs)."""
+    mqtt_certfile: Annotated[Path | None, Flag()] = None
+    """TLS client certificate (PEM), for a listener that requires one."""
+    mqtt_keyfile: Annotated[Path | None, Flag()] = None
+    """Private key (PEM) of mqtt_certfile, if not in it."""
     state_dir: Path = Path(".state")
-    analytics_db: Path = Path("gpupool-analytics.duckdb")
+    """Where the demo and local services keep files."""
+    analytics_db: Annotated[Path, Flag("db")] = Path("gpupool-analytics.duckdb")
+    """The analytics DuckDB file, created if new."""
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
+    """[metrics]: the /metrics servers."""
     idle: IdleSettings = Field(default_factory=IdleSettings)
+    """[idle]: idle detection."""
     collectors: CollectorsSettings = Field(default_factory=CollectorsSettings)
+    """[collectors]: the collector stage."""
     analytics: AnalyticsSettings = Field(default_factory=AnalyticsSettings)
+    """[analytics]: the analytics stage."""
     broker: BrokerSettings = Field(default_factory=BrokerSettings)
+    """[broker]: the broker stage."""
 
     @field_validator("kafka")
     @classmethod
@@ -438,21 +473,64 @@ CONFIG_OPTION_HELP = (
 """``--config`` help of every stage's ``run`` command."""
 
 
+def settings_field(path: str) -> FieldInfo:
+    """The :class:`DeploymentSettings` field at dotted ``path`` (``"collectors.interval_s"``).
+
+    Raises:
+        KeyError: no such field.
+    """
+    model: type[BaseModel] = DeploymentSettings
+    *groups, leaf = path.split(".")
+    for group in groups:
+        annotation = model.model_fields[group].annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            raise KeyError(f"{group} in {path} is not a settings group")
+        model = annotation
+    return model.model_fields[leaf]
+
+
+def _flagged(model: type[BaseModel], prefix: str = "") -> dict[str, str]:
+    """Dotted path → option name of every field of ``model`` (groups included) marked :class:`Flag`,
+    in the model's order."""
+    found: dict[str, str] = {}
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            found.update(_flagged(annotation, f"{prefix}{name}."))
+        for mark in field.metadata:
+            if isinstance(mark, Flag):
+                found[prefix + name] = mark.name or name
+    return found
+
+
 class RunFlags:
-    """The parameters of one stage's ``run`` command, each mapped to the dotted
-    :class:`DeploymentSettings` field it sets (``{"notice": "broker.notice_s"}``): one place that
-    turns flags into settings (:meth:`load`) and names the setting in each flag's help
-    (:meth:`help`).
+    """The options of one command: the :class:`Flag` fields of :class:`DeploymentSettings` it takes,
+    as ``--<flag>`` (:attr:`fields` maps each option's Python name to its dotted field). The one
+    place that turns flags into settings (:meth:`load`); :func:`runtime.run_options.settings_command`
+    derives the options from it.
 
     Args:
         command: the command, for messages (``gpupool broker run``).
-        fields: parameter name → dotted settings field.
+        selection: dotted fields, or ``fnmatch`` patterns over them (``"collectors.*"``,
+            ``"mqtt*"``) taking every :class:`Flag` field that matches, in the model's order.
+
+    Raises:
+        ValueError: a pattern that matches no :class:`Flag` field, or two fields with one flag.
     """
 
-    def __init__(self, command: str, fields: Mapping[str, str]) -> None:
-        """Keep ``fields`` (copied)."""
+    def __init__(self, command: str, *selection: str) -> None:
+        """Resolve ``selection`` to ``fields``."""
         self.command = command
-        self.fields: dict[str, str] = dict(fields)
+        flagged = _flagged(DeploymentSettings)
+        self.fields: dict[str, str] = {}
+        for pattern in selection:
+            matched = [path for path in flagged if fnmatch.fnmatchcase(path, pattern)]
+            if not matched:
+                raise ValueError(f"{command}: no settings field with a Flag matches {pattern!r}")
+            for path in matched:
+                flag = flagged[path]
+                if self.fields.setdefault(flag, path) != path:
+                    raise ValueError(f"{command}: --{flag} would set {self.fields[flag]} and {path}")
 
     def load(self, config: Path | None = None, **flags: Any) -> DeploymentSettings:
         """The settings the command runs with: ``flags`` (its parameters by name; ``None`` = not
@@ -464,11 +542,3 @@ class RunFlags:
             KeyError: a parameter the command does not have.
         """
         return load_settings(config, {self.fields[name]: value for name, value in flags.items()})
-
-    def help(self, name: str) -> str:
-        """The help suffix naming the setting parameter ``name`` overrides: ``" (setting X)"``.
-
-        Raises:
-            KeyError: ``name`` is not a parameter of the command.
-        """
-        return f" (setting {self.fields[name]})"

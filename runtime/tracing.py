@@ -268,6 +268,24 @@ def messaging_attributes(
     return attrs
 
 
+def mqtt_publish_attributes(
+    topic: str, *, template: str, message_id: str, client_id: str
+) -> dict[str, AttributeValue]:
+    """Attributes of the span of one MQTT publish (:func:`messaging_attributes` with ``send`` /
+    ``publish``): ``topic`` the MQTT topic, ``template`` it with its variable level in braces
+    (``gpupool/v1/sites/{site}/claims``), ``message_id`` the record's id (offer or claim id),
+    ``client_id`` the MQTT client id."""
+    return messaging_attributes(
+        MQTT,
+        "send",
+        topic,
+        operation_name="publish",
+        template=template,
+        message_id=message_id,
+        client_id=client_id,
+    )
+
+
 def _traces_url(endpoint: str) -> str:
     """``endpoint`` as an OTLP/HTTP traces URL: a base URL (``http://collector:4318``, as in
     ``OTEL_EXPORTER_OTLP_ENDPOINT``) gets ``/v1/traces`` appended; a URL already ending in

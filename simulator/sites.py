@@ -13,6 +13,7 @@ import contextlib
 import logging
 import random
 from collections import Counter
+from typing import Any
 
 from broker.edge import BrokerRejected, ClaimRejected, EdgeClient, WatchEvent
 from contracts import LeaseMessage, LeaseState
@@ -25,8 +26,9 @@ class SimulatedSite:
 
     Args:
         name: the site name (MQTT user and ``{site}`` topic level).
-        host / port / username / password / root / protocol: the MQTT server and credentials, as
-            for :class:`broker.edge.EdgeClient`.
+        connection: the MQTT server and credentials, keyword arguments of
+            :class:`broker.edge.EdgeClient` (``host``, ``port``, ``username``, ``password``,
+            ``root``, ``protocol``, ``tls``...).
         seed: seed of the site's random choices.
         claim_every_s: mean time between claim attempts, seconds (each wait jittered ±50 %).
         claim_probability: chance that an attempt claims when an offer is there.
@@ -44,12 +46,6 @@ class SimulatedSite:
         self,
         *,
         name: str,
-        host: str,
-        port: int,
-        username: str | None = None,
-        password: str | None = None,
-        root: str = "gpupool/v1",
-        protocol: int = 5,
         seed: int = 0,
         claim_every_s: float = 1.0,
         claim_probability: float = 0.7,
@@ -59,18 +55,10 @@ class SimulatedSite:
         renew_every_s: float = 5.0,
         release_on_reclaim: float = 0.85,
         persistent: bool = True,
+        **connection: Any,
     ) -> None:
         self.name = name
-        self.client = EdgeClient(
-            site=name,
-            host=host,
-            port=port,
-            username=username,
-            password=password,
-            root=root,
-            protocol=protocol,
-            persistent=persistent,
-        )
+        self.client = EdgeClient(site=name, persistent=persistent, **connection)
         self._rng = random.Random(seed)
         self.claim_every_s = claim_every_s
         self.claim_probability = claim_probability

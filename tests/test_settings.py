@@ -10,8 +10,12 @@ import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
+import typing
+from typing import Any
+
 import pytest
-from pydantic import ValidationError
+import typer
+from pydantic import BaseModel, ValidationError
 from typer.testing import CliRunner
 
 from analytics.classify import IdleConfig
@@ -26,6 +30,8 @@ from gpupool.settings import (
     load_settings,
     to_toml,
 )
+from runtime.run_options import option_help
+from runtime.settings import DeploymentSettings, RunFlags, settings_field
 
 SECRET = "hunter2-do-not-print"
 
@@ -249,23 +255,155 @@ def test_default_metrics_ports_are_the_ones_prometheus_scrapes() -> None:
     }
 
 
-@pytest.mark.parametrize("stage", ["collectors", "analytics", "broker"])
-def test_every_option_of_a_stage_run_command_is_a_setting(stage: str) -> None:
-    """One TOML file configures a whole deployment: each option of ``gpupool <stage> run`` maps to
-    a field of the settings model (``RUN_SETTINGS``), so it can come from GPUPOOL_* or the file."""
+STAGE_COMMANDS = {"collectors": ("collect", "run"), "analytics": ("analytics", "run"), "broker": ("broker", "run")}
+
+
+def _command(path: tuple[str, ...]) -> Any:
+    cmd: Any = typer.main.get_command(app)
+    for name in path:
+        cmd = cmd.commands[name]
+    return cmd
+
+
+def _model_fields(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for name, field in model.model_fields.items():
+        yield prefix + name, field
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            yield from _model_fields(field.annotation, f"{prefix}{name}.")
+
+
+def test_every_setting_has_a_description() -> None:
+    """The options' help is derived from the model: every field (groups too) describes itself."""
+    missing = [path for path, field in _model_fields(DeploymentSettings) if not (field.description or "").strip()]
+    assert not missing, f"settings without a docstring: {missing}"
+
+
+def test_option_help_is_the_description_the_model_default_and_the_setting() -> None:
+    assert option_help("collectors.interval_s") == (
+        "Seconds between the starts of two collection cycles. (default: 5; setting collectors.interval_s)"
+    )
+    assert option_help("metrics.broker").endswith("(0: off). (default: 9412; setting metrics.broker)")
+    assert option_help("broker.tune_gc").endswith("(default: on; setting broker.tune_gc)")
+    assert option_help("collectors.dcgm_targets") == (
+        "dcgm-exporter /metrics URLs. (repeatable) (setting collectors.dcgm_targets)"  # empty list: no default
+    )
+    assert option_help("kafka").endswith("(setting kafka)") and "default" not in option_help("mqtt_password")
+    with pytest.raises(KeyError):
+        option_help("collectors.intervals")
+
+
+def test_run_flags_select_flagged_fields_by_path_or_pattern() -> None:
+    """A command takes :class:`Flag` fields only, under the Flag's name (else the field's); a
+    pattern takes every flagged field it matches, in the model's order; two fields under one
+    option name, or a selection that matches nothing flagged, are refused."""
+    flags = RunFlags("t", "kafka", "mqtt*", "idle.*", "metrics.broker")
+    assert flags.fields == {
+        "kafka": "kafka",
+        "mqtt": "mqtt",
+        "username": "mqtt_username",
+        "password": "mqtt_password",
+        "root": "mqtt_root",
+        "protocol": "mqtt_protocol",
+        "mqtt_cafile": "mqtt_cafile",
+        "mqtt_certfile": "mqtt_certfile",
+        "mqtt_keyfile": "mqtt_keyfile",
+        "idle_threshold": "idle.idle_threshold",
+        "busy_threshold": "idle.busy_threshold",
+        "min_idle_s": "idle.min_idle_s",
+        "stale_after_s": "idle.stale_after_s",
+        "refresh_s": "idle.refresh_s",
+        "pool": "idle.pool",  # idle.forget_after_s has no Flag: environment or file only
+        "metrics_port": "metrics.broker",
+    }
+    with pytest.raises(ValueError, match="metrics_port"):
+        RunFlags("t", "metrics.broker", "metrics.analytics")  # both are --metrics-port
+    with pytest.raises(ValueError, match="state_dir"):
+        RunFlags("t", "state_dir")  # a field without a Flag
+    with pytest.raises(ValueError, match="nope"):
+        RunFlags("t", "nope.*")
+    assert RunFlags("t", "broker.*").load(None, notice=12.0).broker.notice_s == 12.0
+
+
+@pytest.mark.parametrize("stage", sorted(STAGE_COMMANDS))
+def test_stage_run_options_are_derived_from_the_settings_fields(stage: str) -> None:
+    """One TOML file configures a whole deployment and each option is declared once, as a field of
+    the settings model: ``gpupool <stage> run`` has ``--config`` and one option per entry of the
+    stage's ``RUN_FLAGS``, each of the field's type, ``None`` when not given (so GPUPOOL_*, the file,
+    the default apply), its help the field's description, the model's default and the setting."""
     import importlib
-    import inspect
 
     cli = importlib.import_module(f"{stage}.cli")
-    params = set(inspect.signature(cli.run).parameters) - {"config"}
-    mapping: dict[str, str] = cli.RUN_SETTINGS
-    assert params == set(mapping), f"{stage} run options without a setting: {sorted(params - set(mapping))}"
-    defaults = effective_config(GpupoolSettings())
-    for option, path in mapping.items():
-        node: object = defaults
-        for part in path.split("."):
-            assert isinstance(node, dict) and part in node, f"{stage} --{option}: no setting {path}"
-            node = node[part]
+    flags: dict[str, str] = cli.RUN_FLAGS.fields
+    options = {p.name: p for p in _command(STAGE_COMMANDS[stage]).params}
+    assert set(options) == {"config", *flags}
+    for flag, path in flags.items():
+        field, option = settings_field(path), options[flag]
+        assert option.opts == ["--" + flag.replace("_", "-")], flag
+        assert option.default is None and not option.required, flag
+        assert option.help == option_help(path), flag
+        assert option.help.startswith(" ".join(str(field.description).split())), flag
+        default = field.get_default(call_default_factory=True)
+        if isinstance(default, int | float) and not isinstance(default, bool):
+            shown = f"{default:g}" if isinstance(default, float) else str(default)
+            assert f"(default: {shown}; setting {path})" in option.help, flag
+        if field.annotation is bool:
+            assert option.secondary_opts == ["--no-" + flag.replace("_", "-")], flag
+        if typing.get_origin(field.annotation) is list:
+            assert option.multiple, flag
+
+
+def _sample_argv(flag: str, path: str) -> tuple[list[str], Any]:
+    """Command-line words giving option ``flag`` (field ``path``) a value, and the value parsed."""
+    annotation = settings_field(path).annotation
+    name = "--" + flag.replace("_", "-")
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    kind = args[0] if args and typing.get_origin(annotation) is not typing.Literal else annotation
+    if annotation is bool:
+        return [f"--no-{name[2:]}"], False
+    if typing.get_origin(annotation) is list:
+        item = typing.get_args(annotation)[0]
+        return [name, "a", name, "b"], [item("a"), item("b")]
+    if typing.get_origin(annotation) is typing.Literal:
+        return [name, "4"], 4
+    if kind in (int, float):
+        return [name, "3"], kind(3)
+    if kind is Path:
+        return [name, "/x/y"], Path("/x/y")
+    return [name, "v:1"], "v:1"  # str, SecretStr
+
+
+@pytest.mark.parametrize("stage", sorted(STAGE_COMMANDS))
+def test_each_derived_option_reaches_its_setting(stage: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every option given on the command line arrives, parsed as the field's type, under its name
+    at :func:`runtime.run_options.load_run_settings`, which maps it to the field (RunFlags)."""
+    import importlib
+
+    import runtime.run_options as ro
+
+    cli = importlib.import_module(f"{stage}.cli")
+    flags: dict[str, str] = cli.RUN_FLAGS.fields
+    argv: list[str] = []
+    expected: dict[str, Any] = {}
+    for flag, path in flags.items():
+        words, value = _sample_argv(flag, path)
+        argv += words
+        expected[flag] = value
+    seen: dict[str, Any] = {}
+
+    def record(run_flags: Any, config: Path | None, **values: Any) -> Any:
+        seen.update(values, config=config, flags=run_flags)
+        raise typer.Exit(0)
+
+    monkeypatch.setattr(ro, "load_run_settings", record)
+    res = CliRunner().invoke(app, [*STAGE_COMMANDS[stage], "--config", "/etc/g.toml", *argv])
+    assert res.exit_code == 0, res.output
+    assert seen.pop("flags") is cli.RUN_FLAGS and seen.pop("config") == Path("/etc/g.toml")
+    assert seen == expected
+    # nothing given: every flag arrives as None, so the environment, the file or the default wins
+    seen.clear()
+    res = CliRunner().invoke(app, list(STAGE_COMMANDS[stage]))
+    assert res.exit_code == 0, res.output
+    assert {k: v for k, v in seen.items() if k not in ("flags", "config")} == dict.fromkeys(flags)
 
 
 def test_broker_zones_quotas_and_weights_come_from_the_toml(tmp_path: Path) -> None:
