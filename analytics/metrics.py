@@ -9,17 +9,14 @@ headroom, consumer lag, allocated-but-idle GPUs) are read from it at scrape time
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
-from runtime.metrics import StateGauge
+from runtime.metrics import MetricSet, Samples
 
-__all__ = ["GPU_STATES", "IDLE_GRADES", "AnalyticsMetrics", "CapacitySnapshot", "Samples"]
-
-Samples = Callable[[], Mapping[tuple[str, ...], float]]
-"""What a gauge read at scrape time calls: label values → value (:class:`runtime.metrics.StateGauge`)."""
+__all__ = ["GPU_STATES", "IDLE_GRADES", "AnalyticsMetrics", "CapacitySnapshot"]
 
 IDLE_GRADES: tuple[str, ...] = ("free", "memory_held")
 """Grades reported for every known model (values of :class:`contracts.IdleGrade`)."""
@@ -64,100 +61,82 @@ class CapacitySnapshot:
         return {key: self.idle_memory_bytes.get((key[1], key[2]), 0) for key in self.idle_gpus()}
 
 
-class AnalyticsMetrics:
+class AnalyticsMetrics(MetricSet):
     """Every metric of one analytics service: counters and histograms here, and the gauges read
     from the service's state once it calls :meth:`watch`.
 
-    Args:
-        registry: where they are registered (a new :class:`prometheus_client.CollectorRegistry`
-            when ``None``); :attr:`registry` is what the service's ``/metrics`` serves. Raises
-            ``ValueError`` if one of their names is already there (one object per registry).
+    On the registry it is given (:class:`runtime.metrics.MetricSet`; a new one when ``None``).
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
-        registry = self.registry
-        self.records_consumed = Counter(
+        super().__init__(registry)
+        self.records_consumed = self.counter(
             "gpupool_analytics_records_consumed_total",
             "Records read from the bus, by topic (including those then rejected).",
             ["topic"],
-            registry=registry,
         )
-        self.rejected_records = Counter(
+        self.rejected_records = self.counter(
             "gpupool_analytics_rejected_records_total",
             "Records or values skipped, by reason (tombstone, malformed_json, invalid_record, "
             "unsupported_version, unknown_topic, duplicate, counter_out_of_range, invalid_topology).",
             ["reason"],
-            registry=registry,
         )
-        self.decode_fallbacks = Counter(
+        self.decode_fallbacks = self.counter(
             "gpupool_analytics_decode_fallback_records_total",
             "Records the fast decoder (msgspec twin of the record model) refused and the pydantic model then "
             "decided, accepted or rejected: lax spellings, unknown fields, bad records. Slower per record.",
-            registry=registry,
         )
-        self.ingest_rows = Counter(
+        self.ingest_rows = self.counter(
             "gpupool_analytics_ingest_rows_total",
             "Rows committed to DuckDB, by table.",
             ["table"],
-            registry=registry,
         )
-        self.ingest_batch_seconds = Histogram(
+        self.ingest_batch_seconds = self.histogram(
             "gpupool_analytics_ingest_batch_seconds",
             "Time to write one batch (rows, offsets, states) to DuckDB in one transaction.",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
-            registry=registry,
         )
-        self.ingest_failures = Counter(
+        self.ingest_failures = self.counter(
             "gpupool_analytics_ingest_failures_total",
             "Batches whose DuckDB transaction failed and was rolled back (then re-read from the stored offsets).",
-            registry=registry,
         )
-        self.lent_share = Gauge(
+        self.lent_share = self.gauge(
             "gpupool_analytics_lent_share_ratio",
             "Share of a link lent traffic may take: a leaf whose uplink headroom is below it is not offered.",
-            registry=registry,
         )
-        self.capacity_updates = Counter(
+        self.capacity_updates = self.counter(
             "gpupool_analytics_capacity_updates_total",
             "Capacity updates published, by state.",
             ["state"],
-            registry=registry,
         )
-        self.publish_failures = Counter(
+        self.publish_failures = self.counter(
             "gpupool_analytics_publish_failures_total",
             "Rounds of capacity updates that could not be published (retried on the next step).",
-            registry=registry,
         )
-        self.maintenance_seconds = Histogram(
+        self.maintenance_seconds = self.histogram(
             "gpupool_analytics_maintenance_seconds",
             "Time of one maintenance transaction (1-minute rollups, then expiry of old rows).",
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
-            registry=registry,
         )
-        self.maintenance_failures = Counter(
+        self.maintenance_failures = self.counter(
             "gpupool_analytics_maintenance_failures_total",
             "Maintenance transactions that failed and were rolled back (retried next interval).",
-            registry=registry,
         )
-        self.rollup_rows = Counter(
+        self.rollup_rows = self.counter(
             "gpupool_analytics_rollup_rows_total",
             "Rows written to a 1-minute rollup table, by table.",
             ["table"],
-            registry=registry,
         )
-        self.expired_rows = Counter(
+        self.expired_rows = self.counter(
             "gpupool_analytics_expired_rows_total",
             "Rows deleted by retention, by table.",
             ["table"],
-            registry=registry,
         )
-        self.rollup_late_rows = Counter(
+        self.rollup_late_rows = self.counter(
             "gpupool_analytics_rollup_late_rows_total",
             "Raw rows written for a minute already rolled up (later than the allowed lateness): kept raw, "
             "missing from the rollups. By table.",
             ["table"],
-            registry=registry,
         )
 
     def watch(
@@ -174,56 +153,49 @@ class AnalyticsMetrics:
         """Register the gauges read at scrape time, each from its function (label values in the
         order of the gauge's label names → value; see :class:`runtime.metrics.StateGauge` for
         what a function may do). Raises ``ValueError`` when called twice."""
-        StateGauge(
+        self.state_gauge(
             "gpupool_analytics_gpus",
             "GPUs (and MIG instances) known to this process, by state.",
             ["state"],
             gpus,
-            self.registry,
         )
-        StateGauge(
+        self.state_gauge(
             "gpupool_analytics_idle_gpus",
             "Idle GPUs (and MIG instances), by pool, GPU model and idle grade; 0 for a known model with none.",
             ["pool", "model", "grade"],
             idle_gpus,
-            self.registry,
         )
-        StateGauge(
+        self.state_gauge(
             "gpupool_analytics_idle_gpu_memory_bytes",
             "Framebuffer total of idle GPUs (and MIG instances), bytes, by pool, GPU model and idle grade.",
             ["pool", "model", "grade"],
             idle_gpu_memory,
-            self.registry,
         )
-        StateGauge(
+        self.state_gauge(
             "gpupool_analytics_leaf_uplink_headroom_ratio",
             "Headroom training leaves on the busiest uplink of each leaf switch (1 - p95 utilisation in the "
             "busier direction over the headroom window), by leaf; absent when unknown.",
             ["leaf"],
             leaf_uplink_headroom,
-            self.registry,
         )
-        StateGauge(
+        self.state_gauge(
             "gpupool_analytics_leaf_uplink_xmit_wait_ratio",
             "Worst XmitWait fraction among the uplink ports of each leaf switch, "
             "ΔPortXmitWait / (ΔPortXmitWait + ΔPortXmitData) over the headroom window, by leaf.",
             ["leaf"],
             leaf_uplink_xmit_wait,
-            self.registry,
         )
-        StateGauge(
+        self.state_gauge(
             "gpupool_analytics_consumer_lag_records",
             "Records of an owned partition not yet committed to DuckDB: the partition's end offset minus "
             "the next offset stored with the rows (refreshed every publish interval).",
             ["topic", "partition"],
             consumer_lag,
-            self.registry,
         )
-        StateGauge(
+        self.state_gauge(
             "gpupool_analytics_allocated_idle_gpus",
             "GPUs the training scheduler has allocated to a job while their telemetry says idle, by the "
             "job's partition, user and job id (set from analytics.scheduler.SchedulerJoin).",
             ["partition", "user", "job"],
             allocated_idle_gpus,
-            self.registry,
         )

@@ -9,238 +9,199 @@ service's state at scrape time (:meth:`BrokerMetrics.lease_gauge`, :meth:`Broker
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
-from runtime.metrics import StateGauge
+from runtime.metrics import MetricSet, Samples, StateGauge
 
 __all__ = ["BrokerMetrics", "FabricMetrics"]
 
 
-class FabricMetrics:
+class FabricMetrics(MetricSet):
     """Metrics of the OpenSM fabric manager (``gpupool_broker_fabric_*``): partition changes,
     verification failures, OpenSM reloads, QoS audits and drift.
 
-    Args:
-        registry: where they are registered (a new :class:`prometheus_client.CollectorRegistry`
-            when ``None``). Raises ``ValueError`` if one of their names is already there.
+    On the registry it is given (:class:`runtime.metrics.MetricSet`; a new one when ``None``).
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
-        registry = self.registry
+        super().__init__(registry)
         self.qos_drift: Mapping[str, int] = {}
         """Connected ports that differ from the QoS plan, by switch, at the last audit: replaced
         whole by the manager, read by ``gpupool_broker_fabric_qos_drift_ports`` at scrape time."""
-        StateGauge(
+        self.state_gauge(
             "gpupool_broker_fabric_qos_drift_ports",
             "Connected ports of a switch whose SL2VL or VLArbitration tables, read back by the last QoS audit, "
             "differ from gpupool's QoS plan (0: as planned); by switch (node id or GUID).",
             ["switch"],
             lambda: {(switch,): n for switch, n in self.qos_drift.items()},
-            registry,
         )
-        self.apply_seconds = Histogram(
+        self.apply_seconds = self.histogram(
             "gpupool_broker_fabric_apply_seconds",
             "From a partition change being asked for (isolate or remove) to it being verified on the fabric; "
             "op qos_verify: reading a lease's path ports back until their QoS tables match the plan.",
             ["op"],
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0),
-            registry=registry,
         )
-        self.verify_failures = Counter(
+        self.verify_failures = self.counter(
             "gpupool_broker_fabric_verify_failures_total",
             "Partition changes that could not be applied or verified, by reason (unmapped_host, unknown_port, "
             "config_error, write_failed, opensm_down, pkey_missing, wrong_membership, unreachable, sl_mismatch, "
             "not_removed; QoS: qos_config, qos_mismatch, qos_unreachable, no_path).",
             ["reason"],
-            registry=registry,
         )
-        self.qos_audits = Counter(
+        self.qos_audits = self.counter(
             "gpupool_broker_fabric_qos_audits_total",
             "QoS audits of every switch port, by result: ok, drift (a port differs from the plan), failed (the "
             "fabric could not be read), not_applied (no QoS plan written yet).",
             ["result"],
-            registry=registry,
         )
-        self.qos_audit_seconds = Histogram(
+        self.qos_audit_seconds = self.histogram(
             "gpupool_broker_fabric_qos_audit_seconds",
             "Wall time of one QoS audit (topology discovery and every switch port's tables read back).",
             buckets=(0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0),
-            registry=registry,
         )
-        self.qos_last_audit = Gauge(
+        self.qos_last_audit = self.gauge(
             "gpupool_broker_fabric_qos_last_audit_timestamp_seconds",
             "Unix time the last QoS audit finished (any result but failed).",
-            registry=registry,
         )
-        self.lent_share = Gauge(
+        self.lent_share = self.gauge(
             "gpupool_broker_fabric_lent_share_ratio",
             "The lent-share bound of the QoS plan: the largest fraction (0..1) of a link lent traffic can take "
             "while training keeps it busy (broker setting lent_share_percent, rounded down to what "
             "qos_high_limit can give).",
-            registry=registry,
         )
-        self.reloads = Counter(
+        self.reloads = self.counter(
             "gpupool_broker_fabric_reloads_total",
             "Partition files rewritten and OpenSM told to re-read them (SIGHUP), by result: ok, failed.",
             ["result"],
-            registry=registry,
         )
 
 
-class BrokerMetrics:
+class BrokerMetrics(MetricSet):
     """Every metric of one broker service (counters and histograms; the gauges read from its
     state are added by the service with :meth:`lease_gauge` and :meth:`site_up_gauge`), and :attr:`fabric` (:class:`FabricMetrics`) on the same
     registry.
 
-    Args:
-        registry: where they are registered (a new :class:`prometheus_client.CollectorRegistry`
-            when ``None``); :attr:`registry` is what the service's ``/metrics`` serves. Raises
-            ``ValueError`` if one of their names is already there (one object per registry).
+    On the registry it is given (:class:`runtime.metrics.MetricSet`; a new one when ``None``).
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
-        registry = self.registry
-        self.fabric = FabricMetrics(registry)
-        self.offers_published = Counter(
+        super().__init__(registry)
+        self.fabric = FabricMetrics(self.registry)
+        self.offers_published = self.counter(
             "gpupool_broker_offers_published_total", "Offers published (retained) on MQTT.",
-            registry=registry,
         )
-        self.offers_withdrawn = Counter(
+        self.offers_withdrawn = self.counter(
             "gpupool_broker_offers_withdrawn_total",
             "Offers withdrawn (empty retained payload): claimed, changed, expired.",
-            registry=registry,
         )
-        self.claims = Counter(
+        self.claims = self.counter(
             "gpupool_broker_claims_total", "Claims answered, by result (ok or the reason code).", ["result"],
-            registry=registry,
         )
-        self.rejected_messages = Counter(
+        self.rejected_messages = self.counter(
             "gpupool_broker_rejected_messages_total",
             "Site messages (claims, renewals, releases) and bus records rejected, by reason.",
             ["reason"],
-            registry=registry,
         )
-        self.leases_granted = Counter(
+        self.leases_granted = self.counter(
             "gpupool_broker_leases_granted_total", "Leases granted.",
-            registry=registry,
         )
-        self.reclaims = Counter(
+        self.reclaims = self.counter(
             "gpupool_broker_reclaims_total",
             "Reclaims, by outcome: started, released_in_notice, revoked_at_deadline, expired_in_notice.",
             ["outcome"],
-            registry=registry,
         )
-        self.claim_to_lease = Histogram(
+        self.claim_to_lease = self.histogram(
             "gpupool_broker_claim_to_lease_seconds",
             "From a claim's arrival at the broker to its lease being logged and published.",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
-            registry=registry,
         )
-        self.demands = Counter(
+        self.demands = self.counter(
             "gpupool_broker_demands_total",
             "Pool demands read, by result: reclaimed, nothing_to_reclaim, duplicate, stale.",
             ["result"],
-            registry=registry,
         )
-        self.records_consumed = Counter(
+        self.records_consumed = self.counter(
             "gpupool_broker_records_consumed_total", "Bus records consumed, by topic.", ["topic"],
-            registry=registry,
         )
-        self.records_produced = Counter(
+        self.records_produced = self.counter(
             "gpupool_broker_records_produced_total", "Bus records produced, by topic.", ["topic"],
-            registry=registry,
         )
-        self.mqtt_connections = Counter(
+        self.mqtt_connections = self.counter(
             "gpupool_broker_mqtt_connections_total",
             "MQTT connection attempts and ends, by result: connected, failed (never connected), lost.",
             ["result"],
-            registry=registry,
         )
-        self.claim_decisions = Counter(
+        self.claim_decisions = self.counter(
             "gpupool_broker_claim_decisions_total",
             "Claims decided by the lease book, by site, kind (offer: names an offer_id; match: requirements) "
             "and result (ok, or the reason code: no_match, quota_exceeded, gpu_unavailable, isolation_failed...).",
             ["site", "kind", "result"],
-            registry=registry,
         )
-        self.match_placements = Counter(
+        self.match_placements = self.counter(
             "gpupool_broker_match_placements_total",
             "Matched claims reserved, by locality tier: node (one node), leaf (several nodes under one leaf "
             "switch), cross_leaf.",
             ["tier"],
-            registry=registry,
         )
-        self.guarantees_broken = Counter(
+        self.guarantees_broken = self.counter(
             "gpupool_broker_guarantees_broken_total",
             "Leases reclaimed by a forced demand (PoolDemand.force) before their minimum guaranteed duration ended.",
-            registry=registry,
         )
-        self.reclaims_deferred = Counter(
+        self.reclaims_deferred = self.counter(
             "gpupool_broker_reclaims_deferred_total",
             "Leases a demand wanted back inside their minimum guaranteed duration: their reclaim deadline was "
             "moved to the end of the guarantee (the GPUs come back then).",
-            registry=registry,
         )
-        self.fabric_stale_removed = Counter(
+        self.fabric_stale_removed = self.counter(
             "gpupool_broker_fabric_stale_partitions_removed_total",
             "Lease partitions removed (verified gone) at start because no live lease holds them: leases that "
             "ended while no broker ran, or claims a stopped broker never granted.",
-            registry=registry,
         )
-        self.malformed_messages = Counter(
+        self.malformed_messages = self.counter(
             "gpupool_broker_malformed_messages_total",
             "Site messages answered malformed or unsupported_version, by request (claim, renewal, release) and "
             "failed check (size, utf8, json, depth, non_finite, object, version, schema; broker/wire.py).",
             ["request", "check"],
-            registry=registry,
         )
-        self.ignored_requests = Counter(
+        self.ignored_requests = self.counter(
             "gpupool_broker_ignored_requests_total",
             "Site requests dropped without an answer, by reason: retained (a retained claim, renewal or release "
             "is never acted on, and is cleared), stale (its ts older than request_max_age_s).",
             ["reason"],
-            registry=registry,
         )
-        self.rate_limited = Counter(
+        self.rate_limited = self.counter(
             "gpupool_broker_rate_limited_requests_total",
             "Site requests answered rate_limited (the site's token bucket was empty).",
             ["site"],
-            registry=registry,
         )
-        self.lease_log_write_failures = Counter(
+        self.lease_log_write_failures = self.counter(
             "gpupool_broker_lease_log_write_failures_total",
             "Lease transitions the lease log did not take (record refused, Kafka unreachable past "
             "lease_log_timeout_s): undone in memory, never published, the request answered internal.",
-            registry=registry,
         )
-        self.mqtt_publish_failures = Counter(
+        self.mqtt_publish_failures = self.counter(
             "gpupool_broker_mqtt_publish_failures_total",
             "MQTT publishes that failed, by what happened next: retried (sent again on the connection), "
             "queued (kept for the next connection), resync (retained state: republished at reconnect), "
             "dropped (the outbox was full).",
             ["outcome"],
-            registry=registry,
         )
 
-    def site_up_gauge(self, read: Callable[[], Mapping[tuple[str, ...], float]]) -> StateGauge:
+    def site_up_gauge(self, read: Samples) -> StateGauge:
         """Register ``gpupool_broker_site_up{site}``, read by ``read()`` at each scrape
         (``{(site,): 1 or 0}``). Raises ``ValueError`` when already registered."""
-        return StateGauge(
+        return self.state_gauge(
             "gpupool_broker_site_up",
             "Edge site online (1) or offline (0), from its retained sites/{site}/state birth or Last Will "
             "(contracts.mqtt.PeerState); a site whose state was cleared has no series.",
             ["site"],
             read,
-            self.registry,
         )
 
-    def lease_gauge(self, read: Callable[[], Mapping[tuple[str, ...], float]]) -> StateGauge:
+    def lease_gauge(self, read: Samples) -> StateGauge:
         """Register ``gpupool_broker_leases{state}``, read by ``read()`` at each scrape
         (``{(state,): leases}``). Raises ``ValueError`` when already registered."""
-        return StateGauge(
-            "gpupool_broker_leases", "Leases the broker remembers, by state.", ["state"], read, self.registry
-        )
+        return self.state_gauge("gpupool_broker_leases", "Leases the broker remembers, by state.", ["state"], read)

@@ -3,7 +3,7 @@
 Three sources, each read from where it is defined:
 
 * gpupool's own metrics: the ``prometheus_client`` ``Counter`` / ``Gauge`` / ``Histogram`` /
-  ``Summary`` / ``Info`` / ``Enum`` objects (and :class:`runtime.metrics.StateGauge` gauges)
+  ``Summary`` / ``Info`` / ``Enum`` objects (and those :class:`runtime.metrics.MetricSet` builds)
   created in the stages' ``metrics.py`` modules (``collectors/metrics.py``,
   ``analytics/metrics.py``, ``broker/metrics.py``, ``simulator/metrics.py``), read by parsing
   those files (no stage is imported). Exposed sample names follow the OpenMetrics rules
@@ -94,9 +94,17 @@ NODE_EXPORTER_INFINIBAND: Mapping[str, frozenset[str]] = {
 node_exporter 1.6 on. Source: prometheus/node_exporter ``collector/infiniband_linux.go``; all but
 ``symbol_error_total`` also appear in ``../shared/data/telemetry/node_exporter_e2e_output_infiniband.prom``."""
 
-_METRIC_CLASSES = frozenset({"Counter", "Gauge", "Histogram", "Summary", "Info", "Enum", "StateGauge"})
-_KIND_OF = {"StateGauge": "Gauge"}
-"""Metric classes exposed as another kind (:class:`runtime.metrics.StateGauge`: a gauge read at scrape time)."""
+_KIND_OF = {
+    "StateGauge": "Gauge",
+    "counter": "Counter",
+    "gauge": "Gauge",
+    "histogram": "Histogram",
+    "state_gauge": "Gauge",
+}
+"""Calls that build a metric of another name: :class:`runtime.metrics.StateGauge` (a gauge read at
+scrape time) and the builders of :class:`runtime.metrics.MetricSet` (``self.counter(...)``, ...),
+which take the name, help and label names in prometheus_client's order."""
+_METRIC_CLASSES = frozenset({"Counter", "Gauge", "Histogram", "Summary", "Info", "Enum", *_KIND_OF})
 
 
 def gpupool_metrics(repo_root: Path) -> dict[str, tuple[str, frozenset[str]]]:

@@ -158,12 +158,14 @@ async def _analytics_join(node: SchedulerNode) -> None:
 async def test_a_failing_slurm_command_fails_that_read_only() -> None:
     bus = MemoryBus()
     topics = KafkaTopics()
-    labels = {"command": "scontrol --all show node", "reason": "exit_status"}
     collector = SlurmCollector(bus, topics, run_prefix=["sh", "-c", "echo boom >&2; exit 3", "sh"])
     await collector.start()
     try:
         read = await collector.collect()
         assert not read.ok and read.failure is not None and read.failure.endswith(":exit_status")
+        # the node and job commands run together: the one that failed first is counted
+        labels = {"command": read.failure.removesuffix(":exit_status"), "reason": "exit_status"}
+        assert labels["command"] in ("scontrol --all show node", "scontrol --all show job")
         assert read.records == [] and bus.records(topics.telemetry_scheduler) == []
         missing = SlurmCollector(bus, topics, run_prefix=["/nonexistent/scontrol-wrapper"])
         await missing.start()
