@@ -22,7 +22,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic_core import to_json
 
-from analytics import metrics
 from analytics.classify import FB_FREE, FB_USED, GPU_UTIL, GR_ENGINE_ACTIVE, SM_ACTIVE, IdleRun
 from contracts import CapacityUpdate, GpuSample, IbPortSample
 
@@ -254,13 +253,24 @@ def gpu_samples_table(
     return _table(GPU_SAMPLE_COLUMNS, cols)
 
 
+def _fits_u64(raw: int | None) -> bool:
+    """``raw`` is absent or fits an unsigned 64-bit column."""
+    return raw is None or 0 <= raw < 2**64
+
+
+def counters_out_of_range(samples: Iterable[IbPortSample]) -> int:
+    """Counter values of ``samples`` that :func:`ib_port_samples_table` stores as NULL (outside
+    ``0 .. 2**64-1``; only the columns of :data:`IB_COUNTERS`)."""
+    return sum(1 for s in samples for name in IB_COUNTERS if not _fits_u64(s.counters.get(name)))
+
+
 def ib_port_samples_table(
     samples: Sequence[IbPortSample], partitions: Sequence[int], offsets: Sequence[int]
 ) -> pa.Table:
     """Rows of ``ib_port_samples`` for ``samples`` read at ``(partitions[i], offsets[i])``.
 
-    A counter outside ``0 .. 2**64-1`` is NULL in its column (kept verbatim in ``counters``) and
-    counted in ``gpupool_analytics_rejected_records_total{reason="counter_out_of_range"}``.
+    A counter outside ``0 .. 2**64-1`` is NULL in its column (kept verbatim in ``counters``;
+    :func:`counters_out_of_range` counts them).
     Raises ``ValueError`` like :func:`gpu_samples_table`.
     """
     if not len(samples) == len(partitions) == len(offsets):
@@ -282,10 +292,7 @@ def ib_port_samples_table(
         cols["rate_bytes_per_second"].append(_as_int(s.rate_bytes_per_second, 64))
         for name, col in counter_cols:
             raw = s.counters.get(name)
-            if raw is not None and not 0 <= raw < 2**64:
-                metrics.REJECTED_RECORDS.labels(reason="counter_out_of_range").inc()
-                raw = None
-            cols[col].append(raw)
+            cols[col].append(raw if _fits_u64(raw) else None)
         cols["saturated"].append(list(s.saturated))
         cols["source"].append(s.source)
         cols["seq"].append(_as_int(s.seq, 64))

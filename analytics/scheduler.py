@@ -32,7 +32,6 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import pyarrow as pa
 
-from analytics import metrics
 from analytics.classify import GpuStatus
 from analytics.rows import Column, arrow_schema, create_table_sql
 from contracts import GpuState
@@ -208,28 +207,3 @@ class SchedulerJoin:
             if gpu is not None and gpu.job_id is not None and gpu.job_name != LENT_JOB_NAME:
                 out[(gpu.partition or "", gpu.user or "", gpu.job_id)] += 1
         return out
-
-
-class AllocatedIdleGauge(metrics.PerInstanceGauges[Counter[tuple[str, str, str]]]):
-    """Sums each running instance's :meth:`SchedulerJoin.allocated_idle` into
-    ``gpupool_analytics_allocated_idle_gpus`` (vanished label sets are removed after the new
-    values are set). Thread-safe."""
-
-    def __init__(self) -> None:
-        """Start with no instance."""
-        super().__init__()
-        self._labels: set[tuple[str, str, str]] = set()
-
-    def _apply(self) -> None:
-        total: Counter[tuple[str, str, str]] = Counter()
-        for counts in list(self._snapshots.values()):
-            total.update(counts)
-        for labels, n in total.items():
-            metrics.ALLOCATED_IDLE_GPUS.labels(*labels).set(n)
-        for labels in self._labels - total.keys():
-            metrics.ALLOCATED_IDLE_GPUS.remove(*labels)
-        self._labels = set(total)
-
-
-ALLOCATED_IDLE = AllocatedIdleGauge()
-"""The one :class:`AllocatedIdleGauge` of the process."""

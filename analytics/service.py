@@ -20,7 +20,8 @@ One :meth:`AnalyticsService.step`:
 7. every ``publish_interval_s``, sets ``gpupool_analytics_consumer_lag_records`` (end offsets of
    the owned partitions minus the offsets stored in DuckDB); every ``retention.interval_s``, runs
    the store's maintenance (1-minute rollups, then expiry: :mod:`analytics.retention`);
-8. publishes its capacity snapshot to the gauges of :data:`analytics.metrics.CAPACITY`.
+8. keeps its capacity snapshot for the gauges its ``/metrics`` reads at scrape time
+   (:class:`analytics.metrics.AnalyticsMetrics`, served from :attr:`AnalyticsService.registry`).
 
 Fabric headroom: every ``headroom_refresh_s`` (and at the first step) one query over the store,
 ``node_headroom_over(headroom_window_s)`` (:mod:`analytics.views`), gives every host's headroom:
@@ -82,14 +83,15 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import pyarrow as pa
 from opentelemetry.context import Context
+from prometheus_client import CollectorRegistry
 
-from analytics import metrics
+from analytics.metrics import AnalyticsMetrics, CapacitySnapshot
 from analytics.classify import GpuStatus, IdleClassifier, IdleConfig, IdleRun
 from analytics.decode import (
     GpuRecord,
@@ -103,8 +105,8 @@ from analytics.fabric_leaf import LeafHeadroom, LeafMap, leaf_headroom, leaf_map
 from analytics.identity import GpuIdentities
 from analytics.predict import IdlePredictor, PredictorConfig
 from analytics.retention import RetentionConfig
-from analytics.rows import gpu_samples_table, gpu_states_table, ib_port_samples_table, idle_runs_table
-from analytics.scheduler import ALLOCATED_IDLE, DEFAULT_STALE_AFTER_S, SchedulerJoin, scheduler_gpus_table
+from analytics.rows import counters_out_of_range, gpu_samples_table, gpu_states_table, ib_port_samples_table, idle_runs_table
+from analytics.scheduler import DEFAULT_STALE_AFTER_S, SchedulerJoin, scheduler_gpus_table
 from analytics.store import AnalyticsStore, StoreBatch
 from analytics.views import HEADROOM_WINDOW_S
 from contracts import (
@@ -167,6 +169,7 @@ class AnalyticsService:
         forget_after_s: float = 3600.0,
         scheduler: bool = False,
         scheduler_stale_s: float = DEFAULT_STALE_AFTER_S,
+        metrics: AnalyticsMetrics | None = None,
     ) -> None:
         """Configure; nothing is opened before :meth:`start`.
 
@@ -204,6 +207,9 @@ class AnalyticsService:
                 training scheduler"); ``False``: the scheduler plays no part.
             scheduler_stale_s: a host whose latest scheduler state is older than this (s) is not
                 offered (with ``scheduler``).
+            metrics: this service's Prometheus metrics (one :class:`AnalyticsMetrics` per
+                service); ``None``: new ones on a registry of their own. Its ``/metrics`` serves
+                :attr:`registry`.
 
         Raises:
             ValueError: a non-positive interval, window or ``max_records``, ``min_headroom``,
@@ -225,7 +231,6 @@ class AnalyticsService:
         self._leaf_headroom: dict[str, LeafHeadroom] = {}
         self._topology_consumer: Consumer | None = None
         self._topology_started: asyncio.Future[None] | None = None
-        self._leaf_labels: set[str] = set()
         self._headroom_refresh_s = headroom_refresh_s
         self._headroom_window_s = headroom_window_s
         self._headroom: dict[str, float] = {}
@@ -271,12 +276,36 @@ class AnalyticsService:
         self._hosts_of: dict[TopicPartition, set[str]] = {}
         self._released_hosts: set[str] = set()
         self._stored_state: dict[str, tuple[GpuState, float, IdleGrade | None]] = {}
-        self._lag_labels: set[TopicPartition] = set()
         self._lag_values: dict[TopicPartition, int] = {}
+        """Consumer lag by owned partition (replaced whole: the scrape reads it)."""
+        self._capacity: CapacitySnapshot | None = None
+        """GPUs at the end of the last step (``None`` before the first; replaced whole)."""
+        self._allocated_idle: Mapping[tuple[str, str, str], int] = {}
+        """Idle GPUs the scheduler has allocated, by (partition, user, job) (replaced whole)."""
+        self.metrics = metrics if metrics is not None else AnalyticsMetrics()
+        """This service's Prometheus metrics."""
+        self.metrics.watch(
+            gpus=lambda: {} if (c := self._capacity) is None else c.gpus(),
+            idle_gpus=lambda: {} if (c := self._capacity) is None else c.idle_gpus(),
+            idle_gpu_memory=lambda: {} if (c := self._capacity) is None else c.idle_memory(),
+            leaf_uplink_headroom=lambda: {
+                (leaf,): fig.headroom for leaf, fig in self._leaf_headroom.items() if fig.headroom is not None
+            },
+            leaf_uplink_xmit_wait=lambda: {
+                (leaf,): fig.xmit_wait for leaf, fig in self._leaf_headroom.items() if fig.xmit_wait is not None
+            },
+            consumer_lag=lambda: {(tp.topic, str(tp.partition)): n for tp, n in self._lag_values.items()},
+            allocated_idle_gpus=lambda: {k: n for k, n in self._allocated_idle.items()},
+        )
         self._last_maintenance = float("-inf")
         self._scheduler = SchedulerJoin(scheduler_stale_s) if scheduler else None
 
     # lifecycle -------------------------------------------------------------------------------
+    @property
+    def registry(self) -> CollectorRegistry:
+        """The Prometheus registry this service's ``/metrics`` serves (its metrics only)."""
+        return self.metrics.registry
+
     @property
     def store(self) -> AnalyticsStore:
         """The DuckDB store. Raises ``RuntimeError`` before :meth:`start`."""
@@ -291,7 +320,7 @@ class AnalyticsService:
         stage creates topics: ``gpupool topics create``; checked before anything is opened), and
         what the bus or DuckDB raise (connection, lock, schema errors)."""
         await require_topics(self._bus, [*self._telemetry_topics(), self.topics.capacity])
-        self._store = AnalyticsStore(self._db_path, memory_limit=self._memory_limit)
+        self._store = AnalyticsStore(self._db_path, memory_limit=self._memory_limit, metrics=self.metrics)
         self._next_offsets = self._store.stored_offsets(self._telemetry_topics())
         pcfg = self._predictor.config
         # Every GPU's latest max(per-GPU, per-pool) runs hold the pool's latest max_runs_per_pool.
@@ -312,7 +341,7 @@ class AnalyticsService:
         # In the background: a deployment without the fabric collector (or its topic) starts as fast
         # as before, and the leaf map follows once the consumer is assigned.
         self._topology_started = asyncio.ensure_future(self._topology_consumer.start())
-        metrics.LENT_SHARE.set(self.lent_share)
+        self.metrics.lent_share.set(self.lent_share)
         log.info(
             "analytics_started",
             extra={
@@ -346,11 +375,10 @@ class AnalyticsService:
         if self._store is not None:
             self._store.close()
             self._store = None
-        metrics.CAPACITY.withdraw(self)
-        ALLOCATED_IDLE.withdraw(self)
+        self._capacity = None if self._capacity is None else CapacitySnapshot(pool=self.pool)
+        self._allocated_idle = {}
         self._set_lag({})
         self._leaf_headroom = {}
-        self._set_leaf_gauges()
         log.info("analytics_stopped", extra={"db": self._db_path})
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -383,8 +411,11 @@ class AnalyticsService:
         decoded = self._decode(msgs)
         retired = [await self._rename_gpu(*r) for r in decoded.renames]
         with paused_gc():  # see analytics.decode.paused_gc
-            gpu_table = _safe_table(gpu_samples_table, decoded.gpu, decoded.gpu_pos)
-            ib_table = _safe_table(ib_port_samples_table, decoded.ib, decoded.ib_pos)
+            gpu_table = _safe_table(gpu_samples_table, decoded.gpu, decoded.gpu_pos, self.metrics)
+            ib_table = _safe_table(ib_port_samples_table, decoded.ib, decoded.ib_pos, self.metrics)
+        out_of_range = counters_out_of_range(decoded.ib)
+        if out_of_range:
+            self.metrics.rejected_records.labels(reason="counter_out_of_range").inc(out_of_range)
         for sample in decoded.gpu:
             self._classifier.observe(sample)
         scheduler_table = self._observe_scheduler(decoded.scheduler)
@@ -417,7 +448,7 @@ class AnalyticsService:
             try:
                 await self._in_thread(self._store.write, batch)
             except Exception as exc:  # noqa: BLE001 — counted; nothing stored, the batch is read again
-                metrics.INGEST_FAILURES.inc()
+                self.metrics.ingest_failures.inc()
                 log.error("analytics_ingest_failed", extra={"error": repr(exc), "records": len(msgs)})
                 await self._reset_consumer()
                 return len(msgs)
@@ -620,7 +651,6 @@ class AnalyticsService:
         uplinks = sorted(self._leaves.uplink_ports())
         if not uplinks:
             self._leaf_headroom = {}
-            self._set_leaf_gauges()
             return
         try:
             _, rows = await self._in_thread(
@@ -636,7 +666,6 @@ class AnalyticsService:
             str(k): (None if h is None else float(h), None if w is None else float(w)) for k, h, w in rows
         }
         self._leaf_headroom = leaf_headroom(self._leaves, ports)
-        self._set_leaf_gauges()
         blocked = sorted(
             leaf
             for leaf, fig in self._leaf_headroom.items()
@@ -651,28 +680,6 @@ class AnalyticsService:
                     "max_xmit_wait": self.max_uplink_xmit_wait,
                 },
             )
-
-    def _set_leaf_gauges(self) -> None:
-        """Make the leaf gauges show exactly the known figures of :attr:`_leaf_headroom` (series
-        of leaves gone or unknown are removed)."""
-        known: set[str] = set()
-        for leaf, fig in self._leaf_headroom.items():
-            if fig.headroom is not None:
-                metrics.LEAF_UPLINK_HEADROOM.labels(leaf=leaf).set(fig.headroom)
-                known.add(leaf)
-            if fig.xmit_wait is not None:
-                metrics.LEAF_UPLINK_XMIT_WAIT.labels(leaf=leaf).set(fig.xmit_wait)
-                known.add(leaf)
-        for leaf in self._leaf_labels:
-            now = self._leaf_headroom.get(leaf)
-            for gauge, value in (
-                (metrics.LEAF_UPLINK_HEADROOM, None if now is None else now.headroom),
-                (metrics.LEAF_UPLINK_XMIT_WAIT, None if now is None else now.xmit_wait),
-            ):
-                if value is None:
-                    with contextlib.suppress(KeyError):
-                        gauge.remove(leaf)
-        self._leaf_labels = known
 
     async def _read_topology(self) -> bool:
         """Take the newest valid ``fabric.topology`` snapshot read since the last call, if any,
@@ -701,7 +708,7 @@ class AnalyticsService:
             try:
                 newest = decode(FabricTopology, msg.value)
             except ValueError as exc:
-                metrics.REJECTED_RECORDS.labels(reason="invalid_topology").inc()
+                self.metrics.rejected_records.labels(reason="invalid_topology").inc()
                 log.warning(
                     "analytics_record_rejected",
                     extra={
@@ -778,13 +785,7 @@ class AnalyticsService:
         self._set_lag({tp: max(0, end - self._next_offsets.get(tp, 0)) for tp, end in ends.items()})
 
     def _set_lag(self, lag: dict[TopicPartition, int]) -> None:
-        """Make the lag gauge show exactly ``lag`` (labels of partitions not in it are removed)."""
-        for tp in self._lag_labels - lag.keys():
-            with contextlib.suppress(KeyError):
-                metrics.CONSUMER_LAG.remove(tp.topic, str(tp.partition))
-        for tp, n in lag.items():
-            metrics.CONSUMER_LAG.labels(topic=tp.topic, partition=str(tp.partition)).set(n)
-        self._lag_labels = set(lag)
+        """Make the lag gauge show exactly ``lag`` (partitions not in it have no series)."""
         self._lag_values = dict(lag)
 
     async def _maintain(self, now: float) -> None:
@@ -831,19 +832,19 @@ class AnalyticsService:
             tp = TopicPartition(msg.topic, msg.partition)
             consumed[msg.topic] += 1
             if msg.offset < self._next_offsets.get(tp, 0):
-                metrics.REJECTED_RECORDS.labels(reason="duplicate").inc()
+                self.metrics.rejected_records.labels(reason="duplicate").inc()
                 continue
             out.offsets[tp] = max(out.offsets.get(tp, 0), msg.offset + 1)
             fresh.append(msg)
         for topic, n in consumed.items():
-            metrics.RECORDS_CONSUMED.labels(topic=topic).inc(n)
+            self.metrics.records_consumed.labels(topic=topic).inc(n)
         rejected: list[tuple[BusMessage, RejectedRecord]] = []
         if self._scheduler is not None:
             fresh = self._decode_scheduler(fresh, out, rejected)
         batch = decode_batch(fresh, self.topics)
-        metrics.DECODE_FALLBACKS.inc(batch.fallbacks)
+        self.metrics.decode_fallbacks.inc(batch.fallbacks)
         for msg, exc in [*rejected, *batch.rejected]:
-            metrics.REJECTED_RECORDS.labels(reason=exc.reason).inc()
+            self.metrics.rejected_records.labels(reason=exc.reason).inc()
             log.warning(
                 "analytics_record_rejected",
                 extra={
@@ -910,7 +911,7 @@ class AnalyticsService:
         try:
             return scheduler_gpus_table(rows)
         except (ValueError, pa.ArrowException) as exc:
-            metrics.REJECTED_RECORDS.labels(reason="unstorable").inc(len(rows))
+            self.metrics.rejected_records.labels(reason="unstorable").inc(len(rows))
             log.warning("analytics_scheduler_unstorable", extra={"error": repr(exc)})
             return None
 
@@ -992,13 +993,13 @@ class AnalyticsService:
                 await self._send_update(producer, update)
             await producer.flush()
         except Exception as exc:  # noqa: BLE001 — counted; the updates stay due for the next step
-            metrics.PUBLISH_FAILURES.inc()
+            self.metrics.publish_failures.inc()
             log.warning("analytics_publish_failed", extra={"error": repr(exc), "updates": len(updates)})
             return
         for update in updates:
             self._published[update.key] = update
             self._published_at[update.key] = now
-            metrics.CAPACITY_UPDATES.labels(state=update.state.value).inc()
+            self.metrics.capacity_updates.labels(state=update.state.value).inc()
 
     async def _send_update(self, producer: Producer, update: CapacityUpdate) -> None:
         """Send one update to ``capacity``; traced as the module docstring says when it changes
@@ -1046,7 +1047,8 @@ class AnalyticsService:
         return tracing.extract_context(headers)
 
     def _update_gauges(self) -> None:
-        """Publish this instance's capacity snapshot to :data:`analytics.metrics.CAPACITY`."""
+        """Take this service's capacity snapshot (and the scheduler's allocated idle GPUs) for
+        the gauges read at scrape time."""
         statuses = self._classifier.statuses().values()
         idle: Counter[tuple[str, str]] = Counter()
         memory: Counter[tuple[str, str]] = Counter()
@@ -1055,27 +1057,26 @@ class AnalyticsService:
                 label = (st.model_name or "unknown", st.grade.value if st.grade else "unknown")
                 idle[label] += 1
                 memory[label] += (st.fb_total_mib or 0) * 1024 * 1024
-        metrics.CAPACITY.publish(
-            self,
-            metrics.CapacitySnapshot(
-                pool=self.pool,
-                states=Counter(st.state.value for st in statuses),
-                models=frozenset(st.model_name or "unknown" for st in statuses),
-                idle=idle,
-                idle_memory_bytes=memory,
-            ),
+        self._capacity = CapacitySnapshot(
+            pool=self.pool,
+            states=Counter(st.state.value for st in statuses),
+            models=frozenset(st.model_name or "unknown" for st in statuses),
+            idle=idle,
+            idle_memory_bytes=memory,
         )
         if self._scheduler is not None:
-            ALLOCATED_IDLE.publish(self, self._scheduler.allocated_idle(statuses))
+            self._allocated_idle = self._scheduler.allocated_idle(statuses)
 
 
 def _safe_table(
     build: Callable[[Sequence[_R], Sequence[int], Sequence[int]], pa.Table],
     records: list[_R],
     positions: list[tuple[int, int]],
+    metrics: AnalyticsMetrics,
 ) -> pa.Table | None:
     """Arrow table of ``records``; if the batch cannot be converted, convert record by record and
-    drop (count as ``unstorable``) the ones that fail, so one bad record cannot block a partition."""
+    drop (count as ``unstorable`` in ``metrics``) the ones that fail, so one bad record cannot block
+    a partition."""
     if not records:
         return None
     try:
@@ -1086,7 +1087,7 @@ def _safe_table(
             try:
                 good.append(build([record], [partition], [offset]))
             except Exception as exc:  # noqa: BLE001 — counted as unstorable; one bad record cannot block a partition
-                metrics.REJECTED_RECORDS.labels(reason="unstorable").inc()
+                metrics.rejected_records.labels(reason="unstorable").inc()
                 log.warning(
                     "analytics_record_unstorable",
                     extra={

@@ -38,7 +38,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from analytics import metrics
+from analytics.metrics import AnalyticsMetrics
 from analytics.retention import MaintenanceResult, RetentionConfig, maintain, read_watermark
 from analytics.rows import (
     GPU_ROLLUP_COLUMNS,
@@ -173,6 +173,7 @@ class AnalyticsStore:
         memory_limit: str | None = None,
         threads: int | None = None,
         read_only: bool = False,
+        metrics: AnalyticsMetrics | None = None,
     ) -> None:
         """Open (creating tables and views unless ``read_only``).
 
@@ -183,6 +184,8 @@ class AnalyticsStore:
                 docstring). DuckDB's default (80 % of RAM) if ``None``.
             threads: DuckDB worker threads; DuckDB's default (all cores) if ``None``.
             read_only: open an existing file read-only (operators' queries).
+            metrics: where writes and maintenance are counted (the analytics service's);
+                ``None``: new ones on a registry of their own.
 
         Raises:
             duckdb.IOException: the file is locked by another process or cannot be opened.
@@ -195,6 +198,7 @@ class AnalyticsStore:
         if threads:
             config["threads"] = threads
         self.path = path
+        self.metrics = metrics if metrics is not None else AnalyticsMetrics()
         self._con = duckdb.connect(path, read_only=read_only, config=config)
         self._watermark: float | None = None  # rollup watermark (Unix s), for counting late rows
         if not read_only:
@@ -274,10 +278,10 @@ class AnalyticsStore:
         finally:
             for name in views:
                 con.unregister(f"_batch_{name}")
-        metrics.INGEST_BATCH_SECONDS.observe(time.perf_counter() - started)
+        self.metrics.ingest_batch_seconds.observe(time.perf_counter() - started)
         written = {name: t.num_rows for name, t in views.items()}
         for name, n in written.items():
-            metrics.INGEST_ROWS.labels(table=name).inc(n)
+            self.metrics.ingest_rows.labels(table=name).inc(n)
         self._count_late(views)
         return written
 
@@ -320,7 +324,7 @@ class AnalyticsStore:
             if table is not None:
                 late = pc.sum(pc.less(table.column("ts"), cut)).as_py() or 0
                 if late:
-                    metrics.ROLLUP_LATE_ROWS.labels(table=name).inc(late)
+                    self.metrics.rollup_late_rows.labels(table=name).inc(late)
 
     # maintenance -----------------------------------------------------------------------------
     def maintain(self, config: RetentionConfig, now: float) -> MaintenanceResult:
@@ -342,13 +346,13 @@ class AnalyticsStore:
         try:
             result = maintain(self._con, config, now)
         except duckdb.Error:
-            metrics.MAINTENANCE_FAILURES.inc()
+            self.metrics.maintenance_failures.inc()
             raise
-        metrics.MAINTENANCE_SECONDS.observe(time.perf_counter() - started)
+        self.metrics.maintenance_seconds.observe(time.perf_counter() - started)
         for table, n in result.rollup_rows.items():
-            metrics.ROLLUP_ROWS.labels(table=table).inc(n)
+            self.metrics.rollup_rows.labels(table=table).inc(n)
         for table, n in result.expired_rows.items():
-            metrics.EXPIRED_ROWS.labels(table=table).inc(n)
+            self.metrics.expired_rows.labels(table=table).inc(n)
         self._watermark = result.watermark
         return result
 

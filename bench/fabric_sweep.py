@@ -51,7 +51,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from prometheus_client import REGISTRY  # noqa: E402
 
 from collectors.fabric_collector import FabricCollector  # noqa: E402
 from collectors.fabric_parse import Topology  # noqa: E402
@@ -95,10 +94,10 @@ def _proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _errors_by_reason() -> Counter[str]:
-    """``gpupool_collector_fabric_errors_total`` by ``reason``, from the default registry."""
+def _errors_by_reason(fc: FabricCollector) -> Counter[str]:
+    """``gpupool_collector_fabric_errors_total`` by ``reason``, from ``fc``'s registry."""
     out: Counter[str] = Counter()
-    for metric in REGISTRY.collect():
+    for metric in fc.metrics.registry.collect():
         if metric.name == "gpupool_collector_fabric_errors":
             for s in metric.samples:
                 if s.name.endswith("_total"):
@@ -167,7 +166,6 @@ async def _run_mode(
 ) -> ModeResult:
     """Discover once, then ``sweeps`` sweeps (stopping at ``deadline``, a ``time.monotonic()`` value)."""
     res = ModeResult(name)
-    e0 = _errors_by_reason()
     async with FabricCollector(
         MemoryBus(), KafkaTopics(), env=fabric_env, workdir=workdir, timeout_s=20.0, **kw
     ) as fc:
@@ -184,7 +182,7 @@ async def _run_mode(
             res.ibsim_cpu_s.append(_proc_cpu_s(ibsim_pid) - i0)
             res.samples.append(len(samples))
             res.legacy_samples.append(sum("SymbolErrorCounter" in s.counters for s in samples))
-    res.errors = _errors_by_reason() - e0
+    res.errors = _errors_by_reason(fc)
     return res
 
 

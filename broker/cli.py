@@ -50,6 +50,7 @@ from runtime.stage import run_stage
 
 if TYPE_CHECKING:
     from broker.fabric_opensm import OpenSmFabric
+    from broker.metrics import FabricMetrics
 
 broker_app = typer.Typer(
     no_args_is_help=True, help="Broker: capacity → MQTT offers → leases; training demand."
@@ -150,6 +151,7 @@ def run(settings: DeploymentSettings) -> None:
 
     from broker.config import broker_config_from
     from broker.lending import lending_from
+    from broker.metrics import BrokerMetrics
     from broker.service import BrokerService, tune_gc
     from runtime.bus import make_bus
 
@@ -160,6 +162,7 @@ def run(settings: DeploymentSettings) -> None:
         config = broker_config_from(sb)
     except ValidationError as e:
         raise typer.BadParameter(str(e), param_hint="[broker] settings") from None
+    broker_metrics = BrokerMetrics()  # the service's registry, the fabric manager's metrics on it
     fabric = None
     if sb.fabric_state is not None:
         fabric = opensm_fabric(
@@ -172,6 +175,7 @@ def run(settings: DeploymentSettings) -> None:
             qos_share_percent=sb.lent_share_percent if sb.fabric_qos else None,
             qos_vl=sb.fabric_lent_vl,
             audit_interval_s=sb.fabric_qos_audit_s,
+            metrics=broker_metrics.fabric,
         )
     try:
         lending = lending_from(sb, config, settings.state_dir)
@@ -197,6 +201,7 @@ def run(settings: DeploymentSettings) -> None:
             tls=tls,
             lease_log_linger_ms=sb.lease_log_linger_ms,
             lending=lending,
+            metrics=broker_metrics,
         )
         return service, bus
 
@@ -221,9 +226,10 @@ def opensm_fabric(
     qos_share_percent: float | None = None,
     qos_vl: int = 1,
     audit_interval_s: float = 300.0,
+    metrics: FabricMetrics | None = None,
 ) -> OpenSmFabric:
     """The OpenSM fabric manager for ``gpupool broker run`` (dry-run diffs go to stderr); the
-    ``qos_*`` and ``audit_interval_s`` arguments are :class:`OpenSmFabric`'s.
+    ``qos_*``, ``audit_interval_s`` and ``metrics`` arguments are :class:`OpenSmFabric`'s.
 
     ``hosts`` is a JSON object host → list of HCA node ids / port GUIDs. Raises
     ``typer.BadParameter`` when ``state`` or ``hosts`` cannot be read or the gateway is not an HCA.
@@ -253,6 +259,7 @@ def opensm_fabric(
             qos_share_percent=qos_share_percent,
             qos_vl=qos_vl,
             audit_interval_s=audit_interval_s,
+            metrics=metrics,
         )
     except (OSError, ValueError) as e:
         raise typer.BadParameter(f"--fabric-state {state}: {e}") from None

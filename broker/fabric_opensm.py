@@ -54,9 +54,9 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from broker import metrics as m
 from broker.fabric import FabricError
 from broker.fabric_paths import LinkGraph, PathPort, union
+from broker.metrics import FabricMetrics
 from broker.fabric_plan import (
     FilePlan,
     LeasePartition,
@@ -275,6 +275,9 @@ class OpenSmFabric:
             audit of a large fabric reads thousands of ports: it must not hold up claims).
         audit_delay_s: seconds before the first audit of :meth:`audit_forever`; ``None``: one
             ``audit_interval_s``.
+        metrics: where this manager counts (``gpupool_broker_fabric_*``): the broker's
+            ``BrokerMetrics.fabric``, so its ``/metrics`` shows them; ``None``: new ones on a
+            registry of their own (:attr:`metrics`).
 
     Raises ``OSError`` / ``ValueError`` if ``state`` cannot be read, ``ValueError`` for an ``sl``
     outside 0..15, a gateway that is not an HCA of the fabric, a share outside the plan's bounds,
@@ -302,7 +305,9 @@ class OpenSmFabric:
         audit_interval_s: float = 300.0,
         audit_concurrency: int = 2,
         audit_delay_s: float | None = None,
+        metrics: FabricMetrics | None = None,
     ) -> None:
+        self.metrics = metrics if metrics is not None else FabricMetrics()
         if not 0 <= sl <= 15:
             raise ValueError(f"sl must be 0..15, got {sl}")
         if not 1 <= qos_vl <= 14:
@@ -312,7 +317,7 @@ class OpenSmFabric:
                 share = 100.0 / (high_limit_for(qos_share_percent) + 1)
             except PlanError as e:
                 raise ValueError(str(e)) from e
-            m.FABRIC_LENT_SHARE.set(share / 100.0)
+            self.metrics.lent_share.set(share / 100.0)
         self.state_path = Path(state)
         self._state = FabricState.load(self.state_path)
         self.gateway = gateway
@@ -336,7 +341,6 @@ class OpenSmFabric:
         self._audit_sem = asyncio.Semaphore(audit_concurrency)
         self._qos_plan: QosPlan | None = None
         self._graph_cache: tuple[int, LinkGraph] | None = None
-        self._audited: set[str] = set()
         gw = self._resolve(gateway)
         if gw is None or gw.kind != "hca":
             raise ValueError(f"gateway {gateway!r} is not an HCA of {self.state_path}")
@@ -422,14 +426,14 @@ class OpenSmFabric:
             qos = results[1]
             assert not isinstance(qos, BaseException)
         except _Failure as e:
-            m.FABRIC_VERIFY_FAILURES.labels(reason=e.reason).inc()
+            self.metrics.verify_failures.labels(reason=e.reason).inc()
             log.warning(
                 "fabric_isolate_failed",
                 extra={"lease_id": lease.lease_id, "reason": e.reason, "error": str(e)},
             )
             raise
         elapsed = time.perf_counter() - t0
-        m.FABRIC_APPLY_SECONDS.labels(op="isolate").observe(elapsed)
+        self.metrics.apply_seconds.labels(op="isolate").observe(elapsed)
         log.info(
             "fabric_partition_verified",
             extra={
@@ -473,13 +477,13 @@ class OpenSmFabric:
                 return
             await self._verify(gone, present=False)
         except _Failure as e:
-            m.FABRIC_VERIFY_FAILURES.labels(reason=e.reason).inc()
+            self.metrics.verify_failures.labels(reason=e.reason).inc()
             log.warning(
                 "fabric_remove_failed", extra={"lease_id": lease_id, "reason": e.reason, "error": str(e)}
             )
             raise
         elapsed = time.perf_counter() - t0
-        m.FABRIC_APPLY_SECONDS.labels(op="remove").observe(elapsed)
+        self.metrics.apply_seconds.labels(op="remove").observe(elapsed)
         log.info(
             "fabric_partition_removed",
             extra={"lease_id": lease_id, "pkey": f"0x{gone.pkey:04x}", "seconds": round(elapsed, 4)},
@@ -684,11 +688,11 @@ class OpenSmFabric:
             self._write(fp)
             self._sighup()
         except _Failure as e:
-            m.FABRIC_RELOADS.labels(result="failed").inc()
+            self.metrics.reloads.labels(result="failed").inc()
             if e.reason == "opensm_down":
                 self._undo_adds(batch, outcomes, fp)
             return [e] * len(batch)
-        m.FABRIC_RELOADS.labels(result="ok").inc()
+        self.metrics.reloads.labels(result="ok").inc()
         log.info(
             "fabric_files_written",
             extra={"changes": len(batch), "partitions": len(state.entries), "reloads": self.reloads},
@@ -947,7 +951,7 @@ class OpenSmFabric:
             pending = [p for p, _ in problems]
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 0.5)
-        m.FABRIC_APPLY_SECONDS.labels(op="qos_verify").observe(time.perf_counter() - t0)
+        self.metrics.apply_seconds.labels(op="qos_verify").observe(time.perf_counter() - t0)
         return LaneQos(
             sl=plan.sl, vl=plan.vl, share_percent=plan.share_percent, ports_verified=len(ports), verified=True
         )
@@ -969,7 +973,7 @@ class OpenSmFabric:
             except OSError as e:
                 raise _Failure("qos_config", f"cannot read {path}: {e}") from e
             if managed_block(text) is None:
-                m.FABRIC_QOS_AUDITS.labels(result="not_applied").inc()
+                self.metrics.qos_audits.labels(result="not_applied").inc()
                 return {}
             try:
                 plan = plan_qos(text, sl=self.sl, vl=self.qos_vl, share_percent=self.qos_share_percent)
@@ -980,7 +984,7 @@ class OpenSmFabric:
             answers = await asyncio.gather(*(self._qos_batch(plan, c, ports, self._audit_sem) for c in chunks))
             results = [r for chunk in answers for r in chunk]
         except _Failure as e:
-            m.FABRIC_QOS_AUDITS.labels(result="failed").inc()
+            self.metrics.qos_audits.labels(result="failed").inc()
             log.warning("fabric_qos_audit_failed", extra={"reason": e.reason, "error": str(e)})
             raise
         counts: dict[str, int] = {}
@@ -991,15 +995,11 @@ class OpenSmFabric:
             counts[switch] = counts.get(switch, 0) + (r is not None)
             if r is not None:
                 drift.setdefault(switch, []).append(r[1])
-        for switch, n in counts.items():
-            m.FABRIC_QOS_DRIFT_PORTS.labels(switch=switch).set(n)
-        for gone in self._audited - counts.keys():
-            m.FABRIC_QOS_DRIFT_PORTS.remove(gone)
-        self._audited = set(counts)
+        self.metrics.qos_drift = counts
         elapsed = time.perf_counter() - t0
-        m.FABRIC_QOS_AUDIT_SECONDS.observe(elapsed)
-        m.FABRIC_QOS_AUDITS.labels(result="drift" if drift else "ok").inc()
-        m.FABRIC_QOS_LAST_AUDIT.set(time.time())
+        self.metrics.qos_audit_seconds.observe(elapsed)
+        self.metrics.qos_audits.labels(result="drift" if drift else "ok").inc()
+        self.metrics.qos_last_audit.set(time.time())
         (log.warning if drift else log.info)(
             "fabric_qos_audit",
             extra={

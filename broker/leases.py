@@ -33,14 +33,15 @@ A claim names an offer, or gives requirements and the book picks the offers
 (:func:`broker.match.match`: one node, else several nodes under one leaf switch); a matched lease
 may span several offers (``LeaseLogRecord.offer_ids`` / ``hosts``). Before GPUs are reserved the
 site's quota and fair share are checked (:mod:`broker.quota`); every decision is logged
-(``claim_decided``) and counted (``gpupool_broker_claim_decisions_total``).
+(``claim_decided``) and returned in :attr:`Changes.decisions` (the service counts it in
+``gpupool_broker_claim_decisions_total``).
 
 Minimum guaranteed duration: a lease claimed with ``min_duration_seconds`` is not taken back by a
 reclaim before ``min_until`` (= grant time + that duration) unless the reclaim is forced. An
 unforced reclaim that would end inside the guarantee gets its deadline moved to ``min_until``
-(reason ``…;deferred_to_guarantee_end``, counted in ``gpupool_broker_reclaims_deferred_total``):
-the demand is met when the guarantee ends. A forced one keeps ``now + notice`` (reason
-``…;guarantee_broken``, counted in ``gpupool_broker_guarantees_broken_total``). A demand for
+(reason ``…;deferred_to_guarantee_end``, :attr:`Changes.reclaims_deferred`): the demand is met
+when the guarantee ends. A forced one keeps ``now + notice`` (reason ``…;guarantee_broken``,
+:attr:`Changes.guarantees_broken`). A demand for
 ``count`` GPUs takes unguarded leases first, from the sites most over their fair share.
 """
 
@@ -55,7 +56,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import MappingProxyType
 
-from broker import metrics as m
 from broker.config import BrokerConfig
 from broker.match import Placement, match
 from broker.quota import WaitingSites, fair_share, holdings, quota_refusal, reclaim_order
@@ -107,6 +107,21 @@ class Answer:
         return self.code is ReasonCode.OK
 
 
+@dataclass(frozen=True, slots=True)
+class ClaimDecision:
+    """One claim decided by the book (granted, or refused and why).
+
+    Attributes:
+        site: the claiming site.
+        kind: ``offer`` (the claim names an ``offer_id``) or ``match`` (requirements).
+        result: ``ok`` or the reason code of the refusal (:class:`contracts.ReasonCode` value).
+    """
+
+    site: str
+    kind: str
+    result: str
+
+
 @dataclass(slots=True)
 class Changes:
     """What one call changed, in order.
@@ -120,6 +135,11 @@ class Changes:
             retained lease message).
         prior: lease id → its record before the first transition in ``records`` (``None``: the
             lease is new), what :meth:`LeaseBook.undo` restores when the log write fails.
+        decisions: claims decided, in order (for the caller to count).
+        placements: locality tier (``node``, ``leaf``, ``cross_leaf``) of each matched claim
+            reserved.
+        guarantees_broken: leases reclaimed by a forced demand inside their minimum guarantee.
+        reclaims_deferred: reclaims whose deadline was moved to the end of the guarantee.
     """
 
     records: list[LeaseLogRecord] = field(default_factory=list)
@@ -127,6 +147,10 @@ class Changes:
     withdrawn: list[Offer] = field(default_factory=list)
     forgotten: list[LeaseLogRecord] = field(default_factory=list)
     prior: dict[str, LeaseLogRecord | None] = field(default_factory=dict)
+    decisions: list[ClaimDecision] = field(default_factory=list)
+    placements: list[str] = field(default_factory=list)
+    guarantees_broken: int = 0
+    reclaims_deferred: int = 0
 
     def add(self, new: LeaseLogRecord, prior: LeaseLogRecord | None) -> None:
         """Append the transition ``prior`` → ``new`` (``prior`` ``None``: a new lease)."""
@@ -141,9 +165,14 @@ class Changes:
         self.published.extend(other.published)
         self.withdrawn.extend(other.withdrawn)
         self.forgotten.extend(other.forgotten)
+        self.decisions.extend(other.decisions)
+        self.placements.extend(other.placements)
+        self.guarantees_broken += other.guarantees_broken
+        self.reclaims_deferred += other.reclaims_deferred
         return self
 
     def __bool__(self) -> bool:
+        """True when there is something to log or publish (decisions and counts alone are not)."""
         return bool(self.records or self.published or self.withdrawn or self.forgotten)
 
 
@@ -162,6 +191,8 @@ class PendingGrant:
         offers: every offer the GPUs come from (first = ``offer``); several for a matched
             claim placed on several nodes.
         matched: True when the book picked the offers from the claim's requirements.
+        tier: the locality tier of a matched claim (:attr:`broker.match.Placement.tier`),
+            ``None`` for a claim naming an offer.
     """
 
     site: str
@@ -170,6 +201,7 @@ class PendingGrant:
     record: LeaseLogRecord
     offers: tuple[Offer, ...] = ()
     matched: bool = False
+    tier: str | None = None
 
     @property
     def nodes(self) -> set[tuple[str, str]]:
@@ -318,8 +350,9 @@ class LeaseBook:
     def begin_claim(self, site: str, claim: Claim, now: float) -> tuple[Answer | PendingGrant, Changes]:
         """Validate ``claim`` that arrived on ``site``'s claims topic.
 
-        Returns ``(Answer, Changes())`` for a rejection (or a repeated ``claim_id``: its first
-        answer, ``replayed=True``), or ``(PendingGrant, Changes)``: the GPUs are reserved and the
+        Returns ``(Answer, Changes)`` for a rejection (the decision in ``Changes.decisions``) or a
+        repeated ``claim_id`` (its first answer, ``replayed=True``, nothing changed), or
+        ``(PendingGrant, Changes)`` (a matched claim's tier in ``Changes.placements``): the GPUs are reserved and the
         offers withdrawn (their remaining GPUs offered anew); finish with :meth:`grant` or
         :meth:`abort`. A claim without ``offer_id`` is matched to the best offers
         (:func:`broker.match.match`). Rejection codes: ``site_mismatch``, ``unknown_workload``
@@ -342,10 +375,13 @@ class LeaseBook:
             self._forget_by(now + self.config.retain_terminal_s)
             if answer_or_grant.code in (ReasonCode.GPU_UNAVAILABLE, ReasonCode.NO_MATCH):
                 self._waiting.refused(site, claim.count or len(claim.gpus) or 1, now)
-            self._decided(site, claim.claim_id, claim.matched, answer_or_grant.code, answer_or_grant.text)
-            return answer_or_grant, Changes()
+            ch = Changes()
+            self._decided(ch, site, claim.claim_id, claim.matched, answer_or_grant.code, answer_or_grant.text)
+            return answer_or_grant, ch
         ch = Changes()
         pending = answer_or_grant
+        if pending.tier is not None:
+            ch.placements.append(pending.tier)
         self._pending[key] = pending
         self._count_held(site, len(pending.record.gpus))
         for g in pending.record.gpus:
@@ -406,7 +442,9 @@ class LeaseBook:
         self._answers[key] = (answer, now)
         self._forget_by(now + self.config.retain_terminal_s)
         self._waiting.served(pending.site)
+        ch = Changes()
         self._decided(
+            ch,
             pending.site,
             pending.claim_id,
             pending.matched,
@@ -417,7 +455,6 @@ class LeaseBook:
             hosts=list(rec.hosts),
             min_until=rec.min_until,
         )
-        ch = Changes()
         ch.add(rec, None)
         self._reconcile(pending.nodes, now, ch)
         return answer, ch
@@ -439,8 +476,8 @@ class LeaseBook:
         answer = Answer(code, text)
         self._answers[key] = (answer, now)
         self._forget_by(now + self.config.retain_terminal_s)
-        self._decided(pending.site, pending.claim_id, pending.matched, code, text)
         ch = Changes()
+        self._decided(ch, pending.site, pending.claim_id, pending.matched, code, text)
         self._reconcile(pending.nodes, now, ch)
         return answer, ch
 
@@ -455,11 +492,12 @@ class LeaseBook:
         return answer, ch.extend(ch2)
 
     def _decided(
-        self, site: str, claim_id: str, matched: bool, code: ReasonCode, text: str, **fields: object
+        self, ch: Changes, site: str, claim_id: str, matched: bool, code: ReasonCode, text: str, **fields: object
     ) -> None:
-        """Log (``claim_decided``) and count one claim's outcome (granted, or refused and why)."""
+        """Log (``claim_decided``) one claim's outcome (granted, or refused and why) and add it to
+        ``ch.decisions``."""
         kind = "match" if matched else "offer"
-        m.CLAIM_DECISIONS.labels(site=site, kind=kind, result=code.value).inc()
+        ch.decisions.append(ClaimDecision(site, kind, code.value))
         log.info(
             "claim_decided",
             extra={
@@ -561,7 +599,6 @@ class LeaseBook:
         refused = self._admit(site, len(placed.gpus), now)
         if refused is not None:
             return refused
-        m.MATCH_PLACEMENTS.labels(tier=placed.tier).inc()
         return self._new_pending(site, claim, placed.offers, list(placed.gpus), now, placed)
 
     def _new_pending(
@@ -602,6 +639,7 @@ class LeaseBook:
             record=record,
             offers=tuple(offers),
             matched=claim.matched,
+            tier=None if placed is None else placed.tier,
         )
 
     def _answer_retired(self, claim: Claim, now: float) -> Answer:
@@ -758,14 +796,14 @@ class LeaseBook:
             else:
                 targets = ordered
         for r in targets:
-            ch.add(self._start_reclaim(r, now, reason, force, deadline), r)
+            ch.add(self._start_reclaim(r, now, reason, force, ch, deadline), r)
         return ch
 
     def _start_reclaim(
-        self, r: LeaseLogRecord, now: float, reason: str, force: bool, at: float | None = None
+        self, r: LeaseLogRecord, now: float, reason: str, force: bool, ch: Changes, at: float | None = None
     ) -> LeaseLogRecord:
         """``r`` → ``reclaiming``; its deadline (``at``, else ``now + notice``) respects the minimum
-        guarantee unless forced."""
+        guarantee unless forced (a broken or deferred guarantee is added to ``ch``'s counts)."""
         deadline = now + r.notice_seconds if at is None else at
         why = reason
         if _guarded(r, now) and r.min_until is not None:
@@ -773,12 +811,12 @@ class LeaseBook:
             if force:
                 why = f"{reason}{LeaseReason.GUARANTEE_BROKEN}"
                 self._broken.add(r.lease_id)
-                m.GUARANTEES_BROKEN.inc()
+                ch.guarantees_broken += 1
                 log.warning("guarantee_broken", extra={**extra, "reclaim_deadline": deadline})
             else:
                 deadline = r.min_until
                 why = f"{reason}{LeaseReason.DEFERRED_TO_GUARANTEE_END}"
-                m.RECLAIMS_DEFERRED.inc()
+                ch.reclaims_deferred += 1
                 log.info("reclaim_deferred", extra={**extra, "reclaim_deadline": deadline})
         log.info(
             "reclaim_started",

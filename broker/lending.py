@@ -46,8 +46,8 @@ from typing import Protocol
 
 import httpx
 
-from broker import metrics as m
 from broker.config import BrokerConfig
+from broker.metrics import BrokerMetrics
 from broker.placeholders import GpuMap, placeholder_script, start_script
 from broker.scheduler import Hold, HoldState, SchedulerError
 from broker.scheduler_slurm import COMMENT_PREFIX, IDLE_COMMENT, JOB_NAME, SlurmScheduler
@@ -80,8 +80,9 @@ class Lending(Protocol):
 
     enforced: bool
 
-    def bind(self, reclaim: Reclaim, offered: Offered, republish: Republish) -> None:
-        """Give the broker's callbacks (called from :meth:`start` on)."""
+    def bind(self, reclaim: Reclaim, offered: Offered, republish: Republish, metrics: BrokerMetrics) -> None:
+        """Give the broker's callbacks (called from :meth:`start` on) and the service's metrics
+        (:class:`broker.metrics.BrokerMetrics`), where the lending counts what it does."""
         ...
 
     async def start(self, live: Sequence[LeaseLogRecord]) -> None:
@@ -116,8 +117,8 @@ class NoLending:
 
     enforced = False
 
-    def bind(self, reclaim: Reclaim, offered: Offered, republish: Republish) -> None:
-        """Nothing to call back."""
+    def bind(self, reclaim: Reclaim, offered: Offered, republish: Republish, metrics: BrokerMetrics) -> None:
+        """Nothing to call back, nothing to count."""
 
     async def start(self, live: Sequence[LeaseLogRecord]) -> None:
         """Nothing to adopt."""
@@ -183,6 +184,7 @@ class SlurmLending:
         self.unwanted_grace_s = unwanted_grace_s
         self._clock = clock
         self._reclaim: Reclaim | None = None
+        self._metrics = BrokerMetrics()  # replaced by the service's in bind()
         self._offered: Offered = lambda: ()
         self._republish: Republish = lambda _: None
         self._idle: dict[str, dict[int, Hold]] = {}
@@ -205,9 +207,10 @@ class SlurmLending:
         self._watch: asyncio.Task[None] | None = None
 
     # wiring --------------------------------------------------------------------------------------
-    def bind(self, reclaim: Reclaim, offered: Offered, republish: Republish) -> None:
+    def bind(self, reclaim: Reclaim, offered: Offered, republish: Republish, metrics: BrokerMetrics) -> None:
         """See :meth:`Lending.bind`."""
         self._reclaim, self._offered, self._republish = reclaim, offered, republish
+        self._metrics = metrics
 
     async def start(self, live: Sequence[LeaseLogRecord]) -> None:
         """See :meth:`Lending.start`: holds of live leases are adopted (their workload's health
@@ -297,7 +300,7 @@ class SlurmLending:
         for h in taken:
             self._unwanted.pop(h.job_id, None)
         self._leases[record.lease_id] = taken
-        m.PLACEHOLDERS.set(sum(len(v) for v in self._idle.values()))
+        self._metrics.placeholder_gpus.set(sum(len(v) for v in self._idle.values()))
         if record.workload is not None:
             problem = self._start_workload(record, taken)
             if problem:
@@ -400,7 +403,7 @@ class SlurmLending:
                         self._republish(lease_id)
                         return
                 await asyncio.sleep(0.1)
-        m.SCHEDULER_ERRORS.labels(operation="start").inc()
+        self._metrics.scheduler_errors.labels(operation="start").inc()
         log.warning(
             "workload_unhealthy",
             extra={"lease_id": lease_id, "url": url, "timeout_s": profile.health_timeout_s},
@@ -438,7 +441,7 @@ class SlurmLending:
             except SchedulerError as e:
                 if record.lease_id not in self._leases:
                     return
-                m.SCHEDULER_ERRORS.labels(operation="retag").inc()
+                self._metrics.scheduler_errors.labels(operation="retag").inc()
                 log.error(
                     "hold_retag_failed",
                     extra={"lease_id": record.lease_id, "job_id": h.job_id, "error": str(e)},
@@ -460,21 +463,21 @@ class SlurmLending:
             except SchedulerError:
                 running = holds
             if not running:
-                m.HOLD_RELEASE.observe(time.perf_counter() - t0)
+                self._metrics.hold_release.observe(time.perf_counter() - t0)
                 log.info(
                     "hold_released",
                     extra={"lease_id": lease_id, "job_ids": ids, "seconds": time.perf_counter() - t0},
                 )
                 return
             await asyncio.sleep(0.05)
-        m.SCHEDULER_ERRORS.labels(operation="release").inc()
+        self._metrics.scheduler_errors.labels(operation="release").inc()
         log.error("hold_release_slow", extra={"lease_id": lease_id, "job_ids": ids})
 
     async def _cancel(self, job_ids: Sequence[str], operation: str) -> None:
         try:
             await self.scheduler.command("scancel", *job_ids)
         except SchedulerError as e:
-            m.SCHEDULER_ERRORS.labels(operation=operation).inc()
+            self._metrics.scheduler_errors.labels(operation=operation).inc()
             log.error("scancel_failed", extra={"job_ids": list(job_ids), "error": str(e)})
 
     async def _submit(self, host: str) -> None:
@@ -490,7 +493,7 @@ class SlurmLending:
         try:
             out = await s.command(*argv, stdin=placeholder_script(self.notice_s, self.control_dir))
         except SchedulerError as e:
-            m.SCHEDULER_ERRORS.labels(operation="submit").inc()
+            self._metrics.scheduler_errors.labels(operation="submit").inc()
             log.error("placeholder_submit_failed", extra={"host": host, "error": str(e)})
             return
         else:
@@ -508,7 +511,7 @@ class SlurmLending:
             except asyncio.CancelledError:
                 raise
             except SchedulerError as e:
-                m.SCHEDULER_ERRORS.labels(operation="read").inc()
+                self._metrics.scheduler_errors.labels(operation="read").inc()
                 log.error("scheduler_read_failed", extra={"error": str(e)})
             except Exception:  # noqa: BLE001 — a bug in one poll must not stop watching
                 log.exception("lending_poll_failed")
@@ -533,7 +536,7 @@ class SlurmLending:
                     lease_id, deadline, f"{LeaseReason.SCHEDULER_PREEMPTED}:{chosen[0].job_id}"
                 )
                 if chosen[0].preempted_at is not None:
-                    m.PREEMPTION_NOTICE.observe(max(0.0, self._clock() - chosen[0].preempted_at))
+                    self._metrics.preemption_notice.observe(max(0.0, self._clock() - chosen[0].preempted_at))
                 confirm.extend(h for h in current if h is not None)
             elif gone:
                 self._noticed.add(lease_id)
@@ -572,7 +575,7 @@ class SlurmLending:
             for _ in range(max(0, missing)):  # in the background: the next read is not delayed
                 self._submitting[host] = self._submitting.get(host, 0) + 1
                 self._background(self._submit(host), f"placeholder-submit-{host}")
-        m.PLACEHOLDERS.set(sum(len(v) for v in self._idle.values()))
+        self._metrics.placeholder_gpus.set(sum(len(v) for v in self._idle.values()))
 
     def _keep_placeholders(self, jobs: dict[str, Hold], now: float) -> None:
         """Rebuild the idle placeholders from Slurm's jobs whose script has written its idle file
@@ -602,7 +605,7 @@ class SlurmLending:
         )
         for h, r in zip(holds, results, strict=True):
             if isinstance(r, Exception):
-                m.SCHEDULER_ERRORS.labels(operation="signal").inc()
+                self._metrics.scheduler_errors.labels(operation="signal").inc()
                 log.error("notice_signal_failed", extra={"job_id": h.job_id, "error": str(r)})
 
     async def _notify(self, lease_id: str, deadline: float, reason: str) -> None:

@@ -56,10 +56,11 @@ from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any
 
 import aiomqtt
+from prometheus_client import CollectorRegistry
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from broker import metrics as m
+from broker.metrics import BrokerMetrics
 from broker.config import BrokerConfig
 from broker.fabric import FabricError, FabricManager, NoIsolation, isolation_problem
 from broker.lending import Lending, NoLending
@@ -247,6 +248,9 @@ class BrokerService:
             ``mqtt_port`` is then its TLS listener). ``None``: plain TCP.
         lease_log_linger_ms: batching delay of the lease-log producer, milliseconds (see
             :data:`LEASE_LOG_LINGER_MS`); ``None``: the bus's default.
+        metrics: this service's Prometheus metrics (:class:`broker.metrics.BrokerMetrics`, one
+            per service); ``None``: new ones on a registry of their own. Its ``/metrics`` serves
+            :attr:`registry`.
 
     Raises ``ValueError`` for a protocol other than 5 or 4, or a negative ``lease_log_linger_ms``.
     """
@@ -269,6 +273,7 @@ class BrokerService:
         tls: TlsOptions | None = None,
         lease_log_linger_ms: float | None = LEASE_LOG_LINGER_MS,
         lending: Lending | None = None,
+        metrics: BrokerMetrics | None = None,
     ) -> None:
         protocol_version(protocol)
         if lease_log_linger_ms is not None and not lease_log_linger_ms >= 0:
@@ -299,7 +304,6 @@ class BrokerService:
         self._tls = tls
         self._linger_ms = lease_log_linger_ms
         self.lending: Lending = lending or NoLending()
-        self.lending.bind(self._scheduler_reclaim, self._offered_gpus, self._republish_lease)
         self._inline_isolation = isinstance(self.fabric, NoIsolation)
         self._claiming: dict[_ClaimKey, tuple[str, asyncio.Task[None]]] = {}
         """Claims whose fabric isolation is in progress: key → (lease id, task)."""
@@ -307,8 +311,15 @@ class BrokerService:
         """Partition removals, stale-partition cleanup and resent claims, awaited by :meth:`stop`."""
         self._deadlines: dict[str, float] = {}
         """Reclaim deadline of every lease in state reclaiming, for the tick's timer."""
-        self.tally = Tally()
+        self.metrics = metrics if metrics is not None else BrokerMetrics()
+        """This service's Prometheus metrics."""
+        self.lending.bind(self._scheduler_reclaim, self._offered_gpus, self._republish_lease, self.metrics)
+        self.tally = Tally(self.metrics)
         """Counts since start (see :meth:`stats`)."""
+        self.metrics.lease_gauge(lambda: {(s.value,): n for s, n in self.tally.lease_counts().items()})
+        self.metrics.site_up_gauge(
+            lambda: {(site, ): 1.0 if st.online else 0.0 for site, st in dict(self._sites).items()}
+        )
         self._limiter = SiteRateLimiter(self.config.site_request_rate_per_s, self.config.site_request_burst)
         self._unlogged: list[LeaseLogRecord] = []
         """Records that undo failed transitions (:meth:`LeaseBook.undo`), written before any
@@ -322,6 +333,11 @@ class BrokerService:
         self._outbox: collections.deque[tuple[str, bytes, Any]] = collections.deque()
         """Replies that could not be sent (no connection, or it dropped): sent at the next
         connection, oldest first (at most :data:`_OUTBOX_MAX`)."""
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        """The Prometheus registry this service's ``/metrics`` serves (its metrics only)."""
+        return self.metrics.registry
 
     # lifecycle ----------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -504,6 +520,7 @@ class BrokerService:
         Atomic per lease: a transition the lease log does not take (:meth:`_log`) is undone in
         the book (:meth:`LeaseBook.undo`) and never published; ``reply`` gets, and this returns,
         the ids of the leases undone (empty when everything was logged)."""
+        self._count_outcomes(ch)
         undone: set[str] = set()
         if ch.records or self._unlogged:
             undone = await self._log(ch.records)
@@ -515,7 +532,7 @@ class BrokerService:
                         self.lending.ended(rec)
                     if not rec.state.live and not self._inline_isolation:  # and its partition
                         self._in_background(self._remove_partition(rec), f"fabric-remove-{rec.lease_id}")
-                m.LEASE_LOG_WRITE_FAILURES.inc(len(undone))
+                self.metrics.lease_log_write_failures.inc(len(undone))
                 log.error("lease_transitions_undone", extra={"lease_ids": sorted(undone)})
                 ch = Changes(
                     records=[r for r in ch.records if r.lease_id not in undone],
@@ -561,9 +578,19 @@ class BrokerService:
         for rec in ch.forgotten:
             self.tally.forgotten(rec)
             self._publish(self.mqtt.lease(rec.site, rec.lease_id), b"", retain=True)
-        if ch.records or ch.forgotten or undone:
-            self.tally.lease_gauges()
         return undone
+
+    def _count_outcomes(self, ch: Changes) -> None:
+        """Count what the book decided in ``ch``: claim decisions, match placements, broken and
+        deferred guarantees."""
+        for d in ch.decisions:
+            self.metrics.claim_decisions.labels(site=d.site, kind=d.kind, result=d.result).inc()
+        for tier in ch.placements:
+            self.metrics.match_placements.labels(tier=tier).inc()
+        if ch.guarantees_broken:
+            self.metrics.guarantees_broken.inc(ch.guarantees_broken)
+        if ch.reclaims_deferred:
+            self.metrics.reclaims_deferred.inc(ch.reclaims_deferred)
 
     async def _log(self, records: Sequence[LeaseLogRecord]) -> set[str]:
         """Write the pending undo records, then ``records``, to the lease log and wait until they
@@ -602,13 +629,13 @@ class BrokerService:
         written_undo = [r for r in self._unlogged if id(r) not in failed_ids]
         self._unlogged = [r for r in self._unlogged if id(r) in failed_ids]
         if written_undo:
-            m.RECORDS_PRODUCED.labels(topic=self.topics.leases_log).inc(len(written_undo))
+            self.metrics.records_produced.labels(topic=self.topics.leases_log).inc(len(written_undo))
         for rec in written_undo:
             if rec.reason != LeaseReason.LOG_WRITE_FAILED:
                 self._publish(self.mqtt.lease(rec.site, rec.lease_id), encode(lease_message(rec, self.lending.endpoint(rec.lease_id))), retain=True)
         taken = len(records) - sum(1 for r in records if id(r) in failed_ids)
         if taken:
-            m.RECORDS_PRODUCED.labels(topic=self.topics.leases_log).inc(taken)
+            self.metrics.records_produced.labels(topic=self.topics.leases_log).inc(taken)
         return {r.lease_id for r in records if id(r) in failed_ids}
 
     async def _reset_producer(self) -> None:
@@ -676,7 +703,7 @@ class BrokerService:
         except Exception:  # noqa: BLE001 — a broken manager must not take the broker down
             log.exception("fabric_remove_stale_error")
             return
-        m.FABRIC_STALE_REMOVED.inc(len(removed))
+        self.metrics.fabric_stale_removed.inc(len(removed))
         if removed:
             log.info("fabric_stale_partitions_removed", extra={"lease_ids": removed, "kept": len(keep)})
 
@@ -746,7 +773,7 @@ class BrokerService:
                 log.warning("mqtt_publish_failed", extra={"topic": topic, "error": str(e), "attempt": attempt})
                 if client is not self._client or attempt == _PUBLISH_ATTEMPTS:
                     break
-                m.MQTT_PUBLISH_FAILURES.labels(outcome="retried").inc()
+                self.metrics.mqtt_publish_failures.labels(outcome="retried").inc()
                 await asyncio.sleep(0.05 * attempt)
         self._undelivered(topic, payload, retain, properties)
 
@@ -755,13 +782,13 @@ class BrokerService:
         the next connection; a reply is kept in the outbox for it (the oldest dropped, counted,
         past :data:`_OUTBOX_MAX`)."""
         if retain:
-            m.MQTT_PUBLISH_FAILURES.labels(outcome="resync").inc()
+            self.metrics.mqtt_publish_failures.labels(outcome="resync").inc()
             return
         if len(self._outbox) >= _OUTBOX_MAX:
             self._outbox.popleft()
-            m.MQTT_PUBLISH_FAILURES.labels(outcome="dropped").inc()
+            self.metrics.mqtt_publish_failures.labels(outcome="dropped").inc()
         self._outbox.append((topic, payload, properties))
-        m.MQTT_PUBLISH_FAILURES.labels(outcome="queued").inc()
+        self.metrics.mqtt_publish_failures.labels(outcome="queued").inc()
 
     def _peer_state(self, online: bool) -> bytes:
         return encode(PeerState(peer=self._client_id, online=online, seq=self._seq, ts=self._clock()))
@@ -791,13 +818,13 @@ class BrokerService:
             return client
 
         async def on_connect(client: aiomqtt.Client) -> None:
-            m.MQTT_CONNECTIONS.labels(result="connected").inc()
+            self.metrics.mqtt_connections.labels(result="connected").inc()
             self._client = client
             async with asyncio.timeout(_CONNECT_STEP_TIMEOUT_S):
                 await self._on_connect(client)
 
         def on_error(e: Exception, connected: bool) -> bool:
-            m.MQTT_CONNECTIONS.labels(result="lost" if connected else "failed").inc()
+            self.metrics.mqtt_connections.labels(result="lost" if connected else "failed").inc()
             where = {"host": self._host, "port": self._port}
             if isinstance(e, aiomqtt.MqttError):
                 log.warning("mqtt_disconnected", extra={**where, "error": str(e)})
@@ -891,14 +918,14 @@ class BrokerService:
         limit is answered ``rate_limited``."""
         if retain:
             if payload:
-                m.IGNORED_REQUESTS.labels(reason="retained").inc()
+                self.metrics.ignored_requests.labels(reason="retained").inc()
                 self.tally.reject("retained")
                 log.warning("retained_request_ignored", extra={"site": site, "topic": topic})
                 self._publish(topic, b"", retain=True)
             return False
         if self._limiter.allow(site, time.monotonic()):
             return True
-        m.RATE_LIMITED.labels(site=site).inc()
+        self.metrics.rate_limited.labels(site=site).inc()
         self.tally.reject(ReasonCode.RATE_LIMITED.value)
         in_reply_to = peek_id(payload, "claim_id" if request == "claim" else "lease_id")
         self._reply(
@@ -951,8 +978,6 @@ class BrokerService:
         if not payload:
             self._sites.pop(site, None)
             self._offline_since.pop(site, None)
-            with contextlib.suppress(KeyError):
-                m.SITE_UP.remove(site)
             return
         try:
             st = decode_compatible(PeerState, payload)
@@ -967,7 +992,6 @@ class BrokerService:
             self._offline_since.pop(site, None)
         else:
             self._offline_since.setdefault(site, self._clock())
-        m.SITE_UP.labels(site=site).set(1 if st.online else 0)
         log.info("site_state", extra={"site": site, "online": st.online, "seq": st.seq})
 
     def _reply(
@@ -1017,7 +1041,7 @@ class BrokerService:
         self, site: str, request: str, bad: Malformed, route: tuple[str | None, bytes | None]
     ) -> None:
         """Answer, count (``gpupool_broker_malformed_messages_total``) and log a refused message."""
-        m.MALFORMED_MESSAGES.labels(request=request, check=bad.check or "schema").inc()
+        self.metrics.malformed_messages.labels(request=request, check=bad.check or "schema").inc()
         log.info(
             "request_malformed",
             extra={"site": site, "request": request, "code": bad.code.value, "check": bad.check,
@@ -1030,7 +1054,7 @@ class BrokerService:
         ``request_max_age_s``: it is then ignored."""
         if self._clock() - ts <= self.config.request_max_age_s:
             return False
-        m.IGNORED_REQUESTS.labels(reason="stale").inc()
+        self.metrics.ignored_requests.labels(reason="stale").inc()
         self.tally.reject("stale")
         return True
 
@@ -1227,7 +1251,7 @@ class BrokerService:
                 extra={"site": site, "claim_id": claim_id, "code": answer.code.value, "text": answer.text},
             )
         elif not answer.replayed:
-            m.CLAIM_TO_LEASE.observe(time.perf_counter() - t0)
+            self.metrics.claim_to_lease.observe(time.perf_counter() - t0)
 
     async def _on_lease_request(
         self,
@@ -1326,7 +1350,7 @@ class BrokerService:
             return ch
 
     def _on_record(self, msg: BusMessage, now: float) -> Changes:
-        m.RECORDS_CONSUMED.labels(topic=msg.topic).inc()
+        self.metrics.records_consumed.labels(topic=msg.topic).inc()
         if msg.value is None:
             return Changes()
         if msg.topic == self.topics.capacity:
@@ -1427,12 +1451,10 @@ class BrokerService:
         for site in sorted(due):
             self._offline_since.pop(site, None)
             self._sites.pop(site, None)
-            with contextlib.suppress(KeyError):
-                m.SITE_UP.remove(site)
             for kind in ("offer", "match"):
                 for code in ReasonCode:
                     with contextlib.suppress(KeyError):
-                        m.CLAIM_DECISIONS.remove(site, kind, code.value)
+                        self.metrics.claim_decisions.remove(site, kind, code.value)
         if due:
             log.info("sites_forgotten", extra={"sites": sorted(due), "forget_after_s": self.config.site_forget_after_s})
         return sorted(due)

@@ -19,6 +19,8 @@ from runtime.settings import CollectorsSettings, DeploymentSettings, RunFlags
 from runtime.stage import run_stage
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from collectors.fabric_collector import FabricCollector
     from collectors.service import CollectorService
     from contracts.bus import Bus
@@ -98,8 +100,11 @@ def run(settings: DeploymentSettings) -> None:
         )
 
     def build() -> tuple[_CollectorStage, Bus]:
+        from collectors.metrics import CollectorMetrics
+
         bus = make_bus(bootstrap, client_id="gpupool-collector")
         topics = KafkaTopics(prefix=settings.topic_prefix)
+        stage_metrics = CollectorMetrics()  # one registry: the service's, fabric's and Slurm's metrics
         service = CollectorService(
             bus=bus,
             topics=topics,
@@ -116,12 +121,13 @@ def run(settings: DeploymentSettings) -> None:
             spool_dir=cs.spool_dir,
             spool_memory_records=cs.spool_memory_records,
             spool_disk_bytes=cs.spool_disk_bytes,
-            fabric=_fabric_collector(bus, topics, cs),
+            fabric=_fabric_collector(bus, topics, cs, stage_metrics.registry),
             fabric_interval_s=cs.fabric_interval_s,
             fabric_discover_every=cs.fabric_discover_every,
             forget_after_s=cs.forget_after_s,
+            metrics=stage_metrics,
         )
-        slurm = _slurm_collector(bus, topics, cs.slurm_conf)
+        slurm = _slurm_collector(bus, topics, cs.slurm_conf, stage_metrics.registry)
         return _CollectorStage(service, slurm, settings, gpu_sources=has_gpu_source), bus
 
     metrics = settings.metrics
@@ -181,12 +187,15 @@ class _CollectorStage:
         await self.service.stop()
 
 
-def _fabric_collector(bus: Bus, topics: KafkaTopics, cs: CollectorsSettings) -> FabricCollector | None:
+def _fabric_collector(
+    bus: Bus, topics: KafkaTopics, cs: CollectorsSettings, registry: CollectorRegistry | None = None
+) -> FabricCollector | None:
     """The :class:`collectors.fabric_collector.FabricCollector` the ``[collectors]`` settings ask
-    for, or ``None`` when ``fabric`` is off."""
+    for (its metrics on ``registry``; ``None``: one of its own), or ``None`` when ``fabric`` is off."""
     if not cs.fabric:
         return None
     from collectors.fabric_collector import FabricCollector
+    from collectors.metrics import FabricCollectorMetrics
 
     return FabricCollector(
         bus,
@@ -194,17 +203,21 @@ def _fabric_collector(bus: Bus, topics: KafkaTopics, cs: CollectorsSettings) -> 
         run_prefix=cs.fabric_command_prefix,
         concurrency=cs.fabric_concurrency,
         timeout_s=cs.fabric_timeout_s,
+        metrics=FabricCollectorMetrics(registry),
     )
 
 
-def _slurm_collector(bus: Any, topics: KafkaTopics, slurm_conf: Path | None) -> Any:
-    """The Slurm source (:class:`collectors.slurm_collector.SlurmCollector`) for ``slurm_conf``,
-    ``None`` without one."""
+def _slurm_collector(
+    bus: Any, topics: KafkaTopics, slurm_conf: Path | None, registry: CollectorRegistry | None = None
+) -> Any:
+    """The Slurm source (:class:`collectors.slurm_collector.SlurmCollector`) for ``slurm_conf``
+    (its metrics on ``registry``; ``None``: one of its own), ``None`` without one."""
     if slurm_conf is None:
         return None
+    from collectors.metrics import SlurmMetrics
     from collectors.slurm_collector import SlurmCollector
 
-    return SlurmCollector(bus, topics, slurm_conf=slurm_conf)
+    return SlurmCollector(bus, topics, slurm_conf=slurm_conf, metrics=SlurmMetrics(registry))
 
 
 @app.command("parse-dcgm")

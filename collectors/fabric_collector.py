@@ -22,7 +22,7 @@ the 64-bit data counters are read every sweep, and the samples of a sweep withou
 carry only what was read (the legacy-only counters are absent, never 0 and never a stale copy).
 
 Failures never escape a sweep: each is logged (``fabric_device_error``) and counted in
-``gpupool_collector_fabric_errors_total{reason}`` (see :mod:`collectors.fabric_metrics`), and
+``gpupool_collector_fabric_errors_total{reason}`` (:class:`collectors.metrics.FabricCollectorMetrics`), and
 the other devices are still read.
 
 Running against ibsim: pass ``env`` with ``IBSIM_SOCKNAME`` and ``LD_PRELOAD`` (the ``env`` of the
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Self
 
-from collectors import fabric_metrics as m
+from collectors.metrics import FabricCollectorMetrics
 from collectors.fabric_parse import (
     PerfqueryBlock,
     PerfqueryResult,
@@ -154,6 +154,9 @@ class FabricCollector:
         retries: extra attempts of a run that failed with ``transport`` (a busy ibsim slot).
         perfquery / ibnetdiscover: the commands' names or paths.
         clock: wall clock for sample timestamps (Unix seconds).
+        metrics: where it counts (``gpupool_collector_fabric_*``); give it the collector
+            service's registry (``FabricCollectorMetrics(service_registry)``) so its ``/metrics``
+            shows them; ``None``: new ones on a registry of their own (:attr:`metrics`).
     """
 
     def __init__(
@@ -175,7 +178,9 @@ class FabricCollector:
         ibnetdiscover: str = "ibnetdiscover",
         client_id: str = "gpupool-fabric",
         clock: Callable[[], float] = time.time,
+        metrics: FabricCollectorMetrics | None = None,
     ) -> None:
+        self.metrics = metrics if metrics is not None else FabricCollectorMetrics()
         if concurrency < 1:
             raise ValueError("concurrency must be >= 1")
         if timeout_s <= 0 or discover_timeout_s <= 0:
@@ -260,7 +265,7 @@ class FabricCollector:
         try:
             out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
         except TimeoutError:
-            m.TIMEOUTS.inc()
+            self.metrics.timeouts.inc()
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
@@ -286,7 +291,7 @@ class FabricCollector:
         return res
 
     def _error(self, reason: str, **fields: object) -> None:
-        m.ERRORS.labels(reason=reason).inc()
+        self.metrics.errors.labels(reason=reason).inc()
         log.warning("fabric_device_error", extra={"reason": reason, **fields})
 
     def _next_seq(self) -> int:
@@ -311,7 +316,7 @@ class FabricCollector:
         if self._producer is None:
             raise RuntimeError("FabricCollector is not started")
         res = await self._exec_retrying([self._ibnetdiscover, "-p"], self._discover_timeout_s)
-        m.DISCOVERY_DURATION.observe(res.duration_s)
+        self.metrics.discovery_duration.observe(res.duration_s)
         if res.reason is not None:
             self._error(res.reason, command="ibnetdiscover", stderr=res.stderr[-500:])
             return Topology(error=res.reason)
@@ -329,7 +334,7 @@ class FabricCollector:
             known = self._known_ports.setdefault(guid, set())
             known.update(p for p, tp in node.ports.items() if tp.connected)
             down += sum(1 for p in known if not (p in node.ports and node.ports[p].connected))
-        m.PORTS_DOWN.set(down)
+        self.metrics.ports_down.set(down)
         self._topology = topo
         log.info(
             "fabric_discovered",
@@ -405,7 +410,7 @@ class FabricCollector:
                 and (self._legacy == "always" or (self._legacy == "auto" and lacks_wait))
             ):
                 runs.append(("legacy", [self._perfquery, str(node.lid), port_arg]))
-        m.DEVICE_DURATION.labels(node_type=node.node_type).observe(time.perf_counter() - t0)
+        self.metrics.device_duration.labels(node_type=node.node_type).observe(time.perf_counter() - t0)
         ts = self._clock()
         samples = []
         for port in ports:
@@ -455,8 +460,8 @@ class FabricCollector:
                 samples.extend(part)
         for s in samples:
             await self._publish(self._topics.telemetry_ib_port, s.partition_key, encode(s))
-        m.SAMPLES.inc(len(samples))
-        m.SWEEP_DURATION.observe(time.perf_counter() - t0)
+        self.metrics.samples.inc(len(samples))
+        self.metrics.sweep_duration.observe(time.perf_counter() - t0)
         return samples
 
     async def collect(self) -> list[IbPortSample]:
@@ -478,7 +483,7 @@ class FabricCollector:
                     await self.discover()
                 await self.sweep()
             except Exception:  # the loop must survive a bus outage
-                m.ERRORS.labels(reason="publish").inc()
+                self.metrics.errors.labels(reason="publish").inc()
                 log.exception("fabric_round_failed")
             n += 1
             with contextlib.suppress(TimeoutError):

@@ -38,7 +38,6 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, NamedTuple, Self
 
-from collectors import metrics
 from collectors.dcgm_fields import derive_fields
 from collectors.nvsmi import DEVICE_LEVEL_FIELDS, check_value
 from contracts import GpuSample
@@ -279,6 +278,10 @@ class NvmlReader:
         self._open = False
         self.last_errors: Counter[str] = Counter()
         """Invalid values and unreadable devices of the last :meth:`read`, by reason."""
+        self.last_failure: str | None = None
+        """Why the last :meth:`read` could not read the device count (``None``: it could)."""
+        self.last_duration_s = 0.0
+        """Wall time of the last :meth:`read`, seconds."""
 
     def open(self) -> None:
         """Initialise NVML.
@@ -331,7 +334,7 @@ class NvmlReader:
         Returns:
             One sample per GPU or GPU instance, in device index order. A device whose handle or
             UUID cannot be read is left out and counted (:attr:`last_errors`); if the device
-            count itself cannot be read the result is empty and the read counted as a failure.
+            count itself cannot be read the result is empty and :attr:`last_failure` says why.
 
         Raises:
             RuntimeError: :meth:`open` was not called.
@@ -342,23 +345,19 @@ class NvmlReader:
         assert nv is not None
         t0 = time.monotonic()
         self.last_errors = Counter()
+        self.last_failure = None
         samples: list[GpuSample] = []
-        ok = True
         try:
             count = nv.nvmlDeviceGetCount()
         except nv.NVMLError as e:
-            ok = False
             count = 0
             reason = _error_reason(nv, e) or "nvml_error"
-            metrics.SCRAPE_ERRORS.labels(_TARGET, reason).inc()
+            self.last_failure = reason
             log.warning("nvml_read_failed", extra={"reason": reason, "error": str(e)})
         for index in range(count):
             samples.extend(self._device(nv, index, host, ts))
         samples = [s.model_copy(update={"seq": seq_start + i}) for i, s in enumerate(samples)]
-        for reason, n in self.last_errors.items():
-            metrics.REJECTED_SAMPLES.labels(reason).inc(n)
-        metrics.SCRAPES.labels(_TARGET, "success" if ok else "failure").inc()
-        metrics.SCRAPE_DURATION.labels("nvml").observe(time.monotonic() - t0)
+        self.last_duration_s = time.monotonic() - t0
         return samples
 
     def _device(self, nv: Nvml, index: int, host: str, ts: float) -> list[GpuSample]:

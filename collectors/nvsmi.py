@@ -50,7 +50,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-from collectors import metrics
 from collectors.dcgm import Rejection
 from collectors.dcgm_fields import derive_fields, field_range
 from contracts import GpuSample
@@ -622,10 +621,11 @@ async def read_nvidia_smi(
     its output: as XML, or as CSV when ``cmd`` has a ``--query-gpu`` list
     (:func:`collectors.nvsmi_csv.parse_nvidia_smi_csv`, ``--format=csv[,noheader][,nounits]``).
 
-    Counts every run in ``gpupool_collector_scrapes_total{target, result}``, every failure in
-    ``gpupool_collector_scrape_errors_total{target, reason}``, its wall time in
-    ``gpupool_collector_scrape_duration_seconds{source="nvidia-smi"}`` and every rejected value in
-    ``gpupool_collector_rejected_samples_total{reason}``; ``target`` is the command line.
+    The result says what the caller counts (:meth:`collectors.service.CollectorService`: the run
+    in ``gpupool_collector_scrapes_total{target, result}``, a failure in
+    ``gpupool_collector_scrape_errors_total{target, reason}``, the wall time in
+    ``gpupool_collector_scrape_duration_seconds{source="nvidia-smi"}``, every rejected value in
+    ``gpupool_collector_rejected_samples_total{reason}``; ``target`` is the command line).
 
     Args:
         cmd: argv; the first element is looked up on ``PATH``.
@@ -673,7 +673,10 @@ async def read_nvidia_smi(
         if res.parsed.error is not None:
             res.reason, res.detail = res.parsed.error, res.parsed.detail
     res.duration_s = time.monotonic() - t0
-    _account(target, res)
+    log.debug(
+        "nvidia_smi_read",
+        extra={"target": target, "reason": res.reason, "gpus": len(res.samples), "duration_s": round(res.duration_s, 4)},
+    )
     return res
 
 
@@ -701,23 +704,3 @@ async def _run(cmd: Sequence[str], timeout_s: float) -> tuple[NvsmiReadResult, b
         text = (err or out).decode(errors="replace").strip()
         return NvsmiReadResult("exit_status", returncode=proc.returncode, detail=text[:_MAX_DETAIL]), None
     return NvsmiReadResult("ok", returncode=0), out
-
-
-def _account(target: str, res: NvsmiReadResult) -> None:
-    metrics.SCRAPE_DURATION.labels("nvidia-smi").observe(res.duration_s)
-    if res.parsed is not None:
-        for rej in res.parsed.rejected:
-            metrics.REJECTED_SAMPLES.labels(rej.reason).inc()
-    if res.reason == "ok":
-        metrics.SCRAPES.labels(target, "success").inc()
-        log.debug(
-            "nvidia_smi_read",
-            extra={"target": target, "gpus": len(res.samples), "duration_s": round(res.duration_s, 4)},
-        )
-        return
-    metrics.SCRAPES.labels(target, "failure").inc()
-    metrics.SCRAPE_ERRORS.labels(target, res.reason).inc()
-    log.debug(
-        "nvidia_smi_failed",
-        extra={"target": target, "reason": res.reason, "returncode": res.returncode, "detail": res.detail},
-    )

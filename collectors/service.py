@@ -15,7 +15,7 @@ command (:func:`collectors.nvsmi.read_nvidia_smi`) and the optional local NVML r
 
 JSON-encoded with :func:`contracts.encode`, each with the next value of one per-producer
 sequence number. A failed target, a bad line, an unreadable file or a refused record is counted
-(:mod:`collectors.metrics`) and never stops the cycle; :meth:`CollectorService.run` survives any
+(:class:`collectors.metrics.CollectorMetrics`, served from :attr:`CollectorService.registry`) and never stops the cycle; :meth:`CollectorService.run` survives any
 exception of a cycle.
 
 Targets come from a static list and Prometheus file_sd files (:mod:`collectors.targets`: hot
@@ -36,15 +36,16 @@ import logging
 import shlex
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import aiohttp
 import httpx
+from prometheus_client import CollectorRegistry
 
-from collectors import metrics
+from collectors.metrics import CollectorMetrics
 from collectors.dcgm import DcgmParseResult, parse_dcgm_exporter
 from collectors.nvml import NvmlReader, NvmlUnavailableError
 from collectors.nvsmi import DEFAULT_COMMAND, read_nvidia_smi
@@ -64,7 +65,7 @@ from contracts import (
 from contracts.bus import Bus, MissingTopicsError, Producer, require_topics
 from runtime import tracing
 
-if TYPE_CHECKING:  # imported by the caller only when the fabric is collected (its metrics with it)
+if TYPE_CHECKING:  # imported by the caller only when the fabric is collected
     from collectors.fabric_collector import FabricCollector
 
 log = logging.getLogger(__name__)
@@ -175,6 +176,10 @@ class CollectorService:
         forget_after_s: a dcgm-exporter target gone from the configuration (static list and
             file_sd) this long, seconds, is forgotten: its ``target`` series are removed
             (:meth:`forget_removed_targets`). Back before that, its counters go on.
+        metrics: this service's Prometheus metrics (one :class:`CollectorMetrics` per service;
+            a fabric collector or Slurm source of the same process counts on the same registry:
+            ``FabricCollectorMetrics(service.registry)``); ``None``: new ones on a registry of
+            their own. Its ``/metrics`` serves :attr:`registry`.
 
     Raises:
         ValueError: ``interval_s``, ``timeout_s``, ``concurrency``, ``forget_after_s``,
@@ -206,11 +211,14 @@ class CollectorService:
         fabric_interval_s: float = 30.0,
         fabric_discover_every: int = 10,
         forget_after_s: float = 300.0,
+        metrics: CollectorMetrics | None = None,
     ) -> None:
         if interval_s <= 0 or timeout_s <= 0 or concurrency < 1 or forget_after_s <= 0:
             raise ValueError("interval_s, timeout_s and forget_after_s must be > 0 and concurrency >= 1")
         if fabric_interval_s <= 0 or fabric_discover_every < 1:
             raise ValueError("fabric_interval_s must be > 0 and fabric_discover_every >= 1")
+        self.metrics = metrics if metrics is not None else CollectorMetrics()
+        """This service's Prometheus metrics."""
         self.fabric = fabric
         self.fabric_interval_s = fabric_interval_s
         self.fabric_discover_every = fabric_discover_every
@@ -234,6 +242,7 @@ class CollectorService:
             default_interval_s=interval_s,
             default_timeout_s=timeout_s,
             refresh_s=file_sd_refresh_s,
+            metrics=self.metrics,
         )
         self.spool_dir = Path(spool_dir) if spool_dir is not None else None
         self.spool_memory_records = spool_memory_records
@@ -252,6 +261,12 @@ class CollectorService:
         """Targets with series that left the configuration, and when that was first seen."""
         self.last_stats: CollectStats | None = None
         self.cycles = 0
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        """The Prometheus registry this service's ``/metrics`` serves (its metrics only, plus
+        those of a fabric collector or Slurm source built on it)."""
+        return self.metrics.registry
 
     @property
     def seq(self) -> int:
@@ -285,6 +300,7 @@ class CollectorService:
                 memory_records=self.spool_memory_records,
                 disk_dir=self.spool_dir,
                 disk_bytes=self.spool_disk_bytes,
+                metrics=self.metrics,
             )
         await producer.start()
         if self.fabric is not None:
@@ -349,10 +365,10 @@ class CollectorService:
         try:
             await self._flush(self._producer)
         except Exception as e:  # noqa: BLE001 — counted; the next cycle tries again
-            metrics.PRODUCE_ERRORS.labels("*", type(e).__name__).inc()
+            self.metrics.produce_errors.labels("*", type(e).__name__).inc()
             log.warning("producer_flush_failed", extra={"error": repr(e)})
         stats.duration_s = time.monotonic() - t0
-        metrics.CYCLE_DURATION.observe(stats.duration_s)
+        self.metrics.cycle_duration.observe(stats.duration_s)
         self.last_stats = stats
         self.cycles += 1
         log.debug(
@@ -401,7 +417,7 @@ class CollectorService:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the loop must outlive any one cycle (logged with its traceback)
-                metrics.LOOP_ERRORS.labels(type(e).__name__).inc()
+                self.metrics.loop_errors.labels(type(e).__name__).inc()
                 log.exception("collect_cycle_failed")
             elapsed = time.monotonic() - started
             if elapsed > self.interval_s:
@@ -490,7 +506,7 @@ class CollectorService:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the loop must outlive any one round (logged with its traceback)
-                metrics.LOOP_ERRORS.labels(type(e).__name__).inc()
+                self.metrics.loop_errors.labels(type(e).__name__).inc()
                 log.exception("collect_targets_failed", extra={"interval_s": interval_s})
             try:
                 await asyncio.wait_for(stop.wait(), max(0.0, interval_s - (time.monotonic() - started)))
@@ -509,7 +525,7 @@ class CollectorService:
         try:
             await self._flush(self._producer)
         except Exception as e:  # noqa: BLE001 — counted; the next round tries again
-            metrics.PRODUCE_ERRORS.labels("*", type(e).__name__).inc()
+            self.metrics.produce_errors.labels("*", type(e).__name__).inc()
             log.warning("producer_flush_failed", extra={"error": repr(e)})
         stats.duration_s = time.monotonic() - t0
         log.debug(
@@ -557,7 +573,7 @@ class CollectorService:
                     seq_start=self._seq,
                 )
                 for rej in parsed.rejected:
-                    metrics.REJECTED_SAMPLES.labels(rej.reason).inc()
+                    self.metrics.rejected_samples.labels(rej.reason).inc()
                 stats.rejected.update(r.reason for r in parsed.rejected)
                 if not parsed.samples and parsed.sample_lines and parsed.rejected:
                     reason = "garbage"  # not one line gave a sample: not a dcgm-exporter page
@@ -568,23 +584,23 @@ class CollectorService:
                     reason = "truncated"
                 if reason == "ok":
                     self._seq += len(parsed.samples) + len(parsed.switches)
-        metrics.SCRAPE_DURATION.labels("dcgm").observe(res.duration_s + time.monotonic() - t0)
+        self.metrics.scrape_duration.labels("dcgm").observe(res.duration_s + time.monotonic() - t0)
         self._note_target(res, reason)
         reasons = self._target_series.setdefault(res.target, set())
         if reason != "ok":
             stats.failures[reason] += 1
-            metrics.SCRAPES.labels(res.target, "failure").inc()
-            metrics.SCRAPE_ERRORS.labels(res.target, reason).inc()
+            self.metrics.scrapes.labels(res.target, "failure").inc()
+            self.metrics.scrape_errors.labels(res.target, reason).inc()
             reasons.add(reason)
             return reason
         stats.targets_ok += 1
-        metrics.SCRAPES.labels(res.target, "success").inc()
+        self.metrics.scrapes.labels(res.target, "success").inc()
         if parsed is None:
             return reason
         stats.gpu_samples += len(parsed.samples)
         for event in self._xid.observe(parsed.xid):
             stats.xid_events += 1
-            metrics.XID_EVENTS.labels(str(event.xid)).inc()
+            self.metrics.xid_events.labels(str(event.xid)).inc()
             log.warning(
                 "xid_event",
                 extra={
@@ -619,10 +635,10 @@ class CollectorService:
                 del self._removed_at[url]
                 for result in ("success", "failure"):
                     with contextlib.suppress(KeyError):
-                        metrics.SCRAPES.remove(url, result)
+                        self.metrics.scrapes.remove(url, result)
                 for reason in self._target_series.pop(url, set()):
                     with contextlib.suppress(KeyError):
-                        metrics.SCRAPE_ERRORS.remove(url, reason)
+                        self.metrics.scrape_errors.remove(url, reason)
                 self._failing.pop(url, None)
                 forgotten.append(url)
         if forgotten:
@@ -651,7 +667,7 @@ class CollectorService:
 
     # --- nvidia-smi and NVML ----------------------------------------------------------------------
     def _start_gpu_reads(self, stats: CollectStats) -> list[asyncio.Task[_GpuRead]]:
-        """One task per nvidia-smi command and one for NVML (the runners count their own metrics)."""
+        """One task per nvidia-smi command and one for NVML (each counted when it returns)."""
         stats.targets += len(self.nvsmi_commands) + (self.nvml_host is not None)
         tasks = [asyncio.create_task(self._read_nvsmi(h, cmd)) for h, cmd in self.nvsmi_commands]
         if self.nvml_host is not None:
@@ -661,7 +677,9 @@ class CollectorService:
     async def _read_nvsmi(self, host: str, cmd: Sequence[str]) -> _GpuRead:
         res = await read_nvidia_smi(cmd, self.timeout_s, host=host)
         rejected = Counter(r.reason for r in res.parsed.rejected) if res.parsed is not None else Counter()
-        return _GpuRead(shlex.join(cmd), res.reason, res.samples, rejected)
+        target = shlex.join(cmd)
+        self._count_gpu_read("nvidia-smi", target, res.reason, res.duration_s, rejected)
+        return _GpuRead(target, res.reason, res.samples, rejected)
 
     def _read_nvml(self, host: str) -> _GpuRead:
         """Open NVML on first use (again after a failure) and read every GPU; blocking (a thread)."""
@@ -670,12 +688,28 @@ class CollectorService:
             try:
                 reader.open()
             except NvmlUnavailableError as e:
-                metrics.SCRAPES.labels("nvml", "failure").inc()
-                metrics.SCRAPE_ERRORS.labels("nvml", e.reason).inc()
+                self.metrics.scrapes.labels("nvml", "failure").inc()
+                self.metrics.scrape_errors.labels("nvml", e.reason).inc()
                 return _GpuRead("nvml", e.reason, [], Counter())
             self._nvml = reader
         samples = self._nvml.read(host, time.time())
-        return _GpuRead("nvml", "ok", samples, self._nvml.last_errors)
+        nvml = self._nvml
+        self._count_gpu_read("nvml", "nvml", nvml.last_failure or "ok", nvml.last_duration_s, nvml.last_errors)
+        return _GpuRead("nvml", "ok", samples, nvml.last_errors)
+
+    def _count_gpu_read(
+        self, source: str, target: str, reason: str, duration_s: float, rejected: Mapping[str, int]
+    ) -> None:
+        """Count one nvidia-smi or NVML read: its wall time (``source``), the values refused
+        (by reason), and the read as a success (``reason`` ``ok``) or a failure of ``target``."""
+        self.metrics.scrape_duration.labels(source).observe(duration_s)
+        for why, n in rejected.items():
+            self.metrics.rejected_samples.labels(why).inc(n)
+        if reason == "ok":
+            self.metrics.scrapes.labels(target, "success").inc()
+            return
+        self.metrics.scrapes.labels(target, "failure").inc()
+        self.metrics.scrape_errors.labels(target, reason).inc()
 
     async def _handle_gpu_read(self, read: _GpuRead, stats: CollectStats) -> None:
         stats.rejected.update(read.rejected)
@@ -702,13 +736,13 @@ class CollectorService:
         """Parse one UFM Telemetry scrape and produce its ports; a failed scrape, an empty body or
         one no line of which is a port counter fails that target alone (counted like a
         dcgm-exporter target)."""
-        metrics.SCRAPE_DURATION.labels("ufm-telemetry").observe(res.duration_s)
+        self.metrics.scrape_duration.labels("ufm-telemetry").observe(res.duration_s)
         reason = res.reason
         ports: list[IbPortSample] = []
         if res.ok:
             parsed = parse_ufm_telemetry(res.body or "", ts=res.ts, seq_start=self._seq)
             for rej in parsed.rejected:
-                metrics.REJECTED_SAMPLES.labels(rej.reason).inc()
+                self.metrics.rejected_samples.labels(rej.reason).inc()
             stats.rejected.update(r.reason for r in parsed.rejected)
             if not parsed.ports:
                 reason = "garbage" if parsed.sample_lines else "empty_body"
@@ -716,11 +750,11 @@ class CollectorService:
         self._note_target(res, reason)
         if reason != "ok":
             stats.failures[reason] += 1
-            metrics.SCRAPES.labels(res.target, "failure").inc()
-            metrics.SCRAPE_ERRORS.labels(res.target, reason).inc()
+            self.metrics.scrapes.labels(res.target, "failure").inc()
+            self.metrics.scrape_errors.labels(res.target, reason).inc()
             return
         stats.targets_ok += 1
-        metrics.SCRAPES.labels(res.target, "success").inc()
+        self.metrics.scrapes.labels(res.target, "success").inc()
         self._seq += len(ports)
         stats.ib_ports += len(ports)
         await self._produce(self.topics.telemetry_ib_port, ports, stats)
@@ -733,9 +767,9 @@ class CollectorService:
 
     async def _handle_sysfs(self, read: tuple[SysfsReadResult, float], stats: CollectStats) -> None:
         res, duration = read
-        metrics.SCRAPE_DURATION.labels("sysfs").observe(duration)
+        self.metrics.scrape_duration.labels("sysfs").observe(duration)
         for err in res.errors:
-            metrics.SYSFS_ERRORS.labels(err.reason).inc()
+            self.metrics.sysfs_errors.labels(err.reason).inc()
             log.debug("sysfs_file_error", extra={"path": err.path, "reason": err.reason})
         stats.sysfs_errors += len(res.errors)
         ports = [p.model_copy(update={"seq": self._seq + i}) for i, p in enumerate(res.ports)]
@@ -782,12 +816,12 @@ class CollectorService:
                 dropped[e.reason] += 1
             except Exception as e:  # noqa: BLE001 — one refused record must not stop the cycle
                 stats.produce_errors += 1
-                metrics.PRODUCE_ERRORS.labels(topic, type(e).__name__).inc()
+                self.metrics.produce_errors.labels(topic, type(e).__name__).inc()
                 log.warning("produce_failed", extra={"topic": topic, "key": rec.key, "error": repr(e)})
         if dropped:
             stats.produce_errors += dropped.total()
-            metrics.PRODUCE_ERRORS.labels(topic, "RecordDroppedError").inc(dropped.total())
+            self.metrics.produce_errors.labels(topic, "RecordDroppedError").inc(dropped.total())
             log.warning("produce_dropped", extra={"topic": topic, "records": dict(dropped)})
         if produced:
             stats.produced += produced
-            metrics.RECORDS_PRODUCED.labels(topic).inc(produced)
+            self.metrics.records_produced.labels(topic).inc(produced)

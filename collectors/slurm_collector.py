@@ -35,8 +35,8 @@ from datetime import tzinfo
 from functools import partial
 from pathlib import Path
 
-from collectors import slurm_metrics as m
-from collectors.slurm_parse import JobInfo, NodeInfo, ParseProblem, parse_job, parse_node, parse_records
+from collectors.metrics import SlurmMetrics
+from collectors.slurm_parse import JobInfo, NodeInfo, ParseProblem, parse_job, parse_node, parse_records, pending_gpus
 from collectors.slurm_records import build_node_records
 from contracts.base import encode
 from contracts.bus import Bus, Producer, require_topics
@@ -96,6 +96,9 @@ class SlurmCollector:
         clock: wall clock for the records' ``ts`` (Unix s).
         tz: time zone ``scontrol`` prints in (``None``: this process's local zone, the one the
             commands it runs print in).
+        metrics: where it counts (``gpupool_collector_slurm_*``); give it the collector
+            service's registry (``SlurmMetrics(service_registry)``) so its ``/metrics`` shows
+            them; ``None``: new ones on a registry of their own (:attr:`metrics`).
 
     Raises:
         ValueError: ``timeout_s`` not positive.
@@ -112,6 +115,7 @@ class SlurmCollector:
         client_id: str = "gpupool-collector-slurm",
         clock: Callable[[], float] = time.time,
         tz: tzinfo | None = None,
+        metrics: SlurmMetrics | None = None,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError("timeout_s must be > 0")
@@ -128,6 +132,10 @@ class SlurmCollector:
         self._producer: Producer | None = None
         self._seq = 0
         self._failing: str | None = None
+        self._pending: dict[str, int] = {}
+        """GPUs asked by pending jobs at the latest read, by partition (replaced whole)."""
+        self.metrics = metrics if metrics is not None else SlurmMetrics()
+        self.metrics.watch_pending(lambda: {(part,): n for part, n in self._pending.items()})
 
     async def start(self) -> None:
         """Check that ``telemetry.scheduler`` exists and start the producer. Raises
@@ -210,7 +218,7 @@ class SlurmCollector:
         try:
             nodes, jobs, problems = await self.read()
         except _CommandFailed as exc:
-            m.ERRORS.labels(command=exc.command, reason=exc.reason).inc()
+            self.metrics.errors.labels(command=exc.command, reason=exc.reason).inc()
             result.failure = f"{exc.command}:{exc.reason}"
             if self._failing != result.failure:
                 log.warning(
@@ -219,14 +227,14 @@ class SlurmCollector:
                 )
             self._failing = result.failure
             result.duration_s = time.monotonic() - t0
-            m.READ_DURATION.observe(result.duration_s)
+            self.metrics.read_duration.observe(result.duration_s)
             return result
         if self._failing is not None:
             log.info("slurm_read_recovered", extra={"was": self._failing})
             self._failing = None
         for p in problems:
             result.problems[p.reason] += 1
-            m.ERRORS.labels(command="parse", reason=p.reason).inc()
+            self.metrics.errors.labels(command="parse", reason=p.reason).inc()
             log.warning(
                 "slurm_line_rejected", extra={"reason": p.reason, "line_no": p.lineno, "line": p.line[:200]}
             )
@@ -234,23 +242,23 @@ class SlurmCollector:
         self._seq += len(records)
         result.records = records
         result.ok = True
-        m.set_pending(jobs)
+        self._pending = pending_gpus(jobs)
         topic = self._topics.telemetry_scheduler
         for rec in records:
             try:
                 await self._producer.send(topic, encode(rec), key=rec.partition_key)
                 result.produced += 1
             except Exception as exc:  # noqa: BLE001 — one refused record must not stop the read
-                m.ERRORS.labels(command="produce", reason=type(exc).__name__).inc()
+                self.metrics.errors.labels(command="produce", reason=type(exc).__name__).inc()
                 log.warning("slurm_produce_failed", extra={"host": rec.host, "error": repr(exc)})
         try:
             await self._producer.flush()
         except Exception as exc:  # noqa: BLE001 — counted; the next read sends a fresh state
-            m.ERRORS.labels(command="produce", reason=type(exc).__name__).inc()
+            self.metrics.errors.labels(command="produce", reason=type(exc).__name__).inc()
             log.warning("slurm_flush_failed", extra={"error": repr(exc)})
-        m.RECORDS.inc(result.produced)
+        self.metrics.records.inc(result.produced)
         result.duration_s = time.monotonic() - t0
-        m.READ_DURATION.observe(result.duration_s)
+        self.metrics.read_duration.observe(result.duration_s)
         return result
 
     async def run(self, interval_s: float, stop: asyncio.Event) -> None:
@@ -263,7 +271,7 @@ class SlurmCollector:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                m.ERRORS.labels(command="loop", reason=type(exc).__name__).inc()
+                self.metrics.errors.labels(command="loop", reason=type(exc).__name__).inc()
                 log.exception("slurm_collect_failed")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), max(0.0, interval_s - (time.monotonic() - started)))

@@ -30,7 +30,7 @@ Everything here is a pure function: text in, values out; malformed input raises
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, tzinfo
 from typing import TypeVar
@@ -51,6 +51,7 @@ __all__ = [
     "parse_records",
     "parse_slurm_time",
     "parse_tres_gpus",
+    "pending_gpus",
 ]
 
 _T = TypeVar("_T")
@@ -370,6 +371,18 @@ class JobInfo:
         if self.gpus_per_task is not None:
             return self.gpus_per_task * (self.num_tasks or 1)
         return None
+
+
+def pending_gpus(jobs: Iterable[JobInfo]) -> dict[str, int]:
+    """GPUs asked by the ``PENDING`` jobs of ``jobs``, by partition (``""``: none given);
+    jobs that ask for none add nothing, so a partition without such a job is absent."""
+    out: dict[str, int] = {}
+    for job in jobs:
+        n = job.gpus_requested
+        if job.state == "PENDING" and n:
+            part = job.partition or ""
+            out[part] = out.get(part, 0) + n
+    return out
 
 
 def parse_job(line: str, tz: tzinfo | None = None) -> JobInfo:

@@ -65,7 +65,7 @@ from typing import NoReturn
 
 from aiokafka.errors import KafkaTimeoutError
 
-from collectors import metrics
+from collectors.metrics import CollectorMetrics
 from collectors.spool_disk import DiskSpool, DiskUnit, SpoolRecord, encode_frame, make_record, sync_paths
 from contracts.bus import Producer
 from runtime.backoff import Backoff
@@ -131,6 +131,9 @@ class SpoolingProducer:
         fsync_interval_s: seconds between fsyncs of the disk tier.
         drain_timeout_s: how long :meth:`stop` keeps delivering before it writes the rest to disk.
         stop_timeout_s: how long :meth:`stop` waits for the inner producer's own ``stop``.
+        metrics: where it counts (``gpupool_collector_spool_*``; the collector service's);
+            ``None``: new ones on a registry of their own (:attr:`metrics`). The tier gauges read
+            this spool from :meth:`start` to :meth:`stop`.
 
     Raises:
         ValueError: a size or duration out of range.
@@ -155,6 +158,7 @@ class SpoolingProducer:
         fsync_interval_s: float = 1.0,
         drain_timeout_s: float = 10.0,
         stop_timeout_s: float = 5.0,
+        metrics: CollectorMetrics | None = None,
     ) -> None:
         if memory_records < 0 or (memory_records == 0 and disk_dir is None):
             raise ValueError("memory_records must be >= 0, and > 0 without a disk_dir")
@@ -203,15 +207,8 @@ class SpoolingProducer:
         self._data = asyncio.Event()
         self._progress = asyncio.Event()
         self._space = asyncio.Event()
-        # this spool's share of the tier gauges: memory records, memory bytes, disk records, disk bytes
-        self._published = [0, 0, 0, 0]
-        self._gauges = [
-            metrics.SPOOL_RECORDS.labels("memory"),
-            metrics.SPOOL_BYTES.labels("memory"),
-            metrics.SPOOL_RECORDS.labels("disk"),
-            metrics.SPOOL_BYTES.labels("disk"),
-        ]
-        self._spooled = {tier: metrics.SPOOL_SPOOLED.labels(tier) for tier in ("memory", "disk")}
+        self.metrics = metrics if metrics is not None else CollectorMetrics()
+        self._spooled = {tier: self.metrics.spool_spooled.labels(tier) for tier in ("memory", "disk")}
         self.accepted = 0
         """Records accepted by :meth:`send` (plus those found on disk at :meth:`start`)."""
         self.delivered = 0
@@ -242,7 +239,7 @@ class SpoolingProducer:
         if self._disk is not None:
             corrupt = await asyncio.to_thread(self._disk.open)
             if corrupt:
-                metrics.SPOOL_DROPPED.labels("corrupt").inc(corrupt)
+                self.metrics.spool_dropped.labels("corrupt").inc(corrupt)
             self.accepted += self._disk.records
             if self._disk.records:
                 log.info(
@@ -255,7 +252,7 @@ class SpoolingProducer:
                 )
         self._running = True
         self._closing = False
-        self._publish()
+        self.metrics.spool_levels = self._levels
         await self._connect()
         self._drainer = asyncio.create_task(self._drain_loop(), name="spool-drainer")
         if self._disk is not None:
@@ -309,7 +306,6 @@ class SpoolingProducer:
             await self._wait_for_space()
         self.accepted += 1
         self._shedding = False
-        self._publish()
         self._data.set()
 
     async def flush(self) -> None:
@@ -346,7 +342,7 @@ class SpoolingProducer:
             if clean:  # the inner stop delivered the unit
                 self._consume(unit, unit.handed)
                 self.delivered += unit.handed
-                metrics.SPOOL_DRAINED.inc(unit.handed)
+                self.metrics.spool_drained.inc(unit.handed)
             else:
                 self._mark_suspect(unit)
         self._persist_memory()
@@ -363,7 +359,8 @@ class SpoolingProducer:
         self._progress.set()
         self._space.set()
         remaining = self.queued
-        self._publish(final=True)
+        if self.metrics.spool_levels == self._levels:
+            self.metrics.spool_levels = None
         log.info(
             "spool_stopped", extra={"queued": remaining, "delivered": self.delivered, "dropped": self.dropped}
         )
@@ -371,7 +368,7 @@ class SpoolingProducer:
     # --- send side helpers ----------------------------------------------------------------------
     def _drop_new(self, reason: str, detail: str = "") -> NoReturn:
         """Count a record refused at :meth:`send` and raise :class:`RecordDroppedError`."""
-        metrics.SPOOL_DROPPED.labels(reason).inc()
+        self.metrics.spool_dropped.labels(reason).inc()
         raise RecordDroppedError(reason, detail)
 
     async def _wait_for_space(self) -> None:
@@ -410,8 +407,8 @@ class SpoolingProducer:
         try:
             await self.inner.start()
         except Exception as e:  # noqa: BLE001 — an unreachable bus: records wait, we try again
-            metrics.SPOOL_DELIVERY_ERRORS.labels(type(e).__name__).inc()
-            metrics.SPOOL_BUS_UP.set(0)
+            self.metrics.spool_delivery_errors.labels(type(e).__name__).inc()
+            self.metrics.spool_bus_up.set(0)
             log.warning("spool_bus_unreachable", extra={"error": repr(e), "queued": self.queued})
             return False
         self._inner_up = True
@@ -434,7 +431,7 @@ class SpoolingProducer:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the drainer must outlive any one error (logged with its traceback)
-                metrics.SPOOL_DELIVERY_ERRORS.labels(f"internal:{type(e).__name__}").inc()
+                self.metrics.spool_delivery_errors.labels(f"internal:{type(e).__name__}").inc()
                 log.exception("spool_drain_error")
                 await self._pause()
 
@@ -459,7 +456,7 @@ class SpoolingProducer:
             recs, disk_unit, corrupt = self._disk.read_unit(limit, self.batch_bytes)
             if corrupt:
                 self.dropped += corrupt
-                metrics.SPOOL_DROPPED.labels("corrupt").inc(corrupt)
+                self.metrics.spool_dropped.labels("corrupt").inc(corrupt)
                 self._after_removal()
             if recs:
                 return _Unit("disk", recs, disk_unit)
@@ -483,13 +480,13 @@ class SpoolingProducer:
                     await self.inner.send(rec.topic, rec.value, key=rec.key, headers=headers)
                     unit.handed += 1
                     if i < suspect:
-                        metrics.SPOOL_REDELIVERED.inc()
+                        self.metrics.spool_redelivered.inc()
         except TimeoutError as e:
             error = e
         except Exception as e:  # noqa: BLE001 — classified below; the record was not handed
             error = e
         if error is not None:
-            metrics.SPOOL_DELIVERY_ERRORS.labels(type(error).__name__).inc()
+            self.metrics.spool_delivery_errors.labels(type(error).__name__).inc()
             log.warning("spool_send_failed", extra={"error": repr(error), "handed": unit.handed})
         if unit.handed == 0:
             self._unit = None
@@ -502,15 +499,15 @@ class SpoolingProducer:
         if flush_error is None:
             self._consume(unit, unit.handed)
             self.delivered += unit.handed
-            metrics.SPOOL_DRAINED.inc(unit.handed)
-            metrics.SPOOL_BUS_UP.set(1)
+            self.metrics.spool_drained.inc(unit.handed)
+            self.metrics.spool_bus_up.set(1)
             self._probe = False
             self._head_failures = 0
             self._backoff.reset()
             if error is not None and unit.handed < len(unit.records):
                 await self._pause()  # the inner producer refused more: give it a moment
             return
-        metrics.SPOOL_DELIVERY_ERRORS.labels(type(flush_error).__name__).inc()
+        self.metrics.spool_delivery_errors.labels(type(flush_error).__name__).inc()
         log.warning("spool_flush_failed", extra={"error": repr(flush_error), "handed": unit.handed})
         self._mark_suspect(unit)
         self._probe = True
@@ -525,7 +522,7 @@ class SpoolingProducer:
                 await asyncio.wait_for(self.inner.flush(), self.flush_poll_s)
                 return None
             except TimeoutError:
-                metrics.SPOOL_BUS_UP.set(0)
+                self.metrics.spool_bus_up.set(0)
                 continue
             except asyncio.CancelledError:
                 raise
@@ -535,7 +532,7 @@ class SpoolingProducer:
     def _head_failed(self, error: BaseException) -> None:
         """Count a permanent error against the head record; drop it after ``max_attempts``."""
         if _is_transient(error):
-            metrics.SPOOL_BUS_UP.set(0)
+            self.metrics.spool_bus_up.set(0)
             return
         self._head_failures += 1
         if self._head_failures < self.max_attempts:
@@ -555,7 +552,7 @@ class SpoolingProducer:
         )
         self._consume(unit, 1)
         self.dropped += 1
-        metrics.SPOOL_DROPPED.labels("rejected").inc()
+        self.metrics.spool_dropped.labels("rejected").inc()
 
     def _next_unit_of_one(self) -> _Unit | None:
         probe, self._probe = self._probe, True
@@ -583,7 +580,6 @@ class SpoolingProducer:
         self._after_removal()
 
     def _after_removal(self) -> None:
-        self._publish()
         self._progress.set()
         self._space.set()
 
@@ -607,7 +603,7 @@ class SpoolingProducer:
             return False
         exc = task.exception()
         if exc is not None:
-            metrics.SPOOL_DELIVERY_ERRORS.labels(type(exc).__name__).inc()
+            self.metrics.spool_delivery_errors.labels(type(exc).__name__).inc()
             log.warning("spool_inner_stop_failed", extra={"error": repr(exc)})
             return False
         return True
@@ -619,7 +615,7 @@ class SpoolingProducer:
         n = len(self._mem)
         if self._disk is None:
             self.dropped += n
-            metrics.SPOOL_DROPPED.labels("shutdown").inc(n)
+            self.metrics.spool_dropped.labels("shutdown").inc(n)
             log.error("spool_dropped_at_shutdown", extra={"records": n, "reason": "no disk tier"})
         else:
             frames = [encode_frame(r) for r in self._mem]
@@ -636,7 +632,7 @@ class SpoolingProducer:
                 keep = 0
             if keep < n:
                 self.dropped += n - keep
-                metrics.SPOOL_DROPPED.labels("shutdown").inc(n - keep)
+                self.metrics.spool_dropped.labels("shutdown").inc(n - keep)
                 log.error("spool_dropped_at_shutdown", extra={"records": n - keep, "reason": "disk full"})
             log.info("spool_memory_persisted", extra={"records": keep})
         self._mem.clear()
@@ -650,7 +646,7 @@ class SpoolingProducer:
             try:
                 await self._sync_now()
             except OSError as e:
-                metrics.SPOOL_DELIVERY_ERRORS.labels(f"fsync:{type(e).__name__}").inc()
+                self.metrics.spool_delivery_errors.labels(f"fsync:{type(e).__name__}").inc()
                 log.error("spool_fsync_failed", extra={"error": repr(e)})
 
     async def _sync_now(self) -> None:
@@ -659,15 +655,11 @@ class SpoolingProducer:
         if paths or dir_dirty:
             await asyncio.to_thread(sync_paths, paths, self._disk.dir if dir_dirty else None)
 
-    def _publish(self, *, final: bool = False) -> None:
-        """Move the tier gauges by this spool's change since the last call (several spools in one
-        process add up)."""
-        if final:
-            now = [0, 0, 0, 0]
-        else:
-            disk = self._disk
-            now = [len(self._mem), self._mem_bytes, disk.records if disk else 0, disk.bytes if disk else 0]
-        for gauge, new, old in zip(self._gauges, now, self._published, strict=True):
-            if new != old:
-                gauge.inc(new - old)
-        self._published = now
+    def _levels(self) -> dict[str, tuple[int, int]]:
+        """``{tier: (records, bytes)}`` now: record sizes in memory, segment file sizes on disk
+        (read by the scrape thread: only counters are read, nothing iterated)."""
+        disk = self._disk
+        return {
+            "memory": (len(self._mem), self._mem_bytes),
+            "disk": (disk.records, disk.bytes) if disk is not None else (0, 0),
+        }

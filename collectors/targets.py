@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlencode, urlsplit
 
-from collectors import metrics
+from collectors.metrics import CollectorMetrics
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +221,8 @@ class TargetSet:
         default_interval_s / default_timeout_s: for targets without their own.
         refresh_s: :meth:`maybe_refresh` re-checks the files at most this often.
         clock: monotonic seconds (tests inject one).
+        metrics: where file_sd reads and the target counts go (the collector service's);
+            ``None``: new ones on a registry of their own (:attr:`metrics`).
 
     The files are read once at construction. Raises ``ValueError`` if a default is not > 0.
     """
@@ -234,7 +236,9 @@ class TargetSet:
         default_timeout_s: float = 2.0,
         refresh_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        metrics: CollectorMetrics | None = None,
     ) -> None:
+        self.metrics = metrics if metrics is not None else CollectorMetrics()
         if default_interval_s <= 0 or default_timeout_s <= 0 or refresh_s <= 0:
             raise ValueError("default_interval_s, default_timeout_s and refresh_s must be > 0")
         self.default_interval_s = default_interval_s
@@ -310,7 +314,7 @@ class TargetSet:
                 elif Path(spec).exists():
                     out.append(Path(spec))
             except OSError as e:  # e.g. a folder on the path that may not be searched
-                metrics.FILE_SD_ERRORS.labels("read_error").inc()
+                self.metrics.file_sd_errors.labels("read_error").inc()
                 log.error("file_sd_unlistable", extra={"spec": spec, "error": repr(e)})
         return list(dict.fromkeys(out))
 
@@ -330,13 +334,13 @@ class TargetSet:
                 default_timeout_s=self.default_timeout_s,
             )
         except FileSdError as e:
-            metrics.FILE_SD_READS.labels("error").inc()
-            metrics.FILE_SD_ERRORS.labels(e.reason).inc()
+            self.metrics.file_sd_reads.labels("error").inc()
+            self.metrics.file_sd_errors.labels(e.reason).inc()
             log.error("file_sd_unusable", extra={"path": str(path), "reason": e.reason, "error": str(e)})
             return None
-        metrics.FILE_SD_READS.labels("ok").inc()
+        self.metrics.file_sd_reads.labels("ok").inc()
         for err in dropped:
-            metrics.FILE_SD_ERRORS.labels(err.reason).inc()
+            self.metrics.file_sd_errors.labels(err.reason).inc()
             log.warning(
                 "file_sd_target_dropped", extra={"path": str(path), "reason": err.reason, "error": str(err)}
             )
@@ -356,5 +360,5 @@ class TargetSet:
         self._targets = list(by_url.values())
         self.version += 1
         n_static = sum(1 for t in self._targets if t.source == "static")
-        metrics.TARGETS.labels("static").set(n_static)
-        metrics.TARGETS.labels("file_sd").set(len(self._targets) - n_static)
+        self.metrics.targets.labels("static").set(n_static)
+        self.metrics.targets.labels("file_sd").set(len(self._targets) - n_static)

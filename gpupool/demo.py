@@ -299,9 +299,14 @@ async def _run_pipeline(
     cfg: DemoConfig, progress: Progress | None, run_id: str, status: FabricStatus, own: DemoFabric | None,
 ) -> DemoSummary:
     """The demo proper (see :func:`run_demo`), with fabric isolation as ``status`` says."""
+    from prometheus_client import CollectorRegistry
+
     from analytics.classify import IdleConfig
+    from analytics.metrics import AnalyticsMetrics
     from analytics.service import AnalyticsService
+    from broker.metrics import BrokerMetrics
     from broker.service import BrokerConfig, BrokerService
+    from collectors.metrics import CollectorMetrics
     from collectors.service import CollectorService
     from gpupool.embedded_mqtt import EmbeddedMqttBroker
     from gpupool.report.leases import read_from_bus, write_jsonl
@@ -312,19 +317,22 @@ async def _run_pipeline(
     from simulator.sysfs import SysfsTree
     from simulator.trace import default_trace_dir, load_trace
 
+    registry = CollectorRegistry()  # every stage's metrics, one process, one /metrics
+    broker_metrics = BrokerMetrics(registry)
     if cfg.metrics_port:
         from prometheus_client import start_http_server
 
-        start_http_server(cfg.metrics_port, addr="127.0.0.1")  # every stage's metrics, one process
+        start_http_server(cfg.metrics_port, addr="127.0.0.1", registry=registry)
     trace = load_trace(cfg.trace_dir or default_trace_dir())
     fleet = Fleet(trace, nodes=cfg.nodes, gpus_per_node=cfg.gpus_per_node, speedup=cfg.speedup,
                   start_step=cfg.start_step, seed=cfg.seed)
     fabric: TimedOpenSmFabric | None = None
     if own is not None:  # the demo's own fabric: host i is its i-th compute HCA
         fabric = TimedOpenSmFabric(own.fabric_json, host_ports=own.host_ports(fleet.hosts()),
-                                   qos_share_percent=cfg.lent_share_percent)
+                                   qos_share_percent=cfg.lent_share_percent, metrics=broker_metrics.fabric)
     elif cfg.fabric_state is not None:  # someone else's: the broker's default host mapping
-        fabric = TimedOpenSmFabric(cfg.fabric_state, qos_share_percent=cfg.lent_share_percent)
+        fabric = TimedOpenSmFabric(cfg.fabric_state, qos_share_percent=cfg.lent_share_percent,
+                                   metrics=broker_metrics.fabric)
     server = FleetServer(fleet)
     await server.start()
     sysfs = SysfsTree(fleet, cfg.state_dir / f"sysfs-{run_id}")
@@ -357,18 +365,19 @@ async def _run_pipeline(
 
     collector = CollectorService(bus=bus, topics=topics, dcgm_targets=list(server.urls().values()),
                                  sysfs_roots=sysfs.roots(), interval_s=cfg.scrape_interval_s,
-                                 timeout_s=max(0.2, cfg.scrape_interval_s * 2))
+                                 timeout_s=max(0.2, cfg.scrape_interval_s * 2), metrics=CollectorMetrics(registry))
     analytics = AnalyticsService(bus=bus, topics=topics, db_path=str(cfg.state_dir / f"analytics-{run_id}.duckdb"),
                                  idle=IdleConfig(min_idle_s=cfg.min_idle_s, stale_after_s=max(3.0, 6 * cfg.scrape_interval_s),
                                                  # the trace is exact: idle means 0 % duty cycle
                                                  idle_threshold=0.0, busy_threshold=0.0),
-                                 refresh_s=5.0)
+                                 refresh_s=5.0, metrics=AnalyticsMetrics(registry))
     bu, bp = creds("gpupool-broker")
     broker = BrokerService(bus=bus, topics=topics, mqtt_host=mhost, mqtt_port=port, mqtt_username=bu,
                            mqtt_password=bp, root=root, protocol=protocol, fabric=fabric,
                            config=BrokerConfig(offer_ttl_s=cfg.offer_ttl_s, notice_s=cfg.notice_s,
                                                lease_ttl_s=cfg.lease_ttl_s,
-                                               lent_share_percent=fabric.lent_share_percent if fabric else None))
+                                               lent_share_percent=fabric.lent_share_percent if fabric else None),
+                           metrics=broker_metrics)
     sites = [SimulatedSite(name=s, host=mhost, port=port, username=creds(s)[0], password=creds(s)[1],
                            root=root, protocol=protocol, seed=cfg.seed + i,
                            renew_every_s=cfg.lease_ttl_s / 3)

@@ -3,8 +3,8 @@
 Three sources, each read from where it is defined:
 
 * gpupool's own metrics: the ``prometheus_client`` ``Counter`` / ``Gauge`` / ``Histogram`` /
-  ``Summary`` / ``Info`` / ``Enum`` objects created in the stages' ``metrics.py`` modules
-  (``collectors/metrics.py``, ``collectors/fabric_metrics.py``, ``collectors/slurm_metrics.py``,
+  ``Summary`` / ``Info`` / ``Enum`` objects (and those :class:`runtime.metrics.MetricSet` builds)
+  created in the stages' ``metrics.py`` modules (``collectors/metrics.py``,
   ``analytics/metrics.py``, ``broker/metrics.py``, ``simulator/metrics.py``), read by parsing
   those files (no stage is imported). Exposed sample names follow the OpenMetrics rules
   prometheus_client applies: a counter ``x`` or ``x_total`` exposes ``x_total`` and ``x_created``; a
@@ -42,8 +42,6 @@ TARGET_LABELS: frozenset[str] = frozenset({"job", "instance"})
 
 STAGE_METRICS_MODULES: tuple[str, ...] = (
     "collectors/metrics.py",
-    "collectors/fabric_metrics.py",
-    "collectors/slurm_metrics.py",
     "analytics/metrics.py",
     "broker/metrics.py",
     "simulator/metrics.py",
@@ -96,7 +94,17 @@ NODE_EXPORTER_INFINIBAND: Mapping[str, frozenset[str]] = {
 node_exporter 1.6 on. Source: prometheus/node_exporter ``collector/infiniband_linux.go``; all but
 ``symbol_error_total`` also appear in ``../shared/data/telemetry/node_exporter_e2e_output_infiniband.prom``."""
 
-_METRIC_CLASSES = frozenset({"Counter", "Gauge", "Histogram", "Summary", "Info", "Enum"})
+_KIND_OF = {
+    "StateGauge": "Gauge",
+    "counter": "Counter",
+    "gauge": "Gauge",
+    "histogram": "Histogram",
+    "state_gauge": "Gauge",
+}
+"""Calls that build a metric of another name: :class:`runtime.metrics.StateGauge` (a gauge read at
+scrape time) and the builders of :class:`runtime.metrics.MetricSet` (``self.counter(...)``, ...),
+which take the name, help and label names in prometheus_client's order."""
+_METRIC_CLASSES = frozenset({"Counter", "Gauge", "Histogram", "Summary", "Info", "Enum", *_KIND_OF})
 
 
 def gpupool_metrics(repo_root: Path) -> dict[str, tuple[str, frozenset[str]]]:
@@ -114,7 +122,7 @@ def gpupool_metrics(repo_root: Path) -> dict[str, tuple[str, frozenset[str]]]:
             kind = _call_name(node) if isinstance(node, ast.Call) else None
             if isinstance(node, ast.Call) and kind in _METRIC_CLASSES:
                 name, labels = _metric_literal(node, path)
-                found[name] = (str(kind), labels)
+                found[name] = (_KIND_OF.get(str(kind), str(kind)), labels)
     return found
 
 

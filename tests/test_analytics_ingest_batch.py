@@ -13,7 +13,6 @@ import re
 from pathlib import Path
 
 import pytest
-from prometheus_client import REGISTRY
 
 from analytics.classify import FB_USED, GR_ENGINE_ACTIVE
 from analytics.decode import RejectedRecord, decode_batch, decode_telemetry, paused_gc
@@ -275,8 +274,9 @@ def test_the_collector_is_paused_for_a_batch_and_restored() -> None:
         gc.enable()
 
 
-def metric(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
+def metric(svc: AnalyticsService, name: str, **labels: str) -> float:
+    """A sample of ``svc``'s Prometheus registry (0 if absent)."""
+    return svc.registry.get_sample_value(name, labels) or 0.0
 
 
 @pytest.mark.parametrize(
@@ -293,8 +293,8 @@ async def test_a_bad_record_inside_a_batch_is_rejected_alone(bad: bytes | None, 
     bus = MemoryBus()
     svc = AnalyticsService(bus=bus, topics=TOPICS, db_path=":memory:", clock=lambda: T0 + 100)
     await svc.start()
-    before = metric("gpupool_analytics_rejected_records_total", reason=reason)
-    consumed = metric("gpupool_analytics_records_consumed_total", topic=TOPICS.telemetry_gpu)
+    before = metric(svc, "gpupool_analytics_rejected_records_total", reason=reason)
+    consumed = metric(svc, "gpupool_analytics_records_consumed_total", topic=TOPICS.telemetry_gpu)
     try:
         producer = bus.producer()
         good = real_samples()[:8]
@@ -309,8 +309,8 @@ async def test_a_bad_record_inside_a_batch_is_rejected_alone(bad: bytes | None, 
         for s, value in zip(good[4:], respelled, strict=True):
             await producer.send(TOPICS.telemetry_gpu, value, key=s.key)
         assert await svc.step(timeout_s=0.01) == 9
-        assert metric("gpupool_analytics_rejected_records_total", reason=reason) == before + 1
-        assert metric("gpupool_analytics_records_consumed_total", topic=TOPICS.telemetry_gpu) == consumed + 9
+        assert metric(svc, "gpupool_analytics_rejected_records_total", reason=reason) == before + 1
+        assert metric(svc, "gpupool_analytics_records_consumed_total", topic=TOPICS.telemetry_gpu) == consumed + 9
         _, rows = svc.store.sql("SELECT gpu_key, kafka_offset FROM gpu_samples ORDER BY kafka_offset")
         assert rows == [(s.key, i if i < 4 else i + 1) for i, s in enumerate(good)]
         assert svc.store.stored_offsets() == {TopicPartition(TOPICS.telemetry_gpu, 0): 9}

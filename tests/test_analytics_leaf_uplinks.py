@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from analytics import metrics
 from analytics.service import AnalyticsService
 from contracts import FabricTopology, GpuState, IbPortSample, encode
 from contracts.bus import MemoryBus
@@ -84,12 +83,17 @@ UP1, DOWN1 = SwitchPort("leaf-1", LEAF1, 10), SwitchPort("spine-1", SPINE, 1)
 UP2, DOWN2 = SwitchPort("leaf-2", LEAF2, 10), SwitchPort("spine-1", SPINE, 2)
 
 
+def _sample(svc: AnalyticsService, name: str, **labels: str) -> float | None:
+    """A sample of ``svc``'s Prometheus registry (``None`` if absent)."""
+    return svc.registry.get_sample_value(name, labels)
+
+
 async def test_leaf_uplinks_without_room_for_the_lent_share_hold_the_leaf_back() -> None:
     bus, clock = MemoryBus(), Clock(T0)
     svc = _service(bus, clock, lent_share=0.2, max_uplink_xmit_wait=0.5)
     await svc.start()
     try:
-        rejected = metrics.REJECTED_RECORDS.labels(reason="invalid_topology")._value.get()
+        rejected = _sample(svc, "gpupool_analytics_rejected_records_total", reason="invalid_topology") or 0.0
         await bus.producer().send(TOPICS.fabric_topology, b"{not a topology", key="topology")
         await bus.producer().send(TOPICS.fabric_topology, encode(_topology()), key="topology")
         # leaf-1's uplink carries 85 % of its rate (headroom 0.15 < 0.2); leaf-2's 10 %
@@ -97,15 +101,16 @@ async def test_leaf_uplinks_without_room_for_the_lent_share_hold_the_leaf_back()
         clock.t = T0 + 60
         await drain(svc)
         assert svc.leaves().leaf_of == {"node001": "leaf-1", "node002": "leaf-1", "node003": "leaf-2"}
-        assert metrics.REJECTED_RECORDS.labels(reason="invalid_topology")._value.get() == rejected + 1
+        assert _sample(svc, "gpupool_analytics_rejected_records_total", reason="invalid_topology") == rejected + 1
         clock.t = T0 + 70  # next headroom refresh: the rows are stored now
         await drain(svc)
         figures = svc.leaf_headroom()
         assert figures["leaf-1"].headroom == pytest.approx(0.15, abs=1e-6) and figures["leaf-1"].ports == 2
         assert figures["leaf-2"].headroom == pytest.approx(0.90, abs=1e-6)
-        gauge = metrics.LEAF_UPLINK_HEADROOM.labels(leaf="leaf-1")._value.get()
-        assert gauge == pytest.approx(0.15, abs=1e-6) and metrics.LENT_SHARE._value.get() == 0.2
-        assert metrics.LEAF_UPLINK_XMIT_WAIT.labels(leaf="leaf-2")._value.get() == 0.0
+        gauge = _sample(svc, "gpupool_analytics_leaf_uplink_headroom_ratio", leaf="leaf-1")
+        assert gauge == pytest.approx(0.15, abs=1e-6)
+        assert _sample(svc, "gpupool_analytics_lent_share_ratio") == 0.2
+        assert _sample(svc, "gpupool_analytics_leaf_uplink_xmit_wait_ratio", leaf="leaf-2") == 0.0
         ups = latest(bus, "host")
         for host in ("node001", "node002"):
             u = ups[host]
@@ -131,7 +136,9 @@ async def test_leaf_uplinks_without_room_for_the_lent_share_hold_the_leaf_back()
         assert svc.leaf_headroom()["leaf-2"].xmit_wait == pytest.approx(2 / 3, rel=0.05)
     finally:
         await svc.stop()
-    leaves = {s.labels["leaf"] for m in metrics.LEAF_UPLINK_HEADROOM.collect() for s in m.samples}
+    leaves = {
+        s.labels["leaf"] for m in svc.registry.collect() if m.name.startswith("gpupool_analytics_leaf_") for s in m.samples
+    }
     assert leaves == set(), "a stopped instance's leaf series must go"
 
 

@@ -5,7 +5,6 @@ pending job's planned start on the node; GPUs allocated but idle are counted per
 from __future__ import annotations
 
 import pytest
-from prometheus_client import REGISTRY
 
 from analytics.classify import FB_USED, GR_ENGINE_ACTIVE, GpuStatus
 from analytics.scheduler import SchedulerJoin
@@ -70,8 +69,8 @@ async def send(bus: MemoryBus, rec: GpuSample | SchedulerNode) -> None:
     await bus.producer().send(topic, encode(rec), key=rec.partition_key)
 
 
-def gauge(**labels: str) -> float | None:
-    return REGISTRY.get_sample_value("gpupool_analytics_allocated_idle_gpus", labels)
+def gauge(svc: AnalyticsService, **labels: str) -> float | None:
+    return svc.registry.get_sample_value("gpupool_analytics_allocated_idle_gpus", labels)
 
 
 async def _feed(
@@ -103,7 +102,7 @@ async def test_allocated_gpu_is_not_offered_and_the_window_stops_at_the_planned_
         assert free.state is GpuState.IDLE and free.ts == T0 + 30
         # without the plan the promise would be T0 + 30 + min_idle_s (no history): cut at T0 + 45
         assert free.predicted_idle_until == pytest.approx(T0 + 45)
-        assert gauge(partition="training", user="alice", job="42") == 1
+        assert gauge(svc, partition="training", user="alice", job="42") == 1
         # the idle GPU-hours of job 42: reads at 0, 10, 20, 30 s; GPU 0 decided idle from 30 s only
         # (min_idle_s), so the read at 30 s is the first idle one and, being the latest, counts 0
         _, rows = svc.store.sql(
@@ -126,15 +125,15 @@ async def test_allocated_gpu_is_not_offered_and_the_window_stops_at_the_planned_
         at50 = node(T0 + 50, job_on={i: "43" for i in range(4)})
         await _feed(bus, svc, clock, range(50, 51), {T0 + 50: at50})
         assert svc.current_states()[f"{HOST}/GPU-{HOST}-1"].reason == "scheduler_allocated"
-        assert gauge(partition="training", user="alice", job="43") == 4
-        assert gauge(partition="training", user="alice", job="42") is None  # gone, not a stale 1
+        assert gauge(svc, partition="training", user="alice", job="43") == 4
+        assert gauge(svc, partition="training", user="alice", job="42") is None  # gone, not a stale 1
         await _feed(bus, svc, clock, range(60, 61), {T0 + 60: node(T0 + 60)})
         free = latest(bus)[f"{HOST}/GPU-{HOST}-1"]
         assert free.state is GpuState.IDLE and free.predicted_idle_until is not None
         assert free.predicted_idle_until > T0 + 60
     finally:
         await svc.stop()
-    assert gauge(partition="training", user="alice", job="43") is None  # withdrawn at stop
+    assert gauge(svc, partition="training", user="alice", job="43") is None  # withdrawn at stop
 
 
 async def test_stale_unknown_and_drained_nodes_are_not_offered() -> None:
@@ -191,12 +190,12 @@ async def test_a_bad_scheduler_record_is_counted_and_skipped() -> None:
     svc = service(bus, clock, scheduler=True)
     await svc.start()
     rejected = "gpupool_analytics_rejected_records_total"
-    before = REGISTRY.get_sample_value(rejected, {"reason": "invalid_record"}) or 0
+    before = svc.registry.get_sample_value(rejected, {"reason": "invalid_record"}) or 0
     try:
         await bus.producer().send(TOPICS.telemetry_scheduler, b'{"ts": 1, "host": "x"}', key="x")
         await send(bus, node(T0))
         await drain(svc)
-        after = REGISTRY.get_sample_value(rejected, {"reason": "invalid_record"})
+        after = svc.registry.get_sample_value(rejected, {"reason": "invalid_record"})
         assert after == before + 1
         _, [(n,)] = svc.store.sql("SELECT count(*) FROM scheduler_gpu_samples")
         assert n == 4

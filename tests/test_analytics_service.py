@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from prometheus_client import REGISTRY
 
+from analytics.service import AnalyticsService
 from analytics.classify import FB_USED, GR_ENGINE_ACTIVE
 from analytics.store import StoreBatch
 from contracts import (
@@ -49,8 +49,9 @@ def updates(bus: MemoryBus) -> list[CapacityUpdate]:
     return [decode(CapacityUpdate, m.value) for m in bus.records(TOPICS.capacity) if m.value is not None]
 
 
-def metric(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
+def metric(svc: AnalyticsService, name: str, **labels: str) -> float:
+    """A sample of ``svc``'s Prometheus registry (0 if absent)."""
+    return svc.registry.get_sample_value(name, labels) or 0.0
 
 
 async def test_samples_in_capacity_updates_out() -> None:
@@ -97,6 +98,7 @@ async def test_samples_in_capacity_updates_out() -> None:
         assert states == [("busy", 1), ("idle", 1)]
         assert (
             metric(
+                svc,
                 "gpupool_analytics_idle_gpus",
                 pool="default",
                 model="NVIDIA H100 80GB HBM3",
@@ -120,10 +122,10 @@ async def test_garbage_records_are_counted_and_skipped() -> None:
     svc = service(bus, clock)
     await svc.start()
     before = {
-        r: metric("gpupool_analytics_rejected_records_total", reason=r)
+        r: metric(svc, "gpupool_analytics_rejected_records_total", reason=r)
         for r in ("malformed_json", "invalid_record", "unsupported_version", "tombstone", "bad_timestamp")
     }
-    consumed = metric("gpupool_analytics_records_consumed_total", topic=TOPICS.telemetry_gpu)
+    consumed = metric(svc, "gpupool_analytics_records_consumed_total", topic=TOPICS.telemetry_gpu)
     try:
         p = bus.producer()
         await p.send(TOPICS.telemetry_gpu, b"\x00not json", key="x")
@@ -138,8 +140,8 @@ async def test_garbage_records_are_counted_and_skipped() -> None:
         await send(bus, sample(T0, "GPU-a", 0.9))
         assert await drain(svc) == 6
         for reason, was in before.items():
-            assert metric("gpupool_analytics_rejected_records_total", reason=reason) == was + 1, reason
-        assert metric("gpupool_analytics_records_consumed_total", topic=TOPICS.telemetry_gpu) == consumed + 6
+            assert metric(svc, "gpupool_analytics_rejected_records_total", reason=reason) == was + 1, reason
+        assert metric(svc, "gpupool_analytics_records_consumed_total", topic=TOPICS.telemetry_gpu) == consumed + 6
         assert [u.key for u in updates(bus)] == ["node-1/GPU-a"]
         assert (
             svc.store.stored_offsets()[TopicPartition(TOPICS.telemetry_gpu, 0)] == 6
@@ -189,9 +191,9 @@ async def test_failed_write_stores_and_publishes_nothing_then_recovers(
             return real_write(batch)
 
         monkeypatch.setattr(svc.store, "write", failing_write)
-        failures = metric("gpupool_analytics_ingest_failures_total")
+        failures = metric(svc, "gpupool_analytics_ingest_failures_total")
         assert await svc.step(timeout_s=0.01) == 3
-        assert metric("gpupool_analytics_ingest_failures_total") == failures + 1
+        assert metric(svc, "gpupool_analytics_ingest_failures_total") == failures + 1
         assert updates(bus) == [] and svc.store.stored_offsets() == {}
         assert await drain(svc) == 3  # read again from the stored offsets
         _, [(n,)] = svc.store.sql("SELECT count(*) FROM gpu_samples")
@@ -272,7 +274,7 @@ async def test_a_gpu_gone_for_forget_after_s_is_forgotten_with_its_series(gone_f
             clock.t = T0 + t
             await drain(svc)
         assert svc.current_states()[gone].state is GpuState.IDLE
-        assert metric("gpupool_analytics_idle_gpus", **idle_series) == 1
+        assert metric(svc, "gpupool_analytics_idle_gpus", **idle_series) == 1
         t = 40.0
         while t + 10 < 40 + gone_for:
             t += 10
@@ -284,13 +286,13 @@ async def test_a_gpu_gone_for_forget_after_s_is_forgotten_with_its_series(gone_f
         states = svc.current_states()
         if gone_for < FORGET_S:
             assert states[gone].state is GpuState.UNKNOWN and states[gone].reason == "stale"
-            assert REGISTRY.get_sample_value("gpupool_analytics_idle_gpus", idle_series) == 0.0
-            assert metric("gpupool_analytics_gpus", state="unknown") == 1
+            assert svc.registry.get_sample_value("gpupool_analytics_idle_gpus", idle_series) == 0.0
+            assert metric(svc, "gpupool_analytics_gpus", state="unknown") == 1
             return
         assert gone not in states and "node-1/GPU-stay" in states
-        assert REGISTRY.get_sample_value("gpupool_analytics_idle_gpus", idle_series) is None
-        assert REGISTRY.get_sample_value("gpupool_analytics_idle_gpu_memory_bytes", idle_series) is None
-        assert metric("gpupool_analytics_gpus", state="unknown") == 0
+        assert svc.registry.get_sample_value("gpupool_analytics_idle_gpus", idle_series) is None
+        assert svc.registry.get_sample_value("gpupool_analytics_idle_gpu_memory_bytes", idle_series) is None
+        assert metric(svc, "gpupool_analytics_gpus", state="unknown") == 0
         sent = len([u for u in updates(bus) if u.key == gone])
         for _ in range(5):  # five refresh periods later: not one more update of the forgotten GPU
             clock.t += 10
@@ -301,7 +303,7 @@ async def test_a_gpu_gone_for_forget_after_s_is_forgotten_with_its_series(gone_f
         await send(bus, _a100(clock.t, "GPU-gone"))  # back: a new GPU, unknown until idle long enough
         await drain(svc)
         assert svc.current_states()[gone].state is GpuState.UNKNOWN
-        assert REGISTRY.get_sample_value("gpupool_analytics_idle_gpus", idle_series) == 0.0
+        assert svc.registry.get_sample_value("gpupool_analytics_idle_gpus", idle_series) == 0.0
     finally:
         await svc.stop()
 

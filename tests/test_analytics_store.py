@@ -10,6 +10,7 @@ import pytest
 
 from analytics.classify import FB_USED, GPU_UTIL, GR_ENGINE_ACTIVE, IdleRun
 from analytics.rows import (
+    counters_out_of_range,
     counter_column,
     gpu_samples_table,
     gpu_states_table,
@@ -84,6 +85,16 @@ def test_batch_rows_and_offsets_commit_together() -> None:
     )
     assert rows[0] == ("n1/GPU-0", 0.25, 30.0, 1024, 71.5, "sentinel", "p, with comma", 1_700_000_000.0, 0)
     assert rows[2][0] == "n1/GPU-2/7"
+
+
+def test_counters_outside_u64_are_null_and_counted() -> None:
+    """2**64 - 1 still fits; 2**64 and -1 are stored NULL and counted once each (the service adds
+    them to ``gpupool_analytics_rejected_records_total{reason="counter_out_of_range"}``)."""
+    items = [port(1.0, 2**64 - 1), port(2.0, 2**64), port(3.0, -1), port(4.0, None)]
+    ib = ib_port_samples_table(items, [0] * 4, [0, 1, 2, 3])
+    assert ib.column("port_xmit_data").to_pylist() == [2**64 - 1, None, None, None]
+    assert counters_out_of_range(items) == 2
+    assert counters_out_of_range(items[:1]) == 0
 
 
 def test_ib_counters_stay_exact_integers() -> None:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import duckdb
 import pytest
-from prometheus_client import REGISTRY
 
 from analytics.classify import FB_TOTAL, FB_USED, GR_ENGINE_ACTIVE, IdleConfig
 from analytics.retention import RetentionConfig
@@ -363,10 +362,10 @@ def test_failed_maintenance_changes_nothing(tmp_path: Path) -> None:
     # The IB rollup (after the GPU rollup) fails: a column it does not fill is NOT NULL.
     store.sql("ALTER TABLE ib_port_rollup_1m ADD COLUMN must INTEGER")
     store.sql("ALTER TABLE ib_port_rollup_1m ALTER COLUMN must SET NOT NULL")
-    failures = REGISTRY.get_sample_value("gpupool_analytics_maintenance_failures_total") or 0.0
+    failures = store.metrics.registry.get_sample_value("gpupool_analytics_maintenance_failures_total") or 0.0
     with pytest.raises(duckdb.ConstraintException):
         store.maintain(RetentionConfig(raw_retention_s=60.0, rollup_retention_s=60.0), T0 + 3600)
-    assert REGISTRY.get_sample_value("gpupool_analytics_maintenance_failures_total") == failures + 1
+    assert store.metrics.registry.get_sample_value("gpupool_analytics_maintenance_failures_total") == failures + 1
     _, [(rollups, raw, wm)] = store.sql(
         "SELECT (SELECT count(*) FROM gpu_rollup_1m), (SELECT count(*) FROM gpu_samples),"
         " (SELECT count(*) FROM analytics_meta WHERE key = 'rollup_watermark_us')"
@@ -378,12 +377,11 @@ def test_failed_maintenance_changes_nothing(tmp_path: Path) -> None:
 def test_late_rows_are_counted(tmp_path: Path) -> None:
     store = _raw_store(str(tmp_path / "l.duckdb"))
     store.maintain(RetentionConfig(raw_retention_s=None, rollup_retention_s=None), T0 + 600)
-    before = (
-        REGISTRY.get_sample_value("gpupool_analytics_rollup_late_rows_total", {"table": "gpu_samples"}) or 0
-    )
+    late_rows = ("gpupool_analytics_rollup_late_rows_total", {"table": "gpu_samples"})
+    before = store.metrics.registry.get_sample_value(*late_rows) or 0
     late = [gpu(T0 + 5, "GPU-late", 0.0), gpu(T0 + 595, "GPU-late", 0.0)]  # one before the watermark
     store.write(StoreBatch(gpu_samples=gpu_samples_table(late, [0, 0], [100, 101])))
-    after = REGISTRY.get_sample_value("gpupool_analytics_rollup_late_rows_total", {"table": "gpu_samples"})
+    after = store.metrics.registry.get_sample_value(*late_rows)
     assert after == before + 1
     store.close()
 
@@ -438,8 +436,9 @@ def test_views_are_documented() -> None:
 # gauges: idle capacity per pool and model, consumer lag; scale-out forgets GPUs moved away
 
 
-def gauge(name: str, **labels: str) -> float | None:
-    return REGISTRY.get_sample_value(name, labels)
+def gauge(svc: AnalyticsService, name: str, **labels: str) -> float | None:
+    """A sample of ``svc``'s Prometheus registry (``None`` if absent)."""
+    return svc.registry.get_sample_value(name, labels)
 
 
 async def test_idle_capacity_gauges_follow_the_gpus(tmp_path: Path) -> None:
@@ -447,11 +446,11 @@ async def test_idle_capacity_gauges_follow_the_gpus(tmp_path: Path) -> None:
     try:
         labels = {"pool": "default", "model": MODEL}
         # GPU-a is idle with FB_USED back to 100 MiB (free); GPU-b and GPU-c are busy
-        assert gauge("gpupool_analytics_idle_gpus", grade="free", **labels) == 1
-        assert gauge("gpupool_analytics_idle_gpus", grade="memory_held", **labels) == 0  # 0, not absent
-        assert gauge("gpupool_analytics_idle_gpu_memory_bytes", grade="free", **labels) == 81_559 * 2**20
-        assert gauge("gpupool_analytics_gpus", state="busy") == 2
-        # a second instance in the same process adds up, and disappears when stopped
+        assert gauge(svc, "gpupool_analytics_idle_gpus", grade="free", **labels) == 1
+        assert gauge(svc, "gpupool_analytics_idle_gpus", grade="memory_held", **labels) == 0  # 0, not absent
+        assert gauge(svc, "gpupool_analytics_idle_gpu_memory_bytes", grade="free", **labels) == 81_559 * 2**20
+        assert gauge(svc, "gpupool_analytics_gpus", state="busy") == 2
+        # a second service in the same process counts on its own registry: its idle GPU is not here
         other_bus = MemoryBus()
         other = AnalyticsService(bus=other_bus, topics=TOPICS, db_path=":memory:", clock=clock)
         await other.start()
@@ -459,17 +458,22 @@ async def test_idle_capacity_gauges_follow_the_gpus(tmp_path: Path) -> None:
             s = gpu(clock.t - 70 + 10 * i, "GPU-z", 0.0, fb=30_000)
             await other_bus.producer().send(TOPICS.telemetry_gpu, encode(s), key=s.key)
         await other.step(timeout_s=0.01)
-        assert gauge("gpupool_analytics_idle_gpus", grade="memory_held", **labels) == 1
+        assert gauge(other, "gpupool_analytics_idle_gpus", grade="memory_held", **labels) == 1
+        assert gauge(other, "gpupool_analytics_gpus", state="busy") == 0
+        assert gauge(svc, "gpupool_analytics_idle_gpus", grade="memory_held", **labels) == 0
+        assert gauge(svc, "gpupool_analytics_gpus", state="busy") == 2
+        assert other.registry is not svc.registry
         await other.stop()
-        assert gauge("gpupool_analytics_idle_gpus", grade="memory_held", **labels) == 0
+        assert gauge(other, "gpupool_analytics_idle_gpus", grade="memory_held", **labels) is None
+        assert gauge(svc, "gpupool_analytics_idle_gpus", grade="free", **labels) == 1
         # GPU-a goes busy: the idle count drops at once
         s = gpu(clock.t + 10, "GPU-a", 0.9)
         await bus.producer().send(TOPICS.telemetry_gpu, encode(s), key=s.key)
         await svc.step(timeout_s=0.01)
-        assert gauge("gpupool_analytics_idle_gpus", grade="free", **labels) == 0
+        assert gauge(svc, "gpupool_analytics_idle_gpus", grade="free", **labels) == 0
     finally:
         await svc.stop()
-    assert gauge("gpupool_analytics_idle_gpus", grade="free", **labels) is None
+    assert gauge(svc, "gpupool_analytics_idle_gpus", grade="free", **labels) is None
 
 
 async def test_consumer_lag_gauge_counts_records_not_yet_in_duckdb() -> None:
@@ -483,16 +487,16 @@ async def test_consumer_lag_gauge_counts_records_not_yet_in_duckdb() -> None:
     try:
         lag = {"topic": TOPICS.telemetry_gpu, "partition": "0"}
         await svc.step(timeout_s=0.01)  # 4 of 10 stored
-        assert gauge("gpupool_analytics_consumer_lag_records", **lag) == 6
+        assert gauge(svc, "gpupool_analytics_consumer_lag_records", **lag) == 6
         clock.t += 1
         await svc.step(timeout_s=0.01)
         clock.t += 1
         await svc.step(timeout_s=0.01)
-        assert gauge("gpupool_analytics_consumer_lag_records", **lag) == 0
+        assert gauge(svc, "gpupool_analytics_consumer_lag_records", **lag) == 0
         assert svc.stored_offsets() == {TopicPartition(TOPICS.telemetry_gpu, 0): 10}
     finally:
         await svc.stop()
-    assert gauge("gpupool_analytics_consumer_lag_records", **lag) is None
+    assert gauge(svc, "gpupool_analytics_consumer_lag_records", **lag) is None
 
 
 async def test_a_partition_moved_away_takes_its_gpus_with_it() -> None:

@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 
 import pytest
-from prometheus_client import REGISTRY
 
 from broker.edge import ClaimRejected
 from broker.fabric import FabricError
 from broker.fabric_opensm import FabricState, OpenSmFabric, default_host_ports
+from broker.metrics import BrokerMetrics, FabricMetrics
 from broker.service import BrokerService
 from contracts import KafkaTopics, LeaseLogRecord, LeaseState, ReasonCode
 from contracts.bus import MemoryBus
@@ -70,8 +70,9 @@ def _files(fab: SimFabric) -> tuple[bytes, bytes]:
     return (fab.state_dir / "partitions.conf").read_bytes(), (fab.state_dir / "qos-policy.conf").read_bytes()
 
 
-def _metric(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
+def _metric(metrics: FabricMetrics | BrokerMetrics, name: str, **labels: str) -> float:
+    """A sample of ``metrics``' registry (0 if absent)."""
+    return metrics.registry.get_sample_value(name, labels) or 0.0
 
 
 def _fabric(fab: SimFabric, **kw: object) -> OpenSmFabric:
@@ -79,11 +80,12 @@ def _fabric(fab: SimFabric, **kw: object) -> OpenSmFabric:
 
 
 async def test_partition_is_applied_verified_and_removed(sim_fabric: SimFabric) -> None:  # noqa: F811
+    fm = FabricMetrics()
     fab = sim_fabric
     before = _files(fab)
-    mgr = _fabric(fab)
+    mgr = _fabric(fab, metrics=fm)
     hosts, gw, other = (fab.node("node005"), fab.node("node006")), fab.node("edge-gw"), fab.node("node007")
-    reloads = _metric("gpupool_broker_fabric_reloads_total", result="ok")
+    reloads = _metric(fm, "gpupool_broker_fabric_reloads_total", result="ok")
 
     part = await mgr.isolate(_lease("lease-ab12", "gpu-node-005", "gpu-node-006"))
 
@@ -109,7 +111,7 @@ async def test_partition_is_applied_verified_and_removed(sim_fabric: SimFabric) 
     partitions, qos = _files(fab)
     assert partitions.startswith(before[0]) and b"lease-ab12=" in partitions
     assert f"any, pkey 0x{part.pkey:04x} : 1  # lease-ab12".encode() in qos
-    assert _metric("gpupool_broker_fabric_reloads_total", result="ok") == reloads + 1
+    assert _metric(fm, "gpupool_broker_fabric_reloads_total", result="ok") == reloads + 1
 
     await mgr.remove(_lease("lease-ab12"))
 
@@ -117,7 +119,7 @@ async def test_partition_is_applied_verified_and_removed(sim_fabric: SimFabric) 
         assert all(k & 0x7FFF != part.pkey for k in _pkeys(fab, lid, port)), (lid, port)
     assert mgr.partitions() == []
     await mgr.remove(_lease("lease-ab12"))  # nothing left to remove: no-op, no reload
-    assert _metric("gpupool_broker_fabric_reloads_total", result="ok") == reloads + 2
+    assert _metric(fm, "gpupool_broker_fabric_reloads_total", result="ok") == reloads + 2
 
 
 async def test_concurrent_leases_share_one_reload_and_get_their_own_keys(sim_fabric: SimFabric) -> None:  # noqa: F811
@@ -147,28 +149,30 @@ async def test_a_lease_over_many_hosts_is_written_on_several_lines(sim_fabric: S
 
 
 async def test_a_host_not_on_the_fabric_is_not_isolated(sim_fabric: SimFabric) -> None:  # noqa: F811
+    fm = FabricMetrics()
     before = _files(sim_fabric)
-    unmapped = _metric("gpupool_broker_fabric_verify_failures_total", reason="unmapped_host")
-    unknown = _metric("gpupool_broker_fabric_verify_failures_total", reason="unknown_port")
+    unmapped = _metric(fm, "gpupool_broker_fabric_verify_failures_total", reason="unmapped_host")
+    unknown = _metric(fm, "gpupool_broker_fabric_verify_failures_total", reason="unknown_port")
     # 16 compute HCAs: gpu-node-017 has none
     with pytest.raises(FabricError, match="gpu-node-017 has no HCA on the fabric"):
-        await _fabric(sim_fabric).isolate(_lease("lease-x1", "gpu-node-003", "gpu-node-017"))
+        await _fabric(sim_fabric, metrics=fm).isolate(_lease("lease-x1", "gpu-node-003", "gpu-node-017"))
     # a configured port GUID the fabric does not have
-    mgr = _fabric(sim_fabric, host_ports={"gpu-a": ["node001"], "gpu-b": ["0x0002c90300b0ff01"]})
+    mgr = _fabric(sim_fabric, metrics=fm, host_ports={"gpu-a": ["node001"], "gpu-b": ["0x0002c90300b0ff01"]})
     with pytest.raises(FabricError, match="0x0002c90300b0ff01 of host gpu-b is not on the fabric"):
         await mgr.isolate(_lease("lease-x2", "gpu-a", "gpu-b"))
     assert _files(sim_fabric) == before and mgr.reloads == 0
-    assert _metric("gpupool_broker_fabric_verify_failures_total", reason="unmapped_host") == unmapped + 1
-    assert _metric("gpupool_broker_fabric_verify_failures_total", reason="unknown_port") == unknown + 1
+    assert _metric(fm, "gpupool_broker_fabric_verify_failures_total", reason="unmapped_host") == unmapped + 1
+    assert _metric(fm, "gpupool_broker_fabric_verify_failures_total", reason="unknown_port") == unknown + 1
 
 
 async def test_a_partition_that_cannot_be_verified_is_taken_back(sim_fabric: SimFabric) -> None:  # noqa: F811
     """node012's cable is pulled: OpenSM cannot program its PKey table, the read-back times out,
     the lease's partition is taken out of the files again."""
+    fm = FabricMetrics()
     fab = sim_fabric
     before = _files(fab)
-    failed = _metric("gpupool_broker_fabric_verify_failures_total", reason="unreachable")
-    mgr = _fabric(fab, verify_timeout_s=1.5)
+    failed = _metric(fm, "gpupool_broker_fabric_verify_failures_total", reason="unreachable")
+    mgr = _fabric(fab, metrics=fm, verify_timeout_s=1.5)
     await asyncio.to_thread(fab.console.unlink, "node012", 1)
     try:
         t0 = time.monotonic()
@@ -178,7 +182,7 @@ async def test_a_partition_that_cannot_be_verified_is_taken_back(sim_fabric: Sim
     finally:
         await asyncio.to_thread(fab.console.relink, "node012", 1)
     assert _files(fab) != before and mgr.partitions() == [], "rolled back (the state line moved on)"
-    assert _metric("gpupool_broker_fabric_verify_failures_total", reason="unreachable") == failed + 1
+    assert _metric(fm, "gpupool_broker_fabric_verify_failures_total", reason="unreachable") == failed + 1
     # node012 comes back (OpenSM re-sweeps after ReLink's trap), without the rolled-back PKey
     lid = fab.node("node012")["lid"]
     deadline = time.monotonic() + 60
@@ -307,12 +311,12 @@ async def test_a_restarted_broker_removes_the_partitions_no_live_lease_holds(sim
     await server.start()
     bus, topics = MemoryBus(), KafkaTopics()
     lids = {h: sim_fabric.node(f"node00{h}")["lid"] for h in (3, 4, 5)}
-    removed_before = _metric("gpupool_broker_fabric_stale_partitions_removed_total")
 
     async def broker() -> tuple[BrokerService, asyncio.Event, asyncio.Task[None]]:
+        metrics = BrokerMetrics()  # each broker its own, as each process has
         svc = BrokerService(
             bus=bus, topics=topics, mqtt_host="127.0.0.1", mqtt_port=server.port, protocol=4, config=CFG,
-            fabric=_fabric(sim_fabric),
+            fabric=_fabric(sim_fabric, metrics=metrics.fabric), metrics=metrics,
         )  # fmt: skip
         await svc.start()
         stop = asyncio.Event()
@@ -352,7 +356,7 @@ async def test_a_restarted_broker_removes_the_partitions_no_live_lease_holds(sim
         await until(lambda: {p.name for p in mgr.partitions()} == {keep.lease_id}, 30)
         # removal is verified before it counts: the PKeys are already gone from the ports
         await until(
-            lambda: _metric("gpupool_broker_fabric_stale_partitions_removed_total") == removed_before + 2, 30
+            lambda: _metric(svc.metrics, "gpupool_broker_fabric_stale_partitions_removed_total") == 2, 30
         )
         assert ended.partition.pkey not in _pkeys(sim_fabric, lids[4])
         assert orphan.pkey not in _pkeys(sim_fabric, lids[5])

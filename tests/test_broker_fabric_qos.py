@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client import REGISTRY
 
 from broker.edge import ClaimRejected
 from broker.fabric import FabricError
 from broker.fabric_opensm import OpenSmFabric
+from broker.metrics import BrokerMetrics, FabricMetrics
 from contracts import LeaseLogRecord, LeaseState, ReasonCode
 from contracts.bus import MemoryBus
 from tests.fabric_fixture import SimFabric, sim_fabric  # noqa: F401 - the session fixture
@@ -98,8 +98,9 @@ def _path_ports(fab: SimFabric, *hosts: str) -> set[tuple[str, int | None]]:
     return out
 
 
-def _metric(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
+def _metric(metrics: FabricMetrics | BrokerMetrics, name: str, **labels: str) -> float:
+    """A sample of ``metrics``' registry (0 if absent)."""
+    return metrics.registry.get_sample_value(name, labels) or 0.0
 
 
 def _fabric(fab: SimFabric, **kw: Any) -> OpenSmFabric:  # noqa: ANN401
@@ -131,11 +132,12 @@ async def conf(sim_fabric: SimFabric) -> AsyncIterator[Path]:  # noqa: F811
 async def test_after_a_grant_every_port_on_the_paths_shows_the_plan(sim_fabric: SimFabric, conf: Path) -> None:  # noqa: F811
     """The operator's own QoS lines (switch external ports weigh VL 0 and 2 differently) stay byte
     for byte; the plan merges them; every port on node005/node006 ↔ edge-gw shows it."""
+    fm = FabricMetrics()
     fab = sim_fabric
     operator = conf.read_text() + "# operator: training VLs 0 and 2 on switches\nqos_swe_vlarb_high 0:32,2:16\n"
     conf.write_text(operator)
-    mgr = _fabric(fab)
-    reloads = _metric("gpupool_broker_fabric_reloads_total", result="ok")
+    mgr = _fabric(fab, metrics=fm)
+    reloads = _metric(fm, "gpupool_broker_fabric_reloads_total", result="ok")
 
     part = await mgr.isolate(_lease("lease-q1", "gpu-node-005", "gpu-node-006"))
 
@@ -153,7 +155,7 @@ async def test_after_a_grant_every_port_on_the_paths_shows_the_plan(sim_fabric: 
         want = [(0, 32), (2, 16), *TRAINING_HIGH[2:]] if port is not None else TRAINING_HIGH
         assert tables["high"] == want, (node, port, tables)
     # one SIGHUP for partition and QoS; the operator's lines untouched, the block last
-    assert _metric("gpupool_broker_fabric_reloads_total", result="ok") == reloads + 1
+    assert _metric(fm, "gpupool_broker_fabric_reloads_total", result="ok") == reloads + 1
     text = conf.read_text()
     assert text.startswith(operator) and text[len(operator):].startswith("# BEGIN gpupool-managed qos")
     assert "qos_high_limit 9\n" in text and "qos_swe_vlarb_high 0:32,2:16,3:4,4:4,5:4,6:4,7:4\n" in text
@@ -170,13 +172,14 @@ async def test_a_switch_changed_behind_gpupools_back_is_drift(sim_fabric: SimFab
     """An SMP Set gives leaf-3 port 2 other high-priority weights; OpenSM does not notice. The
     audit reports that port, the metric counts it, and a lease whose path crosses a changed
     port is not granted."""
+    fm = FabricMetrics()
     fab = sim_fabric
-    mgr = _fabric(fab)
+    mgr = _fabric(fab, metrics=fm)
     assert await mgr.audit() == {}, "no plan written yet: nothing to audit"
     await mgr.isolate(_lease("lease-d1", "gpu-node-001"))
     assert await mgr.audit() == {}
-    assert _metric("gpupool_broker_fabric_qos_drift_ports", switch="leaf-3") == 0
-    drift_audits = _metric("gpupool_broker_fabric_qos_audits_total", result="drift")
+    assert _metric(fm, "gpupool_broker_fabric_qos_drift_ports", switch="leaf-3") == 0
+    drift_audits = _metric(fm, "gpupool_broker_fabric_qos_audits_total", result="drift")
 
     leaf3 = fab.node("leaf-3")["lid"]
     _set_vlarb(fab, leaf3, 2, "high", "0:1,2:9")
@@ -185,24 +188,24 @@ async def test_a_switch_changed_behind_gpupools_back_is_drift(sim_fabric: SimFab
     drift = await mgr.audit()
     assert list(drift) == ["leaf-3"] and len(drift["leaf-3"]) == 1
     assert "leaf-3 port 2: vlarb high 0:1,2:9 (want 0:4,2:4" in drift["leaf-3"][0]
-    assert _metric("gpupool_broker_fabric_qos_drift_ports", switch="leaf-3") == 1
-    assert _metric("gpupool_broker_fabric_qos_drift_ports", switch="leaf-2") == 0
-    assert _metric("gpupool_broker_fabric_qos_audits_total", result="drift") == drift_audits + 1
+    assert _metric(fm, "gpupool_broker_fabric_qos_drift_ports", switch="leaf-3") == 1
+    assert _metric(fm, "gpupool_broker_fabric_qos_drift_ports", switch="leaf-2") == 0
+    assert _metric(fm, "gpupool_broker_fabric_qos_audits_total", result="drift") == drift_audits + 1
 
     # leaf-1 port 5 (the gateway's) is on every lease's path: a lease now cannot be verified
     leaf1 = fab.node("leaf-1")["lid"]
     _set_vlarb(fab, leaf1, 5, "low", "1:8")
-    failed = _metric("gpupool_broker_fabric_verify_failures_total", reason="qos_mismatch")
+    failed = _metric(fm, "gpupool_broker_fabric_verify_failures_total", reason="qos_mismatch")
     with pytest.raises(FabricError, match=r"QoS of lease lease-d2 not verified after 6s: leaf-1 port 5: vlarb low"):
-        await _fabric(fab, verify_timeout_s=6).isolate(_lease("lease-d2", "gpu-node-009"))
+        await _fabric(fab, metrics=fm, verify_timeout_s=6).isolate(_lease("lease-d2", "gpu-node-009"))
     assert [p.name for p in mgr.partitions()] == ["lease-d1"], "its partition was taken back"
-    assert _metric("gpupool_broker_fabric_verify_failures_total", reason="qos_mismatch") == failed + 1
+    assert _metric(fm, "gpupool_broker_fabric_verify_failures_total", reason="qos_mismatch") == failed + 1
 
     # put both back as planned: no drift
     _set_vlarb(fab, leaf3, 2, "high", ",".join(f"{v}:{w}" for v, w in TRAINING_HIGH))
     _set_vlarb(fab, leaf1, 5, "low", "1:64")
     assert await mgr.audit() == {}
-    assert _metric("gpupool_broker_fabric_qos_drift_ports", switch="leaf-3") == 0
+    assert _metric(fm, "gpupool_broker_fabric_qos_drift_ports", switch="leaf-3") == 0
 
 
 async def test_a_lease_whose_qos_cannot_be_applied_is_refused(sim_fabric: SimFabric, conf: Path) -> None:  # noqa: F811

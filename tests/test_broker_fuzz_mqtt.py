@@ -33,7 +33,6 @@ import aiomqtt
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from prometheus_client import REGISTRY
 
 from broker.acl import OBSERVER_USER
 from broker.config import BrokerConfig
@@ -78,8 +77,8 @@ steps = st.one_of(
 )  # fmt: skip
 
 
-def _counter(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
+def _counter(svc: BrokerService, name: str, **labels: str) -> float:
+    return svc.registry.get_sample_value(name, labels) or 0.0
 
 
 class _Subscriber(ABC):
@@ -300,10 +299,10 @@ async def _scenario(
                 payload = _mutate(site.name, kind, mutation, noise, other_lease)
                 if mutation in IGNORED:
                     reason = "retained" if mutation == "retained" else "stale"
-                    ignored = _counter("gpupool_broker_ignored_requests_total", reason=reason)
+                    ignored = _counter(svc, "gpupool_broker_ignored_requests_total", reason=reason)
                     await site.send(kind, payload, retain=mutation == "retained")
                     async with asyncio.timeout(REPLY_TIMEOUT_S):
-                        while _counter("gpupool_broker_ignored_requests_total", reason=reason) < ignored + 1:
+                        while _counter(svc, "gpupool_broker_ignored_requests_total", reason=reason) < ignored + 1:
                             await asyncio.sleep(0.01)
                     await asyncio.sleep(0.05)
                     assert site.replies.empty(), "an ignored request was answered"

@@ -389,19 +389,16 @@ def _guaranteed(
 
 
 def test_unforced_demand_inside_a_guarantee_waits_for_its_end() -> None:
-    from broker import metrics as m
-
     book = _book()
     offer_id = _idle_node(book, gpus=2)
     rec = _guaranteed(book, offer_id, "c1", 1, 600.0, 10.0)
     assert rec.min_until == 610.0
-    deferred = m.RECLAIMS_DEFERRED._value.get()
     result, ch = book.apply_demand(PoolDemand(demand_id="d1", ts=20.0, gpus=list(rec.gpus)), 20.0)
     assert result == "reclaimed"
     (r,) = ch.records
     assert r.state is LeaseState.RECLAIMING and r.reclaim_deadline == 610.0
     assert r.reason == "demand:d1;deferred_to_guarantee_end"
-    assert m.RECLAIMS_DEFERRED._value.get() == deferred + 1
+    assert ch.reclaims_deferred == 1 and ch.guarantees_broken == 0
     # renewals keep it alive; the notice passing does not revoke it, the guarantee's end does
     book.renew("edge-a", Renewal(lease_id=r.lease_id, site="edge-a", ts=40.0), 40.0)
     assert not [x for x in book.tick(20.0 + CFG.notice_s + 1).records if not x.state.live]
@@ -413,17 +410,14 @@ def test_unforced_demand_inside_a_guarantee_waits_for_its_end() -> None:
 
 
 def test_forced_demand_breaks_the_guarantee_and_says_so() -> None:
-    from broker import metrics as m
-
     book = _book()
     offer_id = _idle_node(book, gpus=2)
     rec = _guaranteed(book, offer_id, "c1", 2, 600.0, 10.0)
-    broken = m.GUARANTEES_BROKEN._value.get()
     _, ch = book.apply_demand(PoolDemand(demand_id="d1", ts=20.0, count=1, force=True), 20.0)
     (r,) = ch.records
     assert r.lease_id == rec.lease_id and r.reclaim_deadline == 20.0 + CFG.notice_s
     assert r.reason == "demand:d1;guarantee_broken"
-    assert m.GUARANTEES_BROKEN._value.get() == broken + 1
+    assert ch.guarantees_broken == 1 and ch.reclaims_deferred == 0
     assert book.violations() == []
     # a rebuilt broker knows the guarantee was broken by force (not a violation)
     fresh = _book()

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from broker import metrics as m
 from broker.config import BrokerConfig
-from broker.leases import Answer, LeaseBook, PendingGrant, lease_message
+from broker.leases import Answer, ClaimDecision, LeaseBook, PendingGrant, lease_message
 from broker.match import Placement, gpu_rank, match
 from contracts import CapacityUpdate, Claim, GpuState, IdleGrade, LeaseState, Offer, OfferedGpu, ReasonCode
 from contracts.mqtt import Requirements
@@ -191,7 +190,6 @@ def test_matched_claim_spans_two_nodes_of_one_leaf_and_grants_every_host() -> No
     _idle(book, "n2", 3)
     _idle(book, "n3", 8, leaf="leaf-2", until=50.0)
     assert {o.zone for o in book.offers.values()} == {"metro-east"}
-    before = m.CLAIM_DECISIONS.labels(site="edge-a", kind="match", result="ok")._value.get()
     step, ch = book.begin_claim(
         "edge-a", _want(5, min_duration_seconds=100, requirements=Requirements(zone="metro-east")), 1.0
     )
@@ -199,6 +197,7 @@ def test_matched_claim_spans_two_nodes_of_one_leaf_and_grants_every_host() -> No
     assert step.matched and step.record.hosts == ["n1", "n2"] and len(step.record.gpus) == 5
     assert step.record.offer_ids == [o.offer_id for o in step.offers] and len(step.offers) == 2
     assert step.record.reason == "match:leaf"
+    assert ch.placements == ["leaf"] and ch.decisions == []  # reserved, not yet decided
     assert {o.offer_id for o in ch.withdrawn} == set(step.record.offer_ids)
     left = [o for o in book.offers.values() if o.host in ("n1", "n2")]
     assert len(left) == 1 and len(left[0].gpus) == 1  # the rest of the second node is offered anew
@@ -210,7 +209,7 @@ def test_matched_claim_spans_two_nodes_of_one_leaf_and_grants_every_host() -> No
     assert rec.min_until == 101.0 and rec.granted_at == 2.0
     msg = lease_message(rec)
     assert msg.hosts == ["n1", "n2"] and msg.offer_ids == rec.offer_ids and msg.min_until == 101.0
-    assert m.CLAIM_DECISIONS.labels(site="edge-a", kind="match", result="ok")._value.get() == before + 1
+    assert ch.decisions == [ClaimDecision("edge-a", "match", "ok")]
     assert book.violations() == []
 
 

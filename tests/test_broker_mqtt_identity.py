@@ -19,7 +19,6 @@ from typing import Any
 
 import aiomqtt
 import pytest
-from prometheus_client import REGISTRY
 
 from broker.config import BrokerConfig
 from broker.service import BrokerService
@@ -48,8 +47,8 @@ async def _next(client: aiomqtt.Client, timeout_s: float) -> aiomqtt.Message | N
     return None
 
 
-def _lost() -> float:
-    return REGISTRY.get_sample_value("gpupool_broker_mqtt_connections_total", {"result": "lost"}) or 0.0
+def _lost(svc: BrokerService) -> float:
+    return svc.registry.get_sample_value("gpupool_broker_mqtt_connections_total", {"result": "lost"}) or 0.0
 
 
 async def test_a_site_using_the_brokers_client_id_cannot_take_its_session(mosquitto: dict[str, Any]) -> None:
@@ -59,11 +58,11 @@ async def test_a_site_using_the_brokers_client_id_cannot_take_its_session(mosqui
                         mqtt_password=mosquitto["users"]["gpupool-broker"], root=mosquitto["root"], protocol=5,
                         config=BrokerConfig(), client_id="gpupool-broker")  # fmt: skip
     async with running(svc):
-        lost = _lost()
+        lost = _lost(svc)
         async with _client(mosquitto, "edge-a", "gpupool-broker") as impostor:
             await impostor.subscribe(t.replies("edge-a"), qos=1)
             await asyncio.sleep(0.5)
-            assert svc.stats()["mqtt_connected"] and _lost() == lost, "the broker was knocked off"
+            assert svc.stats()["mqtt_connected"] and _lost(svc) == lost, "the broker was knocked off"
             # the broker still answers, and the impostor's session is edge-a's, not the broker's
             claim = Claim(claim_id=f"c-{uuid.uuid4().hex[:8]}", site="edge-a", count=1, ts=time.time())
             await impostor.publish(t.claims("edge-a"), encode(claim), qos=1)
@@ -78,7 +77,7 @@ async def test_a_site_using_the_brokers_client_id_cannot_take_its_session(mosqui
                         async for _ in impostor.messages:
                             pass
         await asyncio.sleep(0.3)
-        assert svc.stats()["mqtt_connected"] and _lost() == lost
+        assert svc.stats()["mqtt_connected"] and _lost(svc) == lost
 
 
 async def test_a_site_cannot_write_its_own_leases_or_replies(mosquitto: dict[str, Any]) -> None:

@@ -19,7 +19,6 @@ from typing import Any
 
 import aiomqtt
 import pytest
-from prometheus_client import REGISTRY
 
 from broker.config import BrokerConfig
 from broker.edge import ClaimRejected, EdgeClient, LeaseRequestRejected, OfferWithdrawn
@@ -142,9 +141,9 @@ async def _idle(
     return keys
 
 
-def metric(name: str, **labels: str) -> float:
-    """A sample of the default Prometheus registry (0 if absent)."""
-    return REGISTRY.get_sample_value(name, labels) or 0.0
+def metric(svc: BrokerService, name: str, **labels: str) -> float:
+    """A sample of ``svc``'s Prometheus registry (0 if absent)."""
+    return svc.registry.get_sample_value(name, labels) or 0.0
 
 
 def _log(bus: MemoryBus) -> list[LeaseLogRecord]:
@@ -209,8 +208,8 @@ async def test_offer_claim_renew_demand_release(mqtt_port: int) -> None:
         st = svc.stats()
         # the lease gauges are kept per transition, never by counting the book: they still agree
         assert svc.tally.lease_counts() == svc.book.lease_counts()
-        assert metric("gpupool_broker_leases", state="released") == 1
-        assert metric("gpupool_broker_leases", state="granted") == 0
+        assert metric(svc, "gpupool_broker_leases", state="released") == 1
+        assert metric(svc, "gpupool_broker_leases", state="granted") == 0
         assert st["leases_granted"] == 1 and st["reclaims_started"] == 1
         assert st["reclaims"]["released_in_notice"] == 1 and st["reclaims_completed"] == 1
         assert st["demands"] == {"reclaimed": 1} and st["claims"] == {"ok": 1}
@@ -277,7 +276,6 @@ async def test_malformed_claims_get_a_reason_code_and_change_nothing(mqtt_port: 
         await _idle(bus, "n1", 2)
         offer = await _offer_on(site, "n1")
         claims = MT.claims("edge-a")
-        malformed_before = metric("gpupool_broker_rejected_messages_total", reason="malformed")
         good = {"claim_id": "k", "site": "edge-a", "offer_id": offer.offer_id, "ts": time.time()}
         cases = [
             (b"{not json", ReasonCode.MALFORMED, ""),
@@ -307,7 +305,7 @@ async def test_malformed_claims_get_a_reason_code_and_change_nothing(mqtt_port: 
         assert _log(bus) == []
         assert [t for t, _ in await _retained(mqtt_port, MT.offers_filter)] == [MT.offer(offer.offer_id)]
         st = svc.stats()
-        assert metric("gpupool_broker_rejected_messages_total", reason="malformed") == malformed_before + 7
+        assert metric(svc, "gpupool_broker_rejected_messages_total", reason="malformed") == 7
         assert st["rejected_messages"] == {"malformed": 7, "unsupported_version": 1, "site_mismatch": 1}
         assert st["claims"] == {"malformed": 6, "unsupported_version": 1, "site_mismatch": 1}
         assert st["leases_granted"] == 0
@@ -709,3 +707,34 @@ async def test_the_mqtt_loop_reconnects_after_a_failed_resync(mqtt_port: int) ->
     svc._on_connect = flaky  # type: ignore[method-assign]  # noqa: SLF001
     async with running(svc, connect_timeout_s=15):
         assert calls == 2 and svc.stats()["mqtt_connected"]
+
+
+async def test_two_brokers_in_one_process_keep_their_metrics_apart(mqtt_port: int) -> None:
+    """Each service counts on its own registry: a claim answered by broker A shows in A's
+    ``/metrics`` only, broker B (same process, another MQTT root) shows none of it, and nothing
+    lands on prometheus_client's default registry."""
+    from prometheus_client import REGISTRY
+
+    bus_a = MemoryBus()
+    b = BrokerService(bus=MemoryBus(), topics=TOPICS, mqtt_host="127.0.0.1", mqtt_port=mqtt_port, protocol=4,
+                      config=CFG, root="gpupool-b/v1", client_id="gpupool-broker-b")  # fmt: skip
+    async with _service(bus_a, mqtt_port) as a, running(b), _site(mqtt_port) as site:
+        await _idle(bus_a, "n1", 2)
+        lease = await site.claim((await _offer_on(site, "n1")).offer_id, count=1)
+        assert lease.state is LeaseState.GRANTED
+        assert metric(a, "gpupool_broker_claims_total", result="ok") == 1
+        assert metric(a, "gpupool_broker_claim_decisions_total", site="edge-a", kind="offer", result="ok") == 1
+        assert metric(a, "gpupool_broker_leases", state="granted") == 1
+        assert metric(a, "gpupool_broker_offers_published_total") >= 1
+        assert metric(a, "gpupool_broker_records_produced_total", topic=TOPICS.leases_log) == 1
+        for name, labels in [
+            ("gpupool_broker_claims_total", {"result": "ok"}),
+            ("gpupool_broker_claim_decisions_total", {"site": "edge-a", "kind": "offer", "result": "ok"}),
+            ("gpupool_broker_offers_published_total", {}),
+            ("gpupool_broker_records_produced_total", {"topic": TOPICS.leases_log}),
+            ("gpupool_broker_site_up", {"site": "edge-a"}),
+        ]:
+            assert metric(b, name, **labels) == 0, name
+        assert metric(b, "gpupool_broker_leases", state="granted") == 0
+        assert metric(a, "gpupool_broker_site_up", site="edge-a") == 1
+    assert not [m.name for m in REGISTRY.collect() if m.name.startswith("gpupool_broker_")]

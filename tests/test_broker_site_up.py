@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator
 
 import aiomqtt
 import pytest
-from prometheus_client import REGISTRY
 
 from broker.config import BrokerConfig
 from broker.edge import EdgeClient
@@ -30,12 +29,12 @@ MT = MqttTopics()
 CFG = BrokerConfig(tick_s=0.05, reconnect_min_s=0.05, reconnect_max_s=0.5)
 
 
-def _up(site: str) -> float | None:
-    return REGISTRY.get_sample_value("gpupool_broker_site_up", {"site": site})
+def _up(svc: BrokerService, site: str) -> float | None:
+    return svc.registry.get_sample_value("gpupool_broker_site_up", {"site": site})
 
 
-def _malformed() -> float:
-    value = REGISTRY.get_sample_value("gpupool_broker_rejected_messages_total", {"reason": "malformed_state"})
+def _malformed(svc: BrokerService) -> float:
+    value = svc.registry.get_sample_value("gpupool_broker_rejected_messages_total", {"reason": "malformed_state"})
     return value or 0.0
 
 
@@ -60,35 +59,35 @@ async def _publish_state(port: int, site: str, payload: bytes) -> None:
 
 
 async def test_site_up_follows_birth_goodbye_and_clearing() -> None:
-    async with EmbeddedMqttBroker() as server, _broker(server.port):
+    async with EmbeddedMqttBroker() as server, _broker(server.port) as svc:
         site = EdgeClient(site="edge-up-a", host="127.0.0.1", port=server.port, protocol=4)
         async with site:
-            await until(lambda: _up("edge-up-a") == 1.0, 5, "site_up 1 after the birth")
+            await until(lambda: _up(svc, "edge-up-a") == 1.0, 5, "site_up 1 after the birth")
         # a clean exit publishes the site's death (online false, retained)
-        await until(lambda: _up("edge-up-a") == 0.0, 5, "site_up 0 after the goodbye")
+        await until(lambda: _up(svc, "edge-up-a") == 0.0, 5, "site_up 0 after the goodbye")
 
         # a late Last Will of an older session (lower seq) does not turn a newer birth offline
         await _publish_state(server.port, "edge-up-b", _state(online=True, seq=5))
-        await until(lambda: _up("edge-up-b") == 1.0, 5, "site_up of edge-up-b")
+        await until(lambda: _up(svc, "edge-up-b") == 1.0, 5, "site_up of edge-up-b")
         await _publish_state(server.port, "edge-up-b", _state(online=False, seq=4))
         await asyncio.sleep(0.3)
-        assert _up("edge-up-b") == 1.0
+        assert _up(svc, "edge-up-b") == 1.0
 
         # garbage is counted and changes nothing; clearing the retained state removes the series
-        before = _malformed()
+        before = _malformed(svc)
         await _publish_state(server.port, "edge-up-b", b"{not json")
-        await until(lambda: _malformed() > before, 5, "malformed_state counted")
-        assert _up("edge-up-b") == 1.0
+        await until(lambda: _malformed(svc) > before, 5, "malformed_state counted")
+        assert _up(svc, "edge-up-b") == 1.0
         await _publish_state(server.port, "edge-up-b", b"")
-        await until(lambda: _up("edge-up-b") is None, 5, "series removed when the state is cleared")
-        assert _up("edge-up-a") == 0.0
+        await until(lambda: _up(svc, "edge-up-b") is None, 5, "series removed when the state is cleared")
+        assert _up(svc, "edge-up-a") == 0.0
 
 
 FORGET_S = 100.0
 
 
-def _decided(site: str) -> float | None:
-    return REGISTRY.get_sample_value(
+def _decided(svc: BrokerService, site: str) -> float | None:
+    return svc.registry.get_sample_value(
         "gpupool_broker_claim_decisions_total", {"site": site, "kind": "offer", "result": "unknown_offer"}
     )
 
@@ -114,18 +113,18 @@ async def test_a_site_offline_for_site_forget_after_s_loses_its_series() -> None
                     await gone.claim("no-such-offer")
                 await _idle(bus, "n1", 1)
                 await holder.claim((await _offer_on(holder, "n1")).offer_id, count=1, duration_seconds=1e5)
-                await until(lambda: _up("edge-gone") == 1.0 and _up("edge-holds") == 1.0, 5, "both online")
-            await until(lambda: _up("edge-gone") == 0.0 and _up("edge-holds") == 0.0, 5, "both offline")
-            assert _decided("edge-gone") == 1.0
+                await until(lambda: _up(svc, "edge-gone") == 1.0 and _up(svc, "edge-holds") == 1.0, 5, "both online")
+            await until(lambda: _up(svc, "edge-gone") == 0.0 and _up(svc, "edge-holds") == 0.0, 5, "both offline")
+            assert _decided(svc, "edge-gone") == 1.0
             clock.t += FORGET_S - 0.5
             await asyncio.sleep(0.3)  # a few ticks (tick_s 0.05)
-            assert _up("edge-gone") == 0.0 and _decided("edge-gone") == 1.0  # just under: kept
+            assert _up(svc, "edge-gone") == 0.0 and _decided(svc, "edge-gone") == 1.0  # just under: kept
             clock.t += 0.5
-            await until(lambda: _up("edge-gone") is None, 5, "edge-gone forgotten")
-            assert _decided("edge-gone") is None
-            assert _up("edge-holds") == 0.0  # offline as long, but it holds a live lease
+            await until(lambda: _up(svc, "edge-gone") is None, 5, "edge-gone forgotten")
+            assert _decided(svc, "edge-gone") is None
+            assert _up(svc, "edge-holds") == 0.0  # offline as long, but it holds a live lease
             clock.t += 10 * FORGET_S
             await asyncio.sleep(0.3)
-            assert _up("edge-holds") == 0.0
+            assert _up(svc, "edge-holds") == 0.0
             async with EdgeClient(site="edge-gone", host="127.0.0.1", port=server.port, protocol=4):
-                await until(lambda: _up("edge-gone") == 1.0, 5, "edge-gone back as a new site")
+                await until(lambda: _up(svc, "edge-gone") == 1.0, 5, "edge-gone back as a new site")

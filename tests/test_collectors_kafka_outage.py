@@ -13,7 +13,6 @@ import uuid
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from prometheus_client import REGISTRY
 
 from collectors.service import CollectorService
 from collectors.spool import REDELIVERY_HEADER, SpoolingProducer
@@ -28,8 +27,9 @@ SYSFS_CASES = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "
 OUTAGE_S = 30.0
 
 
-def _metric(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
+def _metric(svc: CollectorService, name: str, **labels: str) -> float:
+    """A sample of ``svc``'s Prometheus registry (0 if absent)."""
+    return svc.registry.get_sample_value(name, labels) or 0.0
 
 
 async def _read_all(
@@ -66,10 +66,10 @@ async def test_kafka_down_30s_nothing_lost_nothing_twice_in_order(
         spool_dir=tmp_path / "spool",
         spool_memory_records=300,  # a 30 s outage overflows memory: the disk tier is used too
     )
-    disk_before = _metric("gpupool_collector_spool_spooled_total", tier="disk")
-    redelivered_before = _metric("gpupool_collector_spool_redelivered_total")
+    disk_before = _metric(svc, "gpupool_collector_spool_spooled_total", tier="disk")
+    redelivered_before = _metric(svc, "gpupool_collector_spool_redelivered_total")
     dropped_before = sum(
-        _metric("gpupool_collector_spool_dropped_total", reason=r)
+        _metric(svc, "gpupool_collector_spool_dropped_total", reason=r)
         for r in ("full", "too_large", "disk_error", "rejected", "corrupt", "shutdown")
     )
     stop = asyncio.Event()
@@ -89,7 +89,7 @@ async def test_kafka_down_30s_nothing_lost_nothing_twice_in_order(
         assert svc.seq - seq_at_stop > 1000  # the collector kept collecting all along
         tiers = spool.queued_by_tier
         assert tiers["memory"] == 300 and tiers["disk"] > 0, tiers
-        assert _metric("gpupool_collector_spool_bus_up") == 0
+        assert _metric(svc, "gpupool_collector_spool_bus_up") == 0
         done = await asyncio.to_thread(run_service, "kafka.sh", "start")
         restarted = done.returncode == 0
         assert restarted, done.stderr
@@ -125,7 +125,7 @@ async def test_kafka_down_30s_nothing_lost_nothing_twice_in_order(
                 continue  # a flagged redelivery the consumer already holds
         seqs.append(rec.seq)
         by_partition[(m.topic, m.partition)].append((m.offset, m.key, rec.seq))
-    assert flagged == _metric("gpupool_collector_spool_redelivered_total") - redelivered_before
+    assert flagged == _metric(svc, "gpupool_collector_spool_redelivered_total") - redelivered_before
     lost = sorted(set(range(total)) - set(seqs))
     duplicated = sorted(s for s, n in Counter(seqs).items() if n > 1)
     assert (len(lost), len(duplicated)) == (0, 0), f"lost {lost[:20]}, duplicated {duplicated[:20]}"
@@ -135,9 +135,9 @@ async def test_kafka_down_30s_nothing_lost_nothing_twice_in_order(
         for _, key, seq in sorted(records):
             assert seq > last.get(key, -1), f"{key}: {seq} after {last[key]}"
             last[key] = seq
-    assert _metric("gpupool_collector_spool_spooled_total", tier="disk") > disk_before
+    assert _metric(svc, "gpupool_collector_spool_spooled_total", tier="disk") > disk_before
     dropped_after = sum(
-        _metric("gpupool_collector_spool_dropped_total", reason=r)
+        _metric(svc, "gpupool_collector_spool_dropped_total", reason=r)
         for r in ("full", "too_large", "disk_error", "rejected", "corrupt", "shutdown")
     )
     assert dropped_after == dropped_before

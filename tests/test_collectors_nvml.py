@@ -12,7 +12,6 @@ from typing import Any
 
 import pynvml
 import pytest
-from prometheus_client import REGISTRY
 
 from collectors.nvml import NvmlReader, NvmlUnavailableError, nvml_available, read_nvml
 from collectors.nvsmi import DEVICE_LEVEL_FIELDS
@@ -210,10 +209,6 @@ class FakeNvml:
         return mh.gi
 
 
-def _metric(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
-
-
 # --- real library ----------------------------------------------------------------------------------
 def test_nvml_is_unavailable_here_and_says_why() -> None:
     """No NVIDIA driver on this machine: pynvml raises NVMLError_LibraryNotFound inside."""
@@ -314,12 +309,9 @@ def test_field_errors_are_invalid_with_reasons_and_counted() -> None:
         "temp": pynvml.NVML_ERROR_GPU_IS_LOST,
     }
     gpu = FakeGpu("GPU-cccc", errors=errs)
-    before = {
-        r: _metric("gpupool_collector_rejected_samples_total", reason=r)
-        for r in ("no_permission", "unknown_error", "gpu_lost", "out_of_range")
-    }
     fake = FakeNvml([gpu, FakeGpu("GPU-dddd", util=(4294967295, 0))])
-    a, b = read_nvml("n", 1.0, nvml=fake)
+    with NvmlReader(fake) as reader:
+        a, b = reader.read("n", 1.0)
     assert a.invalid == {
         "DCGM_FI_DEV_GPU_UTIL": "no_permission",
         "DCGM_FI_DEV_MEM_COPY_UTIL": "no_permission",
@@ -330,13 +322,14 @@ def test_field_errors_are_invalid_with_reasons_and_counted() -> None:
     assert a.fields["DCGM_FI_DEV_FB_USED"] == 1024  # the rest of the GPU is kept
     assert b.invalid == {"DCGM_FI_DEV_GPU_UTIL": "out_of_range"}
     assert b.fields["DCGM_FI_DEV_MEM_COPY_UTIL"] == 0
-    after = {r: _metric("gpupool_collector_rejected_samples_total", reason=r) for r in before}
-    assert {r: after[r] - before[r] for r in before} == {
+    # what the collector service counts in gpupool_collector_rejected_samples_total{reason}
+    assert reader.last_errors == {
         "no_permission": 2,
         "unknown_error": 1,
         "gpu_lost": 1,
         "out_of_range": 1,
     }
+    assert reader.last_failure is None
 
 
 def test_an_unreadable_device_is_left_out_alone() -> None:
@@ -367,10 +360,10 @@ def test_init_and_count_failures() -> None:
         NvmlReader(fake).open()
     assert info.value.reason == "driver_not_loaded"
 
-    before = _metric("gpupool_collector_scrapes_total", target="nvml", result="failure")
     broken = FakeNvml([FakeGpu("GPU-2222")], count_error=pynvml.NVML_ERROR_UNKNOWN)
-    assert read_nvml("n", 1.0, nvml=broken) == []
-    assert _metric("gpupool_collector_scrapes_total", target="nvml", result="failure") == before + 1
+    with NvmlReader(broken) as reader:
+        assert reader.read("n", 1.0) == []
+        assert reader.last_failure == "unknown_error"  # the service counts a failed nvml scrape
 
     with pytest.raises(RuntimeError, match="open"):
         NvmlReader(FakeNvml([])).read("n", 1.0)

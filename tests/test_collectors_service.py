@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from prometheus_client import REGISTRY
 
 from collectors.service import CollectorService, CollectStats
 from contracts import GpuSample, IbPortSample, KafkaTopics, decode
@@ -21,8 +20,9 @@ TOPICS = KafkaTopics(prefix="t.")
 
 
 
-def _metric(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
+def _metric(svc: CollectorService, name: str, **labels: str) -> float:
+    """A sample of ``svc``'s Prometheus registry (0 if absent)."""
+    return svc.registry.get_sample_value(name, labels) or 0.0
 
 
 async def test_collect_once_produces_to_topics_and_counts_failures(exporters: FakeExporters) -> None:
@@ -43,10 +43,6 @@ async def test_collect_once_produces_to_topics_and_counts_failures(exporters: Fa
         ("ib-host-2", SYSFS_CASES / "no_infiniband_class" / "sys"),
         ("ib-host-3", SYSFS_CASES / "roce_link_layer_ethernet" / "sys"),
     ]
-    before_500 = _metric("gpupool_collector_scrape_errors_total", target=bad, reason="http_500")
-    before_ok = _metric("gpupool_collector_scrapes_total", target=good, result="success")
-    before_gpu = _metric("gpupool_collector_records_produced_total", topic=TOPICS.telemetry_gpu)
-    before_unknown = _metric("gpupool_collector_rejected_samples_total", reason="unknown_metric")
     svc = CollectorService(
         bus=bus,
         topics=TOPICS,
@@ -86,13 +82,13 @@ async def test_collect_once_produces_to_topics_and_counts_failures(exporters: Fa
     seqs = sorted(s.seq for _, s in gpu + ib)  # type: ignore[operator]
     assert seqs == list(range(7)) and svc.seq == 7
 
-    assert _metric("gpupool_collector_scrape_errors_total", target=bad, reason="http_500") == before_500 + 1
-    assert _metric("gpupool_collector_scrapes_total", target=good, result="success") == before_ok + 1
-    assert _metric("gpupool_collector_records_produced_total", topic=TOPICS.telemetry_gpu) == before_gpu + 4
+    assert _metric(svc, "gpupool_collector_scrape_errors_total", target=bad, reason="http_500") == 1
+    assert _metric(svc, "gpupool_collector_scrapes_total", target=good, result="success") == 1
+    assert _metric(svc, "gpupool_collector_records_produced_total", topic=TOPICS.telemetry_gpu) == 4
     # TEST_METRIC of the good page, two lines of the garbage page (whose target failed as garbage)
     # and the cut line of the page cut by a proxy (whose target failed as truncated)
     assert stats.rejected == {"unknown_metric": 3, "truncated_line": 1}
-    assert _metric("gpupool_collector_rejected_samples_total", reason="unknown_metric") == before_unknown + 3
+    assert _metric(svc, "gpupool_collector_rejected_samples_total", reason="unknown_metric") == 3
 
 
 async def test_sequence_numbers_keep_growing_across_cycles(exporters: FakeExporters) -> None:
@@ -138,7 +134,7 @@ async def test_run_survives_a_failing_cycle_and_stops_on_event(
         return await real()
 
     monkeypatch.setattr(svc, "collect_once", flaky)
-    before = _metric("gpupool_collector_loop_errors_total", reason="RuntimeError")
+    before = _metric(svc, "gpupool_collector_loop_errors_total", reason="RuntimeError")
     stop = asyncio.Event()
     await svc.start()
     task = asyncio.create_task(svc.run(stop))
@@ -149,7 +145,7 @@ async def test_run_survives_a_failing_cycle_and_stops_on_event(
         await asyncio.wait_for(task, 2.0)
     finally:
         await svc.stop()
-    assert _metric("gpupool_collector_loop_errors_total", reason="RuntimeError") == before + 1
+    assert _metric(svc, "gpupool_collector_loop_errors_total", reason="RuntimeError") == before + 1
     assert len(bus.records(TOPICS.telemetry_gpu)) >= 4 * 2  # cycles 1, 3, 4 produced
 
 
@@ -178,3 +174,41 @@ async def test_collect_before_start_and_bad_settings() -> None:
     with pytest.raises(ValueError):
         CollectorService(bus=MemoryBus(), topics=TOPICS, dcgm_targets=[], sysfs_roots=[], interval_s=0)
     await svc.stop()  # stopping a service never started is fine
+
+
+async def test_two_collectors_in_one_process_keep_their_metrics_apart(exporters: FakeExporters) -> None:
+    """Each collector counts on its own registry: A's scrapes, failures and records are not in B's
+    ``/metrics`` and B's are not in A's; a fabric collector given A's registry shows up in A's only;
+    nothing lands on prometheus_client's default registry."""
+    from prometheus_client import REGISTRY
+
+    from collectors.fabric_collector import FabricCollector
+    from collectors.metrics import FabricCollectorMetrics
+
+    a_bus, b_bus = MemoryBus(), MemoryBus()
+    a = CollectorService(bus=a_bus, topics=TOPICS, dcgm_targets=[exporters.url("/ok/1"), exporters.url("/500")],
+                         sysfs_roots=[])  # fmt: skip
+    b = CollectorService(bus=b_bus, topics=TOPICS, dcgm_targets=[exporters.url("/ok/2")], sysfs_roots=[])
+    fabric = FabricCollector(a_bus, TOPICS, metrics=FabricCollectorMetrics(a.registry))
+    await a.start()
+    await b.start()
+    try:
+        await a.collect_once()
+        await a.collect_once()
+        await b.collect_once()
+    finally:
+        await a.stop()
+        await b.stop()
+    ok1, bad, ok2 = exporters.url("/ok/1"), exporters.url("/500"), exporters.url("/ok/2")
+    assert _metric(a, "gpupool_collector_scrapes_total", target=ok1, result="success") == 2
+    assert _metric(a, "gpupool_collector_scrape_errors_total", target=bad, reason="http_500") == 2
+    assert _metric(a, "gpupool_collector_records_produced_total", topic=TOPICS.telemetry_gpu) == 8
+    assert _metric(b, "gpupool_collector_scrapes_total", target=ok2, result="success") == 1
+    assert _metric(b, "gpupool_collector_records_produced_total", topic=TOPICS.telemetry_gpu) == 4
+    for svc, other in ((a, ok2), (b, ok1)):
+        assert svc.registry.get_sample_value("gpupool_collector_scrapes_total", {"target": other, "result": "success"}) is None
+    assert b.registry.get_sample_value("gpupool_collector_scrape_errors_total", {"target": bad, "reason": "http_500"}) is None
+    assert fabric.metrics.registry is a.registry
+    assert a.registry.get_sample_value("gpupool_collector_fabric_samples_total") == 0
+    assert b.registry.get_sample_value("gpupool_collector_fabric_samples_total") is None
+    assert not [m.name for m in REGISTRY.collect() if m.name.startswith("gpupool_collector_")]

@@ -13,10 +13,10 @@ import subprocess
 import sys
 import time
 import uuid
+from datetime import UTC
 from pathlib import Path
 
 import pytest
-from prometheus_client import REGISTRY
 
 from analytics.classify import FB_USED, GR_ENGINE_ACTIVE, IdleConfig
 from analytics.service import AnalyticsService
@@ -150,7 +150,7 @@ async def _analytics_join(node: SchedulerNode) -> None:
                 assert u.predicted_idle_until <= (node.next_planned_start() or float("inf"))
         job = next(g.job_id for g in node.gpus if g.allocated)
         labels = {"partition": "training", "user": "root", "job": job or ""}
-        assert REGISTRY.get_sample_value("gpupool_analytics_allocated_idle_gpus", labels) == 4
+        assert svc.registry.get_sample_value("gpupool_analytics_allocated_idle_gpus", labels) == 4
     finally:
         await svc.stop()
 
@@ -158,13 +158,14 @@ async def _analytics_join(node: SchedulerNode) -> None:
 async def test_a_failing_slurm_command_fails_that_read_only() -> None:
     bus = MemoryBus()
     topics = KafkaTopics()
-    labels = {"command": "scontrol --all show node", "reason": "exit_status"}
-    before = REGISTRY.get_sample_value("gpupool_collector_slurm_errors_total", labels) or 0.0
     collector = SlurmCollector(bus, topics, run_prefix=["sh", "-c", "echo boom >&2; exit 3", "sh"])
     await collector.start()
     try:
         read = await collector.collect()
         assert not read.ok and read.failure is not None and read.failure.endswith(":exit_status")
+        # the node and job commands run together: the one that failed first is counted
+        labels = {"command": read.failure.removesuffix(":exit_status"), "reason": "exit_status"}
+        assert labels["command"] in ("scontrol --all show node", "scontrol --all show job")
         assert read.records == [] and bus.records(topics.telemetry_scheduler) == []
         missing = SlurmCollector(bus, topics, run_prefix=["/nonexistent/scontrol-wrapper"])
         await missing.start()
@@ -184,9 +185,39 @@ async def test_a_failing_slurm_command_fails_that_read_only() -> None:
         await garbage.stop()
     finally:
         await collector.stop()
-    after = REGISTRY.get_sample_value("gpupool_collector_slurm_errors_total", labels)
-    assert after is not None and after >= before + 1
+    assert collector.metrics.registry.get_sample_value("gpupool_collector_slurm_errors_total", labels) == 1
     await asyncio.sleep(0)
+
+
+async def test_pending_gpus_gauge_is_read_from_the_latest_read(tmp_path: Path) -> None:
+    """``gpupool_collector_slurm_pending_gpus`` shows the latest read's pending GPUs by partition,
+    on the registry the Slurm source was given (the collector service's); a partition with no
+    pending GPU job left has no series."""
+    from collectors.metrics import SlurmMetrics
+    from collectors.service import CollectorService
+
+    fixtures = Path(__file__).parent / "fixtures" / "slurm"
+    jobs = tmp_path / "jobs.txt"
+    jobs.write_text((fixtures / "jobs_mixed.txt").read_text())
+    script = f'if [ "$4" = node ]; then cat {fixtures / "nodes_mixed.txt"}; else cat {jobs}; fi'
+    bus, topics = MemoryBus(), KafkaTopics()
+    svc = CollectorService(bus=bus, topics=topics, dcgm_targets=[], sysfs_roots=[])
+    collector = SlurmCollector(bus, topics, run_prefix=["sh", "-c", script, "sh"], tz=UTC,
+                               metrics=SlurmMetrics(svc.registry))  # fmt: skip
+    gauge = "gpupool_collector_slurm_pending_gpus"
+    await collector.start()
+    try:
+        assert svc.registry.get_sample_value(gauge, {"partition": "training"}) is None  # nothing read yet
+        assert (await collector.collect()).ok
+        assert svc.registry.get_sample_value(gauge, {"partition": "training"}) == 42
+        assert svc.registry.get_sample_value(gauge, {"partition": "lent"}) is None
+        running = [line for line in jobs.read_text().splitlines() if "JobState=PENDING" not in line]
+        jobs.write_text("\n".join(running) + "\n")
+        assert (await collector.collect()).ok
+        assert svc.registry.get_sample_value(gauge, {"partition": "training"}) is None
+        assert svc.registry.get_sample_value("gpupool_collector_slurm_records_total") == 8
+    finally:
+        await collector.stop()
 
 
 async def test_collect_run_with_slurm_conf_streams_node_records(

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from collectors.slurm_parse import (
+    pending_gpus,
     GresEntry,
     SlurmParseError,
     expand_hostlist,
@@ -241,3 +242,12 @@ def test_fuzz_parsers_raise_only_their_own_error(pairs: list[tuple[str, str]], n
     jobs, _ = parse_records(line, job_utc)
     for rec in build_node_records(nodes, jobs, ts=0.0):
         assert all(g.index >= 0 for g in rec.gpus)
+
+
+def test_pending_gpus_add_up_per_partition_over_pending_jobs_only() -> None:
+    """jobs_mixed: pending jobs 4 (8 GPUs), 5 (8 x 4 nodes) and 6 (held, 2) of ``training``; the
+    running jobs (``training`` and ``lent``) add nothing, so ``lent`` is absent, not 0."""
+    jobs, _ = parse_records((FIXTURES / "jobs_mixed.txt").read_text(), job_utc)
+    assert pending_gpus(jobs) == {"training": 42}
+    assert pending_gpus([j for j in jobs if j.state != "PENDING"]) == {}
+    assert pending_gpus([]) == {}

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 from aiokafka.errors import KafkaTimeoutError
-from prometheus_client import REGISTRY
 
 from collectors.spool import REDELIVERY_HEADER, RecordDroppedError, SpoolingProducer
 from collectors.spool_disk import decode_body, encode_frame, make_record
@@ -81,8 +80,9 @@ class FakeBus:
         self.pending.clear()
 
 
-def _metric(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
+def _metric(spool: SpoolingProducer, name: str, **labels: str) -> float:
+    """A sample of the registry ``spool`` counts on (0 if absent)."""
+    return spool.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
 def _values(sent: list[Sent]) -> list[int]:
@@ -121,7 +121,6 @@ def test_frame_round_trip() -> None:
 async def test_memory_bus_gets_every_record_in_order() -> None:
     bus = MemoryBus(default_partitions=4)
     await bus.create_topics(["t"], partitions=4)
-    before = _metric("gpupool_collector_spool_drained_total")
     spool = _spool(bus.producer())
     await spool.start()
     for i in range(500):
@@ -134,12 +133,11 @@ async def test_memory_bus_gets_every_record_in_order() -> None:
     for k in range(7):
         seq = [int(m.value or b"") for m in got if m.key == f"k{k}"]
         assert seq == list(range(k, 500, 7))
-    assert _metric("gpupool_collector_spool_drained_total") == before + 500
+    assert _metric(spool, "gpupool_collector_spool_drained_total") == 500
 
 
 async def test_outage_spools_to_memory_then_disk_and_delivers_exactly_once(tmp_path: Path) -> None:
     fake = FakeBus(up=True)
-    disk_before = _metric("gpupool_collector_spool_spooled_total", tier="disk")
     spool = _spool(fake, memory_records=50, disk_dir=tmp_path / "spool", batch_records=20)
     await spool.start()
     for i in range(30):
@@ -151,16 +149,16 @@ async def test_outage_spools_to_memory_then_disk_and_delivers_exactly_once(tmp_p
     await asyncio.sleep(0.3)  # several flush polls time out meanwhile
     tiers = spool.queued_by_tier
     assert tiers["memory"] == 50 and tiers["disk"] == 250  # memory full, the rest on disk
-    assert _metric("gpupool_collector_spool_spooled_total", tier="disk") == disk_before + 250
-    assert _metric("gpupool_collector_spool_records", tier="disk") >= 250
-    assert _metric("gpupool_collector_spool_bus_up") == 0
+    assert _metric(spool, "gpupool_collector_spool_spooled_total", tier="disk") == 250
+    assert _metric(spool, "gpupool_collector_spool_records", tier="disk") >= 250
+    assert _metric(spool, "gpupool_collector_spool_bus_up") == 0
     assert len(fake.pending) == 20  # one unit in the inner producer, never handed twice
     fake.up.set()
     await asyncio.wait_for(spool.flush(), 5)
     assert _values(fake.delivered) == list(range(330))  # every record once, in order
     assert not any(h for *_, h in fake.delivered)  # nothing had to be flagged
     assert list((tmp_path / "spool").glob("*.seg")) == []  # an empty spool leaves no segment
-    assert _metric("gpupool_collector_spool_bus_up") == 1
+    assert _metric(spool, "gpupool_collector_spool_bus_up") == 1
     await spool.stop()
 
 
@@ -180,7 +178,6 @@ async def test_bus_unreachable_at_start_is_retried(tmp_path: Path) -> None:
 
 async def test_flush_failing_half_way_resends_flagged_and_loses_nothing() -> None:
     fake = FakeBus()
-    before = _metric("gpupool_collector_spool_redelivered_total")
     spool = _spool(fake, batch_records=10)
     fake.up.clear()
     await spool.start()
@@ -198,13 +195,12 @@ async def test_flush_failing_half_way_resends_flagged_and_loses_nothing() -> Non
     assert sorted(dupes) == [0, 1, 2, 3] and set(dupes) <= set(flagged)  # only flagged ones repeat
     first = [v for i, v in enumerate(values) if v not in values[:i]]
     assert first == list(range(25))  # first deliveries in order
-    assert _metric("gpupool_collector_spool_redelivered_total") == before + 10
+    assert _metric(spool, "gpupool_collector_spool_redelivered_total") == 10
 
 
 async def test_poison_record_is_dropped_after_max_attempts_others_flow() -> None:
     fake = FakeBus()
     fake.poison = {b"3"}
-    before = _metric("gpupool_collector_spool_dropped_total", reason="rejected")
     spool = _spool(fake, max_attempts=3)
     await spool.start()
     for i in range(8):
@@ -213,7 +209,7 @@ async def test_poison_record_is_dropped_after_max_attempts_others_flow() -> None
     await spool.stop()
     assert _values(fake.delivered) == [0, 1, 2, 4, 5, 6, 7]
     assert spool.dropped == 1
-    assert _metric("gpupool_collector_spool_dropped_total", reason="rejected") == before + 1
+    assert _metric(spool, "gpupool_collector_spool_dropped_total", reason="rejected") == 1
 
 
 async def test_transient_send_errors_never_drop() -> None:
@@ -230,7 +226,6 @@ async def test_transient_send_errors_never_drop() -> None:
 
 async def test_backpressure_then_drop_counted_then_recovery() -> None:
     fake = FakeBus(up=False)
-    before = _metric("gpupool_collector_spool_dropped_total", reason="full")
     spool = _spool(fake, memory_records=3, max_wait_s=0.2)
     await spool.start()
     for i in range(3):
@@ -244,7 +239,7 @@ async def test_backpressure_then_drop_counted_then_recovery() -> None:
     with pytest.raises(RecordDroppedError):
         await spool.send("t", b"4")
     assert loop.time() - t0 < 0.1  # already shedding: no second wait
-    assert _metric("gpupool_collector_spool_dropped_total", reason="full") == before + 2
+    assert _metric(spool, "gpupool_collector_spool_dropped_total", reason="full") == 2
 
     # A sender waiting for space gets in as soon as the bus takes records again.
     fake.up.set()
@@ -273,8 +268,6 @@ async def test_waiting_sender_is_admitted_when_space_frees() -> None:
 
 async def test_disk_full_and_too_large(tmp_path: Path) -> None:
     fake = FakeBus(up=False)
-    full = _metric("gpupool_collector_spool_dropped_total", reason="full")
-    large = _metric("gpupool_collector_spool_dropped_total", reason="too_large")
     spool = _spool(
         fake,
         memory_records=1,
@@ -294,8 +287,8 @@ async def test_disk_full_and_too_large(tmp_path: Path) -> None:
             await spool.send("t", payload)
             accepted += 1
     assert accepted == 1 + 6  # one in memory, 6 frames of ~150 kB in 1 MiB of disk
-    assert _metric("gpupool_collector_spool_dropped_total", reason="full") == full + 1
-    assert _metric("gpupool_collector_spool_dropped_total", reason="too_large") == large + 1
+    assert _metric(spool, "gpupool_collector_spool_dropped_total", reason="full") == 1
+    assert _metric(spool, "gpupool_collector_spool_dropped_total", reason="too_large") == 1
     assert sum(p.stat().st_size for p in tmp_path.glob("*.seg")) <= 1 << 20
     fake.up.set()
     await asyncio.wait_for(spool.flush(), 5)
@@ -350,14 +343,13 @@ async def test_stop_during_outage_persists_memory_before_disk_and_flags_in_fligh
 
 async def test_memory_only_stop_during_outage_counts_what_it_drops() -> None:
     fake = FakeBus(up=False)
-    before = _metric("gpupool_collector_spool_dropped_total", reason="shutdown")
     spool = _spool(fake, memory_records=100)
     await spool.start()
     for i in range(7):
         await spool.send("t", str(i).encode())
     await spool.stop()
     assert spool.dropped == 7
-    assert _metric("gpupool_collector_spool_dropped_total", reason="shutdown") == before + 7
+    assert _metric(spool, "gpupool_collector_spool_dropped_total", reason="shutdown") == 7
     with pytest.raises(RuntimeError):
         await spool.send("t", b"late")
     with pytest.raises(RuntimeError):
@@ -375,7 +367,6 @@ async def test_torn_tail_is_cut_and_counted(tmp_path: Path) -> None:
     frame = encode_frame(make_record("t", b"10", None, []))
     with open(seg, "ab") as f:
         f.write(frame[: len(frame) - 3])  # a power loss in the middle of a write
-    before = _metric("gpupool_collector_spool_dropped_total", reason="corrupt")
 
     up = FakeBus()
     second = _spool(up, disk_dir=tmp_path)
@@ -383,7 +374,7 @@ async def test_torn_tail_is_cut_and_counted(tmp_path: Path) -> None:
     await asyncio.wait_for(second.flush(), 5)
     await second.stop()
     assert _values(up.delivered) == list(range(10))
-    assert _metric("gpupool_collector_spool_dropped_total", reason="corrupt") == before + 1
+    assert _metric(second, "gpupool_collector_spool_dropped_total", reason="corrupt") == 1
 
 
 async def test_corrupt_frame_in_the_middle_loses_only_its_segment(tmp_path: Path) -> None:

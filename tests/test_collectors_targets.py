@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-from prometheus_client import REGISTRY
 
 from collectors.service import CollectorService
 from collectors.targets import FileSdError, Target, TargetSet, parse_duration, parse_file_sd
@@ -22,8 +21,9 @@ from tests.fake_exporters import FakeExporters
 TOPICS = KafkaTopics(prefix="sd.")
 
 
-def _metric(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
+def _metric(ts: TargetSet, name: str, **labels: str) -> float:
+    """A sample of the registry ``ts`` counts on (0 if absent)."""
+    return ts.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
 def _write(path: Path, doc: object) -> None:
@@ -151,13 +151,13 @@ def test_target_set_hot_reload_keeps_previous_on_a_bad_file(tmp_path: Path) -> N
         ("http://n2:9400/metrics", str(b)),
     ]
 
-    errors = _metric("gpupool_collector_file_sd_errors_total", reason="bad_json")
+    errors = _metric(ts, "gpupool_collector_file_sd_errors_total", reason="bad_json")
     _write(a, '[{"targets": ["n1:9400"], ')  # a half-written file
     assert ts.refresh() is False
     assert "http://n1:9400/metrics" in [t.url for t in ts.targets]  # previous targets kept
-    assert _metric("gpupool_collector_file_sd_errors_total", reason="bad_json") == errors + 1
+    assert _metric(ts, "gpupool_collector_file_sd_errors_total", reason="bad_json") == errors + 1
     assert ts.refresh() is False  # unchanged since: not read (nor counted) again
-    assert _metric("gpupool_collector_file_sd_errors_total", reason="bad_json") == errors + 1
+    assert _metric(ts, "gpupool_collector_file_sd_errors_total", reason="bad_json") == errors + 1
 
     version = ts.version
     _write(a, [{"targets": ["n3:9400"], "labels": {"__scrape_interval__": "30s"}}])
@@ -168,16 +168,15 @@ def test_target_set_hot_reload_keeps_previous_on_a_bad_file(tmp_path: Path) -> N
     b.unlink()  # a file that disappears takes its targets with it
     assert ts.refresh() is True
     assert [t.url for t in ts.targets] == ["http://static:9400/metrics", "http://n3:9400/metrics"]
-    assert _metric("gpupool_collector_targets", source="file_sd") == 1
+    assert _metric(ts, "gpupool_collector_targets", source="file_sd") == 1
 
 
 def test_target_set_refuses_yaml_and_ignores_missing(tmp_path: Path) -> None:
     y = tmp_path / "t.yml"
     y.write_text("- targets: ['n1:9400']\n")
-    before = _metric("gpupool_collector_file_sd_errors_total", reason="unsupported_format")
     ts = TargetSet([], [y, tmp_path / "missing.json"])
     assert ts.targets == []
-    assert _metric("gpupool_collector_file_sd_errors_total", reason="unsupported_format") == before + 1
+    assert _metric(ts, "gpupool_collector_file_sd_errors_total", reason="unsupported_format") == 1
 
 
 
@@ -279,11 +278,12 @@ def test_cli_counts_file_sd_as_a_source(tmp_path: Path) -> None:
 FORGET_S = 60.0
 
 
-def _series(target: str) -> dict[str, float | None]:
+def _series(svc: CollectorService, target: str) -> dict[str, float | None]:
+    reg = svc.registry
     return {
-        "success": REGISTRY.get_sample_value("gpupool_collector_scrapes_total", {"target": target, "result": "success"}),
-        "failure": REGISTRY.get_sample_value("gpupool_collector_scrapes_total", {"target": target, "result": "failure"}),
-        "http_500": REGISTRY.get_sample_value(
+        "success": reg.get_sample_value("gpupool_collector_scrapes_total", {"target": target, "result": "success"}),
+        "failure": reg.get_sample_value("gpupool_collector_scrapes_total", {"target": target, "result": "failure"}),
+        "http_500": reg.get_sample_value(
             "gpupool_collector_scrape_errors_total", {"target": target, "reason": "http_500"}
         ),
     }
@@ -311,19 +311,19 @@ async def test_a_target_removed_for_forget_after_s_loses_its_series(
     try:
         await svc.collect_once()
         await svc.collect_once()
-        assert _series(bad)["failure"] == 2 and _series(bad)["http_500"] == 2
-        assert _series(good)["success"] == 2
+        assert _series(svc, bad)["failure"] == 2 and _series(svc, bad)["http_500"] == 2
+        assert _series(svc, good)["success"] == 2
         assert svc.forget_removed_targets(1000.0) == []  # every target still configured
         _write(sd, [{"targets": [host], "labels": {"__metrics_path__": "/ok/7"}}])
         assert svc.targets.refresh()
         assert svc.forget_removed_targets(1000.0) == []  # gone from now on
         forgotten = svc.forget_removed_targets(1000.0 + gone_for)
         if gone_for < FORGET_S:
-            assert forgotten == [] and _series(bad)["http_500"] == 2
+            assert forgotten == [] and _series(svc, bad)["http_500"] == 2
         else:
             assert forgotten == [bad]
-            assert _series(bad) == {"success": None, "failure": None, "http_500": None}
-        assert _series(good)["success"] == 2  # the configured target keeps its series
+            assert _series(svc, bad) == {"success": None, "failure": None, "http_500": None}
+        assert _series(svc, good)["success"] == 2  # the configured target keeps its series
         assert svc.forget_removed_targets(1e9) == ([bad] if gone_for < FORGET_S else [])
     finally:
         await svc.stop()
@@ -345,6 +345,6 @@ async def test_a_target_back_before_forget_after_s_keeps_counting(
         svc.targets.refresh()
         assert svc.forget_removed_targets(FORGET_S * 10) == []
         await svc.collect_once()
-        assert _series(url)["success"] == 2
+        assert _series(svc, url)["success"] == 2
     finally:
         await svc.stop()

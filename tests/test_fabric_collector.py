@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client import REGISTRY
 
 from collectors.fabric_collector import FabricCollector
 from contracts.base import decode
@@ -76,12 +75,12 @@ for p in ports:
 """
 
 
-def _err(reason: str) -> float:
-    return REGISTRY.get_sample_value("gpupool_collector_fabric_errors_total", {"reason": reason}) or 0.0
+def _err(fc: FabricCollector, reason: str) -> float:
+    return fc.metrics.registry.get_sample_value("gpupool_collector_fabric_errors_total", {"reason": reason}) or 0.0
 
 
-def _timeouts() -> float:
-    return REGISTRY.get_sample_value("gpupool_collector_fabric_timeouts_total") or 0.0
+def _timeouts(fc: FabricCollector) -> float:
+    return fc.metrics.registry.get_sample_value("gpupool_collector_fabric_timeouts_total") or 0.0
 
 
 @pytest.fixture
@@ -111,10 +110,6 @@ def _collector(
 async def test_sweep_counts_every_failure_and_keeps_going(tools: tuple[Path, Path], tmp_path: Path) -> None:
     _, perf = tools
     bus, topics = MemoryBus(), KafkaTopics(prefix="t.")
-    before = {
-        r: _err(r) for r in ("timeout", "unreachable", "empty_output", "missing_port", "too_few_fields")
-    }
-    timeouts0 = _timeouts()
     async with _collector(tools, bus, topics, timeout_s=0.8, concurrency=4, workdir=tmp_path / "work") as fc:
         topo = await fc.discover()
         assert len(topo.ports) == 9 and [p.reason for p in topo.problems] == ["too_few_fields"]
@@ -136,11 +131,11 @@ async def test_sweep_counts_every_failure_and_keeps_going(tools: tuple[Path, Pat
     assert h14.counters["PortXmitWait"] == 65535 and h14.counter_bits["PortXmitWait"] == 32
     assert h14.counters["SymbolErrorCounter"] == 65535 and h14.saturated == ["SymbolErrorCounter"]
     assert (h14.host, h14.device, h14.rate_bytes_per_second) == ("h14", "mlx5_0", 25_000_000_000)
-    assert _err("timeout") - before["timeout"] == 1 and _timeouts() - timeouts0 == 1
-    assert _err("unreachable") - before["unreachable"] == 1
-    assert _err("empty_output") - before["empty_output"] == 1
-    assert _err("missing_port") - before["missing_port"] == 1
-    assert _err("too_few_fields") - before["too_few_fields"] == 1
+    assert _err(fc, "timeout") == 1 and _timeouts(fc) == 1
+    assert _err(fc, "unreachable") == 1
+    assert _err(fc, "empty_output") == 1
+    assert _err(fc, "missing_port") == 1
+    assert _err(fc, "too_few_fields") == 1
     # switches first, then CAs; legacy only where PortXmitWait was missing
     calls = (perf.parent / "perfquery.log").read_text().split("\n")
     assert calls[:2] == ["x 10 1,2", "x 20 1,2"] or calls[:2] == ["x 20 1,2", "x 10 1,2"]
@@ -192,11 +187,11 @@ async def test_missing_tools_and_not_started(tmp_path: Path) -> None:
     )
     with pytest.raises(RuntimeError):
         await fc.sweep()
-    before = _err("exec_error")
+    before = _err(fc, "exec_error")
     async with fc:
         topo = await fc.discover()
         assert topo.error == "exec_error" and await fc.sweep() == []
-    assert _err("exec_error") - before == 2  # discover, then the sweep's own discovery attempt
+    assert _err(fc, "exec_error") - before == 2  # discover, then the sweep's own discovery attempt
     with pytest.raises(ValueError):
         FabricCollector(bus, KafkaTopics(), concurrency=0)
 
@@ -213,14 +208,13 @@ async def test_run_loop_stops_and_survives_a_failing_bus(tools: tuple[Path, Path
             p.send = send  # type: ignore[method-assign]
             return p
 
-    before = _err("publish")
     stop = asyncio.Event()
     async with _collector(tools, _Broken(), timeout_s=0.3, include_cas=False) as fc:
         task = asyncio.create_task(fc.run(0.05, stop=stop))
         await asyncio.sleep(0.6)
         stop.set()
         await asyncio.wait_for(task, 5)
-    assert _err("publish") - before >= 2
+    assert _err(fc, "publish") >= 2
 
 
 async def test_legacy_every_nth_sweep_reads_error_counters_only_then(
@@ -343,7 +337,6 @@ async def test_a_lost_ibsim_client_slot_is_retried_as_transport(tmp_path: Path, 
     )
     for t in (ibnet, perf):
         t.chmod(0o755)
-    before = {r: _err(r) for r in ("transport", "unreachable", "exit_status")}
     async with _collector((ibnet, perf), include_cas=False, retries=1) as fc:
         samples = await fc.sweep()
     assert sorted((s.node_guid, s.port) for s in samples) == [
@@ -353,4 +346,8 @@ async def test_a_lost_ibsim_client_slot_is_retried_as_transport(tmp_path: Path, 
         ("0x0000000000000a20", 2),
     ]
     assert all(s.counters["PortXmitData"] == 9 for s in samples)
-    assert {r: _err(r) - v for r, v in before.items()} == {"transport": 0, "unreachable": 0, "exit_status": 0}
+    assert {r: _err(fc, r) for r in ("transport", "unreachable", "exit_status")} == {
+        "transport": 0,
+        "unreachable": 0,
+        "exit_status": 0,
+    }
