@@ -22,6 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from broker.config import BrokerConfig
 from broker.leases import Changes, LeaseBook, PendingGrant
+from broker.metrics import BrokerMetrics
 from broker.lending import SlurmLending
 from broker.scheduler import Hold, HoldState
 from broker.scheduler_slurm import COMMENT_PREFIX, IDLE_COMMENT
@@ -170,7 +171,8 @@ class LendingMachine(RuleBasedStateMachine):
             notice_s=GRACE, control_dir=self.control, poll_s=1e6, unwanted_grace_s=2.0,
             clock=lambda: self.clock[0],
         )  # fmt: skip
-        lending.bind(self._reclaim, lambda: (g.gpu for o in self.book.offers.values() for g in o.gpus), lambda _: None)
+        offered = lambda: (g.gpu for o in self.book.offers.values() for g in o.gpus)  # noqa: E731
+        lending.bind(self._reclaim, offered, lambda _: None, BrokerMetrics())
         return lending
 
     def _apply(self, ch: Changes) -> None:
