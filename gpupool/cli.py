@@ -5,10 +5,10 @@ Stage command groups are defined next to their stage (``collectors.cli``, ``anal
 ``broker.cli``) and mounted here; this module only wires them (the demo command: :mod:`gpupool.demo_cli`).
 
 Every sub-command is imported **lazily**, when it is invoked (:class:`_LazyCommands`): a process
-started as ``gpupool collect run`` imports the collectors and ``contracts`` only, so its Prometheus
-``/metrics`` (default registry) holds the collectors' metrics and never the analytics' or the
-broker's (which a module-level ``Counter`` registers as soon as its module is imported).
-``gpupool --help`` still lists every command (it loads them all to print their help).
+started as ``gpupool edge claim`` imports the edge SDK only, so a site that installed gpupool
+without the server extra (no aiokafka, DuckDB...) can run every ``edge`` command, and a stage's
+``run`` starts without importing the other stages. ``gpupool --help`` still lists every command
+(it loads them all to print their help).
 """
 
 from __future__ import annotations
