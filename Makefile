@@ -1,6 +1,6 @@
 # gpupool — the README's two promises: `make demo` and `make test`.
-# Everything is installed from nothing: a virtualenv in .venv, Debian packages, Kafka jars
-# (cached outside the repo in $(GPUPOOL_CACHE)).
+# Everything is installed from nothing: a virtualenv in .venv, Debian packages, Kafka jars and
+# the Kubernetes control plane's binaries (both cached outside the repo in $(GPUPOOL_CACHE)).
 
 PYTHON ?= python3
 VENV := .venv
@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 export GPUPOOL_CACHE ?= $(HOME)/.cache/gpupool
 export GPUPOOL_STATE ?= $(CURDIR)/.state
 
-.PHONY: demo test lint venv deps-system deps-kafka deps services-up services-down bench clean
+.PHONY: demo test lint venv deps-system deps-kafka deps-kubernetes deps services-up services-down bench clean
 
 $(BIN)/gpupool: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,12 @@ deps-system:
 deps-kafka:
 	bash deploy/local/kafka-fetch.sh
 
-deps: venv deps-system deps-kafka
+## kube-apiserver, -scheduler, -controller-manager, kwok, Kueue built from the Go module proxy, etcd
+## from Debian's .deb: minutes from an empty cache, nothing when cached (deploy/local/kubernetes-build.sh).
+deps-kubernetes:
+	bash deploy/local/kubernetes-build.sh
+
+deps: venv deps-system deps-kafka deps-kubernetes
 
 ## The main job on embedded defaults: simulator + every stage in one process. Fabric isolation
 ## on a simulated InfiniBand fabric when its tools are installed (DEMO_FABRIC=auto|on|off).
@@ -46,6 +51,7 @@ services-up: deps
 	bash deploy/local/mosquitto.sh start
 
 services-down:
+	-bash deploy/local/kubernetes.sh stop
 	-bash deploy/local/kafka.sh stop
 	-bash deploy/local/mosquitto.sh stop
 

@@ -11,6 +11,8 @@
 #   prometheus-node-exporter          node_exporter on the simulated sysfs (live dashboard test)
 #   munge, slurmctld, slurmd,         the training scheduler: a Slurm 22.05 cluster on loopback
 #   slurm-client, tini                (deploy/local/slurm.sh; tini reaps the jobs' orphans)
+#   openssl, curl, unzip              the Kubernetes control plane's certificates, and a Go toolchain
+#                                     fetched when none is new enough (deploy/local/kubernetes*.sh)
 #
 # Idempotent: packages are checked with one `dpkg-query` call and `command -v java`; when nothing is
 # missing the script prints nothing and exits 0 at once. Otherwise it runs `apt-get update` and
@@ -19,7 +21,7 @@
 set -euo pipefail
 
 packages=(mosquitto mosquitto-clients prometheus ibsim-utils libumad2sim0 opensm infiniband-diags maven chromium prometheus-node-exporter
-    munge slurmctld slurmd slurm-client tini)
+    munge slurmctld slurmd slurm-client tini openssl curl unzip)
 
 _java_major() {
     # Major version of the java on PATH ("17" from 'openjdk version "17.0.15"'), or 0 if none.
