@@ -18,6 +18,11 @@ Fixtures:
   ``gpu-node-001``..``004`` × 8 GPUs as GRES ``gpu:h100``, partitions ``training`` and ``lent`` with
   ``GraceTime`` = :data:`SLURM_GRACE_S`); Slurm's
   clients reach that cluster with ``SLURM_CONF`` set to it.
+* ``kubeconfig`` (session): the path of the kubeconfig of ``deploy/local/kubernetes.sh start`` (etcd,
+  kube-apiserver, kube-controller-manager, kube-scheduler v1.31.14; kwok nodes ``gpu-node-001``..``004``
+  × 8 allocatable ``nvidia.com/gpu``; Kueue with ClusterQueue ``training`` and LocalQueue
+  ``training/training``); a cluster-admin token. The first start from an empty cache builds the
+  binaries (minutes).
 
 A service is stopped at the end of the session only if this session started it (one already
 running, e.g. from ``make services-up``, is left running). A service that does not start fails
@@ -45,7 +50,7 @@ from runtime.kafka import KafkaBus
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy" / "local"
-_SERVICE_FIXTURES = {"kafka_bootstrap", "kafka_bus", "kafka_stage_topics", "mosquitto", "slurm_conf"}
+_SERVICE_FIXTURES = {"kafka_bootstrap", "kafka_bus", "kafka_stage_topics", "mosquitto", "slurm_conf", "kubeconfig"}
 
 
 def state_dir() -> Path:
@@ -56,8 +61,24 @@ def state_dir() -> Path:
 SLURM_GRACE_S = 5
 """GraceTime of the test cluster's lent partition (= the notice of test leases), seconds."""
 
-_SERVICE_ENV = {"slurm.sh": {"GPUPOOL_SLURM_GRACE": str(SLURM_GRACE_S)}}
+K8S_NODES = 4
+"""kwok nodes of the test cluster (``gpu-node-001`` ...)."""
+
+K8S_GPUS = 8
+"""Allocatable ``nvidia.com/gpu`` per kwok node of the test cluster."""
+
+_SERVICE_ENV = {
+    "slurm.sh": {"GPUPOOL_SLURM_GRACE": str(SLURM_GRACE_S)},
+    "kubernetes.sh": {"GPUPOOL_K8S_NODES": str(K8S_NODES), "GPUPOOL_K8S_GPUS": str(K8S_GPUS)},
+}
 """Environment each script gets in tests, on top of this process's."""
+
+K8S_BUILD_TIMEOUT_S = 3600.0
+"""Time ``deploy/local/kubernetes.sh start`` may take when it builds the binaries first."""
+
+_START_TIMEOUT_S = {"kubernetes.sh": K8S_BUILD_TIMEOUT_S}
+"""Time a script's ``start`` may take, where not the default 180 s (a cold Kubernetes start builds
+its binaries from source)."""
 
 
 def run_service(
@@ -94,7 +115,7 @@ def _start(script: str) -> tuple[str, bool]:
     """Start a service; returns (its ``host:port``, whether this call started it)."""
     was_running = run_service(script, "status", 60).returncode == 0
     try:
-        done = run_service(script, "start")
+        done = run_service(script, "start", _START_TIMEOUT_S.get(script, 180.0))
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"deploy/local/{script} start did not finish in {e.timeout} s", pytrace=False)
     if done.returncode != 0:
@@ -130,6 +151,24 @@ def slurm_conf() -> Iterator[Path]:
     yield Path(conf)
     if started:
         run_service("slurm.sh", "stop")
+
+
+def kubernetes_built() -> bool:
+    """Whether ``deploy/local/kubernetes-build.sh check`` finds every binary built, i.e. a start
+    needs no build. A test module that uses ``kubeconfig`` raises its pytest timeout above
+    :data:`K8S_BUILD_TIMEOUT_S` when not: the first test's setup then includes the build (``make
+    test`` builds in ``make deps`` first)."""
+    return run_service("kubernetes-build.sh", "check", 30).returncode == 0
+
+
+@pytest.fixture(scope="session")
+def kubeconfig() -> Iterator[Path]:
+    """Path of the local Kubernetes control plane's kubeconfig (started, and built when not cached,
+    if needed; stopped after the session if this session started it)."""
+    path, started = _start("kubernetes.sh")
+    yield Path(path)
+    if started:
+        run_service("kubernetes.sh", "stop")
 
 
 @pytest.fixture

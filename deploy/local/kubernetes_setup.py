@@ -109,10 +109,11 @@ def _api(kubeconfig: str) -> client.ApiClient:
 
 def check_api(api: client.ApiClient) -> None:
     """Raise :class:`NotReady` unless ``GET /readyz`` answers 200 ``ok``."""
-    resp = api.call_api("/readyz", "GET", auth_settings=["BearerToken"], _preload_content=False, _request_timeout=5)
-    body = resp[0].data.decode(errors="replace").strip()
-    if resp[1] != 200 or body != "ok":
-        raise NotReady(f"/readyz: {resp[1]} {body[:500]}")
+    request = api.param_serialize(method="GET", resource_path="/readyz", auth_settings=["BearerToken"])
+    resp = api.call_api(*request, _request_timeout=5)
+    body = resp.read().decode(errors="replace").strip()
+    if resp.status != 200 or body != "ok":
+        raise NotReady(f"/readyz: {resp.status} {body[:500]}")
 
 
 def check_nodes(api: client.ApiClient, count: int, gpus: int) -> None:
