@@ -39,9 +39,10 @@
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-repo="$(cd "$here/../.." && pwd)"
-state="${GPUPOOL_K8S_DIR:-${GPUPOOL_STATE:-$repo/.state}/kubernetes}"
-py="${GPUPOOL_PYTHON:-$repo/.venv/bin/python}"
+# shellcheck source=deploy/local/service-lib.sh
+. "$here/service-lib.sh"
+svc=kubernetes
+state="${GPUPOOL_K8S_DIR:-$state_root/kubernetes}"
 [ -x "$py" ] || py=python3
 nodes="${GPUPOOL_K8S_NODES:-4}"
 gpus="${GPUPOOL_K8S_GPUS:-8}"
@@ -56,22 +57,13 @@ pidfile="$state/pid/kube-apiserver.pid"
 # Started in this order, stopped in the reverse one.
 components=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok kueue)
 
-svc=kubernetes
-# shellcheck source=deploy/local/service-lib.sh
-. "$here/service-lib.sh"
-
 _pid() {
     _pid_matching kube-apiserver
 }
 
 _alive() {
     # _alive COMPONENT: print the pid of COMPONENT if its pid file names a live process of it.
-    local f="$state/pid/$1.pid" pid
-    [ -f "$f" ] || return 1
-    pid="$(cat "$f")"
-    [ -n "$pid" ] && [ -r "/proc/$pid/cmdline" ] || return 1
-    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -qF -- "$bin/$1" || return 1
-    echo "$pid"
+    _pid_matching "$bin/$1" "$state/pid/$1.pid"
 }
 
 _ports_read() {
@@ -279,20 +271,6 @@ cmd_start() {
     _address
 }
 
-_descendants() {
-    # _descendants PID...: the PIDs given and every process below them (from /proc/*/stat).
-    local all
-    all="$(awk '{print $4, $1}' /proc/[0-9]*/stat 2>/dev/null)"
-    local queue=("$@") out=() pid child
-    while ((${#queue[@]})); do
-        pid="${queue[0]}"
-        queue=("${queue[@]:1}")
-        out+=("$pid")
-        for child in $(awk -v p="$pid" '$1 == p {print $2}' <<<"$all"); do queue+=("$child"); done
-    done
-    echo "${out[@]}"
-}
-
 cmd_stop_locked() {
     local i c pid pids=()
     for ((i = ${#components[@]} - 1; i >= 0; i--)); do
@@ -303,26 +281,9 @@ cmd_stop_locked() {
         fi
         rm -f "$state/pid/$c.pid"
     done
-    for ((i = 0; i < 100; i++)); do
-        local left=0
-        for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && left=1; done
-        ((left)) || break
-        sleep 0.1
-    done
-    for pid in "${pids[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
+    _wait_or_kill 10 "${pids[@]}"
     # Anything else started with this cluster's marker in its environment.
-    local marked=() p
-    for p in /proc/[0-9]*; do
-        pid="${p#/proc/}"
-        [ "$pid" = "$$" ] && continue
-        if { tr '\0' '\n' <"$p/environ"; } 2>/dev/null | grep -qxF "GPUPOOL_K8S_CLUSTER=$state"; then
-            marked+=("$pid")
-        fi
-    done
-    if ((${#marked[@]})); then
-        # shellcheck disable=SC2046
-        kill -KILL $(_descendants "${marked[@]}") 2>/dev/null || true
-    fi
+    _kill_marked "GPUPOOL_K8S_CLUSTER=$state"
     echo "$svc: stopped" >&2
 }
 
@@ -333,24 +294,7 @@ cmd_stop() {
 }
 
 cmd_status() {
-    if ! _pid >/dev/null; then
-        echo "$svc: not running" >&2
-        return 1
-    fi
-    if _ready 5; then
-        _address
-        return 0
-    fi
-    echo "$svc: kube-apiserver runs but the control plane is not ready" >&2
-    return 2
+    _status 5
 }
 
-case "${1:-}" in
-    start) cmd_start ;;
-    stop) cmd_stop ;;
-    status) cmd_status ;;
-    *)
-        echo "usage: $0 start|stop|status" >&2
-        exit 64
-        ;;
-esac
+_main "${1:-}"

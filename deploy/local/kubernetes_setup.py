@@ -47,6 +47,8 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
 from urllib3.exceptions import HTTPError
 
+from ready import alive  # deploy/local/ready.py, next to this script
+
 FIELD_MANAGER = "gpupool-local"
 KUEUE_API = "kueue.x-k8s.io/v1beta2"
 KUEUE_NAMESPACE = "kueue-system"
@@ -74,15 +76,6 @@ def node_names(count: int) -> list[str]:
     return [f"gpu-node-{i:03d}" for i in range(1, count + 1)]
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (a zombie counts as dead)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
-
-
 def _wait(what: str, check: Callable[[], None], timeout_s: float, pid: int | None) -> None:
     """Call ``check`` every 0.25 s until it returns; exit 1 (naming ``what`` and the last error) after
     ``timeout_s`` seconds, 3 at once when process ``pid`` has exited."""
@@ -94,7 +87,7 @@ def _wait(what: str, check: Callable[[], None], timeout_s: float, pid: int | Non
             return
         except (NotReady, ApiException, ResourceNotFoundError, HTTPError, OSError) as e:
             last = f"{type(e).__name__}: {e}".strip()[:2000]
-        if pid is not None and not _alive(pid):
+        if pid is not None and not alive(pid):
             print(f"{what}: process {pid} exited; last error: {last}", file=sys.stderr)
             sys.exit(3)
         if time.monotonic() >= deadline:

@@ -1,4 +1,4 @@
-# Shared by deploy/local/kafka.sh, mosquitto.sh and slurm.sh (sourced, not run).
+# Shared by deploy/local/kafka.sh, mosquitto.sh, slurm.sh and kubernetes.sh (sourced, not run).
 #
 # Each script sets `here` (its folder) and sources this first, which sets:
 #   repo                            the repository root
@@ -12,6 +12,11 @@
 #   _lock SECONDS                   serialise start/stop of one state dir (flock on fd 9)
 #   _stop SECONDS                   SIGTERM the pid from _pid, SIGKILL after SECONDS, remove $pidfile
 #   _status SECONDS                 exit-code status (0 answering, 1 not running, 2 not answering)
+#   _pid_matching PATTERN PIDFILE   the same for another pid file (a service of several daemons)
+#   _wait_or_kill SECONDS PID...    wait until every PID has exited, SIGKILL those left after SECONDS
+#   _kill_marked NAME=VALUE         SIGKILL every process with NAME=VALUE in its environment (a
+#                                   marker a script exports before starting its daemons) and
+#                                   every process below them
 #   _await_start PID EXITED TIMED_OUT
 #                                   record PID in $pidfile and wait $start_timeout s for _ready; on
 #                                   failure print why and the log tails (_log_tails), kill PID,
@@ -45,12 +50,53 @@ _log_tail() {
 }
 
 _pid_matching() {
-    local pid
-    [ -f "$pidfile" ] || return 1
-    pid="$(cat "$pidfile")"
+    local pid file="${2:-$pidfile}"
+    [ -f "$file" ] || return 1
+    pid="$(cat "$file")"
     [ -n "$pid" ] && [ -r "/proc/$pid/cmdline" ] || return 1
     tr '\0' ' ' <"/proc/$pid/cmdline" | grep -qF -- "$1" || return 1
     echo "$pid"
+}
+
+_descendants() {
+    # _descendants PID...: the PIDs given and every process below them (from /proc/*/stat).
+    local all
+    all="$(awk '{print $4, $1}' /proc/[0-9]*/stat 2>/dev/null)"
+    local queue=("$@") out=() pid child
+    while ((${#queue[@]})); do
+        pid="${queue[0]}"
+        queue=("${queue[@]:1}")
+        out+=("$pid")
+        for child in $(awk -v p="$pid" '$1 == p {print $2}' <<<"$all"); do queue+=("$child"); done
+    done
+    echo "${out[@]}"
+}
+
+_wait_or_kill() {
+    local timeout="$1" i pid left
+    shift
+    for ((i = 0; i < timeout * 10; i++)); do
+        left=0
+        for pid in "$@"; do kill -0 "$pid" 2>/dev/null && left=1; done
+        ((left)) || return 0
+        sleep 0.1
+    done
+    for pid in "$@"; do kill -KILL "$pid" 2>/dev/null || true; done
+}
+
+_kill_marked() {
+    local marked=() p pid
+    for p in /proc/[0-9]*; do
+        pid="${p#/proc/}"
+        [ "$pid" = "$$" ] && continue
+        if { tr '\0' '\n' <"$p/environ"; } 2>/dev/null | grep -qxF "$1"; then
+            marked+=("$pid")
+        fi
+    done
+    if ((${#marked[@]})); then
+        # shellcheck disable=SC2046
+        kill -KILL $(_descendants "${marked[@]}") 2>/dev/null || true
+    fi
 }
 
 _lock() {

@@ -227,20 +227,6 @@ cmd_start() {
     _address
 }
 
-_descendants() {
-    # _descendants PID...: the PIDs given and every process below them (from /proc/*/stat).
-    local all
-    all="$(awk '{print $4, $1}' /proc/[0-9]*/stat 2>/dev/null)"
-    local queue=("$@") out=() pid child
-    while ((${#queue[@]})); do
-        pid="${queue[0]}"
-        queue=("${queue[@]:1}")
-        out+=("$pid")
-        for child in $(awk -v p="$pid" '$1 == p {print $2}' <<<"$all"); do queue+=("$child"); done
-    done
-    echo "${out[@]}"
-}
-
 cmd_stop_locked() {
     local f pid pids=() i
     # Jobs first: slurmd leaves running jobs alone when it stops (they survive a restart), so
@@ -265,27 +251,10 @@ cmd_stop_locked() {
         fi
         rm -f "$f"
     done
-    for ((i = 0; i < 100; i++)); do
-        local left=0
-        for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && left=1; done
-        ((left)) || break
-        sleep 0.1
-    done
-    for pid in "${pids[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
+    _wait_or_kill 10 "${pids[@]}"
     # What is left of this cluster: processes started with its marker in their environment
     # (the daemons, and slurmstepd, which slurmd forks) and everything below them.
-    local marked=() p
-    for p in /proc/[0-9]*; do
-        pid="${p#/proc/}"
-        [ "$pid" = "$$" ] && continue
-        if { tr '\0' '\n' <"$p/environ"; } 2>/dev/null | grep -qxF "GPUPOOL_SLURM_CLUSTER=$state"; then
-            marked+=("$pid")
-        fi
-    done
-    if ((${#marked[@]})); then
-        # shellcheck disable=SC2046
-        kill -KILL $(_descendants "${marked[@]}") 2>/dev/null || true
-    fi
+    _kill_marked "GPUPOOL_SLURM_CLUSTER=$state"
     echo "$svc: stopped" >&2
 }
 
