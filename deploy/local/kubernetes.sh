@@ -102,7 +102,7 @@ _fail() {
 
 _pki() {
     # The cluster's keys, made once per state dir with openssl (kept across restarts).
-    [ -s "$pki/kueue-tls.crt" ] && [ -s "$state/token.csv" ] && return 0
+    grep -q "BEGIN RSA PRIVATE KEY" "$pki/kueue-tls.key" 2>/dev/null && [ -s "$state/token.csv" ] && return 0
     command -v openssl >/dev/null 2>&1 || _die "openssl not found"
     rm -rf "$pki"
     mkdir -p "$pki"
@@ -133,6 +133,9 @@ _pki() {
         printf 'subjectAltName=DNS:kueue-webhook-service.kueue-system.svc,IP:127.0.0.1\nextendedKeyUsage=serverAuth\nkeyUsage=critical,digitalSignature,keyEncipherment\n' >kueue.ext
         openssl x509 -req -in kueue-tls.csr -CA kueue-ca.crt -CAkey kueue-ca.key -CAcreateserial -days 3650 \
             -extfile kueue.ext -out kueue-tls.crt
+        # The rotator parses keys as PKCS#1 ("RSA PRIVATE KEY"); OpenSSL 3 writes PKCS#8.
+        openssl rsa -in kueue-ca.key -traditional -out kueue-ca.key
+        openssl rsa -in kueue-tls.key -traditional -out kueue-tls.key
     ) >>"$log" 2>&1 || { _log_tail "$log"; _die "openssl: making the cluster's certificates failed"; }
     local token
     token="$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')"
@@ -259,7 +262,7 @@ cmd_start() {
         || _fail "creating the nodes and Kueue's CRDs, Secret and webhook configurations failed"
     _spawn kwok --kubeconfig="$kubeconfig" --config="$here/kubernetes/kwok.yaml" \
         --server-address="127.0.0.1:$kwok_port" --node-ip=127.0.0.1 \
-        --manage-all-nodes=false --manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake
+        --manage-all-nodes=false --manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake --v=WARN
     _spawn kueue --config="$state/kueue.yaml" --kubeconfig="$kubeconfig" \
         --feature-gates=VisibilityOnDemand=false --zap-log-level=info
     _setup nodes --timeout "$start_timeout" --pid "$(_alive kwok || echo 1)" \
