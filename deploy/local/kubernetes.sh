@@ -221,8 +221,29 @@ cmd_start() {
         _address
         return 0
     fi
+    # A start that fails (a port taken between picking and binding, a component that dies) is
+    # stopped and tried once more on fresh ports; a second failure stops everything and fails.
+    local try
+    for try in 1 2; do
+        cmd_stop_locked >/dev/null 2>&1 || true
+        if (_start_once); then
+            _address
+            return 0
+        fi
+        if ((try == 1)); then
+            echo "$svc: start failed (above); stopping everything and trying once more on fresh ports" >&2
+            rm -f "$state/ports"
+        fi
+    done
     cmd_stop_locked >/dev/null 2>&1 || true
+    _die "did not start, twice (see above)"
+}
+
+_start_once() {
+    # One start of every component (in a subshell: _fail exits it); 0 when all is ready.
     mkdir -p "$state/log" "$state/pid"
+    local c
+    for c in "${components[@]}"; do : >"$state/log/$c.log"; done  # tails on failure: this try only
     _ports
     _ports_read
     _pki
@@ -271,7 +292,6 @@ cmd_start() {
         || _fail "Kueue's webhook or training queues not ready within ${start_timeout} s"
     _ready 10 || _fail "a component exited during the start"
     echo "$svc: $(date -u +%H:%M:%S) ready after $((SECONDS - t0)) s ($nodes nodes x $gpus GPUs)" >&2
-    _address
 }
 
 cmd_stop_locked() {
