@@ -32,10 +32,10 @@ Formats: node capacity and GPU labels follow the Kubernetes device plugin API (e
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import os
 import sys
-import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -47,7 +47,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
 from urllib3.exceptions import HTTPError
 
-from ready import alive  # deploy/local/ready.py, next to this script
+from ready import wait_ready  # deploy/local/ready.py, next to this script
 
 FIELD_MANAGER = "gpupool-local"
 KUEUE_API = "kueue.x-k8s.io/v1beta2"
@@ -77,23 +77,19 @@ def node_names(count: int) -> list[str]:
 
 
 def _wait(what: str, check: Callable[[], None], timeout_s: float, pid: int | None) -> None:
-    """Call ``check`` every 0.25 s until it returns; exit 1 (naming ``what`` and the last error) after
-    ``timeout_s`` seconds, 3 at once when process ``pid`` has exited."""
-    deadline = time.monotonic() + timeout_s
-    last = "no attempt"
-    while True:
+    """Call ``check`` every 0.25 s until it returns (ready.wait_ready's loop); exit 1 (naming
+    ``what`` and the last error) after ``timeout_s`` seconds, 3 at once when process ``pid`` has exited."""
+
+    async def probe(_left_s: float) -> str | None:
         try:
             check()
-            return
         except (NotReady, ApiException, ResourceNotFoundError, HTTPError, OSError) as e:
-            last = f"{type(e).__name__}: {e}".strip()[:2000]
-        if pid is not None and not alive(pid):
-            print(f"{what}: process {pid} exited; last error: {last}", file=sys.stderr)
-            sys.exit(3)
-        if time.monotonic() >= deadline:
-            print(f"{what}: not ready within {timeout_s:g} s; last error: {last}", file=sys.stderr)
-            sys.exit(1)
-        time.sleep(0.25)
+            return f"{type(e).__name__}: {e}".strip()[:2000]
+        return None
+
+    status = asyncio.run(wait_ready("kubernetes_setup", what, probe, timeout_s, pid, 0.25))
+    if status:
+        sys.exit(status)
 
 
 def _api(kubeconfig: str) -> client.ApiClient:
