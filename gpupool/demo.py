@@ -417,7 +417,7 @@ async def _run_pipeline(
                                  sysfs_roots=sysfs.roots(), interval_s=cfg.scrape_interval_s,
                                  timeout_s=max(0.2, cfg.scrape_interval_s * 2), metrics=CollectorMetrics(registry))
     analytics = AnalyticsService(bus=bus, topics=topics, db_path=str(cfg.state_dir / f"analytics-{run_id}.duckdb"),
-                                 idle=IdleConfig(min_idle_s=cfg.min_idle_s, stale_after_s=max(3.0, 6 * cfg.scrape_interval_s),
+                                 idle=IdleConfig(min_idle_s=cfg.min_idle_s if parts is None else min(cfg.min_idle_s, 1.0), stale_after_s=max(3.0, 6 * cfg.scrape_interval_s),
                                                  # the trace is exact: idle means 0 % duty cycle
                                                  idle_threshold=0.0, busy_threshold=0.0),
                                  refresh_s=5.0, metrics=AnalyticsMetrics(registry), scheduler=parts is not None)
@@ -432,7 +432,9 @@ async def _run_pipeline(
                            metrics=broker_metrics, lending=parts.lending if parts else None)
     sites = [SimulatedSite(name=s, host=mhost, port=port, username=creds(s)[0], password=creds(s)[1],
                            root=root, protocol=protocol, seed=cfg.seed + i,
-                           renew_every_s=cfg.lease_ttl_s / 3, workload=parts.workload.name if parts else None)
+                           renew_every_s=cfg.lease_ttl_s / 3, workload=parts.workload.name if parts else None,
+                           # through Slurm the sites take more (up to 3 leases of 4 GPUs): training needs them back
+                           max_live_leases=3 if parts else 2, max_gpus_per_claim=4 if parts else 2)
              for i, s in enumerate(cfg.sites)]
     demand = TrainingDemand(fleet, bus, topics)
     watch = LeaseWatch(bus, topics.leases_log)

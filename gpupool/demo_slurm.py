@@ -147,6 +147,8 @@ class TrainingRecord:
     started: float | None = None
     held: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """Node → GRES indices Slurm allocated to it (first seen running)."""
+    took_from_gpupool: bool = False
+    """It started on a GPU a gpupool job (placeholder or lease) held while it waited."""
 
 
 class AllocationHistory:
@@ -203,6 +205,8 @@ class TrainingStream:
         self.records: dict[str, TrainingRecord] = {}
         self.submit_errors = 0
         self.t0: float | None = None
+        self._gpupool: list[tuple[float, frozenset[str]]] = []
+        """GPUs gpupool's jobs held, per read: (t, keys)."""
 
     async def run(self, stop: asyncio.Event) -> None:
         """Submit and poll until ``stop`` is set."""
@@ -252,15 +256,24 @@ class TrainingStream:
         gpupool hold (:data:`contracts.scheduler.LENT_JOB_NAME`) count as training's; the demo's
         own jobs get their start time (the first read that shows them running)."""
         held: set[str] = set()
+        lent: set[str] = set()
+        started: list[TrainingRecord] = []
         for j in jobs:
-            if j.state not in ("RUNNING", "COMPLETING") or j.name == LENT_JOB_NAME:
+            if j.state not in ("RUNNING", "COMPLETING"):
                 continue
-            for host, idx in j.gpus_by_node.items():
-                held.update(self.gpu_keys[(host, i)] for i in idx if (host, i) in self.gpu_keys)
+            keys = {self.gpu_keys[(h, i)] for h, idx in j.gpus_by_node.items() for i in idx if (h, i) in self.gpu_keys}
+            if j.name == LENT_JOB_NAME:
+                lent |= keys
+                continue
+            held |= keys
             rec = self.records.get(j.job_id)
             if rec is not None and rec.started is None and j.state == "RUNNING":
                 rec.started, rec.held = t, dict(j.gpus_by_node)
+                started.append(rec)
+                # GPUs gpupool held while it waited (reads since its submission)
+                rec.took_from_gpupool = any(keys & ks for ts, ks in self._gpupool if ts >= rec.submitted - self.poll_s)
         self.history.add(t, frozenset(held))
+        self._gpupool.append((t, frozenset(lent)))
 
     def cancel_all(self) -> None:
         """``scancel`` every job this stream submitted and every gpupool hold
@@ -281,8 +294,10 @@ class SchedulerSummary:
         gpu_hours_idle: GPU-hours no training job held.
         gpu_hours_lent: GPU-hours held by leases (grant → end, each GPU).
         training_submitted / training_started: the demo's training jobs.
-        needed_lent: training jobs that started on GPUs of a lease Slurm reclaimed for them.
+        needed_lent: training jobs that started on GPUs gpupool held (an idle placeholder or a
+            lease) while they waited: Slurm preempted gpupool's jobs for them.
         needed_lent_wait_p50_s / _max_s: their submit → start, wall seconds (0.5 s polls).
+        needed_leased: of those, jobs that started on GPUs of a lease Slurm reclaimed for them.
         free_wait_p50_s: submit → start of the other started jobs, wall seconds (the yardstick).
         reclaimed_by_slurm: leases reclaimed because Slurm preempted their hold.
         notices_before_deadline / notices_seen: of those, notices a site received before the
@@ -299,6 +314,7 @@ class SchedulerSummary:
     needed_lent: int
     needed_lent_wait_p50_s: float | None
     needed_lent_wait_max_s: float | None
+    needed_leased: int
     free_wait_p50_s: float | None
     reclaimed_by_slurm: int
     notices_before_deadline: int
@@ -328,12 +344,13 @@ def scheduler_summary(stream: TrainingStream, records: Sequence[LeaseLogRecord],
     reclaimed_gpus = [(locate.get(g), rec.ts) for rec in reclaim.values() for g in rec.gpus]
     needed: list[float] = []
     free: list[float] = []
+    leased = 0
     for tr in stream.records.values():
         if tr.started is None:
             continue
         mine = {(h, i) for h, idx in tr.held.items() for i in idx}
-        hit = any(where in mine and tr.submitted - 1.0 <= ts <= tr.started for where, ts in reclaimed_gpus)
-        (needed if hit else free).append(tr.started - tr.submitted)
+        leased += any(where in mine and tr.submitted - 1.0 <= ts <= tr.started for where, ts in reclaimed_gpus)
+        (needed if tr.took_from_gpupool else free).append(tr.started - tr.submitted)
     seen = [notices[lid] for lid in reclaim if lid in notices]
     leads = [dl - got for got, dl, _ in seen if dl is not None]
     return SchedulerSummary(
@@ -345,6 +362,7 @@ def scheduler_summary(stream: TrainingStream, records: Sequence[LeaseLogRecord],
         needed_lent=len(needed),
         needed_lent_wait_p50_s=percentile(needed, 0.5),
         needed_lent_wait_max_s=max(needed) if needed else None,
+        needed_leased=leased,
         free_wait_p50_s=percentile(free, 0.5),
         reclaimed_by_slurm=len(reclaim),
         notices_before_deadline=sum(1 for x in leads if x > 0),
