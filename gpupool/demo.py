@@ -472,7 +472,11 @@ async def _run_pipeline(
             *([("training", parts.stream.run(stop)), ("slurm-source", parts.source.run(parts.poll_s, stop))]
               if parts is not None else [("demand", demand.run(stop))]),
             ("audit", _audit_offers(mhost, port, audit_creds, protocol, root, audit, fleet.is_busy_at,
-                                    cfg.scrape_interval_s + 0.25 + (2 * parts.poll_s if parts else 0.0),
+                                    # through Slurm a training start reaches an offer through more steps: the
+                                    # demo's read of Slurm, the Slurm source's read, the scrape, analytics'
+                                    # publish interval (1 s)
+                                    cfg.scrape_interval_s + 0.25 + (cfg.scrape_interval_s + 2 * parts.poll_s + 1.0
+                                                                    if parts else 0.0),
                                     stop, frozenset(fleet.gpu_keys()),
                                     time.time())),
             ("leases", watch.run(stop)),
@@ -488,6 +492,11 @@ async def _run_pipeline(
                                    watch.rows(isolate_s), isolate_s))
             await asyncio.sleep(0.5)
     finally:
+        if parts is not None:  # no scheduler reclaim may start once the broker's run task is gone
+            try:
+                await asyncio.wait_for(parts.lending.stop(), SHUTDOWN_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 — shutting down: log and go on closing the rest
+                log.exception("demo_shutdown_error", extra={"step": "lending"})
         stop.set()
         for t in tasks:
             if not t.done():
