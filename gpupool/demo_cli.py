@@ -106,7 +106,8 @@ def summary_view(s: DemoSummary) -> RenderableType:
         ("samples ingested into DuckDB", s.samples_ingested),
         ("GPUs found idle", s.gpus_seen_idle),
         ("offers published (GPUs offered)", f"{s.offers} ({s.gpus_offered})"),
-        ("offers for a GPU the trace showed busy", s.offer_violations),
+        ("offers for a GPU the " + ("telemetry (Slurm's jobs)" if s.scheduler.get("enabled") else "trace")
+         + " showed busy", s.offer_violations),
         ("  …turned busy within one scrape interval", s.offer_races),
         ("leases granted", s.leases_granted),
         ("reclaims started / completed", f"{s.reclaims_started} / {s.reclaims_completed}"),
