@@ -156,7 +156,7 @@ class OfferAudit:
             if is_busy_at(g.gpu, offer.ts):
                 if is_busy_at(g.gpu, offer.ts - allowance_s):
                     self.violations += 1
-                    log.error("offer_for_busy_gpu", extra={"offer_id": offer.offer_id, "gpu": g.gpu})
+                    log.error("offer_for_busy_gpu", extra={"offer_id": offer.offer_id, "gpu": g.gpu, "offer_ts": offer.ts})
                 else:
                     self.races += 1
                     # expected now and then, and counted in the summary: not a warning
