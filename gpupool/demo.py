@@ -25,7 +25,7 @@ import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -42,6 +42,7 @@ from gpupool.demo_fabric import (
     missing_tools,
 )
 from gpupool.demo_leases import LeaseRow, LeaseWatch, lease_rows, percentile, write_rows
+from gpupool.demo_slurm import DemoCluster, SchedulerMode, SlurmParts, SlurmUnavailable, missing_slurm_tools
 from runtime.bus import make_bus
 
 if TYPE_CHECKING:
@@ -112,6 +113,17 @@ class DemoConfig:
     fabric: FabricMode = FabricMode.OFF
     """Start the demo's own simulated fabric: ``auto`` when the tools are installed, ``on`` always
     (:class:`FabricUnavailable` if it cannot), ``off`` never. ``gpupool demo`` defaults to ``auto``."""
+    scheduler: SchedulerMode = SchedulerMode.NONE
+    """Lend through the local Slurm cluster (:mod:`gpupool.demo_slurm`): ``auto`` when its tools are
+    installed and it starts, ``slurm`` always (:class:`SlurmUnavailable` if it cannot), ``none``
+    never. ``gpupool demo`` defaults to ``auto``."""
+    training_load: float = 0.7
+    """With Slurm: offered load of the training jobs (GPU-seconds asked per second ÷ GPUs)."""
+    training_compression: float = 120.0
+    """With Slurm: simulated seconds of the training stream per wall second."""
+    slurm_grace_s: int = 4
+    """With Slurm: GraceTime of the lent partition of a cluster the demo starts (= the notice);
+    a cluster already running keeps its own."""
     on_started: Callable[[FleetServer, SysfsTree], object] | None = None
     """Called once, when every stage has started, with the simulated nodes' dcgm-exporter endpoints
     (``FleetServer.urls()``, ``fail_mode``) and InfiniBand sysfs trees (``SysfsTree.roots()``): lets a
@@ -144,7 +156,7 @@ class OfferAudit:
             if is_busy_at(g.gpu, offer.ts):
                 if is_busy_at(g.gpu, offer.ts - allowance_s):
                     self.violations += 1
-                    log.error("offer_for_busy_gpu", extra={"offer_id": offer.offer_id, "gpu": g.gpu})
+                    log.error("offer_for_busy_gpu", extra={"offer_id": offer.offer_id, "gpu": g.gpu, "offer_ts": offer.ts})
                 else:
                     self.races += 1
                     # expected now and then, and counted in the summary: not a warning
@@ -214,6 +226,9 @@ class DemoSummary:
     isolate_p99_s: float | None = None
     leases_file: str | None = None
     lease_rows_file: str | None = None
+    scheduler: dict[str, object] = field(default_factory=dict)
+    """``mode``, ``enabled``, ``detail`` and, lending through Slurm, the fields of
+    :class:`gpupool.demo_slurm.SchedulerSummary`."""
 
     def as_dict(self) -> dict[str, object]:
         """JSON-friendly dict."""
@@ -265,10 +280,39 @@ async def run_demo(cfg: DemoConfig, progress: Progress | None = None) -> DemoSum
     run_id = cfg.run_id or new_run_id()
     status, own = await _open_fabric(cfg, run_id)
     try:
-        return await _run_pipeline(cfg, progress, run_id, status, own)
+        sched, cluster = await _open_cluster(cfg)
+        try:
+            return await _run_pipeline(cfg, progress, run_id, status, own, sched, cluster)
+        finally:
+            if cluster is not None:
+                await asyncio.to_thread(cluster.close)
     finally:
         if own is not None:
             own.stop()
+
+
+async def _open_cluster(cfg: DemoConfig) -> tuple[dict[str, object], DemoCluster | None]:
+    """Decide on lending through Slurm and start (or reuse) the local cluster when wanted and
+    possible: (the summary's ``scheduler`` status, the cluster or ``None``)."""
+    mode = cfg.scheduler
+    if mode is SchedulerMode.NONE:
+        return {"mode": "none", "enabled": False, "detail": "--scheduler none"}, None
+    missing = missing_slurm_tools()
+    if missing:
+        why = f"Slurm's tools are not installed: {', '.join(missing)} (bash deploy/local/install-system.sh)"
+        if mode is SchedulerMode.SLURM:
+            raise SlurmUnavailable(f"--scheduler slurm, but {why}")
+        return {"mode": "auto", "enabled": False, "detail": why}, None
+    try:
+        cluster = await asyncio.to_thread(DemoCluster.open, cfg.nodes, cfg.slurm_grace_s)
+    except SlurmUnavailable as e:
+        if mode is SchedulerMode.SLURM:
+            raise
+        log.warning("demo_slurm_failed", extra={"error": str(e)[-1000:]})
+        return {"mode": "auto", "enabled": False, "detail": f"the Slurm cluster did not start: {str(e)[-300:]}"}, None
+    how = "started" if cluster.started else "already running, reused"
+    return {"mode": mode.value, "enabled": True, "grace_s": cluster.grace_s, "start_s": round(cluster.start_s, 2),
+            "detail": f"local Slurm cluster ({how}): {cluster.conf}, lent partition GraceTime {cluster.grace_s:g} s"}, cluster
 
 
 async def _open_fabric(cfg: DemoConfig, run_id: str) -> tuple[FabricStatus, DemoFabric | None]:
@@ -297,6 +341,7 @@ async def _open_fabric(cfg: DemoConfig, run_id: str) -> tuple[FabricStatus, Demo
 
 async def _run_pipeline(
     cfg: DemoConfig, progress: Progress | None, run_id: str, status: FabricStatus, own: DemoFabric | None,
+    sched: dict[str, object] | None = None, cluster: DemoCluster | None = None,
 ) -> DemoSummary:
     """The demo proper (see :func:`run_demo`), with fabric isolation as ``status`` says."""
     from prometheus_client import CollectorRegistry
@@ -343,6 +388,11 @@ async def _run_pipeline(
     topics = KafkaTopics(prefix=prefix)
     await bus.create_topics(topics.all(), partitions=4 if cfg.kafka else 1,
                             compacted=[topics.leases_log, topics.fabric_topology])
+    parts = None  # lending through Slurm: training jobs, the Slurm source, the broker's lending
+    if cluster is not None:
+        parts = SlurmParts.build(cluster, fleet, bus, topics, registry, cfg.state_dir / f"slurm-{run_id}",
+                                 load=cfg.training_load, compression=cfg.training_compression,
+                                 seed=cfg.seed, horizon_s=cfg.duration_s)
 
     embedded: EmbeddedMqttBroker | None = None
     if cfg.mqtt:
@@ -367,20 +417,24 @@ async def _run_pipeline(
                                  sysfs_roots=sysfs.roots(), interval_s=cfg.scrape_interval_s,
                                  timeout_s=max(0.2, cfg.scrape_interval_s * 2), metrics=CollectorMetrics(registry))
     analytics = AnalyticsService(bus=bus, topics=topics, db_path=str(cfg.state_dir / f"analytics-{run_id}.duckdb"),
-                                 idle=IdleConfig(min_idle_s=cfg.min_idle_s, stale_after_s=max(3.0, 6 * cfg.scrape_interval_s),
+                                 idle=IdleConfig(min_idle_s=cfg.min_idle_s if parts is None else min(cfg.min_idle_s, 1.0), stale_after_s=max(3.0, 6 * cfg.scrape_interval_s),
                                                  # the trace is exact: idle means 0 % duty cycle
                                                  idle_threshold=0.0, busy_threshold=0.0),
-                                 refresh_s=5.0, metrics=AnalyticsMetrics(registry))
+                                 refresh_s=5.0, metrics=AnalyticsMetrics(registry), scheduler=parts is not None)
     bu, bp = creds("gpupool-broker")
     broker = BrokerService(bus=bus, topics=topics, mqtt_host=mhost, mqtt_port=port, mqtt_username=bu,
                            mqtt_password=bp, root=root, protocol=protocol, fabric=fabric,
-                           config=BrokerConfig(offer_ttl_s=cfg.offer_ttl_s, notice_s=cfg.notice_s,
+                           config=BrokerConfig(offer_ttl_s=cfg.offer_ttl_s,
+                                               notice_s=parts.notice_s if parts else cfg.notice_s,
                                                lease_ttl_s=cfg.lease_ttl_s,
-                                               lent_share_percent=fabric.lent_share_percent if fabric else None),
-                           metrics=broker_metrics)
+                                               lent_share_percent=fabric.lent_share_percent if fabric else None,
+                                               workloads=(parts.workload,) if parts else ()),
+                           metrics=broker_metrics, lending=parts.lending if parts else None)
     sites = [SimulatedSite(name=s, host=mhost, port=port, username=creds(s)[0], password=creds(s)[1],
                            root=root, protocol=protocol, seed=cfg.seed + i,
-                           renew_every_s=cfg.lease_ttl_s / 3)
+                           renew_every_s=cfg.lease_ttl_s / 3, workload=parts.workload.name if parts else None,
+                           # through Slurm the sites take more (up to 3 leases of 4 GPUs): training needs them back
+                           max_live_leases=3 if parts else 2, max_gpus_per_claim=4 if parts else 2)
              for i, s in enumerate(cfg.sites)]
     demand = TrainingDemand(fleet, bus, topics)
     watch = LeaseWatch(bus, topics.leases_log)
@@ -392,6 +446,8 @@ async def _run_pipeline(
         creds(cfg.sites[0]) if users else (None, None))  # fmt: skip
     tasks: list[asyncio.Task[object]] = []
     await collector.start()
+    if parts is not None:
+        await parts.source.start()
     await analytics.start()
     await broker.start()
 
@@ -411,14 +467,22 @@ async def _run_pipeline(
             cfg.on_started(server, sysfs)
         tasks = [asyncio.create_task(c, name=n) for n, c in [
             ("collector", collector.run(stop)), ("analytics", analytics.run(stop)),
-            ("broker", broker.run(stop)), ("demand", demand.run(stop)), ("sysfs", _sysfs_loop()),
+            ("broker", broker.run(stop)), ("sysfs", _sysfs_loop()),
+            # training demand: the trace's busy turns, or, through Slurm, real training jobs
+            *([("training", parts.stream.run(stop)), ("slurm-source", parts.source.run(parts.poll_s, stop))]
+              if parts is not None else [("demand", demand.run(stop))]),
             ("audit", _audit_offers(mhost, port, audit_creds, protocol, root, audit, fleet.is_busy_at,
-                                    cfg.scrape_interval_s + 0.25, stop, frozenset(fleet.gpu_keys()),
+                                    # through Slurm a training start reaches an offer through more steps: the
+                                    # demo's read of Slurm, the Slurm source's read, the scrape, analytics'
+                                    # publish interval (1 s)
+                                    cfg.scrape_interval_s + 0.25 + (cfg.scrape_interval_s + 2 * parts.poll_s + 1.0
+                                                                    if parts else 0.0),
+                                    stop, frozenset(fleet.gpu_keys()),
                                     time.time())),
             ("leases", watch.run(stop)),
             *[(f"site-{s.name}", s.run(stop)) for s in sites],
         ]]
-        t0 = time.monotonic()
+        t0, wall0 = time.monotonic(), time.time()
         while time.monotonic() - t0 < cfg.duration_s:
             for t in tasks:
                 if t.done() and not t.cancelled() and t.exception() is not None:
@@ -428,6 +492,11 @@ async def _run_pipeline(
                                    watch.rows(isolate_s), isolate_s))
             await asyncio.sleep(0.5)
     finally:
+        if parts is not None:  # no scheduler reclaim may start once the broker's run task is gone
+            try:
+                await asyncio.wait_for(parts.lending.stop(), SHUTDOWN_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 — shutting down: log and go on closing the rest
+                log.exception("demo_shutdown_error", extra={"step": "lending"})
         stop.set()
         for t in tasks:
             if not t.done():
@@ -443,7 +512,11 @@ async def _run_pipeline(
             write_jsonl(records, leases_path)
             log.info("demo_lease_log_dumped", extra={"path": str(leases_path), "records": len(records)})
 
-        for closer in (broker.stop, _dump_leases, analytics.stop, collector.stop, server.stop, bus.close):
+        wall1 = time.time()
+        closers: list[Callable[[], Awaitable[object]]] = [broker.stop, _dump_leases, analytics.stop, collector.stop]
+        if parts is not None:
+            closers += [parts.source.stop, parts.close]
+        for closer in (*closers, server.stop, bus.close):
             try:
                 await asyncio.wait_for(closer(), SHUTDOWN_TIMEOUT_S)
             except Exception:  # noqa: BLE001 — shutting down: log and go on closing the rest
@@ -490,6 +563,8 @@ async def _run_pipeline(
         isolate_p99_s=percentile(timed, 0.99),
         leases_file=str(leases_path) if records is not None else None,
         lease_rows_file=str(rows_path) if rows_path.exists() else None,
+        scheduler={**(sched or {}), **(asdict(parts.summary(records or watch.records, sites, wall0, wall1))
+                                       if parts is not None else {})},
     )
 
 

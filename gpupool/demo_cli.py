@@ -22,6 +22,7 @@ from rich.table import Table
 
 from gpupool.demo_fabric import FabricMode, FabricUnavailable
 from gpupool.demo_leases import LeaseRow
+from gpupool.demo_slurm import SchedulerMode, SlurmUnavailable
 
 if TYPE_CHECKING:
     from gpupool.demo import DemoSummary
@@ -105,7 +106,8 @@ def summary_view(s: DemoSummary) -> RenderableType:
         ("samples ingested into DuckDB", s.samples_ingested),
         ("GPUs found idle", s.gpus_seen_idle),
         ("offers published (GPUs offered)", f"{s.offers} ({s.gpus_offered})"),
-        ("offers for a GPU the trace showed busy", s.offer_violations),
+        ("offers for a GPU the " + ("telemetry (Slurm's jobs)" if s.scheduler.get("enabled") else "trace")
+         + " showed busy", s.offer_violations),
         ("  …turned busy within one scrape interval", s.offer_races),
         ("leases granted", s.leases_granted),
         ("reclaims started / completed", f"{s.reclaims_started} / {s.reclaims_completed}"),
@@ -115,10 +117,37 @@ def summary_view(s: DemoSummary) -> RenderableType:
         ("leases with a partition verified on the fabric", f"{s.leases_verified} / {len(leases)}"),
         ("  …and their QoS on every port of their paths", f"{s.leases_qos_verified} / {len(leases)}"),
         ("isolate→verified p50 / p99", f"{_ms(s.isolate_p50_s)} / {_ms(s.isolate_p99_s)}"),
+        *_scheduler_rows(s.scheduler),
     ]
     for k, v in rows:
         t.add_row(k, str(v))
     return Group(t, lease_table(leases, "leases (in grant order)", with_state=True))
+
+
+def _s(seconds: object) -> str:
+    return f"{seconds:.1f} s" if isinstance(seconds, float | int) else "—"
+
+
+def _scheduler_rows(sc: dict[str, object]) -> list[tuple[str, object]]:
+    """The summary's rows about lending through Slurm (``DemoSummary.scheduler``)."""
+    if not sc.get("enabled"):
+        return [("training scheduler", f"none ({sc.get('detail', '--scheduler none')})")]
+    x = sc.get("compression")
+    return [
+        ("training scheduler", f"Slurm, notice = GraceTime {sc.get('grace_s')} s"),
+        ("training jobs submitted / started", f"{sc.get('training_submitted')} / {sc.get('training_started')}"),
+        (f"GPU-hours idle / lent (simulated, {x}× compressed)",
+         f"{sc.get('gpu_hours_idle')} / {sc.get('gpu_hours_lent')}"),
+        ("training jobs that needed lent GPUs (held by gpupool)", sc.get("needed_lent")),
+        ("  …submit → start p50 / max (wall)",
+         f"{_s(sc.get('needed_lent_wait_p50_s'))} / {_s(sc.get('needed_lent_wait_max_s'))}"),
+        ("  …of which on a lease's GPUs", sc.get("needed_leased")),
+        ("  …other training jobs, submit → start p50", _s(sc.get("free_wait_p50_s"))),
+        ("leases reclaimed by Slurm preemption", sc.get("reclaimed_by_slurm")),
+        ("  …notice at the site before its deadline",
+         f"{sc.get('notices_before_deadline')} / {sc.get('notices_seen')} seen"
+         f" (shortest lead {_s(sc.get('notice_lead_min_s'))})"),
+    ]
 
 
 @contextlib.contextmanager
@@ -164,6 +193,11 @@ def demo(
         help="Fabric isolation on a simulated InfiniBand fabric (ibsim + OpenSM, started and stopped by the "
              "demo): auto = when the tools are installed (bash deploy/local/install-system.sh), on = required "
              "(exit 2 if it cannot start), off = never.")] = FabricMode.AUTO,
+    scheduler: Annotated[SchedulerMode, typer.Option(
+        help="Lend through a real Slurm cluster (deploy/local/slurm.sh, started or reused by the demo, its "
+             "jobs cancelled at the end): training jobs arrive, idle GPUs are lent, Slurm preempts them for "
+             "training. auto = when Slurm's tools are installed and the cluster starts, slurm = required "
+             "(exit 2 if it cannot), none = training demand from the trace.")] = SchedulerMode.AUTO,
     json_summary: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Run the simulator and every stage for DURATION seconds, show live progress, print a summary.
@@ -174,15 +208,20 @@ def demo(
     isolation every lease gets its own InfiniBand partition (PKey + SL) verified on the fabric
     before it is granted; per lease the tables show site, GPUs, PKey, SL, verified and the
     isolate→verified time. While the live view runs, log lines go to demo-<run>.log in the state
-    directory instead of the terminal. Exit code 1 if an offer was made for a GPU the trace showed
-    busy, 2 if --fabric on and the fabric cannot run.
+    directory instead of the terminal. With --scheduler slurm (or auto and Slurm installed) the
+    hosts are the nodes of a local Slurm cluster: training jobs (AcmeTrace Seren fit, 120x
+    compressed) drive the telemetry, idle GPUs are held by placeholder jobs and lent, Slurm
+    preempts leases for training with the lent partition's GraceTime as notice; the summary adds
+    GPU-hours idle and lent, submit -> start of training jobs that needed lent GPUs, leases Slurm
+    reclaimed and whether each notice came before its deadline. Exit code 1 if an offer was made
+    for a GPU the telemetry showed busy, 2 if --fabric on or --scheduler slurm cannot run.
     """
     from gpupool.demo import DemoConfig, default_state_dir, new_run_id, run_demo
 
     run_id = new_run_id()
     cfg = DemoConfig(duration_s=duration, nodes=nodes, speedup=speedup, kafka=kafka, mqtt=mqtt,
                      mqtt_credentials=mqtt_credentials, state_dir=state_dir or default_state_dir(),
-                     metrics_port=metrics_port, fabric=fabric, run_id=run_id)
+                     metrics_port=metrics_port, fabric=fabric, scheduler=scheduler, run_id=run_id)
     log_path = cfg.state_dir / f"demo-{run_id}.log"
     console = Console(stderr=False)
     told = False
@@ -198,7 +237,7 @@ def demo(
                 live.update(progress_view(snap, duration), refresh=True)
 
             summary = asyncio.run(run_demo(cfg, progress))
-    except FabricUnavailable as e:
+    except (FabricUnavailable, SlurmUnavailable) as e:
         console.print(f"gpupool demo: {e}", markup=False, highlight=False)
         raise typer.Exit(2) from e
     except KeyboardInterrupt:

@@ -40,6 +40,9 @@ from contracts.topics import gpu_key
 from simulator.trace import Trace
 
 BUSY_THRESHOLD_PCT = 0.0
+FOLLOW_BUSY_PCT = 35.0
+"""Duty cycle, %, a GPU held by a training job reports at least while the fleet follows the
+scheduler (:meth:`Fleet.follow_scheduler`)."""
 """A GPU is busy iff its trace duty cycle is strictly above this (%)."""
 FB_TOTAL_MIB = 81559
 """Framebuffer of an H100 80GB HBM3 as NVML reports it, MiB."""
@@ -203,6 +206,15 @@ class Fleet:
                 self._nvlink0.append(int(rng.random() * 1e12))
         self._by_key = {g.key: k for k, g in enumerate(self._gpus)}
         self._by_host_index = {(g.host, g.index): k for k, g in enumerate(self._gpus)}
+        self._allocated: Callable[[str, float], bool] | None = None
+
+    def follow_scheduler(self, allocated: Callable[[str, float], bool]) -> None:
+        """From now on telemetry follows the training scheduler: ``allocated(gpu_key, at)`` says
+        whether a training job holds the GPU at wall time ``at``. A held GPU reports its trace's
+        duty cycle, at least :data:`FOLLOW_BUSY_PCT` (a job's GPU works), and its memory; any
+        other GPU reports 0 % and no memory in use (nothing runs on it). :meth:`is_busy_at`
+        answers the same way."""
+        self._allocated = allocated
 
     # construction -----------------------------------------------------------------------------
     def _assign_pods(self, rng: random.Random, count: int, min_coverage: float) -> list[tuple[int, int]]:
@@ -308,7 +320,12 @@ class Fleet:
 
     def is_busy_at(self, gpu_key_: str, at: float) -> bool:
         """True if GPU ``gpu_key_`` is busy at wall time ``at``: its trace duty cycle is above
-        :data:`BUSY_THRESHOLD_PCT` (0 %). Raises ``KeyError`` for an unknown key."""
+        :data:`BUSY_THRESHOLD_PCT` (0 %), or, while the fleet follows the scheduler
+        (:meth:`follow_scheduler`), a training job holds it. Raises ``KeyError`` for an unknown key."""
+        if self._allocated is not None:
+            if gpu_key_ not in self._by_key:
+                raise KeyError(gpu_key_)
+            return self._allocated(gpu_key_, at)
         return self.is_busy_step(gpu_key_, self.step_at(at))
 
     def idle_share(self) -> float:
@@ -369,6 +386,9 @@ class Fleet:
         step = self.step_at(at)
         r = step % len(s.util)
         u = s.util[r]
+        held = None if self._allocated is None else self._allocated(self._gpus[k].key, at)
+        if held is not None:
+            u = max(u, FOLLOW_BUSY_PCT) if held else 0.0
         busy = u > BUSY_THRESHOLD_PCT
         seed = self.seed
 
@@ -384,7 +404,7 @@ class Fleet:
         dram = ratio(gr * (0.45 + 0.1 * nz(_N_DRAM)))
         gpu_util = 0 if not busy else max(1, round(u))
         temp = round(31 + 0.42 * u + 1.5 * nz(_N_TEMP))
-        fb_used = self._fb_used_k(k, step)
+        fb_used = 0 if held is False else self._fb_used_k(k, step)
         resident = fb_used > 0
         pcie_idle = 32_000.0 if resident else 2_000.0
         util_s = self._integral(s.util, s.util_prefix, self.fstep(at)) - self._integral(

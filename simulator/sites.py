@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 from collections import Counter
 from typing import Any
 
@@ -40,6 +41,8 @@ class SimulatedSite:
             short random delay within the first quarter of the notice); otherwise the site keeps
             the GPUs until the broker revokes them at the deadline.
         persistent: keep a persistent MQTT session (reclaim notices queue while offline).
+        workload: the operator's workload profile each claim names (``Claim.workload``; the
+            broker runs it on the leased GPUs); ``None``: none.
     """
 
     def __init__(
@@ -55,6 +58,7 @@ class SimulatedSite:
         renew_every_s: float = 5.0,
         release_on_reclaim: float = 0.85,
         persistent: bool = True,
+        workload: str | None = None,
         **connection: Any,
     ) -> None:
         self.name = name
@@ -67,12 +71,16 @@ class SimulatedSite:
         self.duration_s = duration_s
         self.renew_every_s = renew_every_s
         self.release_on_reclaim = release_on_reclaim
+        self.workload = workload
         self.counts: Counter[str] = Counter()
         """``claims_sent``, ``leases_granted``, ``claim_timeouts``, ``renewals``, ``renewals_rejected``,
         ``reclaims_seen``, ``released_in_notice``, ``let_revoke``, ``revoked``, ``expired``,
         ``released``."""
         self.rejections: Counter[str] = Counter()
         """Claims refused, by reason code."""
+        self.notices: dict[str, tuple[float, float | None, str]] = {}
+        """Reclaim notices received: lease id → (received at, the notice's deadline, reason),
+        Unix s (the first notice of each lease)."""
         self._reclaims_handled: set[str] = set()
         self._ended: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -117,7 +125,8 @@ class SimulatedSite:
             count = self._rng.randint(1, min(len(offer.gpus), self.max_gpus_per_claim))
             self.counts["claims_sent"] += 1
             try:
-                lease = await self.client.claim(offer.offer_id, count=count, duration_seconds=self.duration_s)
+                lease = await self.client.claim(offer.offer_id, count=count, duration_seconds=self.duration_s,
+                                                 workload=self.workload)
             except ClaimRejected as e:
                 self.rejections[e.code.value] += 1
                 continue
@@ -149,6 +158,7 @@ class SimulatedSite:
             return
         if event.state is LeaseState.RECLAIMING and event.lease_id not in self._reclaims_handled:
             self._reclaims_handled.add(event.lease_id)
+            self.notices[event.lease_id] = (time.time(), event.reclaim_deadline, event.reason)
             self.counts["reclaims_seen"] += 1
             if self._rng.random() < self.release_on_reclaim:
                 delay = self._rng.uniform(0.0, event.notice_seconds / 4)

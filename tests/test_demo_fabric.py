@@ -167,7 +167,7 @@ def test_fabric_off_demo_follows_gpupool_state_says_so_once_and_keeps_logs_off_t
     $GPUPOOL_STATE/demo, the "no isolation" notice is printed once, and the JSON warning lines
     (fabric_isolation_disabled) go to the run's log file, not between the live tables."""
     state = tmp_path / "state"
-    result = CliRunner().invoke(app, ["demo", "--duration", "4", "--nodes", "1", "--fabric", "off"],
+    result = CliRunner().invoke(app, ["demo", "--duration", "4", "--nodes", "1", "--fabric", "off", "--scheduler", "none"],
                                 env={"COLUMNS": "200", "GPUPOOL_STATE": str(state)})
     assert result.exit_code == 0, result.output[-3000:]
     out = result.output
