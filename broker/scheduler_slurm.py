@@ -30,13 +30,14 @@ time zone (the same host for the local cluster; set ``TZ`` to the controller's f
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import os
 import re
 import shlex
+import subprocess
 import time
 from collections.abc import Collection, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 
@@ -53,6 +54,8 @@ IDLE_COMMENT = "gpupool-idle"
 """``Comment`` of a placeholder hold not yet carved into a lease (:mod:`broker.placeholders`):
 read as a :class:`Hold` with ``lease_id == ""``."""
 
+_WORKERS = 4
+"""Slurm commands that may run at once (worker threads of one :class:`SlurmScheduler`)."""
 _LEASE_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _FIELD = re.compile(r"(?:^|\s)([A-Za-z_][\w:/]*)=(\S*)")
 _GRES_IDX = re.compile(r"gpu(?::[^:(\s]+)?:(\d+)\(IDX:([\d,\-]+)\)")
@@ -240,34 +243,45 @@ class SlurmScheduler:
         self.command_timeout_s = command_timeout_s
         self.output_dir = output_dir
         self._env = dict(os.environ)
+        self._pool: ThreadPoolExecutor | None = None
         if slurm_conf is not None:
             self._env["SLURM_CONF"] = str(slurm_conf)
 
     async def command(self, *argv: str, stdin: str | None = None) -> str:
-        """Run one Slurm command (``SLURM_CONF`` set to :attr:`slurm_conf`); its stdout. Raises :class:`SchedulerError` on a non-zero exit,
-        a missing command or a time-out."""
+        """Run one Slurm command (``SLURM_CONF`` set to :attr:`slurm_conf`); its stdout. Raises
+        :class:`SchedulerError` on a non-zero exit, a missing command or a time-out (the command
+        is killed then).
+
+        The process is started and waited for in a worker thread (:meth:`_run`), never on the
+        event loop's thread: a process start from a large Python process and a slow controller
+        then hold up no claim, publication or other read running on the loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor(), self._run, argv, stdin)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="slurm-command")
+        return self._pool
+
+    def _run(self, argv: tuple[str, ...], stdin: str | None) -> str:
+        """:meth:`command` in the calling thread (blocks up to :attr:`command_timeout_s`)."""
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
+            proc = subprocess.run(
+                argv,
+                input=stdin.encode() if stdin is not None else None,
+                stdin=subprocess.DEVNULL if stdin is None else None,
+                capture_output=True,
                 env=self._env,
+                timeout=self.command_timeout_s,
+                check=False,
             )
         except OSError as e:
             raise SchedulerError(f"{argv[0]}: {e}") from e
-        try:
-            out, err = await asyncio.wait_for(
-                proc.communicate(stdin.encode() if stdin is not None else None), self.command_timeout_s
-            )
-        except TimeoutError as e:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
+        except subprocess.TimeoutExpired as e:
             raise SchedulerError(f"{shlex.join(argv)}: no answer within {self.command_timeout_s} s") from e
         if proc.returncode != 0:
-            raise SchedulerError(f"{shlex.join(argv)} exited {proc.returncode}: {err.decode(errors='replace').strip()}")
-        return out.decode(errors="replace")
+            err = proc.stderr.decode(errors="replace").strip()
+            raise SchedulerError(f"{shlex.join(argv)} exited {proc.returncode}: {err}")
+        return proc.stdout.decode(errors="replace")
 
     async def jobs(self, job_id: str | None = None) -> list[Hold]:
         """The hold jobs Slurm lists (one job, or every job), placeholders not carved into a
