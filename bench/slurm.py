@@ -174,6 +174,14 @@ async def _lent_jobs(cluster: Cluster, job_ids: set[str] | None = None) -> set[s
     return ids if job_ids is None else ids & job_ids
 
 
+async def _loop_lag(out: list[float], period_s: float = 0.005) -> None:
+    """How late the event loop (broker and site together) wakes a ``period_s`` sleep, into ``out``."""
+    while True:
+        t0 = time.perf_counter()
+        await asyncio.sleep(period_s)
+        out.append(time.perf_counter() - t0 - period_s)
+
+
 async def _broker_phase(
     cluster: Cluster, lending: Lending, claims: int, notice_s: int, out: dict[str, list[float]], tag: str
 ) -> None:
@@ -197,6 +205,7 @@ async def _broker_phase(
     await svc.start()
     stop = asyncio.Event()
     serve = asyncio.create_task(svc.run(stop))
+    lag = asyncio.create_task(_loop_lag(out[f"{tag}_lag"]))
     slurm = lending if isinstance(lending, SlurmLending) else None
     try:
         await svc.wait_connected(10)
@@ -237,6 +246,7 @@ async def _broker_phase(
             if slurm is not None:
                 await _notices(cluster, site, slurm, out)
     finally:
+        lag.cancel()
         stop.set()
         await serve
         await svc.stop()
@@ -271,15 +281,17 @@ async def _notices(cluster: Cluster, site: EdgeClient, slurm: SlurmLending, out:
         seen = time.time()
         if msg.state is LeaseState.RECLAIMING:
             out["submit_notice"].append(seen - t0)
-            preempted = [h.preempted_at for j in jobs for h in await slurm.scheduler.jobs(j) if h.preempted_at]
-            if preempted:
-                out["notice_preempt_time"].append(seen - min(preempted))
             for _ in range(100):  # the script writes it on SIGTERM; the notice may come first
                 terms = [t for j in jobs if (t := read_term(slurm.control_dir / f"{j}.term")) is not None]
                 if terms:
                     out["notice"].append(seen - min(terms))
                     break
                 await asyncio.sleep(0.02)
+            else:
+                print(f"lease {lease.lease_id}: no term file of {jobs}", file=sys.stderr)
+            preempted = [h.preempted_at for h in await slurm.scheduler.jobs() if h.job_id in jobs and h.preempted_at]
+            if preempted:
+                out["notice_preempt_time"].append(seen - min(preempted))
         else:  # e.g. revoked at once because a hold was gone (hold_lost) before the site saw reclaiming
             print(f"lease {lease.lease_id}: {msg.state} ({msg.reason}) instead of a notice", file=sys.stderr)
         await cluster.cancel(job)
@@ -301,7 +313,7 @@ async def _main(args: argparse.Namespace) -> int:
                 await asyncio.gather(*(_round(cluster, sched, h, n, args.gpus, args.notice_s, out) for h in NODES))
                 print(f"round {n + 1}/{args.rounds}: {len(out['lent'])} preemptions", file=sys.stderr, flush=True)
             for k in ("none", "slurm", "none_refused", "slurm_refused", "hold_gone", "notice", "submit_notice",
-                      "notice_preempt_time", "refill"):
+                      "notice_preempt_time", "refill", "none_lag", "slurm_lag"):
                 out[k] = []
             for block in range(0, args.claims, 10):
                 size = min(10, args.claims - block)
@@ -314,16 +326,17 @@ async def _main(args: argparse.Namespace) -> int:
             cluster.script("stop")
     if args.claims:
         print(f"\nclaim -> lease at the site, {args.claims} claims each, same run")
-        print(f"{'':42} {'p50 ms':>8} {'p99 ms':>8}")
-        for name, key in (("broker without the scheduler (yardstick)", "none"), ("broker lending through Slurm", "slurm")):
-            print(f"{name:42} {statistics.median(out[key]) * 1e3:8.1f} {_pct(out[key], 0.99) * 1e3:8.1f}")
-        print(f"{'release -> hold gone (Slurm)':42} {statistics.median(out['hold_gone']) * 1e3:8.1f} "
-              f"{_pct(out['hold_gone'], 0.99) * 1e3:8.1f}")
-        for name, key in (("Slurm's SIGTERM to the hold -> notice at site", "notice"),
+        print(f"{'':45} {'p50 ms':>8} {'p99 ms':>8} {'n':>6}")
+        for name, key in (("broker without the scheduler (yardstick)", "none"), ("broker lending through Slurm", "slurm"),
+                          ("event loop lag, broker without the scheduler", "none_lag"),
+                          ("event loop lag, broker lending through Slurm", "slurm_lag"),
+                          ("release -> hold gone (Slurm)", "hold_gone"),
+                          ("Slurm's SIGTERM to the hold -> notice at site", "notice"),
                           ("PreemptTime (whole s) -> notice at the site", "notice_preempt_time"),
                           ("training submit -> notice at the site", "submit_notice"),
                           ("release -> GPU held by a placeholder again", "refill")):
-            print(f"{name:42} {statistics.median(out[key]) * 1e3:8.1f} {_pct(out[key], 0.99) * 1e3:8.1f}")
+            print(f"{name:45} {statistics.median(out[key]) * 1e3:8.1f} {_pct(out[key], 0.99) * 1e3:8.1f} "
+                  f"{len(out[key]):6d}")
         print(f"claims refused for want of a placeholder: {len(out['slurm_refused'])}; ratio p99 slurm/none "
               f"{_pct(out['slurm'], 0.99) / _pct(out['none'], 0.99):.2f}x; claim p99 target 100 ms: "
               f"{'met' if _pct(out['slurm'], 0.99) <= 0.1 else 'MISSED'}; notice p99 target 1 s: "

@@ -287,13 +287,17 @@ class SlurmScheduler:
         """The hold jobs Slurm lists (one job, or every job), placeholders not carved into a
         lease included (``lease_id == ""``), ended ones too. Raises :class:`SchedulerError` if
         Slurm cannot be read or prints what :func:`hold_from_record` cannot read."""
-        argv = ["scontrol", "show", "job", "-d", "-o"] + ([job_id] if job_id else [])
-        try:
-            text = await self.command(*argv)
+        argv = ("scontrol", "show", "job", "-d", "-o") + ((job_id,) if job_id else ())
+        try:  # read and parsed in a worker thread: a long listing holds up nothing on the loop
+            return await asyncio.get_running_loop().run_in_executor(self._executor(), self._jobs, argv)
         except SchedulerError as e:
             if job_id and "Invalid job id" in str(e):
                 return []
             raise
+
+    def _jobs(self, argv: tuple[str, ...]) -> list[Hold]:
+        """:meth:`jobs` in the calling thread."""
+        text = self._run(argv, None)
         # only gpupool's own lines are parsed: the controller lists every job it remembers
         # (finished ones for MinJobAge, 300 s by default), which on a busy cluster is most of it
         ours = "\n".join(line for line in text.splitlines() if f" JobName={JOB_NAME} " in line)
