@@ -460,24 +460,32 @@ class SlurmLending:
     async def _retag(self, record: LeaseLogRecord, holds: list[Hold]) -> None:
         """Name the carved placeholders after the lease and set their time limit to its end
         (after :data:`_RETAG_DELAY_S`: a process start must not hold up the lease message and
-        reply of the claim that carved them, which are still being published)."""
+        reply of the claim that carved them, which are still being published): one
+        ``scontrol update JobId=<id,id,...>`` per time limit (jobs started in the same minute
+        share one)."""
         await asyncio.sleep(_RETAG_DELAY_S)
+        groups: dict[int | None, list[str]] = {}
         for h in holds:
-            argv = ["scontrol", "update", f"JobId={h.job_id}", f"Comment={COMMENT_PREFIX}{record.lease_id}"]
+            minutes = None
             if record.ends_at is not None:
                 started = h.started_at if h.started_at is not None else self._clock()
-                argv.append(f"TimeLimit={max(1, math.ceil((record.ends_at - started) / 60.0))}")
+                minutes = max(1, math.ceil((record.ends_at - started) / 60.0))
+            groups.setdefault(minutes, []).append(h.job_id)
+        for minutes, job_ids in groups.items():
+            argv = ["scontrol", "update", f"JobId={','.join(job_ids)}", f"Comment={COMMENT_PREFIX}{record.lease_id}"]
+            if minutes is not None:
+                argv.append(f"TimeLimit={minutes}")
             if record.lease_id not in self._leases:
                 return  # ended meanwhile: its jobs are cancelled
             try:
                 await self.scheduler.command(*argv)
             except SchedulerError as e:
-                if record.lease_id not in self._leases:
-                    return
+                if record.lease_id not in self._leases or record.lease_id in self._noticed:
+                    return  # ended, or Slurm is taking it back: a leaving job takes no update
                 self._metrics.scheduler_errors.labels(operation="retag").inc()
                 log.error(
                     "hold_retag_failed",
-                    extra={"lease_id": record.lease_id, "job_id": h.job_id, "error": str(e)},
+                    extra={"lease_id": record.lease_id, "job_ids": job_ids, "error": str(e)},
                 )
 
     async def _release(self, lease_id: str, holds: list[Hold]) -> None:

@@ -68,9 +68,10 @@ class _Slurm:
             return ""
         if argv[:2] == ("scontrol", "update"):
             fields = dict(a.split("=", 1) for a in argv[2:])
-            job = self.jobs_.get(fields["JobId"])
-            if job is not None and job.state != "ENDED":
-                job.comment = fields["Comment"]
+            for job_id in fields["JobId"].split(","):  # scontrol(1): a comma-separated job list
+                job = self.jobs_.get(job_id)
+                if job is not None and job.state != "ENDED":
+                    job.comment = fields["Comment"]
             return ""
         if argv[:3] == ("scontrol", "show", "node"):
             return f"NodeName={HOST} NodeAddr=127.0.0.1\n"
