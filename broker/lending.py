@@ -11,8 +11,9 @@ GPUs are held for the lease; else why not, and the claim is refused ``isolation_
 (``"slurm"``) carves leases out of placeholder jobs (:mod:`broker.placeholders`): every GPU in a
 live offer is held ahead of time by a one-GPU job in the lent partition, so a claim is granted
 without submitting anything to Slurm (a claim whose GPUs have no running placeholder, or whose
-placeholder Slurm has just taken back, is refused, and the site claims again). Every
-``poll_s`` it reads Slurm's jobs once (``scontrol show job -d -o``), and every ``term_poll_s``
+placeholder Slurm has just taken back, is refused, and the site claims again). It reads
+Slurm's jobs (``scontrol show job -d -o``) every ``poll_s`` while placeholders are wanted,
+starting or unwanted, else every ``read_every_s``; and every ``term_poll_s``
 it looks for the term files of the carved placeholders (written by their script when Slurm
 signals them, :mod:`broker.placeholders`): a new one is confirmed by reading that job alone, so
 a preemption is noticed when Slurm signals it rather than at the next full read:
@@ -69,7 +70,7 @@ Offered = Callable[[], Iterable[str]]
 Republish = Callable[[str], None]
 """Publish the lease message of ``lease_id`` again (its endpoint changed)."""
 
-_RETAG_DELAY_S = 0.05
+_RETAG_DELAY_S = 0.2
 """Seconds between a carving and the Slurm commands that name its jobs."""
 
 _NODE_ADDR = re.compile(r"(?:^|\s)NodeAddr=(\S+)")
@@ -156,7 +157,10 @@ class SlurmLending:
         notice_s: the leases' notice (= the lent partition's ``GraceTime``), seconds.
         control_dir: where placeholder jobs write their output and find their held and start
             files (shared with the nodes).
-        poll_s: seconds between two reads of Slurm's jobs.
+        poll_s: seconds between two reads of Slurm's jobs while placeholders are wanted,
+            starting or unwanted (offered GPUs not held, jobs submitted, idle ones not offered).
+        read_every_s: seconds between two reads of Slurm's jobs otherwise (what no term file
+            tells: a node failure, a placeholder preempted while idle).
         term_poll_s: seconds between two looks for the term files of carved placeholders.
         placeholder_minutes: time limit of an idle placeholder, minutes.
         unwanted_grace_s: an idle placeholder on a GPU no longer offered is cancelled after
@@ -175,6 +179,7 @@ class SlurmLending:
         notice_s: float = 30.0,
         control_dir: Path,
         poll_s: float = 0.25,
+        read_every_s: float = 2.0,
         term_poll_s: float = 0.05,
         placeholder_minutes: int = 60,
         unwanted_grace_s: float = 5.0,
@@ -186,6 +191,7 @@ class SlurmLending:
         self.notice_s = notice_s
         self.control_dir = control_dir
         self.poll_s = poll_s
+        self.read_every_s = max(poll_s, read_every_s)
         self.term_poll_s = term_poll_s
         self.placeholder_minutes = placeholder_minutes
         self.unwanted_grace_s = unwanted_grace_s
@@ -543,10 +549,13 @@ class SlurmLending:
             self._submitting[host] -= 1
 
     async def _watch_forever(self) -> None:
-        due = time.monotonic()
+        due = last = time.monotonic()
         while True:  # at a fixed rate: a slow read does not stretch the period
             due = max(due + self.poll_s, time.monotonic())
             await asyncio.sleep(due - time.monotonic())
+            if time.monotonic() - last < self.read_every_s and not self._placeholders_in_flux():
+                continue  # nothing to do that needs Slurm's jobs: the controller is not asked
+            last = time.monotonic()
             try:
                 await self._poll()
             except asyncio.CancelledError:
@@ -584,11 +593,7 @@ class SlurmLending:
         if confirm:  # every job of the lease gets SIGTERM (the workload drains), off the notices' path
             self._background(self._confirm(confirm), "hold-confirm-notice")
         self._keep_placeholders(jobs, now)
-        wanted: dict[str, set[int]] = {}
-        for key in self._offered():
-            where = self.gpu_map.locate(key)
-            if where is not None:
-                wanted.setdefault(where[0], set()).add(where[1])
+        wanted = self._wanted()
         for job_id, (_, since) in list(self._submitted.items()):
             if job_id not in jobs:
                 del self._submitted[job_id]
@@ -671,6 +676,26 @@ class SlurmLending:
             since = chosen.preempted_at
         if since is not None:
             self._metrics.preemption_notice.observe(max(0.0, self._clock() - since))
+
+    def _wanted(self) -> dict[str, set[int]]:
+        """GRES indices per node of the GPUs in live offers (what placeholders should hold)."""
+        wanted: dict[str, set[int]] = {}
+        for key in self._offered():
+            where = self.gpu_map.locate(key)
+            if where is not None:
+                wanted.setdefault(where[0], set()).add(where[1])
+        return wanted
+
+    def _placeholders_in_flux(self) -> bool:
+        """True while a read of Slurm's jobs has work to do: placeholders submitted and not yet
+        seen running, idle ones on GPUs not offered, or offered GPUs without one (in memory)."""
+        if self._submitted or any(self._submitting.values()) or self._unwanted:
+            return True
+        wanted = self._wanted()
+        for host, by_index in self._idle.items():
+            if not by_index.keys() <= wanted.get(host, set()):
+                return True
+        return any(not indices <= self._idle.get(host, {}).keys() for host, indices in wanted.items())
 
     def _keep_placeholders(self, jobs: dict[str, Hold], now: float) -> None:
         """Rebuild the idle placeholders from Slurm's jobs whose script has written its idle file
