@@ -179,7 +179,7 @@ class SlurmLending:
         notice_s: float = 30.0,
         control_dir: Path,
         poll_s: float = 0.25,
-        read_every_s: float = 2.0,
+        read_every_s: float = 1.0,
         term_poll_s: float = 0.05,
         placeholder_minutes: int = 60,
         unwanted_grace_s: float = 5.0,
@@ -639,7 +639,7 @@ class SlurmLending:
 
     async def _terms(self) -> None:
         """One look for new term files of the live leases' jobs (a ``stat`` each): each lease with
-        one has that job read alone; Slurm chose it for preemption → reclaimed with Slurm's
+        one has that job read alone (those of several leases at once); Slurm chose it for preemption → reclaimed with Slurm's
         deadline at once (as :meth:`_poll` would at its next read); gone → ``hold_lost``; still
         running unchosen (its time limit's signal) → left to :meth:`_poll`."""
         signalled: dict[str, Hold] = {}
@@ -650,8 +650,11 @@ class SlurmLending:
                 if h.job_id not in self._termed and self._file(h.job_id, "term").exists():
                     self._termed.add(h.job_id)
                     signalled.setdefault(lease_id, h)
-        for lease_id, h in signalled.items():
-            found = [j for j in await self.scheduler.jobs(h.job_id) if j.state is not HoldState.ENDED]
+        if not signalled:
+            return
+        read = await asyncio.gather(*(self.scheduler.jobs(h.job_id) for h in signalled.values()))
+        for (lease_id, h), listed in zip(signalled.items(), read, strict=True):
+            found = [j for j in listed if j.state is not HoldState.ENDED]
             if lease_id in self._noticed or lease_id not in self._leases:
                 continue  # noticed by a read of every job meanwhile, or ended
             if not found:
