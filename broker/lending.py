@@ -556,15 +556,20 @@ class SlurmLending:
             if time.monotonic() - last < self.read_every_s and not self._placeholders_in_flux():
                 continue  # nothing to do that needs Slurm's jobs: the controller is not asked
             last = time.monotonic()
-            try:
-                await self._poll()
-            except asyncio.CancelledError:
-                raise
-            except SchedulerError as e:
-                self._metrics.scheduler_errors.labels(operation="read").inc()
-                log.error("scheduler_read_failed", extra={"error": str(e)})
-            except Exception:  # noqa: BLE001 — a bug in one poll must not stop watching
-                log.exception("lending_poll_failed")
+            await self._guarded(self._poll, "lending_poll_failed")
+
+    async def _guarded(self, step: Callable[[], Awaitable[None]], failed: str) -> None:
+        """Run one step of a watch: a Slurm read that failed is counted and logged, a bug is
+        logged as ``failed``; neither stops the watch."""
+        try:
+            await step()
+        except asyncio.CancelledError:
+            raise
+        except SchedulerError as e:
+            self._metrics.scheduler_errors.labels(operation="read").inc()
+            log.error("scheduler_read_failed", extra={"error": str(e)})
+        except Exception:  # noqa: BLE001 — a bug in one step must not stop watching
+            log.exception(failed)
 
     async def _poll(self) -> None:
         """One read of Slurm: preemptions and lost holds → reclaims; placeholders kept."""
@@ -627,15 +632,7 @@ class SlurmLending:
         while True:
             due = max(due + self.term_poll_s, time.monotonic())
             await asyncio.sleep(due - time.monotonic())
-            try:
-                await self._terms()
-            except asyncio.CancelledError:
-                raise
-            except SchedulerError as e:
-                self._metrics.scheduler_errors.labels(operation="read").inc()
-                log.error("scheduler_read_failed", extra={"error": str(e)})
-            except Exception:  # noqa: BLE001 — a bug in one look must not stop watching
-                log.exception("lending_terms_failed")
+            await self._guarded(self._terms, "lending_terms_failed")
 
     async def _terms(self) -> None:
         """One look for new term files of the live leases' jobs (a ``stat`` each): each lease with
