@@ -57,6 +57,7 @@ read as a :class:`Hold` with ``lease_id == ""``."""
 _WORKERS = 4
 """Slurm commands that may run at once (worker threads of one :class:`SlurmScheduler`)."""
 _LEASE_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_JOB_STATE = re.compile(r"(?:^|\s)JobState=(\S+)")
 _FIELD = re.compile(r"(?:^|\s)([A-Za-z_][\w:/]*)=(\S*)")
 _GRES_IDX = re.compile(r"gpu(?::[^:(\s]+)?:(\d+)\(IDX:([\d,\-]+)\)")
 _ENDED = {
@@ -284,8 +285,9 @@ class SlurmScheduler:
         return proc.stdout.decode(errors="replace")
 
     async def jobs(self, job_id: str | None = None) -> list[Hold]:
-        """The hold jobs Slurm lists (one job, or every job), placeholders not carved into a
-        lease included (``lease_id == ""``), ended ones too. Raises :class:`SchedulerError` if
+        """The hold jobs Slurm lists (one job, or every job) that have not ended (a job Slurm
+        still remembers in a final state, or ``COMPLETING``, is left out), placeholders not
+        carved into a lease included (``lease_id == ""``). Raises :class:`SchedulerError` if
         Slurm cannot be read or prints what :func:`hold_from_record` cannot read."""
         argv = ("scontrol", "show", "job", "-d", "-o") + ((job_id,) if job_id else ())
         try:  # read and parsed in a worker thread: a long listing holds up nothing on the loop
@@ -298,9 +300,14 @@ class SlurmScheduler:
     def _jobs(self, argv: tuple[str, ...]) -> list[Hold]:
         """:meth:`jobs` in the calling thread."""
         text = self._run(argv, None)
-        # only gpupool's own lines are parsed: the controller lists every job it remembers
-        # (finished ones for MinJobAge, 300 s by default), which on a busy cluster is most of it
-        ours = "\n".join(line for line in text.splitlines() if f" JobName={JOB_NAME} " in line)
+        # only gpupool's own lines of jobs not ended are parsed: the controller lists every job
+        # it remembers (finished ones for MinJobAge, 300 s by default), most of it on a busy cluster
+        ours = "\n".join(
+            line
+            for line in text.splitlines()
+            if f" JobName={JOB_NAME} " in line
+            and ((state := _JOB_STATE.search(line)) is None or state.group(1) not in _ENDED)
+        )
         try:
             holds = [hold_from_record(rec) for rec in parse_job_lines(ours)]
         except ValueError as e:
