@@ -21,8 +21,10 @@ GPU at a time and releasing it, ``N`` claims against a broker without the schedu
 (:class:`broker.lending.SlurmLending`, placeholder holds), alternating in blocks of 10: claim →
 lease at the site, p50/p99 of each and their ratio; a claim whose GPU had no placeholder yet
 (refused, claimed again) is counted. For the Slurm broker also: release → Slurm runs no job of
-the lease (hold gone, read every 20 ms), and, for ``--preemptions`` leases (one per node at a
-time), training submit → the site holding the reclaim notice with Slurm's deadline.
+the lease (hold gone, read every 20 ms), and, after each block, one lease of 8 GPUs per node and
+a training job on each node: Slurm's SIGTERM to the lease's hold (recorded by its script,
+microseconds) → the site holding the reclaim notice with Slurm's deadline, the same from Slurm's
+``PreemptTime`` (whole seconds: up to 1 s too long), and training submit → notice.
 
 It prints p50/p99 of each, the added time (lent - yardstick, per round and node) against the
 target (<= notice + 5 s, p99 over at least 50 preemptions), the release p99 against 1 s, the
@@ -52,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from broker.config import BrokerConfig  # noqa: E402
 from broker.edge import ClaimRejected, EdgeClient  # noqa: E402
 from broker.lending import Lending, NoLending, SlurmLending  # noqa: E402
+from broker.placeholders import read_term  # noqa: E402
 from broker.scheduler import HoldRequest, HoldState  # noqa: E402
 from broker.scheduler_slurm import JOB_NAME, SlurmScheduler  # noqa: E402
 from broker.service import BrokerService  # noqa: E402
@@ -171,6 +174,14 @@ async def _lent_jobs(cluster: Cluster, job_ids: set[str] | None = None) -> set[s
     return ids if job_ids is None else ids & job_ids
 
 
+async def _loop_lag(out: list[float], period_s: float = 0.005) -> None:
+    """How late the event loop (broker and site together) wakes a ``period_s`` sleep, into ``out``."""
+    while True:
+        t0 = time.perf_counter()
+        await asyncio.sleep(period_s)
+        out.append(time.perf_counter() - t0 - period_s)
+
+
 async def _broker_phase(
     cluster: Cluster, lending: Lending, claims: int, notice_s: int, out: dict[str, list[float]], tag: str
 ) -> None:
@@ -194,6 +205,7 @@ async def _broker_phase(
     await svc.start()
     stop = asyncio.Event()
     serve = asyncio.create_task(svc.run(stop))
+    lag = asyncio.create_task(_loop_lag(out[f"{tag}_lag"]))
     slurm = lending if isinstance(lending, SlurmLending) else None
     try:
         await svc.wait_connected(10)
@@ -234,6 +246,7 @@ async def _broker_phase(
             if slurm is not None:
                 await _notices(cluster, site, slurm, out)
     finally:
+        lag.cancel()
         stop.set()
         await serve
         await svc.stop()
@@ -244,21 +257,13 @@ async def _broker_phase(
 
 async def _notices(cluster: Cluster, site: EdgeClient, slurm: SlurmLending, out: dict[str, list[float]]) -> None:
     """One lease of all 8 GPUs per node, then a training job on each node: Slurm choosing the
-    lease's hold (``PreemptTime`` set, seen by one reader of every job every 50 ms, as light on
-    the machine as the broker's own) → the site holding the reclaim notice (state
-    ``reclaiming`` with Slurm's deadline); and submit → notice."""
+    lease's hold → the site holding the reclaim notice (state ``reclaiming`` with Slurm's
+    deadline), with Slurm's choice timed two ways: when the hold's script got Slurm's SIGTERM
+    (its term file, microseconds; Slurm signals the job as it preempts it, so this is at most
+    the signal's delivery later than the choice) and Slurm's ``PreemptTime`` (whole seconds,
+    truncated: up to 1 s early, so that figure is up to 1 s too long); and submit → notice."""
     for host in NODES:
         while len(slurm._idle.get(host, {})) < 8:
-            await asyncio.sleep(0.05)
-    chosen: dict[str, float] = {}
-    done = asyncio.Event()
-
-    async def reader() -> None:
-        while not done.is_set():
-            now = time.perf_counter()
-            for h in await slurm.scheduler.jobs():
-                if h.state is HoldState.PREEMPTED:
-                    chosen.setdefault(h.job_id, now)
             await asyncio.sleep(0.05)
 
     async def one(host: str) -> None:
@@ -267,28 +272,31 @@ async def _notices(cluster: Cluster, site: EdgeClient, slurm: SlurmLending, out:
             offer = next((o for o in site.known_offers.values() if o.host == host and len(o.gpus) == 8), None)
             await asyncio.sleep(0.01)
         lease = await site.claim(offer.offer_id, count=8, timeout_s=10)
-        jobs = {h.job_id for h in slurm._leases[lease.lease_id]}
-        t0 = time.perf_counter()
+        jobs = [h.job_id for h in slurm._leases[lease.lease_id]]
+        t0 = time.time()
         job = await cluster.submit_training(host, 1)
         msg = await site.wait_lease(
             lease.lease_id, lambda m: m.state not in (LeaseState.GRANTED, LeaseState.ACTIVE), 30
         )
-        seen = time.perf_counter()
+        seen = time.time()
         if msg.state is LeaseState.RECLAIMING:
-            first = min((chosen[j] for j in jobs if j in chosen), default=None)
-            if first is not None:
-                out["notice"].append(max(0.0, seen - first))
             out["submit_notice"].append(seen - t0)
+            for _ in range(100):  # the script writes it on SIGTERM; the notice may come first
+                terms = [t for j in jobs if (t := read_term(slurm.control_dir / f"{j}.term")) is not None]
+                if terms:
+                    out["notice"].append(seen - min(terms))
+                    break
+                await asyncio.sleep(0.02)
+            else:
+                print(f"lease {lease.lease_id}: no term file of {jobs}", file=sys.stderr)
+            preempted = [h.preempted_at for h in await slurm.scheduler.jobs() if h.job_id in jobs and h.preempted_at]
+            if preempted:
+                out["notice_preempt_time"].append(seen - min(preempted))
         else:  # e.g. revoked at once because a hold was gone (hold_lost) before the site saw reclaiming
             print(f"lease {lease.lease_id}: {msg.state} ({msg.reason}) instead of a notice", file=sys.stderr)
         await cluster.cancel(job)
 
-    watcher = asyncio.create_task(reader())
-    try:
-        await asyncio.gather(*(one(h) for h in NODES))
-    finally:
-        done.set()
-        await watcher
+    await asyncio.gather(*(one(h) for h in NODES))
 
 
 async def _main(args: argparse.Namespace) -> int:
@@ -305,7 +313,7 @@ async def _main(args: argparse.Namespace) -> int:
                 await asyncio.gather(*(_round(cluster, sched, h, n, args.gpus, args.notice_s, out) for h in NODES))
                 print(f"round {n + 1}/{args.rounds}: {len(out['lent'])} preemptions", file=sys.stderr, flush=True)
             for k in ("none", "slurm", "none_refused", "slurm_refused", "hold_gone", "notice", "submit_notice",
-                      "refill"):
+                      "notice_preempt_time", "refill", "none_lag", "slurm_lag"):
                 out[k] = []
             for block in range(0, args.claims, 10):
                 size = min(10, args.claims - block)
@@ -318,15 +326,17 @@ async def _main(args: argparse.Namespace) -> int:
             cluster.script("stop")
     if args.claims:
         print(f"\nclaim -> lease at the site, {args.claims} claims each, same run")
-        print(f"{'':42} {'p50 ms':>8} {'p99 ms':>8}")
-        for name, key in (("broker without the scheduler (yardstick)", "none"), ("broker lending through Slurm", "slurm")):
-            print(f"{name:42} {statistics.median(out[key]) * 1e3:8.1f} {_pct(out[key], 0.99) * 1e3:8.1f}")
-        print(f"{'release -> hold gone (Slurm)':42} {statistics.median(out['hold_gone']) * 1e3:8.1f} "
-              f"{_pct(out['hold_gone'], 0.99) * 1e3:8.1f}")
-        for name, key in (("Slurm chose the hold -> notice at the site", "notice"),
+        print(f"{'':45} {'p50 ms':>8} {'p99 ms':>8} {'n':>6}")
+        for name, key in (("broker without the scheduler (yardstick)", "none"), ("broker lending through Slurm", "slurm"),
+                          ("event loop lag, broker without the scheduler", "none_lag"),
+                          ("event loop lag, broker lending through Slurm", "slurm_lag"),
+                          ("release -> hold gone (Slurm)", "hold_gone"),
+                          ("Slurm's SIGTERM to the hold -> notice at site", "notice"),
+                          ("PreemptTime (whole s) -> notice at the site", "notice_preempt_time"),
                           ("training submit -> notice at the site", "submit_notice"),
                           ("release -> GPU held by a placeholder again", "refill")):
-            print(f"{name:42} {statistics.median(out[key]) * 1e3:8.1f} {_pct(out[key], 0.99) * 1e3:8.1f}")
+            print(f"{name:45} {statistics.median(out[key]) * 1e3:8.1f} {_pct(out[key], 0.99) * 1e3:8.1f} "
+                  f"{len(out[key]):6d}")
         print(f"claims refused for want of a placeholder: {len(out['slurm_refused'])}; ratio p99 slurm/none "
               f"{_pct(out['slurm'], 0.99) / _pct(out['none'], 0.99):.2f}x; claim p99 target 100 ms: "
               f"{'met' if _pct(out['slurm'], 0.99) <= 0.1 else 'MISSED'}; notice p99 target 1 s: "

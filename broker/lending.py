@@ -11,7 +11,12 @@ GPUs are held for the lease; else why not, and the claim is refused ``isolation_
 (``"slurm"``) carves leases out of placeholder jobs (:mod:`broker.placeholders`): every GPU in a
 live offer is held ahead of time by a one-GPU job in the lent partition, so a claim is granted
 without submitting anything to Slurm (a claim whose GPUs have no running placeholder, or whose
-placeholder Slurm has just taken back, is refused, and the site claims again). Every ``poll_s`` it reads Slurm's jobs once (``scontrol show job -d -o``):
+placeholder Slurm has just taken back, is refused, and the site claims again). It reads
+Slurm's jobs (``scontrol show job -d -o``) every ``poll_s`` while placeholders are wanted,
+starting or unwanted, else every ``read_every_s``; and every ``term_poll_s``
+it looks for the term files of the carved placeholders (written by their script when Slurm
+signals them, :mod:`broker.placeholders`): a new one is confirmed by reading that job alone, so
+a preemption is noticed when Slurm signals it rather than at the next full read:
 
 * a lease hold Slurm chose for preemption (a pending training job needs the GPUs, partition
   preemption) → the lease is reclaimed with Slurm's own deadline (``EndTime``, the end of the
@@ -48,7 +53,7 @@ import httpx
 
 from broker.config import BrokerConfig
 from broker.metrics import BrokerMetrics
-from broker.placeholders import GpuMap, placeholder_script, start_script
+from broker.placeholders import GpuMap, placeholder_script, read_term, start_script
 from broker.scheduler import Hold, HoldState, SchedulerError
 from broker.scheduler_slurm import COMMENT_PREFIX, IDLE_COMMENT, JOB_NAME, SlurmScheduler
 from broker.workloads import WorkloadError, WorkloadProfile, allowed, pick_port, render
@@ -65,7 +70,7 @@ Offered = Callable[[], Iterable[str]]
 Republish = Callable[[str], None]
 """Publish the lease message of ``lease_id`` again (its endpoint changed)."""
 
-_RETAG_DELAY_S = 0.05
+_RETAG_DELAY_S = 0.2
 """Seconds between a carving and the Slurm commands that name its jobs."""
 
 _NODE_ADDR = re.compile(r"(?:^|\s)NodeAddr=(\S+)")
@@ -152,7 +157,11 @@ class SlurmLending:
         notice_s: the leases' notice (= the lent partition's ``GraceTime``), seconds.
         control_dir: where placeholder jobs write their output and find their held and start
             files (shared with the nodes).
-        poll_s: seconds between two reads of Slurm's jobs.
+        poll_s: seconds between two reads of Slurm's jobs while placeholders are wanted,
+            starting or unwanted (offered GPUs not held, jobs submitted, idle ones not offered).
+        read_every_s: seconds between two reads of Slurm's jobs otherwise (what no term file
+            tells: a node failure, a placeholder preempted while idle).
+        term_poll_s: seconds between two looks for the term files of carved placeholders.
         placeholder_minutes: time limit of an idle placeholder, minutes.
         unwanted_grace_s: an idle placeholder on a GPU no longer offered is cancelled after
             this many seconds; a placeholder pending this long is cancelled too.
@@ -170,6 +179,8 @@ class SlurmLending:
         notice_s: float = 30.0,
         control_dir: Path,
         poll_s: float = 0.25,
+        read_every_s: float = 1.0,
+        term_poll_s: float = 0.05,
         placeholder_minutes: int = 60,
         unwanted_grace_s: float = 5.0,
         clock: Callable[[], float] = time.time,
@@ -180,6 +191,8 @@ class SlurmLending:
         self.notice_s = notice_s
         self.control_dir = control_dir
         self.poll_s = poll_s
+        self.read_every_s = max(poll_s, read_every_s)
+        self.term_poll_s = term_poll_s
         self.placeholder_minutes = placeholder_minutes
         self.unwanted_grace_s = unwanted_grace_s
         self._clock = clock
@@ -193,6 +206,8 @@ class SlurmLending:
         """Holds of each live lease (job ids fixed at carving; states as carved)."""
         self._noticed: set[str] = set()
         """Leases already reclaimed for the scheduler (preempted or hold lost)."""
+        self._termed: set[str] = set()
+        """Carved placeholders whose term file was seen (each is confirmed once)."""
         self._submitted: dict[str, tuple[str, float]] = {}
         """Placeholders submitted and not yet seen running: job id → (node, submit time)."""
         self._submitting: dict[str, int] = {}
@@ -205,6 +220,7 @@ class SlurmLending:
         self._addr: dict[str, str] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._watch: asyncio.Task[None] | None = None
+        self._watch_terms: asyncio.Task[None] | None = None
 
     # wiring --------------------------------------------------------------------------------------
     def bind(self, reclaim: Reclaim, offered: Offered, republish: Republish, metrics: BrokerMetrics) -> None:
@@ -214,15 +230,24 @@ class SlurmLending:
 
     async def start(self, live: Sequence[LeaseLogRecord]) -> None:
         """See :meth:`Lending.start`: holds of live leases are adopted (their workload's health
-        checked again), holds of other leases cancelled, live leases without any hold reclaimed
+        checked again; a placeholder carved but not yet named after its lease is named now, its
+        lease found by its GPU), holds of other leases cancelled, live leases without any hold reclaimed
         at once (``hold_lost``)."""
         self.control_dir.mkdir(parents=True, exist_ok=True)
         jobs = [h for h in await self.scheduler.jobs() if h.state is not HoldState.ENDED]
         live_ids = {r.lease_id: r for r in live}
+        by_gpu = {g: r for r in live for g in r.gpus}
         stale: list[str] = []
+        unnamed: dict[str, list[Hold]] = {}
         for h in jobs:
             if not h.lease_id and self._file(h.job_id, "held").exists():
-                stale.append(h.job_id)  # carved by a broker that stopped before naming it
+                # carved by a broker that stopped before naming it: its lease's if one holds the GPU
+                owner = self._owner(h, by_gpu)
+                if owner is None:
+                    stale.append(h.job_id)
+                else:
+                    self._leases.setdefault(owner.lease_id, []).append(h)
+                    unnamed.setdefault(owner.lease_id, []).append(h)
                 continue
             if not h.lease_id:
                 continue
@@ -243,8 +268,11 @@ class SlurmLending:
                     await self._reclaim(rec.lease_id, self._clock(), f"{LeaseReason.HOLD_LOST}:none")
             else:
                 self._adopt_workload(rec)
+        for lease_id, holds in unnamed.items():
+            self._background(self._retag(live_ids[lease_id], holds), f"hold-retag-{lease_id}")
         await self._poll()
         self._watch = asyncio.create_task(self._watch_forever(), name="broker-lending-watch")
+        self._watch_terms = asyncio.create_task(self._terms_forever(), name="broker-lending-terms")
         log.info(
             "lending_started",
             extra={
@@ -253,12 +281,22 @@ class SlurmLending:
             },
         )
 
+    def _owner(self, hold: Hold, by_gpu: dict[str, LeaseLogRecord]) -> LeaseLogRecord | None:
+        """The live lease (of ``by_gpu``: GPU key → lease) holding a one-GPU placeholder's GPU."""
+        if len(hold.gpu_indices) != 1:
+            return None
+        try:
+            return by_gpu.get(self.gpu_map.key(hold.host, hold.gpu_indices[0]))
+        except KeyError:
+            return None
+
     async def stop(self) -> None:
         """See :meth:`Lending.stop`; releases in progress are awaited."""
-        if self._watch is not None:
-            self._watch.cancel()
-            await asyncio.gather(self._watch, return_exceptions=True)
-            self._watch = None
+        for watch in (self._watch, self._watch_terms):
+            if watch is not None:
+                watch.cancel()
+                await asyncio.gather(watch, return_exceptions=True)
+        self._watch = self._watch_terms = None
         for t in list(self._tasks):
             if not t.get_name().startswith("hold-release"):
                 t.cancel()
@@ -334,7 +372,8 @@ class SlurmLending:
         if not holds:
             return
         for h in holds:
-            for kind in ("held", "start", "idle"):
+            self._termed.discard(h.job_id)
+            for kind in ("held", "start", "idle", "term"):
                 self._file(h.job_id, kind).unlink(missing_ok=True)
         self._file(record.lease_id, "endpoint").unlink(missing_ok=True)
         self._background(self._release(record.lease_id, holds), f"hold-release-{record.lease_id}")
@@ -427,24 +466,32 @@ class SlurmLending:
     async def _retag(self, record: LeaseLogRecord, holds: list[Hold]) -> None:
         """Name the carved placeholders after the lease and set their time limit to its end
         (after :data:`_RETAG_DELAY_S`: a process start must not hold up the lease message and
-        reply of the claim that carved them, which are still being published)."""
+        reply of the claim that carved them, which are still being published): one
+        ``scontrol update JobId=<id,id,...>`` per time limit (jobs started in the same minute
+        share one)."""
         await asyncio.sleep(_RETAG_DELAY_S)
+        groups: dict[int | None, list[str]] = {}
         for h in holds:
-            argv = ["scontrol", "update", f"JobId={h.job_id}", f"Comment={COMMENT_PREFIX}{record.lease_id}"]
+            minutes = None
             if record.ends_at is not None:
                 started = h.started_at if h.started_at is not None else self._clock()
-                argv.append(f"TimeLimit={max(1, math.ceil((record.ends_at - started) / 60.0))}")
+                minutes = max(1, math.ceil((record.ends_at - started) / 60.0))
+            groups.setdefault(minutes, []).append(h.job_id)
+        for minutes, job_ids in groups.items():
+            argv = ["scontrol", "update", f"JobId={','.join(job_ids)}", f"Comment={COMMENT_PREFIX}{record.lease_id}"]
+            if minutes is not None:
+                argv.append(f"TimeLimit={minutes}")
             if record.lease_id not in self._leases:
                 return  # ended meanwhile: its jobs are cancelled
             try:
                 await self.scheduler.command(*argv)
             except SchedulerError as e:
-                if record.lease_id not in self._leases:
-                    return
+                if record.lease_id not in self._leases or record.lease_id in self._noticed:
+                    return  # ended, or Slurm is taking it back: a leaving job takes no update
                 self._metrics.scheduler_errors.labels(operation="retag").inc()
                 log.error(
                     "hold_retag_failed",
-                    extra={"lease_id": record.lease_id, "job_id": h.job_id, "error": str(e)},
+                    extra={"lease_id": record.lease_id, "job_ids": job_ids, "error": str(e)},
                 )
 
     async def _release(self, lease_id: str, holds: list[Hold]) -> None:
@@ -502,19 +549,27 @@ class SlurmLending:
             self._submitting[host] -= 1
 
     async def _watch_forever(self) -> None:
-        due = time.monotonic()
+        due = last = time.monotonic()
         while True:  # at a fixed rate: a slow read does not stretch the period
             due = max(due + self.poll_s, time.monotonic())
             await asyncio.sleep(due - time.monotonic())
-            try:
-                await self._poll()
-            except asyncio.CancelledError:
-                raise
-            except SchedulerError as e:
-                self._metrics.scheduler_errors.labels(operation="read").inc()
-                log.error("scheduler_read_failed", extra={"error": str(e)})
-            except Exception:  # noqa: BLE001 — a bug in one poll must not stop watching
-                log.exception("lending_poll_failed")
+            if time.monotonic() - last < self.read_every_s and not self._placeholders_in_flux():
+                continue  # nothing to do that needs Slurm's jobs: the controller is not asked
+            last = time.monotonic()
+            await self._guarded(self._poll, "lending_poll_failed")
+
+    async def _guarded(self, step: Callable[[], Awaitable[None]], failed: str) -> None:
+        """Run one step of a watch: a Slurm read that failed is counted and logged, a bug is
+        logged as ``failed``; neither stops the watch."""
+        try:
+            await step()
+        except asyncio.CancelledError:
+            raise
+        except SchedulerError as e:
+            self._metrics.scheduler_errors.labels(operation="read").inc()
+            log.error("scheduler_read_failed", extra={"error": str(e)})
+        except Exception:  # noqa: BLE001 — a bug in one step must not stop watching
+            log.exception(failed)
 
     async def _poll(self) -> None:
         """One read of Slurm: preemptions and lost holds → reclaims; placeholders kept."""
@@ -535,8 +590,7 @@ class SlurmLending:
                 await self._notify(
                     lease_id, deadline, f"{LeaseReason.SCHEDULER_PREEMPTED}:{chosen[0].job_id}"
                 )
-                if chosen[0].preempted_at is not None:
-                    self._metrics.preemption_notice.observe(max(0.0, self._clock() - chosen[0].preempted_at))
+                self._observe_notice(chosen[0])
                 confirm.extend(h for h in current if h is not None)
             elif gone:
                 self._noticed.add(lease_id)
@@ -544,11 +598,7 @@ class SlurmLending:
         if confirm:  # every job of the lease gets SIGTERM (the workload drains), off the notices' path
             self._background(self._confirm(confirm), "hold-confirm-notice")
         self._keep_placeholders(jobs, now)
-        wanted: dict[str, set[int]] = {}
-        for key in self._offered():
-            where = self.gpu_map.locate(key)
-            if where is not None:
-                wanted.setdefault(where[0], set()).add(where[1])
+        wanted = self._wanted()
         for job_id, (_, since) in list(self._submitted.items()):
             if job_id not in jobs:
                 del self._submitted[job_id]
@@ -576,6 +626,76 @@ class SlurmLending:
                 self._submitting[host] = self._submitting.get(host, 0) + 1
                 self._background(self._submit(host), f"placeholder-submit-{host}")
         self._metrics.placeholder_gpus.set(sum(len(v) for v in self._idle.values()))
+
+    async def _terms_forever(self) -> None:
+        due = time.monotonic()
+        while True:
+            due = max(due + self.term_poll_s, time.monotonic())
+            await asyncio.sleep(due - time.monotonic())
+            await self._guarded(self._terms, "lending_terms_failed")
+
+    async def _terms(self) -> None:
+        """One look for new term files of the live leases' jobs (a ``stat`` each): each lease with
+        one has that job read alone (those of several leases at once); Slurm chose it for preemption → reclaimed with Slurm's
+        deadline at once (as :meth:`_poll` would at its next read); gone → ``hold_lost``; still
+        running unchosen (its time limit's signal) → left to :meth:`_poll`."""
+        signalled: dict[str, Hold] = {}
+        for lease_id, holds in self._leases.items():
+            if lease_id in self._noticed:
+                continue
+            for h in holds:
+                if h.job_id not in self._termed and self._file(h.job_id, "term").exists():
+                    self._termed.add(h.job_id)
+                    signalled.setdefault(lease_id, h)
+        if not signalled:
+            return
+        read = await asyncio.gather(*(self.scheduler.jobs(h.job_id) for h in signalled.values()))
+        for (lease_id, h), listed in zip(signalled.items(), read, strict=True):
+            found = [j for j in listed if j.state is not HoldState.ENDED]
+            if lease_id in self._noticed or lease_id not in self._leases:
+                continue  # noticed by a read of every job meanwhile, or ended
+            if not found:
+                self._noticed.add(lease_id)
+                await self._notify(lease_id, self._clock(), f"{LeaseReason.HOLD_LOST}:{h.job_id}")
+            elif found[0].state is HoldState.PREEMPTED:
+                self._noticed.add(lease_id)
+                chosen = found[0]
+                deadline = chosen.deadline if chosen.deadline is not None else self._clock() + self.notice_s
+                await self._notify(lease_id, deadline, f"{LeaseReason.SCHEDULER_PREEMPTED}:{chosen.job_id}")
+                self._observe_notice(chosen)
+                self._background(self._confirm(list(self._leases.get(lease_id, ()))), "hold-confirm-notice")
+
+    def _observe_notice(self, chosen: Hold) -> None:
+        """``gpupool_broker_preemption_notice_seconds``: from the SIGTERM Slurm sent ``chosen``
+        (its term file, microseconds) or else its ``PreemptTime`` (whole seconds) to now."""
+        try:
+            since = read_term(self._file(chosen.job_id, "term"))
+        except (OSError, ValueError):
+            since = None
+        if since is None:
+            since = chosen.preempted_at
+        if since is not None:
+            self._metrics.preemption_notice.observe(max(0.0, self._clock() - since))
+
+    def _wanted(self) -> dict[str, set[int]]:
+        """GRES indices per node of the GPUs in live offers (what placeholders should hold)."""
+        wanted: dict[str, set[int]] = {}
+        for key in self._offered():
+            where = self.gpu_map.locate(key)
+            if where is not None:
+                wanted.setdefault(where[0], set()).add(where[1])
+        return wanted
+
+    def _placeholders_in_flux(self) -> bool:
+        """True while a read of Slurm's jobs has work to do: placeholders submitted and not yet
+        seen running, idle ones on GPUs not offered, or offered GPUs without one (in memory)."""
+        if self._submitted or any(self._submitting.values()) or self._unwanted:
+            return True
+        wanted = self._wanted()
+        for host, by_index in self._idle.items():
+            if not by_index.keys() <= wanted.get(host, set()):
+                return True
+        return any(not indices <= self._idle.get(host, {}).keys() for host, indices in wanted.items())
 
     def _keep_placeholders(self, jobs: dict[str, Hold], now: float) -> None:
         """Rebuild the idle placeholders from Slurm's jobs whose script has written its idle file

@@ -22,7 +22,10 @@ file away; ``rename(2)`` is atomic, so either the broker carves it (and it stays
 hold, for the notice) or it leaves (and the claim is refused), never both; one running the
 workload forwards SIGTERM to it and leaves when it exits or ``notice`` seconds have passed; one
 of a lease without the workload keeps its GPU, at most ``notice`` seconds, while its held file
-exists (the broker removes it when the lease ends).
+exists (the broker removes it when the lease ends). A carved one writes the time its first
+SIGTERM arrived (``date +%s.%6N``, from bash's ``EPOCHREALTIME``) to its *term* file
+(``<job id>.term``): the broker watches for it (:func:`read_term`) and so hears of a preemption
+as soon as Slurm signals it, without waiting for its next read of Slurm's jobs.
 """
 
 from __future__ import annotations
@@ -99,9 +102,15 @@ def placeholder_script(notice_s: float, control_dir: Path) -> str:
 idle={ctl}/$SLURM_JOB_ID.idle
 held={ctl}/$SLURM_JOB_ID.held
 start={ctl}/$SLURM_JOB_ID.start
+term={ctl}/$SLURM_JOB_ID.term
 {leave_function(notice, '"$held"')}# SIGTERM while idle: take the idle file away (rename: exactly one of this and a carving wins)
-# and leave at once; once carved (the broker renamed it to the held file), leave as a lease hold.
-trap 'if mv -T "$idle" "$idle.left" 2>/dev/null; then rm -f "$idle.left"; leaving=1; exit 0; fi; leave $notice_ds' TERM
+# and leave at once; once carved (the broker renamed it to the held file), write when the first
+# SIGTERM arrived (Unix s, microseconds) to the term file (renamed into place: never read half
+# written) and leave as a lease hold.
+trap 't=$EPOCHREALTIME
+if mv -T "$idle" "$idle.left" 2>/dev/null; then rm -f "$idle.left"; leaving=1; exit 0; fi
+[ -n "$leaving" ] || {{ echo "$t" >"$term.new" && mv -f "$term.new" "$term"; }}
+leave $notice_ds' TERM
 : >"$idle"
 echo "gpupool-placeholder start $(date +%s) CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES"
 while true; do
@@ -123,3 +132,14 @@ def start_script(argv: Sequence[str], gpu_indices: Sequence[int], lease_id: str)
         f"export GPUPOOL_LEASE_ID={shlex.quote(lease_id)}\n"
         f"exec {shlex.join(argv)}\n"
     )
+
+
+def read_term(path: Path) -> float | None:
+    """The time (Unix s) a carved placeholder's script got its first SIGTERM, from its term file
+    (one decimal number; bash writes ``EPOCHREALTIME`` with the locale's decimal separator);
+    ``None`` while the file does not exist. Raises ``ValueError`` on another content."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    return float(text.strip().replace(",", "."))

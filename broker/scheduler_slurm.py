@@ -30,13 +30,14 @@ time zone (the same host for the local cluster; set ``TZ`` to the controller's f
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import os
 import re
 import shlex
+import subprocess
 import time
 from collections.abc import Collection, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 
@@ -53,7 +54,10 @@ IDLE_COMMENT = "gpupool-idle"
 """``Comment`` of a placeholder hold not yet carved into a lease (:mod:`broker.placeholders`):
 read as a :class:`Hold` with ``lease_id == ""``."""
 
+_WORKERS = 4
+"""Slurm commands that may run at once (worker threads of one :class:`SlurmScheduler`)."""
 _LEASE_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_JOB_STATE = re.compile(r"(?:^|\s)JobState=(\S+)")
 _FIELD = re.compile(r"(?:^|\s)([A-Za-z_][\w:/]*)=(\S*)")
 _GRES_IDX = re.compile(r"gpu(?::[^:(\s]+)?:(\d+)\(IDX:([\d,\-]+)\)")
 _ENDED = {
@@ -240,49 +244,70 @@ class SlurmScheduler:
         self.command_timeout_s = command_timeout_s
         self.output_dir = output_dir
         self._env = dict(os.environ)
+        self._pool: ThreadPoolExecutor | None = None
         if slurm_conf is not None:
             self._env["SLURM_CONF"] = str(slurm_conf)
 
     async def command(self, *argv: str, stdin: str | None = None) -> str:
-        """Run one Slurm command (``SLURM_CONF`` set to :attr:`slurm_conf`); its stdout. Raises :class:`SchedulerError` on a non-zero exit,
-        a missing command or a time-out."""
+        """Run one Slurm command (``SLURM_CONF`` set to :attr:`slurm_conf`); its stdout. Raises
+        :class:`SchedulerError` on a non-zero exit, a missing command or a time-out (the command
+        is killed then).
+
+        The process is started and waited for in a worker thread (:meth:`_run`), never on the
+        event loop's thread: a process start from a large Python process and a slow controller
+        then hold up no claim, publication or other read running on the loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor(), self._run, argv, stdin)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="slurm-command")
+        return self._pool
+
+    def _run(self, argv: tuple[str, ...], stdin: str | None) -> str:
+        """:meth:`command` in the calling thread (blocks up to :attr:`command_timeout_s`)."""
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
+            proc = subprocess.run(
+                argv,
+                input=stdin.encode() if stdin is not None else None,
+                stdin=subprocess.DEVNULL if stdin is None else None,
+                capture_output=True,
                 env=self._env,
+                timeout=self.command_timeout_s,
+                check=False,
             )
         except OSError as e:
             raise SchedulerError(f"{argv[0]}: {e}") from e
-        try:
-            out, err = await asyncio.wait_for(
-                proc.communicate(stdin.encode() if stdin is not None else None), self.command_timeout_s
-            )
-        except TimeoutError as e:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
+        except subprocess.TimeoutExpired as e:
             raise SchedulerError(f"{shlex.join(argv)}: no answer within {self.command_timeout_s} s") from e
         if proc.returncode != 0:
-            raise SchedulerError(f"{shlex.join(argv)} exited {proc.returncode}: {err.decode(errors='replace').strip()}")
-        return out.decode(errors="replace")
+            err = proc.stderr.decode(errors="replace").strip()
+            raise SchedulerError(f"{shlex.join(argv)} exited {proc.returncode}: {err}")
+        return proc.stdout.decode(errors="replace")
 
     async def jobs(self, job_id: str | None = None) -> list[Hold]:
-        """The hold jobs Slurm lists (one job, or every job), placeholders not carved into a
-        lease included (``lease_id == ""``), ended ones too. Raises :class:`SchedulerError` if
+        """The hold jobs Slurm lists (one job, or every job) that have not ended (a job Slurm
+        still remembers in a final state, or ``COMPLETING``, is left out), placeholders not
+        carved into a lease included (``lease_id == ""``). Raises :class:`SchedulerError` if
         Slurm cannot be read or prints what :func:`hold_from_record` cannot read."""
-        argv = ["scontrol", "show", "job", "-d", "-o"] + ([job_id] if job_id else [])
-        try:
-            text = await self.command(*argv)
+        argv = ("scontrol", "show", "job", "-d", "-o") + ((job_id,) if job_id else ())
+        try:  # read and parsed in a worker thread: a long listing holds up nothing on the loop
+            return await asyncio.get_running_loop().run_in_executor(self._executor(), self._jobs, argv)
         except SchedulerError as e:
             if job_id and "Invalid job id" in str(e):
                 return []
             raise
-        # only gpupool's own lines are parsed: the controller lists every job it remembers
-        # (finished ones for MinJobAge, 300 s by default), which on a busy cluster is most of it
-        ours = "\n".join(line for line in text.splitlines() if f" JobName={JOB_NAME} " in line)
+
+    def _jobs(self, argv: tuple[str, ...]) -> list[Hold]:
+        """:meth:`jobs` in the calling thread."""
+        text = self._run(argv, None)
+        # only gpupool's own lines of jobs not ended are parsed: the controller lists every job
+        # it remembers (finished ones for MinJobAge, 300 s by default), most of it on a busy cluster
+        ours = "\n".join(
+            line
+            for line in text.splitlines()
+            if f" JobName={JOB_NAME} " in line
+            and ((state := _JOB_STATE.search(line)) is None or state.group(1) not in _ENDED)
+        )
         try:
             holds = [hold_from_record(rec) for rec in parse_job_lines(ours)]
         except ValueError as e:

@@ -344,7 +344,8 @@ class BrokerSettings(BrokerPolicy):
     UUIDs of the telemetry (nvidia-smi --query-gpu=index,uuid on each node); none: GPU keys are
     <node>/gpu<index>."""
     slurm_poll_s: float = Field(default=0.25, gt=0, le=5)
-    """Seconds between reads of Slurm's jobs: a preemption is seen within this."""
+    """Seconds between reads of Slurm's jobs while placeholders are wanted, starting or unwanted
+    (else once a second); a preemption is seen from the hold's own SIGTERM, not from this read."""
     slurm_placeholder_minutes: int = Field(default=60, ge=1)
     """Time limit of an idle placeholder job, minutes (it is replaced when it ends)."""
     slurm_output_dir: Path | None = None

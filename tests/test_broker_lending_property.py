@@ -68,9 +68,10 @@ class _Slurm:
             return ""
         if argv[:2] == ("scontrol", "update"):
             fields = dict(a.split("=", 1) for a in argv[2:])
-            job = self.jobs_.get(fields["JobId"])
-            if job is not None and job.state != "ENDED":
-                job.comment = fields["Comment"]
+            for job_id in fields["JobId"].split(","):  # scontrol(1): a comma-separated job list
+                job = self.jobs_.get(job_id)
+                if job is not None and job.state != "ENDED":
+                    job.comment = fields["Comment"]
             return ""
         if argv[:3] == ("scontrol", "show", "node"):
             return f"NodeName={HOST} NodeAddr=127.0.0.1\n"
@@ -120,6 +121,9 @@ class _Slurm:
                     idle.rename(self.control / f"{j.job_id}.idle.left")
                     self._end(j.job_id)
                 except FileNotFoundError:  # carved: a lease's hold, until its end (or scancel)
+                    term = self.control / f"{j.job_id}.term"
+                    if not term.exists():  # when the script got Slurm's SIGTERM
+                        term.write_text(f"{j.preempted_at}\n")
                     if j.end is not None and now >= j.end:
                         self._end(j.job_id)
         used = {i for j in self.jobs_.values() if j.state == "RUNNING" for i in j.indices}
@@ -263,6 +267,12 @@ class LendingMachine(RuleBasedStateMachine):
         self._in_loop(lambda: self._apply(self.book.tick(self.clock[0])))
         self._in_loop(self._capacity)
         self.slurm.schedule()
+
+    @rule()
+    def broker_sees_signals(self) -> None:
+        """The broker's look for term files (SIGTERMs of carved holds) between two full reads."""
+        self.slurm.schedule()
+        self._run(self.lending._terms())
 
     @rule()
     def broker_restarts(self) -> None:
