@@ -13,6 +13,7 @@ import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -59,3 +60,11 @@ def settings_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str) ->
     toml = tmp_path / "gpupool.toml"
     toml.write_text(text)
     return toml
+
+
+def tool_missing(message: str) -> NoReturn:
+    """A tool a test needs is absent: skip on a developer's machine, fail under ``CI=true``
+    (where the machine or ``make deps`` must provide it). Raises pytest's skip or fail outcome."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{message} (CI=true: the machine or `make deps` must provide it)")
+    pytest.skip(message)

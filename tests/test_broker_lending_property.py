@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from hypothesis import HealthCheck, settings
@@ -22,8 +22,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from broker.config import BrokerConfig
 from broker.leases import Changes, LeaseBook, PendingGrant
-from broker.metrics import BrokerMetrics
 from broker.lending import SlurmLending
+from broker.metrics import BrokerMetrics
 from broker.scheduler import Hold, HoldState
 from broker.scheduler_slurm import COMMENT_PREFIX, IDLE_COMMENT
 from contracts import CapacityUpdate, Claim, GpuState, IdleGrade, LeaseLogRecord, LeaseState, ReasonCode
@@ -175,9 +175,11 @@ class LendingMachine(RuleBasedStateMachine):
             notice_s=GRACE, control_dir=self.control, poll_s=1e6, unwanted_grace_s=2.0,
             clock=lambda: self.clock[0],
         )  # fmt: skip
-        offered = lambda: (g.gpu for o in self.book.offers.values() for g in o.gpus)  # noqa: E731
-        lending.bind(self._reclaim, offered, lambda _: None, BrokerMetrics())
+        lending.bind(self._reclaim, self._offered, lambda _: None, BrokerMetrics())
         return lending
+
+    def _offered(self) -> Iterator[str]:
+        return (g.gpu for o in self.book.offers.values() for g in o.gpus)
 
     def _apply(self, ch: Changes) -> None:
         for rec in ch.records:

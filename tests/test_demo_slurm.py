@@ -11,11 +11,11 @@ leave the cluster as it found it (running, none of its jobs left).
 from __future__ import annotations
 
 import asyncio
-import time
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest

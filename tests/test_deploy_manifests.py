@@ -54,13 +54,13 @@ from gpupool.cli import app
 from gpupool.settings import load_settings
 from gpupool.topics_cli import TOPICS_FLAGS
 from runtime.settings import DeploymentSettings
+from tests.support import tool_missing
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 COMPOSE = DEPLOY / "compose"
 K8S = DEPLOY / "kubernetes"
 SYSTEMD = DEPLOY / "systemd"
-IN_CI = os.environ.get("CI") == "true"
 
 STAGE_PORTS: dict[tuple[str, ...], int] = {
     ("collect", "run"): 9410,
@@ -106,10 +106,7 @@ def _metrics_port(leaf: tuple[str, ...], settings: DeploymentSettings) -> int:
 # helpers ----------------------------------------------------------------------------------------
 def _missing(what: str) -> NoReturn:
     """Skip locally, fail in CI, when a tool the checks need is absent."""
-    msg = f"{what} not available"
-    if IN_CI:
-        pytest.fail(f"{msg} (CI=true: the machine or `make deps` must provide it)")
-    pytest.skip(msg)
+    tool_missing(f"{what} not available")
 
 
 def _clean_env() -> dict[str, str]:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
 import socket
@@ -51,6 +50,7 @@ import pytest
 import yaml
 
 from grafana import lint
+from tests.support import tool_missing
 
 if TYPE_CHECKING:
     from simulator.dcgm_http import FleetServer
@@ -237,10 +237,7 @@ def _demo_main() -> None:
 def _binary(name: str, package: str) -> str:
     path = shutil.which(name)
     if path is None:
-        message = f"{name} not found: install Debian's {package} package (deploy/local/install-system.sh)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message + " (CI=true)")
-        pytest.skip(message)
+        tool_missing(f"{name} not found: install Debian's {package} package (deploy/local/install-system.sh)")
     return path
 
 
