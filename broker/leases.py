@@ -8,8 +8,10 @@ Invariants (checked by :meth:`LeaseBook.violations`, property-tested with hypoth
 
 * no GPU is in two live leases (``granted``, ``active``, ``reclaiming``);
 * no offer holds a GPU that is leased, reserved by a claim in progress, held back for training,
-  or not ``idle`` in the newest capacity update (or whose newest update is older than
-  ``capacity_max_age_s``: checked at every call with ``now``); a node has at most one offer;
+  not ``idle`` in the newest capacity update (or whose newest update is older than
+  ``capacity_max_age_s``: checked at every call with ``now``), or, when the training scheduler
+  fences what is lent (:meth:`LeaseBook.set_lendable`), not held for lending in the scheduler; a
+  node has at most one offer;
 * an offer never promises past its GPUs' predicted idle time
   (``Offer.available_until <= max(min(CapacityUpdate.predicted_idle_until), Offer.ts)``), and
   ``available_until`` is never before the offer's ``ts``;
@@ -51,7 +53,7 @@ import heapq
 import logging
 import math
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import MappingProxyType
@@ -287,6 +289,9 @@ class LeaseBook:
         """Earliest time something remembered may be forgotten (:meth:`_forget` scans then)."""
         self._held: dict[str, int] = {}
         """Site → GPUs in its live leases and claims being granted (kept up to date)."""
+        self._lendable: frozenset[str] | None = None
+        """GPUs the training scheduler holds ready to lend (:meth:`set_lendable`); ``None``: no
+        scheduler fences what is lent, every idle GPU may be offered."""
 
     # read-only views ----------------------------------------------------------------------------
     @property
@@ -345,6 +350,30 @@ class LeaseBook:
             self._wake(node, self._holds[key])
         self._reconcile(dirty, now, ch)
         return ch
+
+    # the training scheduler's fence ---------------------------------------------------------------
+    def set_lendable(self, gpus: Collection[str] | None, now: float) -> Changes:
+        """Take the GPU keys the training scheduler now holds ready to lend (for Slurm: a running
+        placeholder job in the lent partition, :mod:`broker.placeholders`): from then on only
+        these are offered or claimable (on top of every other condition), so an offer never
+        names a GPU the scheduler has given to training. ``None`` lifts the fence (no scheduler:
+        every idle GPU may be offered). Offers of the nodes whose GPUs changed follow; leases are
+        never touched (a leased GPU is held by its lease's jobs, not by a placeholder)."""
+        new = None if gpus is None else frozenset(gpus)
+        old = self._lendable
+        ch = Changes()
+        if new == old:
+            return ch
+        self._lendable = new
+        changed = set(self._caps) if old is None or new is None else old ^ new
+        self._reconcile({self._node_of[g] for g in changed if g in self._node_of}, now, ch)
+        return ch
+
+    def to_hold_for_lending(self, now: float) -> list[str]:
+        """GPU keys, sorted, that would be offered if the training scheduler held them for
+        lending: idle with a fresh capacity update, not leased, reserved or held back for
+        training (what the scheduler's placeholders should hold, :mod:`broker.lending`)."""
+        return sorted(g for g in self._caps if not self._unavailable(g, now, fenced=False))
 
     # claims ---------------------------------------------------------------------------------------
     def begin_claim(self, site: str, claim: Claim, now: float) -> tuple[Answer | PendingGrant, Changes]:
@@ -1090,6 +1119,8 @@ class LeaseBook:
                     out.append(f"offer {offer.offer_id} holds {g}, leased by {holder[g]}")
                 if g in self._reserved:
                     out.append(f"offer {offer.offer_id} holds {g}, reserved by a claim")
+                if self._lendable is not None and g not in self._lendable:
+                    out.append(f"offer {offer.offer_id} holds {g}, not held for lending by the scheduler")
                 if cap is None or cap.state is not GpuState.IDLE:
                     out.append(f"offer {offer.offer_id} holds {g}, which is not idle")
                 elif cap.predicted_idle_until is not None:
@@ -1150,8 +1181,9 @@ class LeaseBook:
                 dirty.add(node)
         self._reconcile(dirty, now, ch)
 
-    def _unavailable(self, gpu: str, now: float) -> str:
-        """Why ``gpu`` cannot be leased now; ``""`` if it can."""
+    def _unavailable(self, gpu: str, now: float, *, fenced: bool = True) -> str:
+        """Why ``gpu`` cannot be leased now; ``""`` if it can. ``fenced=False``: whether the
+        training scheduler holds it for lending is not asked."""
         if gpu in self._gpu_lease:
             return "leased"
         if gpu in self._reserved:
@@ -1163,6 +1195,8 @@ class LeaseBook:
             return "no recent capacity update"
         if self._holds.get(gpu, -math.inf) > now:
             return "held for training"
+        if fenced and self._lendable is not None and gpu not in self._lendable:
+            return "not held for lending by the training scheduler yet"
         return ""
 
     def _eligible(self, node: _Node, now: float) -> list[CapacityUpdate]:

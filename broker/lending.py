@@ -1,6 +1,8 @@
 """Leases in the training scheduler: fencing, training wins, the site's workload.
 
-The broker (:class:`broker.service.BrokerService`) calls a :class:`Lending` at four points:
+The broker (:class:`broker.service.BrokerService`) gives a :class:`Lending` its
+:class:`LendingHooks` (reclaim a lease, which GPUs to hold for lending, which are held now,
+republish a lease) and calls it at four points:
 :meth:`~Lending.start` after the lease book is rebuilt (adopt the scheduler's holds, cancel those
 of leases that are no longer live), :meth:`~Lending.hold` before a claim is granted (``""``: the
 GPUs are held for the lease; else why not, and the claim is refused ``isolation_failed``),
@@ -8,10 +10,14 @@ GPUs are held for the lease; else why not, and the claim is refused ``isolation_
 :meth:`~Lending.endpoint` when it publishes a lease message.
 
 :class:`NoLending` (``[broker] scheduler = "none"``) holds nothing. :class:`SlurmLending`
-(``"slurm"``) carves leases out of placeholder jobs (:mod:`broker.placeholders`): every GPU in a
-live offer is held ahead of time by a one-GPU job in the lent partition, so a claim is granted
-without submitting anything to Slurm (a claim whose GPUs have no running placeholder, or whose
-placeholder Slurm has just taken back, is refused, and the site claims again). It reads
+(``"slurm"``) carves leases out of placeholder jobs (:mod:`broker.placeholders`): every GPU the
+book would offer (:meth:`broker.leases.LeaseBook.to_hold_for_lending`) is held ahead of time by
+a one-GPU job in the lent partition, and only GPUs held so are offered
+(:meth:`broker.leases.LeaseBook.set_lendable`, told through :attr:`LendingHooks.lendable`): an
+offer never names a GPU Slurm has given to training, and a claim is granted without submitting
+anything to Slurm (a claim whose placeholder Slurm has just taken back is refused, and the site
+claims again). An idle placeholder Slurm preempts renames its idle file away at once; the watch
+sees that within ``term_poll_s`` and the GPU leaves its offer. It reads
 Slurm's jobs (``scontrol show job -d -o``) every ``poll_s`` while placeholders are wanted,
 starting or unwanted, else every ``read_every_s``; and every ``term_poll_s``
 it looks for the term files of the carved placeholders (written by their script when Slurm
@@ -24,8 +30,8 @@ a preemption is noticed when Slurm signals it rather than at the next full read:
   is sent SIGTERM, so the workload drains; at the deadline the lease is revoked;
 * a lease hold that ended while the lease is live (an operator's ``scancel``, a node failure)
   → the lease is reclaimed with the deadline ``now`` (revoked at the next tick), ``hold_lost``;
-* placeholders are submitted for offered GPUs not yet held, and idle placeholders on GPUs no
-  longer offered are cancelled after ``unwanted_grace_s``.
+* placeholders are submitted for GPUs to hold not yet held, and idle placeholders on GPUs no
+  longer to hold are cancelled after ``unwanted_grace_s``.
 
 Slurm needs nothing from gpupool: holds are ordinary jobs with time limits (a lease's end), and
 partition preemption takes them back with the grace time whether or not the broker runs.
@@ -46,6 +52,7 @@ import math
 import re
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -65,10 +72,34 @@ log = logging.getLogger(__name__)
 
 Reclaim = Callable[[str, float, str], Awaitable[None]]
 """``(lease_id, deadline, reason)``: reclaim a live lease with that deadline (Unix s)."""
-Offered = Callable[[], Iterable[str]]
-"""The GPU keys of every live offer."""
+ToHold = Callable[[], Iterable[str]]
+"""The GPU keys the broker would offer if the scheduler held them for lending."""
+Lendable = Callable[[frozenset[str]], Awaitable[None]]
+"""Tell the broker the GPU keys the scheduler holds for lending now (only those are offered)."""
 Republish = Callable[[str], None]
 """Publish the lease message of ``lease_id`` again (its endpoint changed)."""
+
+
+@dataclass(frozen=True)
+class LendingHooks:
+    """The broker's side of a :class:`Lending` (called from :meth:`Lending.start` on).
+
+    Attributes:
+        reclaim: reclaim a live lease with the scheduler's deadline (:data:`Reclaim`).
+        to_hold: the GPUs to hold for lending (:data:`ToHold`).
+        lendable: the GPUs held for lending now (:data:`Lendable`); a lending that is not
+            :attr:`Lending.enforced` never calls it.
+        republish: publish a lease message again (:data:`Republish`).
+    """
+
+    reclaim: Reclaim
+    to_hold: ToHold
+    lendable: Lendable
+    republish: Republish
+
+
+async def _nothing_lendable(_: frozenset[str]) -> None:
+    return None
 
 _RETAG_DELAY_S = 0.2
 """Seconds between a carving and the Slurm commands that name its jobs."""
@@ -80,12 +111,13 @@ class Lending(Protocol):
     """What the broker asks of the training scheduler (module docstring).
 
     Attributes:
-        enforced: True if a lease is granted only with a running hold in the scheduler.
+        enforced: True if a lease is granted only with a running hold in the scheduler (then
+            only GPUs it reports through :attr:`LendingHooks.lendable` are offered).
     """
 
     enforced: bool
 
-    def bind(self, reclaim: Reclaim, offered: Offered, republish: Republish, metrics: BrokerMetrics) -> None:
+    def bind(self, hooks: LendingHooks, metrics: BrokerMetrics) -> None:
         """Give the broker's callbacks (called from :meth:`start` on) and the service's metrics
         (:class:`broker.metrics.BrokerMetrics`), where the lending counts what it does."""
         ...
@@ -122,7 +154,7 @@ class NoLending:
 
     enforced = False
 
-    def bind(self, reclaim: Reclaim, offered: Offered, republish: Republish, metrics: BrokerMetrics) -> None:
+    def bind(self, hooks: LendingHooks, metrics: BrokerMetrics) -> None:
         """Nothing to call back, nothing to count."""
 
     async def start(self, live: Sequence[LeaseLogRecord]) -> None:
@@ -198,7 +230,10 @@ class SlurmLending:
         self._clock = clock
         self._reclaim: Reclaim | None = None
         self._metrics = BrokerMetrics()  # replaced by the service's in bind()
-        self._offered: Offered = lambda: ()
+        self._to_hold: ToHold = lambda: ()
+        self._lendable: Lendable = _nothing_lendable
+        self._told: frozenset[str] | None = None
+        """The GPUs last reported through ``lendable`` (``None``: not yet)."""
         self._republish: Republish = lambda _: None
         self._idle: dict[str, dict[int, Hold]] = {}
         """Running placeholders not carved into a lease: node → GRES index → hold."""
@@ -223,9 +258,10 @@ class SlurmLending:
         self._watch_terms: asyncio.Task[None] | None = None
 
     # wiring --------------------------------------------------------------------------------------
-    def bind(self, reclaim: Reclaim, offered: Offered, republish: Republish, metrics: BrokerMetrics) -> None:
+    def bind(self, hooks: LendingHooks, metrics: BrokerMetrics) -> None:
         """See :meth:`Lending.bind`."""
-        self._reclaim, self._offered, self._republish = reclaim, offered, republish
+        self._reclaim, self._to_hold, self._republish = hooks.reclaim, hooks.to_hold, hooks.republish
+        self._lendable = hooks.lendable
         self._metrics = metrics
 
     async def start(self, live: Sequence[LeaseLogRecord]) -> None:
@@ -338,6 +374,7 @@ class SlurmLending:
         for h in taken:
             self._unwanted.pop(h.job_id, None)
         self._leases[record.lease_id] = taken
+        self._background(self._tell(), f"lendable-{record.lease_id}")
         self._metrics.placeholder_gpus.set(sum(len(v) for v in self._idle.values()))
         if record.workload is not None:
             problem = self._start_workload(record, taken)
@@ -371,6 +408,7 @@ class SlurmLending:
                 t.cancel()
         if not holds:
             return
+        self._background(self._tell(), f"lendable-{record.lease_id}")
         for h in holds:
             self._termed.discard(h.job_id)
             for kind in ("held", "start", "idle", "term"):
@@ -626,6 +664,7 @@ class SlurmLending:
                 self._submitting[host] = self._submitting.get(host, 0) + 1
                 self._background(self._submit(host), f"placeholder-submit-{host}")
         self._metrics.placeholder_gpus.set(sum(len(v) for v in self._idle.values()))
+        await self._tell()
 
     async def _terms_forever(self) -> None:
         due = time.monotonic()
@@ -639,6 +678,12 @@ class SlurmLending:
         one has that job read alone (those of several leases at once); Slurm chose it for preemption → reclaimed with Slurm's
         deadline at once (as :meth:`_poll` would at its next read); gone → ``hold_lost``; still
         running unchosen (its time limit's signal) → left to :meth:`_poll`."""
+        left = [(host, i) for host, by_index in self._idle.items() for i, h in by_index.items()
+                if not self._file(h.job_id, "idle").exists()]  # fmt: skip
+        if left:  # preempted while idle (its script renamed the idle file away): not lendable now
+            for host, i in left:
+                del self._idle[host][i]
+            await self._tell()
         signalled: dict[str, Hold] = {}
         for lease_id, holds in self._leases.items():
             if lease_id in self._noticed:
@@ -678,17 +723,30 @@ class SlurmLending:
             self._metrics.preemption_notice.observe(max(0.0, self._clock() - since))
 
     def _wanted(self) -> dict[str, set[int]]:
-        """GRES indices per node of the GPUs in live offers (what placeholders should hold)."""
+        """GRES indices per node of the GPUs to hold for lending (what placeholders should hold)."""
         wanted: dict[str, set[int]] = {}
-        for key in self._offered():
+        for key in self._to_hold():
             where = self.gpu_map.locate(key)
             if where is not None:
                 wanted.setdefault(where[0], set()).add(where[1])
         return wanted
 
+    async def _tell(self) -> None:
+        """Report the GPUs idle placeholders hold (:attr:`LendingHooks.lendable`) if they changed
+        since the last report."""
+        held: set[str] = set()
+        for host, by_index in self._idle.items():
+            for index in by_index:
+                with contextlib.suppress(KeyError):
+                    held.add(self.gpu_map.key(host, index))
+        now = frozenset(held)
+        if now != self._told:
+            self._told = now
+            await self._lendable(now)
+
     def _placeholders_in_flux(self) -> bool:
         """True while a read of Slurm's jobs has work to do: placeholders submitted and not yet
-        seen running, idle ones on GPUs not offered, or offered GPUs without one (in memory)."""
+        seen running, idle ones on GPUs not to hold, or GPUs to hold without one (in memory)."""
         if self._submitted or any(self._submitting.values()) or self._unwanted:
             return True
         wanted = self._wanted()

@@ -63,7 +63,7 @@ from opentelemetry.context import Context
 from broker.metrics import BrokerMetrics
 from broker.config import BrokerConfig
 from broker.fabric import FabricError, FabricManager, NoIsolation, isolation_problem
-from broker.lending import Lending, NoLending
+from broker.lending import Lending, LendingHooks, NoLending
 from broker.leases import Answer, Changes, LeaseBook, PendingGrant, demand_of, lease_message
 from broker.ratelimit import SiteRateLimiter
 from broker.tally import Tally
@@ -313,7 +313,10 @@ class BrokerService:
         """Reclaim deadline of every lease in state reclaiming, for the tick's timer."""
         self.metrics = metrics if metrics is not None else BrokerMetrics()
         """This service's Prometheus metrics."""
-        self.lending.bind(self._scheduler_reclaim, self._offered_gpus, self._republish_lease, self.metrics)
+        hooks = LendingHooks(self._scheduler_reclaim, self._to_hold, self._scheduler_lendable, self._republish_lease)
+        self.lending.bind(hooks, self.metrics)
+        if self.lending.enforced:  # nothing is offered before the scheduler holds it for lending
+            self.book.set_lendable((), self._clock())
         self.tally = Tally(self.metrics)
         """Counts since start (see :meth:`stats`)."""
         self.metrics.lease_gauge(lambda: {(s.value,): n for s, n in self.tally.lease_counts().items()})
@@ -1401,9 +1404,15 @@ class BrokerService:
             now = self._clock()
             await self._apply(self.book.reclaim(now, rec.gpus, reason=reason, force=True, deadline=deadline), now)
 
-    def _offered_gpus(self) -> Iterator[str]:
-        """GPU keys of every live offer (what placeholders should hold)."""
-        return (g.gpu for offer in self.book.offers.values() for g in offer.gpus)
+    def _to_hold(self) -> list[str]:
+        """GPU keys the book would offer if the scheduler held them (what placeholders hold)."""
+        return self.book.to_hold_for_lending(self._clock())
+
+    async def _scheduler_lendable(self, gpus: frozenset[str]) -> None:
+        """The scheduler holds ``gpus`` for lending now: only they are offered."""
+        async with self._lock:
+            now = self._clock()
+            await self._apply(self.book.set_lendable(gpus, now), now)
 
     def _republish_lease(self, lease_id: str) -> None:
         """Publish a live lease's message again (its workload's endpoint became known)."""

@@ -197,8 +197,7 @@ def demo(
         help="Lend through a real Slurm cluster (deploy/local/slurm.sh, started or reused by the demo, its "
              "jobs cancelled at the end): training jobs arrive, idle GPUs are lent, Slurm preempts them for "
              "training. auto = when Slurm's tools are installed and the cluster starts, slurm = required "
-             "(exit 2 if it cannot), none = training demand from the trace (the default: the Slurm mode "
-             "still makes stale offers now and then, see README).")] = SchedulerMode.NONE,
+             "(exit 2 if it cannot), none = training demand from the trace.")] = SchedulerMode.AUTO,
     json_summary: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Run the simulator and every stage for DURATION seconds, show live progress, print a summary.

@@ -113,6 +113,39 @@ def test_gpu_without_a_recent_capacity_update_is_not_offered() -> None:
     assert not fresh.apply_capacity(_cap("n1", 0, ts=0.0), 1000.0).published
 
 
+def test_with_a_scheduler_fence_only_gpus_it_holds_for_lending_are_offered_or_claimable() -> None:
+    book = _book()
+    book.set_lendable((), 0.0)  # the scheduler holds nothing yet
+    for i in range(3):
+        assert not book.apply_capacity(_cap("n1", i), 0.0).published
+    assert not book.offers
+    # what its placeholders should hold: the idle, fresh, unleased GPUs
+    assert book.to_hold_for_lending(0.0) == [f"n1/GPU-n1-{i}" for i in range(3)]
+    ch = book.set_lendable({"n1/GPU-n1-0", "n1/GPU-n1-2"}, 1.0)
+    (offer,) = ch.published
+    assert [g.gpu for g in offer.gpus] == ["n1/GPU-n1-0", "n1/GPU-n1-2"]
+    # a GPU outside the fence cannot be claimed, named or matched
+    answer, _ = book.claim("edge-a", _claim(offer.offer_id, gpus=["n1/GPU-n1-1"]), 1.0)
+    assert answer.code is ReasonCode.GPU_UNAVAILABLE
+    answer, _ = book.claim("edge-a", Claim(claim_id="m1", site="edge-a", count=3, ts=1.0), 1.0)
+    assert answer.code is ReasonCode.NO_MATCH
+    assert [g.gpu for g in book.offers[offer.offer_id].gpus] == ["n1/GPU-n1-0", "n1/GPU-n1-2"]
+    # training took GPU 0 from its placeholder: the offer follows at once
+    ch = book.set_lendable({"n1/GPU-n1-2"}, 2.0)
+    assert [o.offer_id for o in ch.withdrawn] == [offer.offer_id]
+    (offer2,) = ch.published
+    assert [g.gpu for g in offer2.gpus] == ["n1/GPU-n1-2"]
+    assert book.set_lendable({"n1/GPU-n1-2"}, 3.0).published == []  # nothing changed
+    # a leased GPU is not one to hold for lending (its lease's jobs hold it)
+    answer, _ = book.claim("edge-a", _claim(offer2.offer_id, cid="c2"), 3.0)
+    assert answer.ok
+    assert book.to_hold_for_lending(3.0) == ["n1/GPU-n1-0", "n1/GPU-n1-1"]
+    # lifting the fence offers every idle GPU again
+    (offer3,) = book.set_lendable(None, 4.0).published
+    assert [g.gpu for g in offer3.gpus] == ["n1/GPU-n1-0", "n1/GPU-n1-1"]
+    assert book.violations() == []
+
+
 def test_an_older_capacity_update_is_ignored() -> None:
     book = _book()
     book.apply_capacity(_cap("n1", 0, state=GpuState.BUSY, ts=10.0), 10.0)

@@ -192,6 +192,19 @@ class LeaseBookMachine(RuleBasedStateMachine):
             self.caps[gpu] = u
             self._take(self.book.apply_capacity(u, self.now))
 
+    @rule(fence=st.one_of(st.none(), st.sets(st.sampled_from(GPUS))))
+    def scheduler_fence(self, fence: set[str] | None) -> None:
+        """The training scheduler now holds ``fence`` for lending (``None``: no fence)."""
+        self._take(self.book.set_lendable(fence, self.now))
+        offered = {g.gpu for o in self.book.offers.values() for g in o.gpus}
+        if fence is not None:
+            assert offered <= fence, f"offered {sorted(offered - fence)} outside the fence"
+        wanted = set(self.book.to_hold_for_lending(self.now))
+        assert offered <= wanted, "an offered GPU is not one the scheduler should hold"
+        for gpu in wanted:  # every GPU the scheduler holds and the book wants is offered
+            if fence is None or gpu in fence:
+                assert gpu in offered, f"{gpu} is held for lending and wanted but on no offer"
+
     @rule(data=st.data())
     def claim(self, data: st.DataObject) -> None:
         site, claim = self._claim(data)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 from hypothesis import HealthCheck, settings
@@ -22,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from broker.config import BrokerConfig
 from broker.leases import Changes, LeaseBook, PendingGrant
-from broker.lending import SlurmLending
+from broker.lending import LendingHooks, SlurmLending
 from broker.metrics import BrokerMetrics
 from broker.scheduler import Hold, HoldState
 from broker.scheduler_slurm import COMMENT_PREFIX, IDLE_COMMENT
@@ -175,11 +175,14 @@ class LendingMachine(RuleBasedStateMachine):
             notice_s=GRACE, control_dir=self.control, poll_s=1e6, unwanted_grace_s=2.0,
             clock=lambda: self.clock[0],
         )  # fmt: skip
-        lending.bind(self._reclaim, self._offered, lambda _: None, BrokerMetrics())
+        lending.bind(LendingHooks(self._reclaim, self._to_hold, self._lendable, lambda _: None), BrokerMetrics())
         return lending
 
-    def _offered(self) -> Iterator[str]:
-        return (g.gpu for o in self.book.offers.values() for g in o.gpus)
+    def _to_hold(self) -> list[str]:
+        return self.book.to_hold_for_lending(self.clock[0])
+
+    async def _lendable(self, gpus: frozenset[str]) -> None:
+        self._apply(self.book.set_lendable(gpus, self.clock[0]))
 
     def _apply(self, ch: Changes) -> None:
         for rec in ch.records:
@@ -221,6 +224,7 @@ class LendingMachine(RuleBasedStateMachine):
         counter = itertools.count(len(self.log) + 1)
         self.book = LeaseBook(self.cfg, new_id=lambda p: f"{p}-{self.clock[0]:.0f}-{next(counter)}")
         self.lending = self._new_lending()
+        self.book.set_lendable((), self.clock[0])  # as BrokerService does for an enforced lending
         self._in_loop(lambda: self._apply(self.book.rebuild(list(self.log), self.clock[0])))
         self._in_loop(self._capacity)
         self._run(self.lending.start(self.book.live_leases()))
@@ -275,6 +279,11 @@ class LendingMachine(RuleBasedStateMachine):
         """The broker's look for term files (SIGTERMs of carved holds) between two full reads."""
         self.slurm.schedule()
         self._run(self.lending._terms())
+        # once the broker has looked, no offer names a GPU Slurm runs training on
+        training = self.slurm.training_gpus()
+        for offer in self.book.offers.values():
+            indices = {int(g.gpu.rsplit("/gpu", 1)[1]) for g in offer.gpus}
+            assert not indices & training, f"offer {offer.offer_id} names training's GPUs {indices & training}"
 
     @rule()
     def broker_restarts(self) -> None:
