@@ -350,7 +350,10 @@ class SlurmLending:
             if hold is None:
                 for h in taken:
                     self._idle.setdefault(h.host, {})[h.gpu_indices[0]] = h
-                return f"{key}: not held in Slurm's {self.scheduler.partition} partition yet; claim again"
+                return (
+                    f"{key}: not held in Slurm's {self.scheduler.partition} partition now (taken back for "
+                    "training, or not held yet); claim again"
+                )
             taken.append(hold)
         carved: list[Hold] = []
         leaving: Hold | None = None

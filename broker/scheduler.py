@@ -21,7 +21,16 @@ from typing import Protocol
 
 
 class SchedulerError(Exception):
-    """A hold could not be placed, read or released; the message says which and why."""
+    """A hold could not be placed, read or released; the message says which and why.
+
+    Attributes:
+        returncode: the exit status of the scheduler's command that failed, when one ran and
+            exited (``None``: it did not start, timed out, or printed what cannot be read).
+    """
+
+    def __init__(self, message: str, returncode: int | None = None) -> None:
+        super().__init__(message)
+        self.returncode = returncode
 
 
 class HoldState(StrEnum):

@@ -206,6 +206,12 @@ while true; do sleep 0.2 & sleeper=$!; wait $sleeper; done
 """
 
 
+_JOB_GONE_EXIT = frozenset({2017 & 0xFF, 2021 & 0xFF})
+"""Exit statuses of ``scancel`` for a job that is gone: Slurm's error number, truncated to 8 bits,
+of ``ESLURM_INVALID_JOB_ID`` (2017) and ``ESLURM_ALREADY_DONE`` (2021; ``slurm_errno.h``), which
+it may exit with without printing anything (a job that completed as the signal was sent)."""
+
+
 class SlurmScheduler:
     """Lease holds as jobs in Slurm's lent partition (module docstring: the job, the script).
 
@@ -281,7 +287,7 @@ class SlurmScheduler:
             raise SchedulerError(f"{shlex.join(argv)}: no answer within {self.command_timeout_s} s") from e
         if proc.returncode != 0:
             err = proc.stderr.decode(errors="replace").strip()
-            raise SchedulerError(f"{shlex.join(argv)} exited {proc.returncode}: {err}")
+            raise SchedulerError(f"{shlex.join(argv)} exited {proc.returncode}: {err}", proc.returncode)
         return proc.stdout.decode(errors="replace")
 
     async def jobs(self, job_id: str | None = None) -> list[Hold]:
@@ -373,7 +379,8 @@ class SlurmScheduler:
         try:
             await self.command("scancel", "--batch", "--signal=TERM", hold.job_id)
         except SchedulerError as e:
-            if "Invalid job id" not in str(e) and "already completing" not in str(e):
+            gone = e.returncode in _JOB_GONE_EXIT or "Invalid job id" in str(e) or "already completing" in str(e)
+            if not gone:
                 raise
 
     async def holds(self) -> dict[str, Hold]:

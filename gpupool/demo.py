@@ -1,7 +1,9 @@
 """``gpupool demo``: the simulator and every stage, wired through the bus and MQTT.
 
-Embedded defaults: the in-process bus, a DuckDB file in the state directory, an embedded MQTT
-broker (amqtt, MQTT 3.1.1). ``kafka`` and ``mqtt`` point the same demo at real services.
+Embedded defaults: the in-process bus, a DuckDB file in the state directory, and an MQTT server
+of the run's own: a private Mosquitto with production's users and ACL, MQTT 5, when Mosquitto is
+installed (:mod:`gpupool.demo_mosquitto`), else amqtt in this process (MQTT 3.1.1, anonymous).
+``kafka`` and ``mqtt`` point the same demo at real services.
 
 The trace drives everything: each simulated GPU replays one pod of the Alibaba GenAI 2026 trace,
 time-compressed (``speedup`` trace seconds per wall second). The demo checks its own promise:
@@ -353,6 +355,7 @@ async def _run_pipeline(
     from broker.service import BrokerConfig, BrokerService
     from collectors.metrics import CollectorMetrics
     from collectors.service import CollectorService
+    from gpupool.demo_mosquitto import PrivateMosquitto, mosquitto_binary
     from gpupool.embedded_mqtt import EmbeddedMqttBroker
     from gpupool.report.leases import read_from_bus, write_jsonl
     from simulator.dcgm_http import FleetServer
@@ -394,17 +397,21 @@ async def _run_pipeline(
                                  load=cfg.training_load, compression=cfg.training_compression,
                                  seed=cfg.seed, horizon_s=cfg.duration_s)
 
-    embedded: EmbeddedMqttBroker | None = None
+    embedded: EmbeddedMqttBroker | PrivateMosquitto | None = None
+    users: dict[str, str] = {}
+    root = "gpupool/v1"
     if cfg.mqtt:
         mhost, _, mport = cfg.mqtt.rpartition(":")
         port = int(mport)
         protocol = cfg.mqtt_protocol
+    elif mosquitto_binary() is not None:  # production's server, users and ACL, in a private process
+        embedded = PrivateMosquitto(cfg.state_dir / f"mosquitto-{run_id}", root, list(cfg.sites))
+        await embedded.start()
+        mhost, port, protocol, users = embedded.host, embedded.port, embedded.protocol, dict(embedded.users)
     else:
         embedded = EmbeddedMqttBroker()
         await embedded.start()
         mhost, port, protocol = embedded.host, embedded.port, 4
-    users: dict[str, str] = {}
-    root = "gpupool/v1"
     if cfg.mqtt_credentials:
         data = json.loads(cfg.mqtt_credentials.read_text())
         users, root = data["users"], data.get("root", root)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.scheduler import HoldRequest, HoldState, NoScheduler, SchedulerError
+from broker.scheduler import Hold, HoldRequest, HoldState, NoScheduler, SchedulerError
 from broker.scheduler_slurm import (
     SlurmScheduler,
     expand_indices,
@@ -197,6 +197,7 @@ async def test_training_preempts_a_hold_the_deadline_is_read_and_the_workload_dr
     assert marker.read_text().count("TERM") == 1  # forwarded once, however many SIGTERMs came
     assert running_s <= SLURM_GRACE_S + 5.0
     assert "pre-1" not in await s.holds()
+    await s.confirm_notice(seen)  # the hold has ended: scancel fails, and that is no error
     _scancel(slurm_conf, train)
     print(f"preemption observed {observed_s:.3f} s after submit; training RUNNING after {running_s:.3f} s")
 
@@ -212,3 +213,21 @@ async def test_a_hold_that_cannot_run_is_cancelled(slurm_conf: Path, tmp_path: P
         await s.hold(HoldRequest("bad id;", "gpu-node-004", 1, time.time() + 600, 5.0))
     with pytest.raises(SchedulerError, match="sbatch"):  # 9 GPUs on an 8-GPU node: refused at submit
         await s.hold(HoldRequest("nine-1", "gpu-node-004", 9, time.time() + 600, 5.0))
+
+
+async def test_confirm_notice_of_a_job_that_is_gone_is_no_error_and_other_failures_are(tmp_path: Path) -> None:
+    """``scancel`` may exit with Slurm's error number truncated to 8 bits and print nothing:
+    ESLURM_ALREADY_DONE (2021 → 229) and ESLURM_INVALID_JOB_ID (2017 → 225) mean the job is gone."""
+    s = SlurmScheduler(tmp_path / "slurm.conf", output_dir=tmp_path)
+    hold = Hold("l", "42", "gpu-node-001", (0,), HoldState.PREEMPTED, None, None, None)
+    for code, raised in ((229, False), (225, False), (228, True), (1, True)):
+
+        async def failing(*argv: str, stdin: str | None = None, code: int = code) -> str:
+            raise SchedulerError(f"{' '.join(argv)} exited {code}: ", code)
+
+        s.command = failing  # type: ignore[method-assign]
+        if raised:
+            with pytest.raises(SchedulerError):
+                await s.confirm_notice(hold)
+        else:
+            await s.confirm_notice(hold)
