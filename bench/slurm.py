@@ -15,7 +15,8 @@ node in parallel, for ``--rounds`` rounds:
   without placeholder holds).
 
 Then, with ``--claims N`` (default 200; 0: skip), the broker end to end on the same cluster: an
-embedded MQTT server and the in-process bus, every GPU of the 4 nodes idle, one site claiming one
+MQTT server of its own (a private Mosquitto when installed, :mod:`gpupool.demo_mosquitto`, else
+amqtt in this process) and the in-process bus, every GPU of the 4 nodes idle, one site claiming one
 GPU at a time and releasing it, ``N`` claims against a broker without the scheduler
 (:class:`broker.lending.NoLending`: the yardstick) and ``N`` against one lending through Slurm
 (:class:`broker.lending.SlurmLending`, placeholder holds), alternating in blocks of 10: claim →
@@ -61,6 +62,7 @@ from broker.service import BrokerService  # noqa: E402
 from contracts import CapacityUpdate, GpuState, KafkaTopics, LeaseState, encode  # noqa: E402
 from contracts.bus import MemoryBus  # noqa: E402
 from gpupool.embedded_mqtt import EmbeddedMqttBroker  # noqa: E402
+from gpupool.demo_mosquitto import PrivateMosquitto, mosquitto_binary  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 NODES = [f"gpu-node-00{i}" for i in (1, 2, 3, 4)]
@@ -187,11 +189,19 @@ async def _broker_phase(
 ) -> None:
     """``claims`` claims of one GPU each (claim → lease into ``out[tag]``), released at once; with
     a :class:`SlurmLending`, release → hold gone into ``out["hold_gone"]``."""
-    mqtt = EmbeddedMqttBroker()
-    await mqtt.start()
+    mqtt: EmbeddedMqttBroker | PrivateMosquitto
+    if mosquitto_binary() is not None:  # a server of its own process, as in production
+        mqtt = PrivateMosquitto(Path(tempfile.mkdtemp(prefix="gpupool-bench-mqtt-")), "gpupool/v1", ["bench"])
+        await mqtt.start()
+        users, protocol = mqtt.users, mqtt.protocol
+    else:
+        mqtt = EmbeddedMqttBroker()
+        await mqtt.start()
+        users, protocol = {}, 4
     bus, topics = MemoryBus(), KafkaTopics()
     cfg = BrokerConfig(offer_ttl_s=600, lease_ttl_s=300, notice_s=notice_s, tick_s=0.1)
-    svc = BrokerService(bus=bus, topics=topics, mqtt_host=mqtt.host, mqtt_port=mqtt.port, protocol=4,
+    svc = BrokerService(bus=bus, topics=topics, mqtt_host=mqtt.host, mqtt_port=mqtt.port, protocol=protocol,
+                        mqtt_username="gpupool-broker" if users else None, mqtt_password=users.get("gpupool-broker"),
                         config=cfg, lending=lending)  # fmt: skip
     producer = bus.producer()
     await producer.start()
@@ -209,7 +219,8 @@ async def _broker_phase(
     slurm = lending if isinstance(lending, SlurmLending) else None
     try:
         await svc.wait_connected(10)
-        async with EdgeClient(site="bench", host=mqtt.host, port=mqtt.port, protocol=4) as site:
+        async with EdgeClient(site="bench", host=mqtt.host, port=mqtt.port, protocol=protocol,
+                              username="bench" if users else None, password=users.get("bench")) as site:
             if slurm is not None:  # placeholders on every offered GPU before the first claim
                 while sum(len(v) for v in slurm._idle.values()) < 8 * len(NODES):
                     await asyncio.sleep(0.05)
