@@ -5,6 +5,7 @@ the lease message's endpoints (broker/leases.py ``lease_message``)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -13,8 +14,10 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from broker.lending import SlurmLending
 from broker.leases import lease_message
 from broker.placeholders import start_script
+from broker.scheduler_slurm import SlurmScheduler
 from broker.workloads import WorkloadError, WorkloadProfile, allowed, pick_port, placeholder_cpus, render
 from contracts import LeaseLogRecord, LeaseMessage, LeaseState
 from contracts.leases import Partition
@@ -174,3 +177,32 @@ def test_a_lease_message_without_endpoints_still_reads() -> None:
 def test_the_inference_server_reports_only_its_workload_knobs() -> None:
     env = {"GPUPOOL_CPUS": "4", "UCX_IB_PKEY": "0x0012", "NCCL_IB_SL": "3", "PATH": "/bin", "SECRET": "x"}
     assert reported_env(env) == {"GPUPOOL_CPUS": "4", "UCX_IB_PKEY": "0x0012", "NCCL_IB_SL": "3"}
+
+
+@pytest.mark.parametrize(
+    ("content", "ports"),
+    [
+        ({"nodes": [{"host": "n1", "port": 18000}, {"host": "n2", "port": 18001}]}, {"n1": 18000, "n2": 18001}),
+        ({"host": "n1", "port": 18002}, {"n1": 18002}),  # as a broker running one instance per lease wrote it
+        ({"nodes": [{"host": "n1"}]}, None),  # malformed: not adopted, logged
+        ([1, 2], None),
+    ],
+)
+async def test_a_restarted_broker_adopts_every_instance_from_the_endpoint_file(
+    tmp_path: Path, content: object, ports: dict[str, int] | None
+) -> None:
+    lending = SlurmLending(SlurmScheduler(tmp_path / "slurm.conf"), workloads=(SERVER,), control_dir=tmp_path)
+    (tmp_path / "lease-9.endpoint").write_text(json.dumps(content))
+    lending._addr.update({"n1": "127.0.0.1", "n2": "127.0.0.1"})  # known: no scontrol here
+    rec = _record(site="edge-a")
+    lending._adopt_workload(rec)
+    tasks = set(lending._tasks)
+    try:
+        assert lending._ports.get(rec.lease_id) == ports
+        assert sorted(t.get_name() for t in tasks) == [f"workload-health-lease-9/{h}" for h in sorted(ports or {})]
+        await asyncio.sleep(0.05)  # the health checks run (nothing listens: they keep polling)
+        assert not lending.endpoint(rec.lease_id)
+    finally:
+        lending.ended(rec)
+        await asyncio.gather(*tasks, return_exceptions=True)
+    assert not lending._ports and all(t.cancelled() for t in tasks)
