@@ -1,7 +1,8 @@
 """Workload profiles (broker/workloads.py): validation, per-site permission, ports, rendering;
 the placeholders' CPUs; the start file a node runs (broker/placeholders.py ``start_script``, run by
 bash here: CPU budget, the lease's InfiniBand partition, the P_Key index read from a sysfs tree);
-the lease message's endpoints (broker/leases.py ``lease_message``)."""
+the lease message's endpoints (broker/leases.py ``lease_message``) and the SDK's wait for them
+(broker/edge.py ``EdgeClient.wait_endpoints``); a restarted broker's adoption of every instance."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from broker.edge import EdgeClient
 from broker.lending import SlurmLending
 from broker.leases import lease_message
 from broker.placeholders import start_script
@@ -206,3 +208,22 @@ async def test_a_restarted_broker_adopts_every_instance_from_the_endpoint_file(
         lending.ended(rec)
         await asyncio.gather(*tasks, return_exceptions=True)
     assert not lending._ports and all(t.cancelled() for t in tasks)
+
+
+async def test_the_sdk_waits_for_an_instance_on_every_node_and_reads_old_brokers() -> None:
+    site = EdgeClient(site="edge-a", host="127.0.0.1", port=1)  # never connected: messages set below
+    two = lease_message(_record(), {"n2": "b:2"})
+    site._leases[two.lease_id] = two
+    assert await site.wait_endpoints(two.lease_id, 1.0, every_node=False) == ["b:2"]
+    with pytest.raises(TimeoutError):
+        await site.wait_endpoints(two.lease_id, 0.2)  # n1's instance is not healthy yet
+    site._leases[two.lease_id] = lease_message(_record(), {"n2": "b:2", "n1": "a:1"})
+    assert await site.wait_endpoints(two.lease_id, 1.0) == ["a:1", "b:2"]
+    old = lease_message(_record(hosts=["n1"], gpus=["n1/gpu0"]), {"n1": "a:1"}).model_copy(
+        update={"endpoints": [], "hosts": []}
+    )  # a broker before ``endpoints`` (and ``hosts``)
+    site._leases[old.lease_id] = old
+    assert await site.wait_endpoints(old.lease_id, 1.0) == ["a:1"]
+    site._leases[old.lease_id] = old.model_copy(update={"state": LeaseState.RELEASED, "endpoint": None})
+    with pytest.raises(TimeoutError, match="released"):
+        await site.wait_endpoints(old.lease_id, 5.0)
