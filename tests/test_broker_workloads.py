@@ -227,3 +227,15 @@ async def test_the_sdk_waits_for_an_instance_on_every_node_and_reads_old_brokers
     site._leases[old.lease_id] = old.model_copy(update={"state": LeaseState.RELEASED, "endpoint": None})
     with pytest.raises(TimeoutError, match="released"):
         await site.wait_endpoints(old.lease_id, 5.0)
+
+
+def test_ports_are_taken_per_node_address_whatever_the_profile(tmp_path: Path) -> None:
+    lending = SlurmLending(SlurmScheduler(tmp_path / "slurm.conf"), workloads=(SERVER,), control_dir=tmp_path)
+    lending._addr.update({"n1": "10.0.0.1", "n2": "10.0.0.2", "n3": "10.0.0.1"})
+    lending._ports.update({"lease-a": {"n1": 18000}, "lease-b": {"n2": 18001}})  # any profiles
+    assert lending._ports_near("n1", {}) == [18000]
+    assert lending._ports_near("n3", {}) == [18000]  # another node on n1's address
+    assert lending._ports_near("n2", {}) == [18001]
+    assert sorted(lending._ports_near("n4", {})) == [18000, 18001]  # address not read yet: avoid all
+    assert lending._ports_near("n3", {"n1": 18002}) == [18000, 18002]  # picked for the same lease
+    assert lending._ports_near("n2", {"n1": 18002}) == [18001]
