@@ -10,6 +10,9 @@ them, and follows reclaim notices (protocol v1, :mod:`contracts.mqtt`; topics
         lease = await site.claim(offers[0].offer_id, count=1)
         # or let the broker pick: 4 GPUs of >= 80 GiB, one node or one leaf switch
         lease = await site.request(4, Requirements(min_fb_total_mib=80_000), min_duration_seconds=600)
+        # run an operator-declared workload on it: one instance per node of the lease
+        lease = await site.request(12, workload="sim-inference")
+        urls = await site.wait_endpoints(lease.lease_id, timeout_s=60)   # ["10.0.0.5:28100", ...]
         await site.renew(lease.lease_id)
         async with contextlib.aclosing(site.watch()) as events:
             async for event in events:      # Offer | OfferWithdrawn | LeaseMessage | Reply
@@ -315,8 +318,8 @@ class EdgeClient:
             min_duration_seconds: minimum guaranteed duration (see :meth:`request`); the offer
                 must be promised that long (else ``duration_unavailable``).
             workload: an operator-declared workload profile to run on the GPUs (else
-                ``unknown_workload``); its ``endpoint`` comes in a later lease message
-                (:meth:`wait_lease`).
+                ``unknown_workload``); its ``endpoints`` come in later lease messages
+                (:meth:`wait_endpoints`).
 
         Returns the lease's retained :class:`contracts.LeaseMessage` (state ``granted``).
         Raises :class:`ClaimRejected` with the broker's reply, ``TimeoutError`` if no answer came.
@@ -345,6 +348,7 @@ class EdgeClient:
         min_duration_seconds: float = 0.0,
         timeout_s: float = 5.0,
         claim_id: str | None = None,
+        workload: str | None = None,
     ) -> LeaseMessage:
         """Claim ``count`` GPUs by requirements and let the broker pick the offers (matchmaking:
         one node if it can, else several nodes under one leaf switch; ``broker/match.py``).
@@ -359,6 +363,8 @@ class EdgeClient:
                 long match, and no unforced training demand takes the lease back sooner.
             timeout_s: how long to wait for the reply and the lease, seconds.
             claim_id: idempotency key (default: a random one).
+            workload: an operator-declared workload profile to run on the GPUs, one instance per
+                node of the lease (else ``unknown_workload``); see :meth:`wait_endpoints`.
 
         Returns the lease's retained :class:`contracts.LeaseMessage` (state ``granted``; its
         ``hosts`` and ``offer_ids`` say where the GPUs are). Raises ``ValueError`` (a
@@ -376,6 +382,7 @@ class EdgeClient:
             min_duration_seconds=min_duration_seconds,
             ts=time.time(),
             request_id=_request_id(),
+            workload=workload,
         )
         return await self._submit(claim, timeout_s)
 
@@ -454,6 +461,28 @@ class EdgeClient:
         async with self._changed:
             await asyncio.wait_for(self._changed.wait_for(ready), timeout_s)
         return self._leases[lease_id]
+
+    async def wait_endpoints(self, lease_id: str, timeout_s: float, every_node: bool = True) -> list[str]:
+        """Wait until the workload of lease ``lease_id`` serves, and return where:
+        ``host:port`` of each healthy instance, in the order of the lease's ``hosts``
+        (:attr:`contracts.LeaseMessage.endpoints`). ``every_node``: wait for an instance on each
+        node of the lease (else for the first one that is healthy). A message of a broker that
+        sends only ``endpoint`` counts as one instance. Raises ``TimeoutError`` (also when the
+        lease ends first: it will never serve then)."""
+
+        def found(m: LeaseMessage) -> list[str]:
+            return list(m.endpoints) or ([m.endpoint] if m.endpoint else [])
+
+        def serving(m: LeaseMessage) -> bool:
+            if not m.state.live:
+                return True  # stop waiting: checked below
+            have = found(m)
+            return bool(have) and (not every_node or len(have) >= max(1, len(m.hosts)))
+
+        msg = await self.wait_lease(lease_id, serving, timeout_s)
+        if not msg.state.live:
+            raise TimeoutError(f"lease {lease_id} is {msg.state.value}: its workload will not serve")
+        return found(msg)
 
     async def watch(self) -> AsyncGenerator[WatchEvent, None]:
         """Every offer and lease known now, then every change as it arrives (offers, withdrawals,

@@ -221,9 +221,14 @@ def _default_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:16]}"
 
 
-def lease_message(record: LeaseLogRecord, endpoint: str | None = None) -> LeaseMessage:
+def lease_message(record: LeaseLogRecord, endpoints: Mapping[str, str] | None = None) -> LeaseMessage:
     """The retained MQTT message (:class:`contracts.LeaseMessage`) that tells a site the state of
-    the lease in ``record``; ``endpoint``: ``host:port`` of its healthy workload, if any."""
+    the lease in ``record``; ``endpoints``: node → ``host:port`` of the lease's workload healthy
+    there (:meth:`broker.lending.Lending.endpoint`). The message's ``endpoints`` lists them in
+    the order of the lease's nodes (``record.hosts``; nodes of no lease are left out), its
+    ``endpoint`` is the first node's (``None`` until that one is healthy)."""
+    hosts = lease_hosts(record)
+    found = endpoints or {}
     return LeaseMessage(
         lease_id=record.lease_id,
         site=record.site,
@@ -244,8 +249,17 @@ def lease_message(record: LeaseLogRecord, endpoint: str | None = None) -> LeaseM
         reason=record.reason,
         seq=record.seq,
         workload=record.workload,
-        endpoint=endpoint,
+        endpoint=found.get(hosts[0]) if hosts else None,
+        endpoints=[found[h] for h in hosts if h in found],
     )
+
+
+def lease_hosts(record: LeaseLogRecord) -> list[str]:
+    """The lease's nodes, sorted: ``record.hosts``, or for a record of an older broker the first
+    part of each GPU key (:func:`contracts.topics.gpu_key`)."""
+    if record.hosts:
+        return list(record.hosts)
+    return sorted({g.partition("/")[0] for g in record.gpus})
 
 
 class LeaseBook:

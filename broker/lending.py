@@ -7,7 +7,8 @@ republish a lease) and calls it at four points:
 of leases that are no longer live), :meth:`~Lending.hold` before a claim is granted (``""``: the
 GPUs are held for the lease; else why not, and the claim is refused ``isolation_failed``),
 :meth:`~Lending.ended` when a lease ends (release, expiry, revocation: the hold goes), and
-:meth:`~Lending.endpoint` when it publishes a lease message.
+:meth:`~Lending.endpoint` when it publishes a lease message (node → ``host:port`` of the lease's
+workload healthy there).
 
 :class:`NoLending` (``[broker] scheduler = "none"``) holds nothing. :class:`SlurmLending`
 (``"slurm"``) carves leases out of placeholder jobs (:mod:`broker.placeholders`): every GPU the
@@ -51,7 +52,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -63,7 +64,7 @@ from broker.metrics import BrokerMetrics
 from broker.placeholders import GpuMap, placeholder_script, read_term, start_script
 from broker.scheduler import Hold, HoldState, SchedulerError
 from broker.scheduler_slurm import COMMENT_PREFIX, IDLE_COMMENT, JOB_NAME, SlurmScheduler
-from broker.workloads import WorkloadError, WorkloadProfile, allowed, pick_port, render
+from broker.workloads import WorkloadError, WorkloadProfile, allowed, pick_port, placeholder_cpus, render
 from contracts import LeaseLogRecord, LeaseState
 from contracts.leases import LeaseReason
 from runtime.settings import BrokerSettings
@@ -144,8 +145,9 @@ class Lending(Protocol):
         """The lease ended (or its grant was undone): its hold goes, in the background."""
         ...
 
-    def endpoint(self, lease_id: str) -> str | None:
-        """``host:port`` of the lease's workload once healthy, else ``None``."""
+    def endpoint(self, lease_id: str) -> Mapping[str, str]:
+        """The lease's workload where it is healthy: node → ``host:port`` (one instance per node
+        of the lease); empty while none is (or the lease has no workload)."""
         ...
 
 
@@ -173,9 +175,9 @@ class NoLending:
     def ended(self, record: LeaseLogRecord) -> None:
         """Nothing to release."""
 
-    def endpoint(self, lease_id: str) -> str | None:
-        """No workload runs: ``None``."""
-        return None
+    def endpoint(self, lease_id: str) -> Mapping[str, str]:
+        """No workload runs: empty."""
+        return {}
 
 
 class SlurmLending:
@@ -185,7 +187,8 @@ class SlurmLending:
         scheduler: runs and reads Slurm's commands (its ``partition``, ``gres_type``,
             ``slurm_conf``).
         gpu_map: GRES index ↔ GPU key.
-        workloads: the operator's profiles (``BrokerConfig.workloads``).
+        workloads: the operator's profiles (``BrokerConfig.workloads``); every placeholder asks
+            Slurm for the CPUs of the most demanding one (:func:`broker.workloads.placeholder_cpus`).
         notice_s: the leases' notice (= the lent partition's ``GraceTime``), seconds.
         control_dir: where placeholder jobs write their output and find their held and start
             files (shared with the nodes).
@@ -220,6 +223,8 @@ class SlurmLending:
         self.scheduler = scheduler
         self.gpu_map = gpu_map or GpuMap()
         self.workloads = tuple(workloads)
+        self.placeholder_cpus = placeholder_cpus(self.workloads, scheduler.cpus_per_gpu)
+        """CPUs each placeholder asks Slurm for (``--cpus-per-task``)."""
         self.notice_s = notice_s
         self.control_dir = control_dir
         self.poll_s = poll_s
@@ -249,9 +254,10 @@ class SlurmLending:
         """``sbatch`` of a placeholder in progress, per node."""
         self._unwanted: dict[str, float] = {}
         """Idle placeholders on GPUs not offered: job id → since when (clock)."""
-        self._ports: dict[str, tuple[str, str, int]] = {}
-        """Workload of each lease: lease id → (node, profile, port)."""
-        self._endpoints: dict[str, str] = {}
+        self._ports: dict[str, dict[str, int]] = {}
+        """Workload of each lease: lease id → node → the port its instance there listens on."""
+        self._endpoints: dict[str, dict[str, str]] = {}
+        """Healthy workload instances: lease id → node → ``addr:port``."""
         self._addr: dict[str, str] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._watch: asyncio.Task[None] | None = None
@@ -407,7 +413,7 @@ class SlurmLending:
         self._ports.pop(record.lease_id, None)
         self._endpoints.pop(record.lease_id, None)
         for t in list(self._tasks):
-            if t.get_name() == f"workload-health-{record.lease_id}":
+            if t.get_name().startswith(f"workload-health-{record.lease_id}/"):
                 t.cancel()
         if not holds:
             return
@@ -419,9 +425,9 @@ class SlurmLending:
         self._file(record.lease_id, "endpoint").unlink(missing_ok=True)
         self._background(self._release(record.lease_id, holds), f"hold-release-{record.lease_id}")
 
-    def endpoint(self, lease_id: str) -> str | None:
+    def endpoint(self, lease_id: str) -> Mapping[str, str]:
         """See :meth:`Lending.endpoint`."""
-        return self._endpoints.get(lease_id)
+        return dict(self._endpoints.get(lease_id, {}))
 
     def held_gpus(self) -> dict[str, tuple[int, ...]]:
         """GRES indices held per live lease (for tests and the demo's summary)."""
@@ -429,46 +435,77 @@ class SlurmLending:
 
     # workload ------------------------------------------------------------------------------------
     def _start_workload(self, record: LeaseLogRecord, holds: list[Hold]) -> str:
-        """Write the start file of the lease's workload on the first node of its holds; ``""``
-        or why it cannot run (unknown profile, no free port)."""
+        """Write one start file per node of the lease's holds (on that node's first placeholder,
+        with that node's GPU indices, CPU budget and the lease's partition) and the lease's
+        endpoint file; check each instance's health in the background. ``""``, or why it cannot
+        run (unknown profile, no free port on a node: then nothing is written)."""
         assert record.workload is not None
-        host = holds[0].host
+        by_node: dict[str, list[Hold]] = {}
+        for h in holds:
+            by_node.setdefault(h.host, []).append(h)
         try:
             profile = allowed(self.workloads, record.site, record.workload)
-            in_use = [p for (h, name, p) in self._ports.values() if h == host and name == profile.name]
-            port = pick_port(profile, in_use)
+            ports: dict[str, int] = {}
+            for host in sorted(by_node):
+                ports[host] = pick_port(profile, self._ports_near(host, ports))
         except WorkloadError as e:
             return str(e)
-        on_host = [h for h in holds if h.host == host]
-        argv = render(profile, port=port, lease_id=record.lease_id, site=record.site, gpus=len(on_host))
-        indices = [h.gpu_indices[0] for h in on_host]
-        self._file(on_host[0].job_id, "start").write_text(start_script(argv, indices, record.lease_id))
-        self._file(record.lease_id, "endpoint").write_text(json.dumps({"host": host, "port": port}))
-        self._ports[record.lease_id] = (host, profile.name, port)
-        self._background(
-            self._health(record.lease_id, profile, host, port), f"workload-health-{record.lease_id}"
-        )
+        for host, port in ports.items():
+            on_host = by_node[host]
+            argv = render(profile, port=port, lease_id=record.lease_id, site=record.site, gpus=len(on_host))
+            script = start_script(
+                argv,
+                [h.gpu_indices[0] for h in on_host],
+                record.lease_id,
+                cpus=profile.cpus_per_gpu * len(on_host),
+                partition=record.partition,
+            )
+            self._file(on_host[0].job_id, "start").write_text(script)
+        nodes = [{"host": host, "port": port} for host, port in ports.items()]
+        self._file(record.lease_id, "endpoint").write_text(json.dumps({"nodes": nodes}))
+        self._watch_workload(record.lease_id, profile, ports)
         return ""
 
+    def _ports_near(self, host: str, also: Mapping[str, int]) -> list[int]:
+        """Ports taken near ``host``: those of every live workload instance (and of ``also``,
+        node → port, picked for the lease being started) on a node that may share its address
+        (``NodeAddr``: the same one, or one of the two not read yet)."""
+        mine = self._addr.get(host)
+        taken: list[int] = []
+        for by_node in [*self._ports.values(), also]:
+            for other, port in by_node.items():
+                theirs = self._addr.get(other)
+                if other == host or mine is None or theirs is None or theirs == mine:
+                    taken.append(port)
+        return taken
+
+    def _watch_workload(self, lease_id: str, profile: WorkloadProfile, ports: Mapping[str, int]) -> None:
+        self._ports[lease_id] = dict(ports)
+        for host, port in ports.items():
+            self._background(
+                self._health(lease_id, profile, host, port), f"workload-health-{lease_id}/{host}"
+            )
+
     def _adopt_workload(self, record: LeaseLogRecord) -> None:
-        """After a restart: check the health of a live lease's workload again."""
+        """After a restart: check the health of every instance of a live lease's workload again
+        (its nodes and ports from the lease's endpoint file, ``{"nodes": [{"host", "port"}]}``,
+        or ``{"host", "port"}`` as brokers that ran one instance per lease wrote it)."""
         if record.workload is None:
             return
         try:
             info = json.loads(self._file(record.lease_id, "endpoint").read_text())
+            nodes = info["nodes"] if "nodes" in info else [info]
+            ports = {str(n["host"]): int(n["port"]) for n in nodes}
             profile = allowed(self.workloads, record.site, record.workload)
-        except (OSError, ValueError, WorkloadError) as e:
+        except (OSError, ValueError, TypeError, KeyError, WorkloadError) as e:
             log.warning("workload_not_adopted", extra={"lease_id": record.lease_id, "error": str(e)})
             return
-        self._ports[record.lease_id] = (info["host"], profile.name, int(info["port"]))
-        self._background(
-            self._health(record.lease_id, profile, info["host"], int(info["port"])),
-            f"workload-health-{record.lease_id}",
-        )
+        self._watch_workload(record.lease_id, profile, ports)
 
     async def _health(self, lease_id: str, profile: WorkloadProfile, host: str, port: int) -> None:
-        """Poll the workload's health path until it answers 200 (then publish the endpoint) or
-        ``profile.health_timeout_s`` passes (logged; the lease keeps no endpoint)."""
+        """Poll the health path of the workload's instance on ``host`` until it answers 200
+        (then publish the lease again with its endpoint) or ``profile.health_timeout_s`` passes
+        (logged and counted; the lease keeps no endpoint on that node)."""
         addr = await self._node_addr(host)
         url = f"http://{addr}:{port}{profile.health_path}"
         deadline = time.monotonic() + profile.health_timeout_s
@@ -476,9 +513,12 @@ class SlurmLending:
             while time.monotonic() < deadline:
                 with contextlib.suppress(httpx.HTTPError):
                     if (await client.get(url)).status_code == 200:
-                        self._endpoints[lease_id] = f"{addr}:{port}"
+                        if lease_id not in self._ports:
+                            return  # ended meanwhile
+                        self._endpoints.setdefault(lease_id, {})[host] = f"{addr}:{port}"
                         log.info(
-                            "workload_healthy", extra={"lease_id": lease_id, "endpoint": f"{addr}:{port}"}
+                            "workload_healthy",
+                            extra={"lease_id": lease_id, "host": host, "endpoint": f"{addr}:{port}"},
                         )
                         self._republish(lease_id)
                         return
@@ -486,7 +526,7 @@ class SlurmLending:
         self._metrics.scheduler_errors.labels(operation="start").inc()
         log.warning(
             "workload_unhealthy",
-            extra={"lease_id": lease_id, "url": url, "timeout_s": profile.health_timeout_s},
+            extra={"lease_id": lease_id, "host": host, "url": url, "timeout_s": profile.health_timeout_s},
         )
 
     async def _node_addr(self, host: str) -> str:
@@ -569,12 +609,12 @@ class SlurmLending:
             log.error("scancel_failed", extra={"job_ids": list(job_ids), "error": str(e)})
 
     async def _submit(self, host: str) -> None:
-        """One placeholder on ``host``."""
+        """One placeholder on ``host``: one GPU, :attr:`placeholder_cpus` CPUs."""
         s = self.scheduler
         gres = f"gpu:{s.gres_type}:1" if s.gres_type else "gpu:1"
         argv = [
             "sbatch", "--parsable", f"--partition={s.partition}", f"--nodelist={host}", "--nodes=1",
-            f"--gres={gres}", f"--cpus-per-task={s.cpus_per_gpu}", f"--time={self.placeholder_minutes}",
+            f"--gres={gres}", f"--cpus-per-task={self.placeholder_cpus}", f"--time={self.placeholder_minutes}",
             f"--signal=B:TERM@{max(1, math.ceil(self.notice_s))}", f"--job-name={JOB_NAME}",
             f"--comment={IDLE_COMMENT}", f"--output={self.control_dir / 'placeholder-%j.out'}", "--no-requeue",
         ]  # fmt: skip

@@ -11,10 +11,11 @@ training job that needs its GPU, exactly as a lease's hold is, whether or not gp
 Carving a lease: the broker takes the placeholders on the lease's GPUs, renames each one's
 *idle* file (``<control dir>/<job id>.idle``, written by the script when it starts) to its
 *held* file (``<job id>.held``), renames the jobs ``Comment=gpupool-lease=<lease id>``
-and sets their time limit to the lease's end; the first one's *start* file
-(``<job id>.start``, a bash script) starts the workload with ``CUDA_VISIBLE_DEVICES`` = the GRES
-indices Slurm allocated to the lease's placeholders. The script (:func:`placeholder_script`)
-polls for its start file every 0.1 s.
+and sets their time limit to the lease's end; on each node of the lease, the first placeholder's
+*start* file (``<job id>.start``, a bash script, :func:`start_script`) starts one instance of the
+workload with ``CUDA_VISIBLE_DEVICES`` = the GRES indices Slurm allocated to the lease's
+placeholders on that node, its CPU budget and the lease's InfiniBand partition. The script
+(:func:`placeholder_script`) polls for its start file every 0.1 s.
 
 Signals (``--signal=B:TERM@<notice>``, ``preempt_send_user_signal``): an idle placeholder leaves
 at once on SIGTERM (training gets the GPU at Slurm's next scheduling pass) after renaming its idle
@@ -38,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from broker.scheduler_slurm import leave_function
+from contracts.leases import Partition
 from contracts.topics import gpu_key
 
 _INDEX_ID = re.compile(r"^gpu(\d+)$")
@@ -123,15 +125,74 @@ done
 """
 
 
-def start_script(argv: Sequence[str], gpu_indices: Sequence[int], lease_id: str) -> str:
-    """The start file of a lease's workload: ``CUDA_VISIBLE_DEVICES`` = ``gpu_indices`` (the
-    GRES indices Slurm allocated to the lease), ``GPUPOOL_LEASE_ID``, then ``exec`` of ``argv``
-    (the rendered profile, quoted with :func:`shlex.join`; never text from a site)."""
-    return (
-        f"export CUDA_VISIBLE_DEVICES={','.join(str(i) for i in sorted(gpu_indices))}\n"
-        f"export GPUPOOL_LEASE_ID={shlex.quote(lease_id)}\n"
-        f"exec {shlex.join(argv)}\n"
-    )
+IB_SYSFS = "/sys/class/infiniband"
+"""Where the kernel lists a node's InfiniBand devices (``<device>/ports/<port>/pkeys/<index>``,
+each the P_Key at that index of the port's table, ``0x8012``; Linux
+``Documentation/ABI/stable/sysfs-class-infiniband``)."""
+
+
+def start_script(
+    argv: Sequence[str],
+    gpu_indices: Sequence[int],
+    lease_id: str,
+    *,
+    cpus: int,
+    partition: Partition | None = None,
+    ib_sysfs: str = IB_SYSFS,
+) -> str:
+    """The start file of a lease's workload on one node (a bash script the placeholder job runs),
+    then ``exec`` of ``argv`` (the rendered profile, quoted with :func:`shlex.join`; never text
+    from a site). It exports:
+
+    * ``CUDA_VISIBLE_DEVICES`` = ``gpu_indices`` (the GRES indices Slurm allocated to the lease's
+      placeholders on this node), ``GPUPOOL_LEASE_ID``;
+    * ``GPUPOOL_CPUS`` and ``OMP_NUM_THREADS`` = ``cpus`` (the profile's ``cpus_per_gpu`` × the
+      lease's GPUs on this node: the CPU budget Slurm reserved for it);
+    * with a ``partition`` (the lease's InfiniBand isolation; ``None``: nothing of this), the
+      knobs that put the workload's IB traffic in it:
+
+      - ``GPUPOOL_IB_PKEY`` and ``UCX_IB_PKEY`` = the P_Key value (``0x0012``, the 15-bit
+        partition number): UCX's ``UCX_IB_PKEY`` is "which pkey value to use, between 0 and
+        0x7fff" (``auto`` by default: the first valid one with full membership; openucx/ucx
+        ``src/uct/ib/base/ib_iface.c``, ``uct_ib_iface_config_table``);
+      - ``GPUPOOL_IB_SL``, ``NCCL_IB_SL`` and ``UCX_IB_SL`` = the service level (0..15): NCCL's
+        "InfiniBand Service Level" of its queue pairs (default 0; NCCL User Guide, Environment
+        Variables), UCX's "InfiniBand: Service level" (``ib_iface.c`` as above);
+      - ``NCCL_IB_PKEY`` = the *index* of the partition in the node's P_Key table, found when
+        the script runs: NCCL's ``NCCL_IB_PKEY`` is a P_Key table index (default 0; NCCL User
+        Guide, Environment Variables; ``NCCL_PARAM(IbPkey, "IB_PKEY", 0)`` in NCCL's
+        ``src/transport/net_ib``), the index ``ibv_get_pkey_index(3)`` would return. The first
+        port (``<ib_sysfs>/<device>/ports/<port>``, in name order) listing the P_Key, with the
+        membership bit 0x8000 masked off, gives its lowest such index; not exported when no
+        port lists it (no InfiniBand on the node: NCCL's default, index 0, applies).
+    """
+    lines = [
+        f"export CUDA_VISIBLE_DEVICES={','.join(str(i) for i in sorted(gpu_indices))}",
+        f"export GPUPOOL_LEASE_ID={shlex.quote(lease_id)}",
+        f"export GPUPOOL_CPUS={int(cpus)} OMP_NUM_THREADS={int(cpus)}",
+    ]
+    if partition is not None:
+        pkey, sl = f"0x{partition.pkey:04x}", int(partition.sl)
+        lines += [
+            f"export GPUPOOL_IB_PKEY={pkey} UCX_IB_PKEY={pkey}",
+            f"export GPUPOOL_IB_SL={sl} NCCL_IB_SL={sl} UCX_IB_SL={sl}",
+            "# NCCL_IB_PKEY: the partition's index in this node's P_Key table (membership bit masked)",
+            "index=",
+            f"for port in {shlex.quote(ib_sysfs)}/*/ports/*; do",
+            '    for entry in "$port"/pkeys/*; do',
+            '        { read -r value <"$entry"; } 2>/dev/null || continue',
+            "        [[ $value =~ ^0x[0-9a-fA-F]{1,4}$ ]] || continue",
+            f"        (( (value & 0x7fff) == {pkey} )) || continue",
+            "        i=${entry##*/}",
+            "        [[ $i =~ ^[0-9]+$ ]] || continue",
+            '        if [ -z "$index" ] || (( i < index )); then index=$i; fi',
+            "    done",
+            '    [ -n "$index" ] && break',
+            "done",
+            '[ -n "$index" ] && export NCCL_IB_PKEY=$index',
+        ]
+    lines.append(f"exec {shlex.join(argv)}")
+    return "\n".join(lines) + "\n"
 
 
 def read_term(path: Path) -> float | None:

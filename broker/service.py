@@ -1229,7 +1229,9 @@ class BrokerService:
         partition = None
         try:
             partition = await self.fabric.isolate(pending.record)
-            problem = isolation_problem(self.fabric, partition) or await self.lending.hold(pending.record)
+            problem = isolation_problem(self.fabric, partition) or await self.lending.hold(
+                pending.record.model_copy(update={"partition": partition})
+            )  # the hold sees the partition: the lease's workload runs inside it
         except FabricError as e:
             problem = str(e) or "fabric isolation failed"
         except Exception as e:  # noqa: BLE001 — a broken manager must not leave the GPUs reserved

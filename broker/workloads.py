@@ -9,6 +9,11 @@ it and nothing else: no command, argument, environment or path comes from a clai
 Template fields (Python ``str.format`` names, each replaced by a value the broker computes):
 ``{port}`` (the port chosen for the lease from the profile's range), ``{lease_id}``, ``{site}``,
 ``{gpus}`` (GPU count). Anything else in braces is an error when the profile is loaded.
+
+CPUs: Slurm reserves CPUs with the placeholder jobs that hold the GPUs, before any claim names a
+profile, so every placeholder asks for :func:`placeholder_cpus` (the largest ``cpus_per_gpu`` of
+the declared profiles, at least the scheduler's default); a lease's workload is told its own
+budget, ``cpus_per_gpu`` × its GPUs on the node (:func:`broker.placeholders.start_script`).
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ class WorkloadProfile(BaseModel):
         health_path: HTTP path answering 200 when the workload serves (``/health``).
         health_timeout_s: seconds after the hold starts within which the health check must pass,
             or the lease's endpoint is reported unhealthy.
-        cpus_per_gpu: CPUs the hold asks per GPU.
+        cpus_per_gpu: CPUs per GPU the workload may use: Slurm reserves at least this many per
+            held GPU (:func:`placeholder_cpus`), and the workload is told
+            ``cpus_per_gpu`` × its GPUs on the node (``GPUPOOL_CPUS``, ``OMP_NUM_THREADS``).
         sites: the sites allowed to use it; empty: every site.
     """
 
@@ -100,3 +107,10 @@ def render(profile: WorkloadProfile, *, port: int, lease_id: str, site: str, gpu
     """The argv of ``profile`` for one lease, every template field replaced."""
     values = {"port": port, "lease_id": lease_id, "site": site, "gpus": gpus}
     return tuple(arg.format(**values) for arg in profile.argv)
+
+
+def placeholder_cpus(profiles: Collection[WorkloadProfile], default: int) -> int:
+    """CPUs each one-GPU placeholder job asks Slurm for (``--cpus-per-task``): the largest
+    ``cpus_per_gpu`` of ``profiles``, at least ``default`` (the scheduler's own CPUs per GPU), so
+    the CPUs any profile may need on a GPU are reserved before a claim names one."""
+    return max([default, *(p.cpus_per_gpu for p in profiles)])

@@ -304,8 +304,15 @@ class LeaseMessage(Message):
     workload: str | None = None
     """The workload profile running on the lease (the claim's ``workload``); ``null``: none."""
     endpoint: str | None = None
-    """``host:port`` where the lease's workload serves, once its health check passed (the lease
-    message is then published again with it); ``null``: no workload, or not healthy yet."""
+    """``host:port`` where the lease's workload serves on its first node (``hosts[0]``), once
+    its health check passed (the lease message is then published again with it); ``null``: no
+    workload, or not healthy there yet. Kept for sites that know one node per lease; see
+    ``endpoints``."""
+    endpoints: list[str] = Field(default_factory=list)
+    """``host:port`` of every healthy instance of the lease's workload, one per node, in the
+    order of ``hosts`` (a multi-node lease runs its workload on each of its nodes; the message is
+    published again as each becomes healthy); empty: no workload, none healthy yet, or a broker
+    older than this field."""
 
 
 class Renewal(Message):

@@ -6,8 +6,11 @@ starts it on the held GPUs). It serves, over HTTP on ``--bind``:``--port``:
 * ``GET /health`` — ``200 {"status": "ok", ...}`` while serving, ``503 {"status": "draining"}``
   once it got SIGTERM (a load balancer or the edge SDK stops sending new requests);
 * ``POST /v1/infer`` (any JSON body, or none) — ``200 {"gpus": [...], "lease_id": ..., "pid": ...,
-  "served": N}`` after ``--latency-ms`` milliseconds: the GPUs it was given are the indices in
-  ``CUDA_VISIBLE_DEVICES`` (as Slurm sets them), the lease the value of ``GPUPOOL_LEASE_ID``.
+  "served": N, "node": ..., "env": {...}}`` after ``--latency-ms`` milliseconds: the GPUs it was
+  given are the indices in ``CUDA_VISIBLE_DEVICES`` (as Slurm sets them), the lease the value of
+  ``GPUPOOL_LEASE_ID``, the node ``SLURMD_NODENAME`` (``""`` outside Slurm), and ``env`` the
+  values of the :data:`REPORTED_ENV` variables that are set (its CPU budget and InfiniBand
+  partition, as the lease's start file exported them; :func:`broker.placeholders.start_script`).
 
 On SIGTERM it drains: health turns 503, requests keep being answered (those in flight and those
 that still arrive), and it exits 0 once no request came for ``--quiet-s`` seconds or
@@ -22,8 +25,27 @@ import json
 import os
 import signal
 import time
+from collections.abc import Mapping
 
 from aiohttp import web
+
+REPORTED_ENV = (
+    "GPUPOOL_CPUS",
+    "OMP_NUM_THREADS",
+    "GPUPOOL_IB_PKEY",
+    "GPUPOOL_IB_SL",
+    "NCCL_IB_PKEY",
+    "NCCL_IB_SL",
+    "UCX_IB_PKEY",
+    "UCX_IB_SL",
+)
+"""Environment variables the server reports (``env`` in its answers): what a real workload
+would use for its CPU threads and its InfiniBand traffic."""
+
+
+def reported_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The :data:`REPORTED_ENV` variables set in ``environ``, with their values."""
+    return {name: environ[name] for name in REPORTED_ENV if name in environ}
 
 
 def visible_gpus(value: str | None) -> list[int]:
@@ -42,11 +64,22 @@ class InferenceServer:
         gpus: the GPU indices it was given.
         lease_id: the lease it runs for (``""`` outside a lease).
         latency_s: simulated work per request, seconds.
+        node: the Slurm node it runs on (``""`` outside Slurm).
+        env: what it reports of its environment (:func:`reported_env`).
     """
 
-    def __init__(self, gpus: list[int], lease_id: str, latency_s: float) -> None:
+    def __init__(
+        self,
+        gpus: list[int],
+        lease_id: str,
+        latency_s: float,
+        node: str = "",
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.gpus = gpus
         self.lease_id = lease_id
+        self.node = node
+        self.env = dict(env or {})
         self.latency_s = latency_s
         self.served = 0
         self.in_flight = 0
@@ -56,7 +89,7 @@ class InferenceServer:
     async def health(self, request: web.Request) -> web.Response:
         """``GET /health``: 200 while serving, 503 while draining."""
         body = {"status": "draining" if self.draining else "ok", "gpus": self.gpus,
-                "lease_id": self.lease_id, "served": self.served}
+                "lease_id": self.lease_id, "served": self.served, "node": self.node, "env": self.env}
         return web.json_response(body, status=503 if self.draining else 200)
 
     async def infer(self, request: web.Request) -> web.Response:
@@ -68,8 +101,9 @@ class InferenceServer:
             await asyncio.sleep(self.latency_s)
             self.served += 1
             return web.json_response(
-                {"gpus": self.gpus, "lease_id": self.lease_id, "pid": os.getpid(), "served": self.served}
-            )
+                {"gpus": self.gpus, "lease_id": self.lease_id, "pid": os.getpid(), "served": self.served,
+                 "node": self.node, "env": self.env}
+            )  # fmt: skip
         finally:
             self.in_flight -= 1
             self.last_request = time.monotonic()
@@ -120,7 +154,13 @@ def main(argv: list[str] | None = None) -> int:
         gpus = visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"))
     except ValueError:
         p.error(f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r} is not a list of indices")
-    server = InferenceServer(gpus, os.environ.get("GPUPOOL_LEASE_ID", ""), args.latency_ms / 1000.0)
+    server = InferenceServer(
+        gpus,
+        os.environ.get("GPUPOOL_LEASE_ID", ""),
+        args.latency_ms / 1000.0,
+        node=os.environ.get("SLURMD_NODENAME", ""),
+        env=reported_env(os.environ),
+    )
     asyncio.run(serve(args.bind, args.port, server, args.drain_s, args.quiet_s))
     return 0
 

@@ -2,7 +2,8 @@
 Kafka and Mosquitto, lending the GPUs of the local Slurm cluster (deploy/local/slurm.sh, grace
 time :data:`tests.services.SLURM_GRACE_S` = the notice), a site on the SDK.
 
-Each test uses a node of its own and cancels every gpupool job when it ends."""
+Each test uses a node of its own (the multi-node one two) and cancels every gpupool job when it
+ends."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from broker.config import BrokerConfig
 from broker.edge import ClaimRejected, EdgeClient
 from broker.lending import SlurmLending
 from broker.scheduler_slurm import JOB_NAME, SlurmScheduler
+from broker.fabric import FabricManager
 from broker.service import BrokerService
 from broker.workloads import WorkloadProfile
 from contracts import (
@@ -40,6 +42,8 @@ from contracts import (
     encode,
 )
 from contracts.bus import Bus
+from contracts.leases import Partition
+from contracts.mqtt import Requirements
 from tests.mqtt_support import running
 from tests.services import SLURM_GRACE_S
 
@@ -52,6 +56,8 @@ PROFILE = WorkloadProfile(
     port_max=28199,
     health_timeout_s=20,
 )
+WIDE = PROFILE.model_copy(update={"name": "infer-wide", "cpus_per_gpu": 2, "port_min": 28200, "port_max": 28299})
+"""A profile needing 2 CPUs per GPU: every placeholder then asks Slurm for 2."""
 
 
 def _env(conf: Path) -> dict[str, str]:
@@ -91,25 +97,26 @@ def slurm_clean(slurm_conf: Path) -> Iterator[Path]:
     subprocess.run(["scancel", "-p", "training"], env=_env(slurm_conf), check=False)
 
 
-async def _idle(bus: Bus, topics: KafkaTopics, host: str, gpus: int = 8) -> None:
-    """Capacity: every GPU of ``host`` idle (keys ``<host>/gpu<index>``, as the GPU map reads them)."""
+async def _idle(bus: Bus, topics: KafkaTopics, host: str, gpus: int = 8, leaf: str | None = None) -> None:
+    """Capacity: every GPU of ``host`` idle (keys ``<host>/gpu<index>``, as the GPU map reads
+    them), under leaf switch ``leaf``."""
     producer = bus.producer()
     await producer.start()
     now = time.time()
     for i in range(gpus):
         u = CapacityUpdate(
             ts=now, host=host, gpu_uuid=f"gpu{i}", state=GpuState.IDLE, since=now - 60,
-            predicted_idle_until=now + 3600, model_name="NVIDIA H100 80GB HBM3",
+            predicted_idle_until=now + 3600, model_name="NVIDIA H100 80GB HBM3", leaf=leaf,
         )  # fmt: skip
         await producer.send(topics.capacity, encode(u), key=u.key)
     await producer.flush()
     await producer.stop()
 
 
-def _lending(conf: Path, tmp_path: Path) -> SlurmLending:
+def _lending(conf: Path, tmp_path: Path, profiles: tuple[WorkloadProfile, ...] = (PROFILE,)) -> SlurmLending:
     return SlurmLending(
         SlurmScheduler(conf),
-        workloads=(PROFILE,),
+        workloads=profiles,
         notice_s=SLURM_GRACE_S,
         control_dir=tmp_path / "slurm",
         poll_s=0.2,
@@ -118,16 +125,16 @@ def _lending(conf: Path, tmp_path: Path) -> SlurmLending:
 
 @contextlib.asynccontextmanager
 async def _broker(
-    bus: Bus, topics: KafkaTopics, creds: dict[str, Any], lending: SlurmLending
+    bus: Bus, topics: KafkaTopics, creds: dict[str, Any], lending: SlurmLending, fabric: FabricManager | None = None
 ) -> AsyncIterator[BrokerService]:
     cfg = BrokerConfig(
-        offer_ttl_s=60, notice_s=SLURM_GRACE_S, lease_ttl_s=60, tick_s=0.1, workloads=(PROFILE,),
+        offer_ttl_s=60, notice_s=SLURM_GRACE_S, lease_ttl_s=60, tick_s=0.1, workloads=lending.workloads,
         group_id=f"g-{uuid.uuid4().hex}",
     )  # fmt: skip
     svc = BrokerService(
         bus=bus, topics=topics, mqtt_host=creds["host"], mqtt_port=creds["port"],
         mqtt_username="gpupool-broker", mqtt_password=creds["users"]["gpupool-broker"], root=creds["root"],
-        protocol=5, config=cfg, client_id=f"broker-{uuid.uuid4().hex[:8]}", lending=lending,
+        protocol=5, config=cfg, client_id=f"broker-{uuid.uuid4().hex[:8]}", lending=lending, fabric=fabric,
     )  # fmt: skip
     async with running(svc):
         yield svc
@@ -303,3 +310,97 @@ async def test_gpupool_down_training_still_takes_the_lent_gpus(
     run_s = await _until(lambda: _state(conf, train) == "RUNNING", SLURM_GRACE_S + 10, 0.1)
     assert not _lent_jobs(conf, host)
     print(f"training needing the lent GPUs RUNNING {time.monotonic() - submitted:.3f} s after submit ({run_s:.3f})")
+
+
+class _OnePartition:
+    """A fabric manager that isolates every lease in partition 0x0123, service level 5, as if
+    verified on the fabric (the simulated fabric's hosts are not the Slurm cluster's nodes): what
+    the lease's workload must be put in is under test here, not the fabric."""
+
+    enforced = True
+
+    def __init__(self) -> None:
+        self.removed: list[str] = []
+
+    async def isolate(self, lease: Any) -> Partition | None:
+        return Partition(pkey=0x0123, sl=5, verified=True, limited_members=[f"guid-{h}" for h in lease.hosts])
+
+    async def remove(self, lease: Any) -> None:
+        self.removed.append(lease.lease_id)
+
+    async def remove_stale(self, keep: Collection[str]) -> list[str]:
+        return []
+
+
+def _num_cpus(conf: Path, job: str) -> int:
+    """``NumCPUs`` of a job as Slurm reports it (``scontrol show job -o``)."""
+    out = subprocess.run(
+        ["scontrol", "show", "job", "-o", job], capture_output=True, text=True, env=_env(conf), check=True
+    ).stdout
+    return int(next(f for f in out.split() if f.startswith("NumCPUs=")).split("=", 1)[1])
+
+
+async def test_workload_gets_the_profile_cpus_reserved_by_slurm_and_runs_inside_the_lease_partition(
+    kafka_bus: Bus, kafka_stage_topics: KafkaTopics, mosquitto: dict[str, Any], slurm_clean: Path, tmp_path: Path
+) -> None:
+    conf, host = slurm_clean, "gpu-node-001"
+    lending = _lending(conf, tmp_path, (PROFILE, WIDE))
+    assert lending.placeholder_cpus == 2
+    await _idle(kafka_bus, kafka_stage_topics, host)
+    fabric = _OnePartition()
+    async with _broker(kafka_bus, kafka_stage_topics, mosquitto, lending, fabric), _site(mosquitto) as site:
+        offer = await _offer_with_holds(site, lending, host, 8)
+        jobs = _lent_jobs(conf, host)
+        assert len(jobs) == 8 and {_num_cpus(conf, j) for j in jobs} == {2}  # Slurm reserved 2 CPUs per GPU
+        lease = await site.claim(offer, count=3, duration_seconds=600, workload="infer-wide")
+        assert lease.partition is not None and lease.partition.pkey == 0x0123
+        (url,) = await site.wait_endpoints(lease.lease_id, 20)
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            answer = (await http.post(f"http://{url}/v1/infer", json={})).json()
+        env = answer["env"]
+        assert env["GPUPOOL_CPUS"] == env["OMP_NUM_THREADS"] == "6"  # 2 CPUs per GPU x 3 GPUs
+        assert env["GPUPOOL_IB_PKEY"] == env["UCX_IB_PKEY"] == "0x0123"
+        assert env["GPUPOOL_IB_SL"] == env["NCCL_IB_SL"] == env["UCX_IB_SL"] == "5"
+        if not Path("/sys/class/infiniband").exists():
+            assert "NCCL_IB_PKEY" not in env  # no P_Key table on this node: NCCL's default index
+        assert answer["node"] == host and len(answer["gpus"]) == 3
+        # the same profiles without fabric isolation: no InfiniBand knob at all (checked in
+        # tests/test_broker_workloads.py); the plain profile's budget is its 1 CPU per GPU
+        rest = await _offer_with_holds(site, lending, host, 5)
+        plain = await site.claim(rest, count=2, workload="infer")
+        (url2,) = await site.wait_endpoints(plain.lease_id, 20)
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            env2 = (await http.post(f"http://{url2}/v1/infer", json={})).json()["env"]
+        assert env2["GPUPOOL_CPUS"] == "2" and url2 != url
+
+
+async def test_a_lease_on_two_nodes_runs_its_workload_on_each_and_a_restarted_broker_adopts_both(
+    kafka_bus: Bus, kafka_stage_topics: KafkaTopics, mosquitto: dict[str, Any], slurm_clean: Path, tmp_path: Path
+) -> None:
+    conf, hosts = slurm_clean, ["gpu-node-002", "gpu-node-003"]
+    lending = _lending(conf, tmp_path)
+    for h in hosts:
+        await _idle(kafka_bus, kafka_stage_topics, h, leaf="leaf-t")
+    async with _broker(kafka_bus, kafka_stage_topics, mosquitto, lending), _site(mosquitto) as site:
+        for h in hosts:
+            await _offer_with_holds(site, lending, h, 8)
+        lease = await site.request(12, Requirements(), duration_seconds=600, workload="infer")
+        assert lease.hosts == hosts and lease.reason == "match:leaf"
+        urls = await site.wait_endpoints(lease.lease_id, 30)
+        msg = site.known_leases[lease.lease_id]
+        assert len(urls) == 2 and msg.endpoint == urls[0] and msg.endpoints == urls
+        held = {h: sorted(x.gpu_indices[0] for x in lending._leases[lease.lease_id] if x.host == h) for h in hosts}
+        assert sorted(len(v) for v in held.values()) == [4, 8]
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            answers = [(await http.post(f"http://{u}/v1/infer", json={})).json() for u in urls]
+        for h, a in zip(hosts, answers, strict=True):
+            assert a["node"] == h and a["gpus"] == held[h] and a["lease_id"] == lease.lease_id
+        assert answers[0]["pid"] != answers[1]["pid"]
+        assert len(set(urls)) == 2  # both nodes listen on 127.0.0.1 here: the ports differ
+    # the broker stopped; its holds and both instances run on. A new one adopts them.
+    again = _lending(conf, tmp_path)
+    async with _broker(kafka_bus, kafka_stage_topics, mosquitto, again), _site(mosquitto) as site2:
+        await _until(lambda: len(again.endpoint(lease.lease_id)) == 2, 20)
+        assert [again.endpoint(lease.lease_id)[h] for h in hosts] == urls
+        assert again.held_gpus()[lease.lease_id] == tuple(sorted(i for v in held.values() for i in v))
+        await site2.release(lease.lease_id)

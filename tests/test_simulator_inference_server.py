@@ -16,7 +16,7 @@ import pytest
 
 from broker.scheduler import HoldRequest
 from broker.scheduler_slurm import SlurmScheduler
-from simulator.inference_server import visible_gpus
+from simulator.inference_server import REPORTED_ENV, visible_gpus
 from tests.services import REPO, SLURM_GRACE_S
 
 
@@ -51,7 +51,9 @@ async def test_reports_its_gpus_and_drains_without_a_failed_request() -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "simulator.inference_server", "--port", str(port), "--latency-ms", "200",
         "--quiet-s", "0.3", cwd=REPO,
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": "1,3", "GPUPOOL_LEASE_ID": "l-7"},
+        env={**{k: v for k, v in os.environ.items() if k not in REPORTED_ENV},
+             "CUDA_VISIBLE_DEVICES": "1,3", "GPUPOOL_LEASE_ID": "l-7", "SLURMD_NODENAME": "gpu-node-009",
+             "GPUPOOL_CPUS": "4", "UCX_IB_PKEY": "0x0012", "NCCL_IB_SL": "3"},
         stdout=asyncio.subprocess.PIPE,
     )
     url = f"http://127.0.0.1:{port}"
@@ -61,6 +63,8 @@ async def test_reports_its_gpus_and_drains_without_a_failed_request() -> None:
         async with httpx.AsyncClient() as client:
             r = await client.post(f"{url}/v1/infer", json={"prompt": "x"})
             assert r.status_code == 200 and r.json()["gpus"] == [1, 3] and r.json()["lease_id"] == "l-7"
+            assert r.json()["node"] == health.json()["node"] == "gpu-node-009"
+            assert r.json()["env"] == {"GPUPOOL_CPUS": "4", "UCX_IB_PKEY": "0x0012", "NCCL_IB_SL": "3"}
             in_flight = [asyncio.create_task(client.post(f"{url}/v1/infer")) for _ in range(5)]
             await asyncio.sleep(0.05)
             proc.send_signal(signal.SIGTERM)
