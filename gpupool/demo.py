@@ -48,6 +48,7 @@ from gpupool.demo_slurm import DemoCluster, SchedulerMode, SlurmParts, SlurmUnav
 from runtime.bus import make_bus
 
 if TYPE_CHECKING:
+    from gpupool.demo_mosquitto import PrivateMosquitto
     from simulator.dcgm_http import FleetServer
     from simulator.sysfs import SysfsTree
 
@@ -293,6 +294,22 @@ async def run_demo(cfg: DemoConfig, progress: Progress | None = None) -> DemoSum
             own.stop()
 
 
+async def _private_mosquitto(cfg: DemoConfig, root: str, run_id: str) -> PrivateMosquitto | None:
+    """The run's own Mosquitto when it is installed and starts (production's users and ACL, MQTT
+    5), else ``None`` (the demo then uses amqtt in its process; a start that failed is logged)."""
+    from gpupool.demo_mosquitto import PrivateMosquitto, mosquitto_binary
+
+    if mosquitto_binary() is None:
+        return None
+    server = PrivateMosquitto(cfg.state_dir / f"mosquitto-{run_id}", root, list(cfg.sites))
+    try:
+        await server.start()
+    except OSError as e:
+        log.warning("demo_mosquitto_failed", extra={"error": str(e)[-500:]})
+        return None
+    return server
+
+
 async def _open_cluster(cfg: DemoConfig) -> tuple[dict[str, object], DemoCluster | None]:
     """Decide on lending through Slurm and start (or reuse) the local cluster when wanted and
     possible: (the summary's ``scheduler`` status, the cluster or ``None``)."""
@@ -355,7 +372,6 @@ async def _run_pipeline(
     from broker.service import BrokerConfig, BrokerService
     from collectors.metrics import CollectorMetrics
     from collectors.service import CollectorService
-    from gpupool.demo_mosquitto import PrivateMosquitto, mosquitto_binary
     from gpupool.embedded_mqtt import EmbeddedMqttBroker
     from gpupool.report.leases import read_from_bus, write_jsonl
     from simulator.dcgm_http import FleetServer
@@ -404,9 +420,7 @@ async def _run_pipeline(
         mhost, _, mport = cfg.mqtt.rpartition(":")
         port = int(mport)
         protocol = cfg.mqtt_protocol
-    elif mosquitto_binary() is not None:  # production's server, users and ACL, in a private process
-        embedded = PrivateMosquitto(cfg.state_dir / f"mosquitto-{run_id}", root, list(cfg.sites))
-        await embedded.start()
+    elif (embedded := await _private_mosquitto(cfg, root, run_id)) is not None:
         mhost, port, protocol, users = embedded.host, embedded.port, embedded.protocol, dict(embedded.users)
     else:
         embedded = EmbeddedMqttBroker()

@@ -32,11 +32,10 @@ OBSERVER_USER = "gpupool-observer"
 
 
 def mosquitto_binary() -> str | None:
-    """Path of the ``mosquitto`` executable (``PATH``, then Debian's ``/usr/sbin``), or ``None``."""
+    """Path of the ``mosquitto`` executable on ``PATH`` when ``mosquitto_passwd`` is there too
+    (the password file needs it), else ``None``."""
     found = shutil.which("mosquitto")
-    if found is None and Path("/usr/sbin/mosquitto").is_file():
-        found = "/usr/sbin/mosquitto"
-    return found
+    return found if found is not None and shutil.which("mosquitto_passwd") is not None else None
 
 
 class PrivateMosquitto:
