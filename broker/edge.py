@@ -345,6 +345,7 @@ class EdgeClient:
         min_duration_seconds: float = 0.0,
         timeout_s: float = 5.0,
         claim_id: str | None = None,
+        workload: str | None = None,
     ) -> LeaseMessage:
         """Claim ``count`` GPUs by requirements and let the broker pick the offers (matchmaking:
         one node if it can, else several nodes under one leaf switch; ``broker/match.py``).
@@ -358,7 +359,10 @@ class EdgeClient:
             min_duration_seconds: minimum guaranteed duration, seconds: only offers promised that
                 long match, and no unforced training demand takes the lease back sooner.
             timeout_s: how long to wait for the reply and the lease, seconds.
-            claim_id: idempotency key (default: a random one).
+            claim_id: idempotency key (default: a random one); resend a claim that timed out
+                with the same id, so it never makes a second lease.
+            workload: an operator-declared workload profile to run on the GPUs (as in
+                :meth:`claim`; it runs on the lease's first node), else ``unknown_workload``.
 
         Returns the lease's retained :class:`contracts.LeaseMessage` (state ``granted``; its
         ``hosts`` and ``offer_ids`` say where the GPUs are). Raises ``ValueError`` (a
@@ -376,6 +380,7 @@ class EdgeClient:
             min_duration_seconds=min_duration_seconds,
             ts=time.time(),
             request_id=_request_id(),
+            workload=workload,
         )
         return await self._submit(claim, timeout_s)
 
