@@ -164,7 +164,9 @@ class LeaseClient(Protocol):
         """A matched claim (:meth:`broker.edge.EdgeClient.request`)."""
         ...
 
-    async def renew(self, lease_id: str, extend_seconds: float | None = None, timeout_s: float = 5.0) -> Reply:
+    async def renew(
+        self, lease_id: str, extend_seconds: float | None = None, timeout_s: float = 5.0
+    ) -> Reply:
         """A renewal (:meth:`broker.edge.EdgeClient.renew`)."""
         ...
 

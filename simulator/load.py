@@ -70,7 +70,9 @@ def quantile(values: Sequence[float], q: float) -> float:
     return s[min(len(s), rank) - 1]
 
 
-def summarize(records: Sequence[RequestRecord], windows: Sequence[tuple[float, float]]) -> tuple[LoadSummary, LoadSummary]:
+def summarize(
+    records: Sequence[RequestRecord], windows: Sequence[tuple[float, float]]
+) -> tuple[LoadSummary, LoadSummary]:
     """(requests sent inside any of ``windows``, those sent outside all of them); a window is
     ``(start, end)`` in Unix s, both ends included."""
     inside: list[RequestRecord] = []

@@ -84,7 +84,9 @@ class FakeBroker:
         self.publish(msg)
         return msg
 
-    async def renew(self, lease_id: str, extend_seconds: float | None = None, timeout_s: float = 5.0) -> Reply:
+    async def renew(
+        self, lease_id: str, extend_seconds: float | None = None, timeout_s: float = 5.0
+    ) -> Reply:
         await asyncio.sleep(0)
         if self.timeouts:
             self.timeouts -= 1
@@ -137,7 +139,9 @@ class FakeBroker:
 
     def reclaim(self, lease_id: str, in_s: float = 10.0) -> float:
         deadline = self.clock() + in_s
-        self.transition(lease_id, state=LeaseState.RECLAIMING, reclaim_deadline=deadline, reason="scheduler_preempted:7")
+        self.transition(
+            lease_id, state=LeaseState.RECLAIMING, reclaim_deadline=deadline, reason="scheduler_preempted:7"
+        )
         return deadline
 
     def live(self) -> list[str]:
@@ -249,7 +253,9 @@ async def test_reclaim_claims_first_switches_when_the_replacement_serves_drains_
         assert len(broker.claim_ids) == 3
 
 
-async def test_without_a_replacement_the_leaving_endpoint_serves_until_the_margin_before_its_deadline() -> None:
+async def test_without_a_replacement_the_leaving_endpoint_serves_until_the_margin_before_the_deadline() -> (
+    None
+):
     clock = Clock()
     broker = FakeBroker(clock)
     async with kept(broker, clock, handover_margin_s=1.0) as pool:
