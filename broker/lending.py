@@ -74,6 +74,7 @@ _RETAG_DELAY_S = 0.2
 """Seconds between a carving and the Slurm commands that name its jobs."""
 
 _NODE_ADDR = re.compile(r"(?:^|\s)NodeAddr=(\S+)")
+_NODE_NAME = re.compile(r"(?:^|\s)NodeName=(\S+)")
 
 
 class Lending(Protocol):
@@ -215,7 +216,8 @@ class SlurmLending:
         self._unwanted: dict[str, float] = {}
         """Idle placeholders on GPUs not offered: job id → since when (clock)."""
         self._ports: dict[str, tuple[str, str, int]] = {}
-        """Workload of each lease: lease id → (node, profile, port)."""
+        """Workload of each lease: lease id → (node, profile, port); kept after the lease ends
+        until its hold is gone (the workload may still be draining on the port)."""
         self._endpoints: dict[str, str] = {}
         self._addr: dict[str, str] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -234,6 +236,7 @@ class SlurmLending:
         lease found by its GPU), holds of other leases cancelled, live leases without any hold reclaimed
         at once (``hold_lost``)."""
         self.control_dir.mkdir(parents=True, exist_ok=True)
+        await self._read_addrs()
         jobs = [h for h in await self.scheduler.jobs() if h.state is not HoldState.ENDED]
         live_ids = {r.lease_id: r for r in live}
         by_gpu = {g: r for r in live for g in r.gpus}
@@ -364,12 +367,12 @@ class SlurmLending:
         """See :meth:`Lending.ended`."""
         holds = self._leases.pop(record.lease_id, None)
         self._noticed.discard(record.lease_id)
-        self._ports.pop(record.lease_id, None)
         self._endpoints.pop(record.lease_id, None)
         for t in list(self._tasks):
             if t.get_name() == f"workload-health-{record.lease_id}":
                 t.cancel()
         if not holds:
+            self._ports.pop(record.lease_id, None)
             return
         for h in holds:
             self._termed.discard(h.job_id)
@@ -392,9 +395,14 @@ class SlurmLending:
         or why it cannot run (unknown profile, no free port)."""
         assert record.workload is not None
         host = holds[0].host
+        addr = self._addr.get(host, host)
         try:
             profile = allowed(self.workloads, record.site, record.workload)
-            in_use = [p for (h, name, p) in self._ports.values() if h == host and name == profile.name]
+            # ports of the profile on every node at this address (several slurmd on one host share
+            # it), held until each hold is gone: a workload still draining keeps its port
+            in_use = [
+                p for (h, name, p) in self._ports.values() if name == profile.name and self._addr.get(h, h) == addr
+            ]
             port = pick_port(profile, in_use)
         except WorkloadError as e:
             return str(e)
@@ -448,6 +456,19 @@ class SlurmLending:
             extra={"lease_id": lease_id, "url": url, "timeout_s": profile.health_timeout_s},
         )
 
+    async def _read_addrs(self) -> None:
+        """Every node's ``NodeAddr`` (``scontrol show node -o``), before any workload starts: a
+        port is chosen among the workloads at the same address. Unread (Slurm down): node names."""
+        try:
+            text = await self.scheduler.command("scontrol", "show", "node", "-o")
+        except SchedulerError as e:
+            log.warning("node_addresses_unread", extra={"error": str(e)})
+            return
+        for line in text.splitlines():
+            name, addr = _NODE_NAME.search(line), _NODE_ADDR.search(line)
+            if name and addr:
+                self._addr[name.group(1)] = addr.group(1)
+
     async def _node_addr(self, host: str) -> str:
         """The node's ``NodeAddr`` in Slurm (where its workloads listen); the node name if unread."""
         if host not in self._addr:
@@ -497,6 +518,12 @@ class SlurmLending:
     async def _release(self, lease_id: str, holds: list[Hold]) -> None:
         """``scancel`` the lease's jobs and wait until Slurm no longer runs them; observed in
         ``gpupool_broker_hold_release_seconds``."""
+        try:
+            await self._release_holds(lease_id, holds)
+        finally:
+            self._ports.pop(lease_id, None)  # its workload is gone with its jobs (or given up on)
+
+    async def _release_holds(self, lease_id: str, holds: list[Hold]) -> None:
         t0 = time.perf_counter()
         ids = [h.job_id for h in holds]
         await self._cancel(ids, "release")
