@@ -89,6 +89,33 @@ def summarize(
     return one(inside), one(outside)
 
 
+async def probe(
+    endpoint: str,
+    *,
+    health_path: str = "/health",
+    path: str = "/v1/infer",
+    warmup: int = 10,
+    timeout_s: float = 1.0,
+) -> bool:
+    """A site's readiness check of a new endpoint before it takes traffic (``KeptLeases(probe=...)``):
+    ``GET <health_path>`` answers 200, then ``warmup`` requests ``POST <path>`` (one after the
+    other) each answer 200, so the first requests of the load do not meet a cold process. False
+    on any other answer, a connection error or a timeout of ``timeout_s`` per request."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+            async with session.get(f"http://{endpoint}{health_path}") as answer:
+                if answer.status != 200:
+                    return False
+            for _ in range(warmup):
+                async with session.post(f"http://{endpoint}{path}", json={}) as answer:
+                    await answer.read()
+                    if answer.status != 200:
+                        return False
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+    return True
+
+
 class OpenLoopLoad:
     """Requests at ``rate_per_s`` (open loop, module docstring) to ``POST http://<endpoint><path>``
     with an empty JSON body, each endpoint taken from ``endpoints`` (round robin, counted in flight

@@ -84,19 +84,19 @@ class Cluster:
             proc = await asyncio.create_subprocess_exec("scancel", *argv, env=self._slurm_env())
             await proc.wait()
 
-    async def until_running(self, job: str, t0: float, timeout_s: float = 120.0) -> float:
-        """Seconds from ``t0`` (``time.monotonic()``) until ``job`` runs. Raises ``RuntimeError``
-        after ``timeout_s``."""
+    async def until_running(self, job: str, t0: float, timeout_s: float = 120.0, poll_s: float = 0.02) -> float:
+        """Seconds from ``t0`` (``time.monotonic()``) until ``job`` runs, asking ``squeue`` every
+        ``poll_s``. Raises ``RuntimeError`` after ``timeout_s``."""
         while time.monotonic() - t0 < timeout_s:
             if await self.state(job) == "RUNNING":
                 return time.monotonic() - t0
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(poll_s)
         raise RuntimeError(f"job {job} not RUNNING within {timeout_s} s")
 
-    async def until_gone(self, job: str) -> None:
-        """Wait until ``job`` is no longer pending or running."""
+    async def until_gone(self, job: str, poll_s: float = 0.05) -> None:
+        """Wait until ``job`` is no longer pending or running (``squeue`` every ``poll_s``)."""
         while await self.state(job) not in ("GONE", "COMPLETED", "CANCELLED"):
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(poll_s)
 
 
 async def _script(script: str, action: str, env: dict[str, str]) -> tuple[int, str, str]:
