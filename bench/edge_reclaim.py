@@ -16,7 +16,8 @@ Set-up (every process on this machine; the services through ``deploy/local/*.sh`
   while a training job runs there, idle again once it ended;
 * the site in this process: an :class:`broker.edge.EdgeClient`, the kept leases (a new endpoint
   takes traffic once the broker's health check and the site's readiness probe passed:
-  :func:`simulator.load.probe`, ``/health`` then ``--warmup`` requests), the load.
+  :func:`simulator.load.probe`, ``/health`` of that lease then ``--warmup`` requests; serving
+  endpoints are checked every second), the load.
 
 Each reclaim: once every kept lease serves, ``--settle-s`` and then ``--steady-s`` seconds passed
 (the steady state measured), a training job
@@ -217,7 +218,7 @@ async def _run(args: argparse.Namespace, tmp: Path) -> int:
         return 2
     bus = KafkaBus(kafka, client_id="bench-edge")
     topics = KafkaTopics(prefix=f"benchedge{uuid.uuid4().hex[:8]}.")
-    log_path = tmp / "broker.log"
+    log_path = args.broker_log or tmp / "broker.log"
     load_task: asyncio.Task[None] | None = None
     refresh: asyncio.Task[None] | None = None
     stop = asyncio.Event()
@@ -239,7 +240,8 @@ async def _run(args: argparse.Namespace, tmp: Path) -> int:
             async with KeptLeases(
                 site, target=args.target, workload=WORKLOAD, renew_every_s=5.0, ready_timeout_s=40.0,
                 drain_timeout_s=float(args.notice_s), duration_seconds=3600.0,
-                probe=(lambda ep: probe(ep, warmup=args.warmup)) if args.warmup >= 0 else None,
+                probe=(lambda ep, lid: probe(ep, lid, warmup=args.warmup)) if args.warmup >= 0 else None,
+                recheck=lambda ep, lid: probe(ep, lid, warmup=0), recheck_every_s=1.0,
             ) as kept:  # fmt: skip
                 await kept.ready(180)
                 load = OpenLoopLoad(kept.endpoints, rate_per_s=args.rate, timeout_s=2.0)
@@ -341,6 +343,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=20,
                    help="the site's readiness probe of a new endpoint: /health, then this many requests "
                         "(-1: no probe, the broker's health check alone)")  # fmt: skip
+    p.add_argument("--broker-log", type=Path, help="the broker's JSON log (default: a temporary file)")
     p.add_argument("--records", type=Path, help="write every request and hand-over here (JSON lines)")
     args = p.parse_args()
     if args.reclaims < 1 or args.target < 1:

@@ -19,6 +19,8 @@ What a lease goes through (the broker lends through a training scheduler and run
    second lease);
 2. *serving*: once its lease message carries an ``endpoint`` (and the site's own ``probe``, if
    given, answers true) the endpoint joins :attr:`KeptLeases.endpoints`; ``on_change`` is called;
+   with ``recheck``, a serving endpoint that fails it ``recheck_failures`` times in a row (its
+   workload died without a notice) leaves the view at once and its lease is released and replaced;
 3. *noticed*: the lease turns ``reclaiming`` (or :meth:`KeptLeases.at_risk` is called): it no
    longer counts towards the target, so a replacement is claimed at once, while the old endpoint
    keeps serving (the simulated and the recommended workload drain on SIGTERM: answering, not
@@ -52,9 +54,9 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from broker.edge import ClaimRejected, LeaseRequestRejected, WatchEvent
 from contracts import LeaseMessage, LeaseState, ReasonCode, Reply
@@ -224,6 +226,7 @@ class _Kept:
     probing: bool = False
     handover: Handover | None = None
     retiring: bool = False
+    failures: int = 0
     releasing: bool = False
     released: bool = False
 
@@ -254,9 +257,14 @@ class KeptLeases:
             this many seconds before its deadline if another endpoint serves (time to drain).
         request_timeout_s: how long one claim, renewal or release waits for the broker, seconds.
         retry_min_s / retry_max_s: backoff bounds of claims and releases sent again, seconds.
-        probe: the site's own health check of an endpoint (``await probe("host:port")`` → True
-            when it answers); an endpoint joins the view only once it passes (tried every
-            ``retry_min_s`` until ``ready_timeout_s``). ``None``: the broker's check is trusted.
+        probe: the site's own readiness check of a new endpoint (``await probe("host:port",
+            lease_id)`` → True when it serves that lease); an endpoint joins the view only once it
+            passes (tried every ``retry_min_s`` until ``ready_timeout_s``). ``None``: the broker's
+            health check is trusted.
+        recheck: the site's health check of a serving endpoint (same signature), run every
+            ``recheck_every_s``; ``None``: none (only the broker's messages take an endpoint out).
+        recheck_every_s / recheck_failures: period of ``recheck``, seconds, and the failures in a
+            row that take an endpoint out (>= 1).
         on_change: called with the serving endpoints each time they change (e.g. to rewrite a
             load balancer's upstreams); exceptions it raises are logged.
         release_on_exit: release every kept lease when the context exits.
@@ -266,7 +274,7 @@ class KeptLeases:
         endpoints: the :class:`Endpoints` view.
         handovers: one :class:`Handover` per lease taken back, in notice order.
         counts: ``claims_sent``, ``claim_timeouts``, ``refused:<code>``, ``granted``, ``serving``,
-            ``reclaims``, ``at_risk``, ``released_early``, ``released_late``, ``revoked``,
+            ``reclaims``, ``at_risk``, ``unhealthy``, ``released_early``, ``released_late``, ``revoked``,
             ``expired``, ``lost``, ``start_failed``, ``renewals``, ``renewal_timeouts``,
             ``broker_restarts``.
 
@@ -290,13 +298,19 @@ class KeptLeases:
         request_timeout_s: float = 5.0,
         retry_min_s: float = 0.2,
         retry_max_s: float = 5.0,
-        probe: Callable[[str], Awaitable[bool]] | None = None,
+        probe: Callable[[str, str], Awaitable[bool]] | None = None,
+        recheck: Callable[[str, str], Awaitable[bool]] | None = None,
+        recheck_every_s: float = 1.0,
+        recheck_failures: int = 2,
         on_change: Callable[[tuple[str, ...]], None] | None = None,
         release_on_exit: bool = True,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        if target < 1 or gpus_per_lease < 1:
-            raise ValueError(f"target ({target}) and gpus_per_lease ({gpus_per_lease}) must be >= 1")
+        if target < 1 or gpus_per_lease < 1 or recheck_failures < 1:
+            raise ValueError(
+                f"target ({target}), gpus_per_lease ({gpus_per_lease}) and recheck_failures "
+                f"({recheck_failures}) must be >= 1"
+            )
         Backoff(retry_min_s, retry_max_s)  # the bounds are checked here, not at the first refusal
         self.client = client
         self.target = target
@@ -312,6 +326,9 @@ class KeptLeases:
         self.request_timeout_s = request_timeout_s
         self.retry_min_s, self.retry_max_s = retry_min_s, retry_max_s
         self.probe = probe
+        self.recheck = recheck
+        self.recheck_every_s = recheck_every_s
+        self.recheck_failures = recheck_failures
         self.on_change = on_change
         self.release_on_exit = release_on_exit
         self._clock = clock
@@ -341,6 +358,8 @@ class KeptLeases:
             asyncio.create_task(self._renew_forever(), name="kept-leases-renew"),
             asyncio.create_task(self._tick_forever(), name="kept-leases-tick"),
         ]
+        if self.recheck is not None:
+            self._loops.append(asyncio.create_task(self._recheck_forever(), name="kept-leases-recheck"))
         self._reconcile()
         return self
 
@@ -542,7 +561,7 @@ class KeptLeases:
         assert self.probe is not None and k.endpoint is not None
         while k.lease_id in self._kept and k.handover is None:
             try:
-                if await self.probe(k.endpoint):
+                if await self.probe(k.endpoint, k.lease_id):
                     self._serve(k)
                     self._reconcile()
                     return
@@ -641,10 +660,33 @@ class KeptLeases:
             self._broker_online = online
             self._reconcile()
 
-    def _spawn(self, coro: Awaitable[None], name: str) -> None:
-        async def run() -> None:
-            await coro
+    async def _recheck_forever(self) -> None:
+        """Every ``recheck_every_s``: ``recheck`` each serving endpoint (module docstring, step 2)."""
+        while True:
+            await asyncio.sleep(self.recheck_every_s)
+            serving = [k for k in self._kept.values() if k.serving and k.handover is None]
+            results = await asyncio.gather(*(self._recheck_one(k) for k in serving))
+            for k, ok in zip(serving, results, strict=True):
+                k.failures = 0 if ok else k.failures + 1
+                if k.failures >= self.recheck_failures and k.serving and k.handover is None:
+                    self.counts["unhealthy"] += 1
+                    log.warning(
+                        "kept_lease_unhealthy", extra={"lease_id": k.lease_id, "endpoint": k.endpoint}
+                    )
+                    k.serving = False  # out at once: nothing to hand over from a dead endpoint
+                    self._publish()
+                    self._notice(k, "unhealthy", None)
+            self._reconcile()
 
-        task = asyncio.create_task(run(), name=name)
+    async def _recheck_one(self, k: _Kept) -> bool:
+        assert self.recheck is not None and k.endpoint is not None
+        try:
+            return await self.recheck(k.endpoint, k.lease_id)
+        except Exception:  # noqa: BLE001 — a check that raises is a failed check
+            log.debug("kept_lease_recheck_failed", exc_info=True)
+            return False
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -91,28 +91,32 @@ def summarize(
 
 async def probe(
     endpoint: str,
+    lease_id: str | None = None,
     *,
     health_path: str = "/health",
     path: str = "/v1/infer",
     warmup: int = 10,
     timeout_s: float = 1.0,
 ) -> bool:
-    """A site's readiness check of a new endpoint before it takes traffic (``KeptLeases(probe=...)``):
-    ``GET <health_path>`` answers 200, then ``warmup`` requests ``POST <path>`` (one after the
-    other) each answer 200, so the first requests of the load do not meet a cold process. False
-    on any other answer, a connection error or a timeout of ``timeout_s`` per request."""
+    """A site's check of an endpoint of the simulated inference server (``KeptLeases(probe=...,
+    recheck=...)``): ``GET <health_path>`` answers 200 — for ``lease_id``, when given (the body's
+    ``lease_id``: not another lease's process on the same address) — then ``warmup`` requests
+    ``POST <path>`` (one after the other) each answer 200, so the first requests of the load do
+    not meet a cold process. False on any other answer, a connection error or a timeout of
+    ``timeout_s`` per request."""
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
             async with session.get(f"http://{endpoint}{health_path}") as answer:
-                if answer.status != 200:
+                body = await answer.json(content_type=None)
+                if answer.status != 200 or (lease_id is not None and body.get("lease_id") != lease_id):
                     return False
             for _ in range(warmup):
                 async with session.post(f"http://{endpoint}{path}", json={}) as answer:
                     await answer.read()
                     if answer.status != 200:
                         return False
-    except (aiohttp.ClientError, TimeoutError):
-        return False
+    except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
+        return False  # ValueError: a body not JSON; AttributeError: JSON but not an object
     return True
 
 

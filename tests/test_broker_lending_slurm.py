@@ -91,25 +91,26 @@ def slurm_clean(slurm_conf: Path) -> Iterator[Path]:
     subprocess.run(["scancel", "-p", "training"], env=_env(slurm_conf), check=False)
 
 
-async def _idle(bus: Bus, topics: KafkaTopics, host: str, gpus: int = 8) -> None:
-    """Capacity: every GPU of ``host`` idle (keys ``<host>/gpu<index>``, as the GPU map reads them)."""
+async def _idle(bus: Bus, topics: KafkaTopics, host: str, gpus: int = 8, state: GpuState = GpuState.IDLE) -> None:
+    """Capacity: every GPU of ``host`` idle (keys ``<host>/gpu<index>``, as the GPU map reads them),
+    or in ``state`` (busy: training runs there)."""
     producer = bus.producer()
     await producer.start()
     now = time.time()
     for i in range(gpus):
         u = CapacityUpdate(
-            ts=now, host=host, gpu_uuid=f"gpu{i}", state=GpuState.IDLE, since=now - 60,
-            predicted_idle_until=now + 3600, model_name="NVIDIA H100 80GB HBM3",
+            ts=now, host=host, gpu_uuid=f"gpu{i}", state=state, since=now - 60,
+            predicted_idle_until=now + 3600 if state is GpuState.IDLE else None, model_name="NVIDIA H100 80GB HBM3",
         )  # fmt: skip
         await producer.send(topics.capacity, encode(u), key=u.key)
     await producer.flush()
     await producer.stop()
 
 
-def _lending(conf: Path, tmp_path: Path) -> SlurmLending:
+def _lending(conf: Path, tmp_path: Path, profile: WorkloadProfile = PROFILE) -> SlurmLending:
     return SlurmLending(
         SlurmScheduler(conf),
-        workloads=(PROFILE,),
+        workloads=(profile,),
         notice_s=SLURM_GRACE_S,
         control_dir=tmp_path / "slurm",
         poll_s=0.2,
@@ -118,10 +119,10 @@ def _lending(conf: Path, tmp_path: Path) -> SlurmLending:
 
 @contextlib.asynccontextmanager
 async def _broker(
-    bus: Bus, topics: KafkaTopics, creds: dict[str, Any], lending: SlurmLending
+    bus: Bus, topics: KafkaTopics, creds: dict[str, Any], lending: SlurmLending, profile: WorkloadProfile = PROFILE
 ) -> AsyncIterator[BrokerService]:
     cfg = BrokerConfig(
-        offer_ttl_s=60, notice_s=SLURM_GRACE_S, lease_ttl_s=60, tick_s=0.1, workloads=(PROFILE,),
+        offer_ttl_s=60, notice_s=SLURM_GRACE_S, lease_ttl_s=60, tick_s=0.1, workloads=(profile,),
         group_id=f"g-{uuid.uuid4().hex}",
     )  # fmt: skip
     svc = BrokerService(

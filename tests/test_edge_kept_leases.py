@@ -414,3 +414,47 @@ async def test_a_lease_reclaimed_before_it_serves_is_released_at_once() -> None:
         (h,) = pool.handovers
         assert h.endpoint is None and h.drained_at is None and h.early
         await until(lambda: len(broker.live()) == 2)  # and replaced
+
+
+async def test_an_endpoint_serves_only_once_the_sites_probe_passes_for_its_lease() -> None:
+    clock = Clock()
+    broker = FakeBroker(clock)
+    ready: set[str] = set()
+    asked: list[tuple[str, str]] = []
+
+    async def probe(endpoint: str, lease_id: str) -> bool:
+        asked.append((endpoint, lease_id))
+        return lease_id in ready
+
+    async with kept(broker, clock, target=1, probe=probe) as pool:
+        await until(lambda: len(broker.live()) == 1)
+        (lease,) = broker.live()
+        ep = broker.healthy(lease)
+        await until(lambda: len(asked) >= 3)
+        assert pool.endpoints.serving == () and set(asked) == {(ep, lease)}
+        ready.add(lease)
+        await until(lambda: pool.endpoints.serving == (ep,))
+
+
+async def test_a_serving_endpoint_failing_its_recheck_in_a_row_leaves_at_once_and_is_replaced() -> None:
+    clock = Clock()
+    broker = FakeBroker(clock)
+    answers: dict[str, list[bool]] = {}
+
+    async def recheck(endpoint: str, lease_id: str) -> bool:
+        script = answers.get(lease_id)
+        return script.pop(0) if script else True
+
+    async with kept(broker, clock, recheck=recheck, recheck_every_s=0.02, recheck_failures=2) as pool:
+        flaky, dead = await serving_two(broker, pool)
+        answers[flaky] = [False, True, False, True]  # never twice in a row: stays
+        answers[dead] = [False, False]
+        await until(lambda: bool(broker.released))
+        assert broker.released[0][0] == dead and pool.counts["unhealthy"] == 1
+        assert broker.leases[flaky].endpoint in pool.endpoints.serving
+        assert broker.leases[dead].endpoint not in pool.endpoints.serving
+        (h,) = pool.handovers
+        assert h.reason == "unhealthy" and h.endpoint is None  # nothing drained from a dead endpoint
+        await until(lambda: len(broker.live()) == 2)
+    with pytest.raises(ValueError, match="recheck_failures"):
+        KeptLeases(broker, target=1, workload="infer", recheck_failures=0)

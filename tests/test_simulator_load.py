@@ -11,7 +11,7 @@ from aiohttp import web
 
 from broker.kept_leases import Endpoints
 from simulator.inference_server import InferenceServer
-from simulator.load import OpenLoopLoad, RequestRecord, quantile, summarize
+from simulator.load import OpenLoopLoad, RequestRecord, probe, quantile, summarize
 
 
 def test_quantile_is_the_nearest_rank() -> None:
@@ -79,3 +79,21 @@ async def test_open_loop_load_records_every_request_and_each_kind_of_failure() -
     ) == pytest.approx(0.01, abs=1e-6)
     with pytest.raises(ValueError, match="rate_per_s"):
         OpenLoopLoad(endpoints, rate_per_s=0)
+
+
+async def test_probe_checks_the_leases_health_and_warms_it_up() -> None:
+    server = InferenceServer([0], "L1", 0.0)
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    port = _free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        assert await probe(f"127.0.0.1:{port}", "L1", warmup=3) and server.served == 3
+        assert await probe(f"127.0.0.1:{port}", warmup=0) and server.served == 3
+        assert not await probe(f"127.0.0.1:{port}", "L2", warmup=3)  # another lease's process
+        assert server.served == 3
+        server.draining = True
+        assert not await probe(f"127.0.0.1:{port}", "L1")
+    finally:
+        await runner.cleanup()
+    assert not await probe(f"127.0.0.1:{_free_port()}", "L1")
