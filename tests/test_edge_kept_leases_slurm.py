@@ -103,8 +103,8 @@ async def test_a_kept_lease_is_handed_over_through_slurm_reclaims_without_a_fail
         assert h.switched_at is not None and h.switched_at <= h.released_at and h.drained
     failed = [r for r in load.records if not r.ok]
     assert not failed, failed[:5]
-    served_by = {r.endpoint for r in load.records}
-    assert len(served_by) == RECLAIMS + 1  # the first lease, then each replacement
+    assert len({h.lease_id for h in kept.handovers}) == RECLAIMS  # the first lease, then a replacement
+    assert len({r.endpoint for r in load.records}) >= 2  # a port comes back once its hold is gone
     assert len(load.records) >= 100 * 3
     print(
         f"{len(load.records)} requests, 0 failed; hand-overs (notice -> switched, -> released, s): "
