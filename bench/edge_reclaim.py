@@ -117,7 +117,7 @@ class Capacity:
 
 def _broker_config(path: Path, cluster: Cluster, control: Path, notice_s: int, latency_ms: float) -> None:
     argv = [sys.executable, "-m", "simulator.inference_server", "--port", "{port}",
-            "--latency-ms", str(latency_ms), "--drain-s", str(notice_s), "--quiet-s", "0.5"]  # fmt: skip
+            "--latency-ms", str(latency_ms), "--drain-s", str(notice_s), "--quiet-s", str(notice_s)]  # fmt: skip
     broker = {
         "scheduler": "slurm",
         "slurm_conf": str(cluster.conf),

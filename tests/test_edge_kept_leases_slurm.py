@@ -49,13 +49,14 @@ PROFILE = WorkloadProfile(
         "--drain-s",
         str(SLURM_GRACE_S),
         "--quiet-s",
-        "0.5",
+        str(SLURM_GRACE_S),
     ),
     port_min=28200,
     port_max=28299,
     health_timeout_s=30,
 )
-"""Drains for the whole notice: the old endpoint answers until the replacement serves."""
+"""Drains for the whole notice (``--quiet-s`` too: a load stalled for a moment must not look like
+the end of traffic): the old endpoint answers until the replacement serves and the lease is released."""
 
 
 async def test_a_kept_lease_is_handed_over_through_slurm_reclaims_without_a_failed_request(
