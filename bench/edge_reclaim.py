@@ -139,7 +139,7 @@ def _start_broker(cfg: Path, kafka: str, creds: dict[str, object], topics: Kafka
     with log.open("ab") as out:
         return subprocess.Popen(
             [sys.executable, "-c", "from gpupool.cli import app; app(prog_name='gpupool')",
-             "broker", "run", "--config", str(cfg), "--kafka", kafka, "--mqtt", f"{creds['host']}:{creds['port']}",
+             "--log-level", "INFO", "broker", "run", "--config", str(cfg), "--kafka", kafka, "--mqtt", f"{creds['host']}:{creds['port']}",
              "--topic-prefix", topics.prefix, "--group-id", f"bench-edge-{run}", "--client-id", f"bench-edge-{run}",
              "--metrics-port", "0"],
             env={**os.environ, "GPUPOOL_MQTT_PASSWORD": users[BROKER_USER]}, stdin=subprocess.DEVNULL,
