@@ -19,7 +19,8 @@ Set-up (every process on this machine; the services through ``deploy/local/*.sh`
   :func:`simulator.load.probe`, ``/health`` of that lease then ``--warmup`` requests; serving
   endpoints are checked every second), the load.
 
-Each reclaim: once every kept lease serves, ``--settle-s`` and then ``--steady-s`` seconds passed
+After ``--start-s`` of load (the broker holds every offered GPU with a placeholder meanwhile),
+each reclaim: once every kept lease serves, ``--settle-s`` and then ``--steady-s`` seconds passed
 (the steady state measured), a training job
 needing all 8 GPUs of the node of one kept lease is submitted to the ``training`` partition; Slurm
 preempts the lease's hold (and the node's placeholders), the broker turns the lease
@@ -246,6 +247,7 @@ async def _run(args: argparse.Namespace, tmp: Path) -> int:
                 await kept.ready(180)
                 load = OpenLoopLoad(kept.endpoints, rate_per_s=args.rate, timeout_s=2.0)
                 load_task = asyncio.create_task(load.run(stop))
+                await asyncio.sleep(args.start_s)  # the broker puts a placeholder on every offered GPU
                 began = time.time()
                 await _reclaims(args, cluster, capacity, site, kept, submit_to_running, steady)
                 stop.set()
@@ -318,6 +320,12 @@ def _report(
                        ("training submit -> RUNNING", submit_to_running)):  # fmt: skip
         if vals:
             print(f"{name:38} p50 {statistics.median(vals):6.2f} s  p99 {quantile(vals, 0.99):6.2f} s  (n={len(vals)})")
+    per = sorted(p for w in windows if (p := summarize(records, [w])[0].p99_s) == p)  # NaN: none sent
+    per_steady = sorted(p for w in steady_windows if (p := summarize(records, [w])[0].p99_s) == p)
+    if per and per_steady:
+        print(f"p99 of each reclaim: median {statistics.median(per) * 1e3:.1f} ms, worst {per[-1] * 1e3:.1f} ms; "
+              f"of each steady window: median {statistics.median(per_steady) * 1e3:.1f} ms, "
+              f"worst {per_steady[-1] * 1e3:.1f} ms")  # fmt: skip
     failed_ok = failed == 0
     ratio_ok = ratio <= 1.5
     count_ok = len(hs) >= 50 or args.reclaims < 50
@@ -337,6 +345,8 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=200.0, help="requests per second (open loop)")
     p.add_argument("--target", type=int, default=2, help="leases kept serving")
     p.add_argument("--notice-s", type=int, default=10, help="reclaim notice (Slurm GraceTime), seconds")
+    p.add_argument("--start-s", type=float, default=15.0,
+                   help="load before the first reclaim while the broker fills the pool with placeholders, seconds")
     p.add_argument("--steady-s", type=float, default=3.0, help="steady state measured before each reclaim, seconds")
     p.add_argument("--settle-s", type=float, default=3.0, help="wait after a reclaim before the steady state, seconds")
     p.add_argument("--latency-ms", type=float, default=5.0, help="simulated work per request, ms")
