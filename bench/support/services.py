@@ -84,7 +84,9 @@ class Cluster:
             proc = await asyncio.create_subprocess_exec("scancel", *argv, env=self._slurm_env())
             await proc.wait()
 
-    async def until_running(self, job: str, t0: float, timeout_s: float = 120.0, poll_s: float = 0.02) -> float:
+    async def until_running(
+        self, job: str, t0: float, timeout_s: float = 120.0, poll_s: float = 0.02
+    ) -> float:
         """Seconds from ``t0`` (``time.monotonic()``) until ``job`` runs, asking ``squeue`` every
         ``poll_s``. Raises ``RuntimeError`` after ``timeout_s``."""
         while time.monotonic() - t0 < timeout_s:
