@@ -85,6 +85,7 @@ from broker.config import BrokerConfig
 from broker.credentials import broker_service, edge_client, mqtt_client
 from broker.edge import BrokerRejected, EdgeClient
 from broker.service import BrokerService, tune_gc
+from bench.support.services import start_mosquitto, stop_mosquitto
 from broker.transport import birth_seq, make_client, subscriptions
 from contracts import (
     CapacityUpdate,
@@ -99,7 +100,6 @@ from contracts import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-MOSQUITTO_SH = REPO / "deploy" / "local" / "mosquitto.sh"
 ECHO_USER = "bench-echo"
 _NODELAY = ((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),)
 """The yardstick's sockets are set up like the broker's and the sites' (broker.transport)."""
@@ -628,35 +628,6 @@ def _capacity(nodes: int, gpus_per_node: int, run_id: str) -> list[CapacityUpdat
     ]
 
 
-async def _start_mosquitto(state: Path, sites: list[str]) -> dict[str, Any]:
-    env = {**os.environ, "GPUPOOL_STATE": str(state), "GPUPOOL_SITES": ",".join(sites)}
-    proc = await asyncio.create_subprocess_exec(
-        "bash",
-        str(MOSQUITTO_SH),
-        "start",
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await proc.communicate()
-    if proc.returncode != 0:
-        raise RuntimeError(f"mosquitto.sh start failed ({proc.returncode}):\n{out.decode()}\n{err.decode()}")
-    creds: dict[str, Any] = json.loads((state / "mosquitto" / "credentials.json").read_text())
-    return creds
-
-
-async def _stop_mosquitto(state: Path) -> None:
-    proc = await asyncio.create_subprocess_exec(
-        "bash",
-        str(MOSQUITTO_SH),
-        "stop",
-        env={**os.environ, "GPUPOOL_STATE": str(state)},
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
-    await proc.wait()
-
-
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     """The whole benchmark; returns the numbers (also printed)."""
     # aiomqtt warns per publish while > 10 claims await their PUBACK: expected at this rate
@@ -672,7 +643,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="gpupool-bench-broker-") as tmp:
         state = Path(tmp)
         t_setup = time.perf_counter()
-        creds = await _start_mosquitto(state, [*names, ECHO_USER])
+        creds = await start_mosquitto(state, [*names, ECHO_USER])
         creds_path = state / "mosquitto" / "credentials.json"
         print(f"mosquitto 127.0.0.1:{creds['port']} with {len(names) + 2} users ({state})")
         try:
@@ -828,7 +799,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 await kafka_producer.stop()
             if kafka_bus is not None:
                 await kafka_bus.close()
-            await _stop_mosquitto(state)
+            await stop_mosquitto(state)
     return _report(args, res, reclaims)
 
 

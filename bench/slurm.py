@@ -42,9 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -63,9 +61,8 @@ from contracts import CapacityUpdate, GpuState, KafkaTopics, LeaseState, encode 
 from contracts.bus import MemoryBus  # noqa: E402
 from gpupool.embedded_mqtt import EmbeddedMqttBroker  # noqa: E402
 from gpupool.demo_mosquitto import PrivateMosquitto, mosquitto_binary  # noqa: E402
+from bench.support.services import NODES, Cluster  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-NODES = [f"gpu-node-00{i}" for i in (1, 2, 3, 4)]
 IGNORES_TERM = ("bash", "-c", "trap '' TERM; while true; do sleep 0.1; done")
 
 
@@ -75,52 +72,6 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q * len(s) + 0.5) - 1))]
 
 
-class Cluster:
-    """The private cluster: ``slurm.sh start|stop`` with its own state and grace time."""
-
-    def __init__(self, state: Path, notice_s: int) -> None:
-        self.env = {**os.environ, "GPUPOOL_SLURM_DIR": str(state), "GPUPOOL_SLURM_GRACE": str(notice_s)}
-        self.conf = state / "slurm.conf"
-
-    def script(self, action: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["bash", str(REPO / "deploy/local/slurm.sh"), action], env=self.env,
-                              capture_output=True, text=True, timeout=120, check=False)
-
-    async def submit_training(self, host: str, gpus: int) -> str:
-        proc = await asyncio.create_subprocess_exec(
-            "sbatch", "--parsable", "-p", "training", "-w", host, f"--gres=gpu:h100:{gpus}", "-c", "1",
-            "-o", "/dev/null", "--wrap", "sleep 600", stdout=asyncio.subprocess.PIPE,
-            env={**self.env, "SLURM_CONF": str(self.conf)},
-        )
-        out, _ = await proc.communicate()
-        return out.decode().strip()
-
-    async def state(self, job: str) -> str:
-        proc = await asyncio.create_subprocess_exec(
-            "squeue", "-h", "-j", job, "-o", "%T", stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL, env={**self.env, "SLURM_CONF": str(self.conf)},
-        )
-        out, _ = await proc.communicate()
-        return out.decode().strip() or "GONE"
-
-    async def cancel(self, *jobs: str) -> None:
-        proc = await asyncio.create_subprocess_exec("scancel", *jobs, env={**self.env, "SLURM_CONF": str(self.conf)})
-        await proc.wait()
-
-    async def cancel_all(self) -> None:
-        """Cancel every gpupool and training job."""
-        for argv in (["-n", JOB_NAME], ["-p", "training"]):
-            proc = await asyncio.create_subprocess_exec("scancel", *argv, env={**self.env, "SLURM_CONF": str(self.conf)})
-            await proc.wait()
-
-    async def until_running(self, job: str, t0: float, timeout_s: float = 120.0) -> float:
-        while time.monotonic() - t0 < timeout_s:
-            if await self.state(job) == "RUNNING":
-                return time.monotonic() - t0
-            await asyncio.sleep(0.02)
-        raise RuntimeError(f"job {job} not RUNNING within {timeout_s} s")
-
-
 async def _round(cluster: Cluster, sched: SlurmScheduler, host: str, n: int, gpus: int, notice_s: int,
                  out: dict[str, list[float]]) -> None:
     # Yardstick: the node's GPUs are free.
@@ -128,8 +79,7 @@ async def _round(cluster: Cluster, sched: SlurmScheduler, host: str, n: int, gpu
     job = await cluster.submit_training(host, gpus)
     out["free"].append(await cluster.until_running(job, t0))
     await cluster.cancel(job)
-    while await cluster.state(job) not in ("GONE", "COMPLETED", "CANCELLED"):
-        await asyncio.sleep(0.05)
+    await cluster.until_gone(job)
     # A hold of every GPU of the node, then the same training job.
     lease = f"bench-{host}-{n}"
     t0 = time.monotonic()
@@ -155,8 +105,7 @@ async def _round(cluster: Cluster, sched: SlurmScheduler, host: str, n: int, gpu
             raise RuntimeError(f"training job {job} on {host} never ran")
         await asyncio.sleep(0.02)
     await cluster.cancel(job)
-    while await cluster.state(job) not in ("GONE", "COMPLETED", "CANCELLED"):
-        await asyncio.sleep(0.05)
+    await cluster.until_gone(job)
     # A lease's end: hold, release, gone.
     lease = f"bench-rel-{host}-{n}"
     await sched.hold(HoldRequest(lease, host, gpus, time.time() + 3600, notice_s), timeout_s=60)

@@ -362,7 +362,8 @@ class EdgeClient:
             min_duration_seconds: minimum guaranteed duration, seconds: only offers promised that
                 long match, and no unforced training demand takes the lease back sooner.
             timeout_s: how long to wait for the reply and the lease, seconds.
-            claim_id: idempotency key (default: a random one).
+            claim_id: idempotency key (default: a random one); resend a claim that timed out
+                with the same id, so it never makes a second lease.
             workload: an operator-declared workload profile to run on the GPUs, one instance per
                 node of the lease (else ``unknown_workload``); see :meth:`wait_endpoints`.
 

@@ -52,7 +52,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -106,6 +106,7 @@ _RETAG_DELAY_S = 0.2
 """Seconds between a carving and the Slurm commands that name its jobs."""
 
 _NODE_ADDR = re.compile(r"(?:^|\s)NodeAddr=(\S+)")
+_NODE_NAME = re.compile(r"(?:^|\s)NodeName=(\S+)")
 
 
 class Lending(Protocol):
@@ -255,7 +256,8 @@ class SlurmLending:
         self._unwanted: dict[str, float] = {}
         """Idle placeholders on GPUs not offered: job id → since when (clock)."""
         self._ports: dict[str, dict[str, int]] = {}
-        """Workload of each lease: lease id → node → the port its instance there listens on."""
+        """Workload of each lease: lease id → node → the port its instance there listens on; kept
+        after the lease ends until its hold is gone (the workload may still be draining on it)."""
         self._endpoints: dict[str, dict[str, str]] = {}
         """Healthy workload instances: lease id → node → ``addr:port``."""
         self._addr: dict[str, str] = {}
@@ -276,6 +278,7 @@ class SlurmLending:
         lease found by its GPU), holds of other leases cancelled, live leases without any hold reclaimed
         at once (``hold_lost``)."""
         self.control_dir.mkdir(parents=True, exist_ok=True)
+        await self._read_addrs()
         jobs = [h for h in await self.scheduler.jobs() if h.state is not HoldState.ENDED]
         live_ids = {r.lease_id: r for r in live}
         by_gpu = {g: r for r in live for g in r.gpus}
@@ -410,12 +413,12 @@ class SlurmLending:
         """See :meth:`Lending.ended`."""
         holds = self._leases.pop(record.lease_id, None)
         self._noticed.discard(record.lease_id)
-        self._ports.pop(record.lease_id, None)
         self._endpoints.pop(record.lease_id, None)
         for t in list(self._tasks):
             if t.get_name().startswith(f"workload-health-{record.lease_id}/"):
                 t.cancel()
         if not holds:
+            self._ports.pop(record.lease_id, None)
             return
         self._background(self._tell(), f"lendable-{record.lease_id}")
         for h in holds:
@@ -513,7 +516,7 @@ class SlurmLending:
             while time.monotonic() < deadline:
                 with contextlib.suppress(httpx.HTTPError):
                     if (await client.get(url)).status_code == 200:
-                        if lease_id not in self._ports:
+                        if lease_id not in self._leases:
                             return  # ended meanwhile
                         self._endpoints.setdefault(lease_id, {})[host] = f"{addr}:{port}"
                         log.info(
@@ -528,6 +531,19 @@ class SlurmLending:
             "workload_unhealthy",
             extra={"lease_id": lease_id, "host": host, "url": url, "timeout_s": profile.health_timeout_s},
         )
+
+    async def _read_addrs(self) -> None:
+        """Every node's ``NodeAddr`` (``scontrol show node -o``), before any workload starts: a
+        port is chosen among the workloads at the same address. Unread (Slurm down): node names."""
+        try:
+            text = await self.scheduler.command("scontrol", "show", "node", "-o")
+        except SchedulerError as e:
+            log.warning("node_addresses_unread", extra={"error": str(e)})
+            return
+        for line in text.splitlines():
+            name, addr = _NODE_NAME.search(line), _NODE_ADDR.search(line)
+            if name and addr:
+                self._addr[name.group(1)] = addr.group(1)
 
     async def _node_addr(self, host: str) -> str:
         """The node's ``NodeAddr`` in Slurm (where its workloads listen); the node name if unread."""
@@ -578,6 +594,12 @@ class SlurmLending:
     async def _release(self, lease_id: str, holds: list[Hold]) -> None:
         """``scancel`` the lease's jobs and wait until Slurm no longer runs them; observed in
         ``gpupool_broker_hold_release_seconds``."""
+        try:
+            await self._release_holds(lease_id, holds)
+        finally:
+            self._ports.pop(lease_id, None)  # its workload is gone with its jobs (or given up on)
+
+    async def _release_holds(self, lease_id: str, holds: list[Hold]) -> None:
         t0 = time.perf_counter()
         ids = [h.job_id for h in holds]
         await self._cancel(ids, "release")
@@ -836,11 +858,8 @@ class SlurmLending:
         if self._reclaim is not None:
             await self._reclaim(lease_id, deadline, reason)
 
-    def _background(self, coro: Awaitable[None], name: str) -> None:
-        async def run() -> None:
-            await coro
-
-        task = asyncio.create_task(run(), name=name)
+    def _background(self, coro: Coroutine[object, object, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

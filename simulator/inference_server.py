@@ -14,7 +14,9 @@ starts it on the held GPUs). It serves, over HTTP on ``--bind``:``--port``:
 
 On SIGTERM it drains: health turns 503, requests keep being answered (those in flight and those
 that still arrive), and it exits 0 once no request came for ``--quiet-s`` seconds or
-``--drain-s`` seconds have passed, whichever is first. SIGINT stops it the same way.
+``--drain-s`` seconds have passed, whichever is first. A second SIGTERM (the lease ended: Slurm
+cancels the hold's job, after the site moved its traffic and released) ends the drain as soon as
+no request is in flight. SIGINT counts as SIGTERM.
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ class InferenceServer:
         self.served = 0
         self.in_flight = 0
         self.draining = False
+        self.leaving = False
+        """A second SIGTERM came: exit once no request is in flight."""
         self.last_request = time.monotonic()
 
     async def health(self, request: web.Request) -> web.Response:
@@ -117,22 +121,29 @@ class InferenceServer:
 
 
 async def serve(bind: str, port: int, server: InferenceServer, drain_s: float, quiet_s: float) -> None:
-    """Serve until SIGTERM/SIGINT, then drain (module docstring) and return."""
+    """Serve until SIGTERM/SIGINT, then drain until quiet, ``drain_s`` or a second signal
+    (module docstring) and return."""
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, bind, port)
     await site.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            server.leaving = True
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     print(json.dumps({"event": "inference_serving", "bind": bind, "port": port, "gpus": server.gpus,
                       "lease_id": server.lease_id}), flush=True)
     await stop.wait()
     server.draining = True
     began = time.monotonic()
     while time.monotonic() - began < drain_s:
-        if server.in_flight == 0 and time.monotonic() - server.last_request >= quiet_s:
+        if server.in_flight == 0 and (server.leaving or time.monotonic() - server.last_request >= quiet_s):
             break
         await asyncio.sleep(0.05)
     await runner.cleanup()

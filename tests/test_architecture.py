@@ -47,12 +47,16 @@ def test_package_imports_only_what_it_may(package: str) -> None:
     assert not bad, "stages must talk only through contracts/:\n" + "\n".join(bad)
 
 
+EDGE_SDK = ("broker", "broker.edge", "broker.kept_leases")
+"""The broker's modules an edge site installs and uses (the core distribution)."""
+
+
 def test_the_simulator_uses_only_the_edge_sdk_of_the_broker() -> None:
     for path in sorted((ROOT / "simulator").rglob("*.py")):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("broker"):
-                assert node.module in ("broker", "broker.edge"), f"{path.name} imports {node.module}"
+                assert node.module in EDGE_SDK, f"{path.name} imports {node.module}"
 
 
 HEAVY = ("aiokafka", "opentelemetry.sdk", "opentelemetry.exporter", "duckdb", "aiohttp", "httpx", "pyarrow")
@@ -60,7 +64,7 @@ HEAVY = ("aiokafka", "opentelemetry.sdk", "opentelemetry.exporter", "duckdb", "a
 
 @pytest.mark.parametrize(
     "module",
-    ["contracts", "contracts.bus", "collectors.dcgm", "collectors.sysfs_ib", "collectors.ibstat", "broker.edge"],
+    ["contracts", "contracts.bus", "collectors.dcgm", "collectors.sysfs_ib", "collectors.ibstat", *EDGE_SDK[1:]],
 )
 def test_importing_a_contract_a_parser_or_the_edge_sdk_stays_light(module: str) -> None:
     """No Kafka client, OpenTelemetry SDK or exporter, DuckDB, Arrow or HTTP client is loaded."""

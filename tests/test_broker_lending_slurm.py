@@ -97,16 +97,18 @@ def slurm_clean(slurm_conf: Path) -> Iterator[Path]:
     subprocess.run(["scancel", "-p", "training"], env=_env(slurm_conf), check=False)
 
 
-async def _idle(bus: Bus, topics: KafkaTopics, host: str, gpus: int = 8, leaf: str | None = None) -> None:
+async def _idle(
+    bus: Bus, topics: KafkaTopics, host: str, gpus: int = 8, leaf: str | None = None, state: GpuState = GpuState.IDLE
+) -> None:
     """Capacity: every GPU of ``host`` idle (keys ``<host>/gpu<index>``, as the GPU map reads
-    them), under leaf switch ``leaf``."""
+    them), under leaf switch ``leaf``, or in ``state`` (busy: training runs there)."""
     producer = bus.producer()
     await producer.start()
     now = time.time()
     for i in range(gpus):
         u = CapacityUpdate(
-            ts=now, host=host, gpu_uuid=f"gpu{i}", state=GpuState.IDLE, since=now - 60,
-            predicted_idle_until=now + 3600, model_name="NVIDIA H100 80GB HBM3", leaf=leaf,
+            ts=now, host=host, gpu_uuid=f"gpu{i}", state=state, since=now - 60, leaf=leaf,
+            predicted_idle_until=now + 3600 if state is GpuState.IDLE else None, model_name="NVIDIA H100 80GB HBM3",
         )  # fmt: skip
         await producer.send(topics.capacity, encode(u), key=u.key)
     await producer.flush()

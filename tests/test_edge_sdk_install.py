@@ -77,11 +77,12 @@ def _edge_venv(tmp_path: Path) -> Path:
 _SCRIPT = r"""
 import json, sys
 from broker.edge import EdgeClient
+from broker.kept_leases import KeptLeases
 from gpupool.cli import app
 import broker.cli
 server = sorted(m for m in sys.modules if m.split(".")[0] in SERVER_ONLY
                 or m.startswith(("opentelemetry.sdk", "opentelemetry.exporter")))
-print(json.dumps({"server_modules": server, "edge": EdgeClient.__module__}), flush=True)
+print(json.dumps({"server_modules": server, "edge": EdgeClient.__module__, "kept": KeptLeases.__module__}), flush=True)
 sys.argv = ["gpupool", *sys.argv[1:]]
 app()
 """
@@ -114,7 +115,7 @@ def test_the_edge_sdk_and_cli_work_in_a_venv_without_the_server_extra(tmp_path: 
     done = asyncio.run(offers())
     assert done.returncode == 0, done.stderr
     head, body = done.stdout.split("\n", 1)
-    assert json.loads(head) == {"server_modules": [], "edge": "broker.edge"}
+    assert json.loads(head) == {"server_modules": [], "edge": "broker.edge", "kept": "broker.kept_leases"}
     assert json.loads(body) == []  # no broker runs: no offers, but a real MQTT session
     stage = run("analytics", "run", "--help")
     assert stage.returncode == 2, stage.stdout + stage.stderr

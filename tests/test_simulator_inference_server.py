@@ -80,6 +80,31 @@ async def test_reports_its_gpus_and_drains_without_a_failed_request() -> None:
             await proc.wait()
 
 
+async def test_a_second_sigterm_ends_the_drain_once_no_request_is_in_flight() -> None:
+    port = _free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "simulator.inference_server", "--port", str(port), "--latency-ms", "300",
+        "--quiet-s", "30", "--drain-s", "30", cwd=REPO, stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await _wait_health(url)
+        async with httpx.AsyncClient() as client:
+            proc.send_signal(signal.SIGTERM)  # the notice: drain, answering (quiet 30 s)
+            await asyncio.sleep(0.3)
+            assert (await client.post(f"{url}/v1/infer")).status_code == 200
+            assert proc.returncode is None
+            in_flight = asyncio.create_task(client.post(f"{url}/v1/infer"))
+            await asyncio.sleep(0.1)
+            proc.send_signal(signal.SIGTERM)  # the lease ended: leave once the request is answered
+            assert (await in_flight).status_code == 200
+        assert await asyncio.wait_for(proc.wait(), 5) == 0  # not after the 30 s of quiet or drain
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
 async def test_runs_as_a_lease_workload_on_the_held_gpus(slurm_conf: Path, tmp_path: Path) -> None:
     port = _free_port()
     command = (sys.executable, "-m", "simulator.inference_server", "--port", str(port), "--drain-s", "2")

@@ -1,0 +1,366 @@
+"""Benchmark: inference that survives a reclaim — an edge site keeps ``--target`` leases of the
+simulated inference server (:class:`broker.kept_leases.KeptLeases`) under a steady open-loop load
+(``--rate`` requests/s, :class:`simulator.load.OpenLoopLoad`) while Slurm takes lent GPUs back for
+training jobs, ``--reclaims`` times.
+
+Set-up (every process on this machine; the services through ``deploy/local/*.sh``,
+``bench/support/services.py``):
+
+* a private Slurm cluster (4 nodes × 8 GPUs, ``GraceTime`` = ``--notice-s``), a private Mosquitto
+  (one site, ``edge-a``) and the shared Kafka node (a fresh topic prefix, topics created as
+  ``gpupool topics create`` does);
+* ``gpupool broker run`` in a child process, lending through Slurm (``[broker] scheduler =
+  "slurm"``, placeholder holds) with one workload profile: ``python -m simulator.inference_server``
+  (``--latency-ms`` of simulated work per request; on SIGTERM it drains up to the notice);
+* capacity as analytics would send it: every GPU idle, refreshed every 20 s; a node's GPUs busy
+  while a training job runs there, idle again once it ended;
+* the site in this process: an :class:`broker.edge.EdgeClient`, the kept leases (a new endpoint
+  takes traffic once the broker's health check and the site's readiness probe passed:
+  :func:`simulator.load.probe`, ``/health`` of that lease then ``--warmup`` requests; serving
+  endpoints are checked every second), the load.
+
+After ``--start-s`` of load (the broker holds every offered GPU with a placeholder meanwhile),
+each reclaim: once every kept lease serves, ``--settle-s`` and then ``--steady-s`` seconds passed
+(the steady state measured), a training job
+needing all 8 GPUs of the node of one kept lease is submitted to the ``training`` partition; Slurm
+preempts the lease's hold (and the node's placeholders), the broker turns the lease
+``reclaiming`` with Slurm's deadline, the site claims a replacement, switches traffic once it
+serves, lets the old endpoint drain and releases early; the training job runs; it is cancelled.
+
+Printed: reclaims (hand-overs), early releases and GPUs returned before the deadline; requests
+in total and failed, during reclaims (sent between a notice and the early release, or the
+deadline) and in steady state (the quiet ``--steady-s`` before each reclaim); p50/p99 latency of both and the ratio of the p99s
+(target: 0 failed requests over >= 50 reclaims; p99 during reclaims <= 1.5 × steady state);
+notice → switch and notice → release; training submit → running. Exit 0 when the targets are met
+(the count of reclaims only with ``--reclaims`` >= 50), 1 otherwise, 2 when a service did not start.
+
+Run: ``.venv/bin/python bench/edge_reclaim.py [--reclaims 50] [--rate 200] [--notice-s 10]``
+(about 5 minutes; ``--reclaims 5`` to try it). The numbers swing with the machine's load (every
+process here shares its cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import tomli_w  # noqa: E402
+
+from bench.support.services import (  # noqa: E402
+    NODES,
+    Cluster,
+    start_kafka,
+    start_mosquitto,
+    stop_kafka,
+    stop_mosquitto,
+)
+from broker.acl import BROKER_USER  # noqa: E402
+from broker.edge import EdgeClient  # noqa: E402
+from broker.kept_leases import Handover, KeptLeases  # noqa: E402
+from contracts import CapacityUpdate, GpuState, KafkaTopics, encode  # noqa: E402
+from gpupool.topics_cli import create_all  # noqa: E402
+from runtime.kafka import KafkaBus  # noqa: E402
+from simulator.load import OpenLoopLoad, probe, quantile, summarize  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SITE = "edge-a"
+WORKLOAD = "infer"
+GPUS_PER_NODE = 8
+
+
+class Capacity:
+    """Capacity updates on Kafka as analytics sends them: every GPU idle, a node busy while
+    training runs there; everything re-sent every ``refresh_s`` (the broker forgets silent GPUs)."""
+
+    def __init__(self, bus: KafkaBus, topics: KafkaTopics, refresh_s: float = 20.0) -> None:
+        self.producer = bus.producer(client_id="bench-capacity")
+        self.topics = topics
+        self.busy: set[str] = set()
+        self.refresh_s = refresh_s
+
+    async def send(self, hosts: list[str]) -> None:
+        now = time.time()
+        for host in hosts:
+            state = GpuState.BUSY if host in self.busy else GpuState.IDLE
+            for i in range(GPUS_PER_NODE):
+                u = CapacityUpdate(
+                    ts=now, host=host, gpu_uuid=f"gpu{i}", state=state, since=now - 60,
+                    predicted_idle_until=None if state is GpuState.BUSY else now + 3600,
+                    model_name="NVIDIA H100 80GB HBM3",
+                )  # fmt: skip
+                await self.producer.send(self.topics.capacity, encode(u), key=u.key)
+        await self.producer.flush()
+
+    async def set_busy(self, host: str, busy: bool) -> None:
+        (self.busy.add if busy else self.busy.discard)(host)
+        await self.send([host])
+
+    async def refresh_forever(self) -> None:
+        while True:
+            await self.send(NODES)
+            await asyncio.sleep(self.refresh_s)
+
+
+def _broker_config(path: Path, cluster: Cluster, control: Path, notice_s: int, latency_ms: float) -> None:
+    argv = [sys.executable, "-m", "simulator.inference_server", "--port", "{port}",
+            "--latency-ms", str(latency_ms), "--drain-s", str(notice_s), "--quiet-s", str(notice_s)]  # fmt: skip
+    broker = {
+        "scheduler": "slurm",
+        "slurm_conf": str(cluster.conf),
+        "slurm_output_dir": str(control),
+        "notice_s": float(notice_s),
+        "lease_ttl_s": 30.0,
+        "offer_ttl_s": 60.0,
+        "workloads": [
+            {"name": WORKLOAD, "argv": argv, "port_min": 28300, "port_max": 28399, "health_timeout_s": 30.0}
+        ],
+    }
+    path.write_text(tomli_w.dumps({"broker": broker}))
+
+
+def _start_broker(cfg: Path, kafka: str, creds: dict[str, object], topics: KafkaTopics, log: Path) -> subprocess.Popen[bytes]:
+    run = uuid.uuid4().hex[:6]
+    users = creds["users"]
+    assert isinstance(users, dict)
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-c", "from gpupool.cli import app; app(prog_name='gpupool')",
+             "--log-level", "INFO", "broker", "run", "--config", str(cfg), "--kafka", kafka, "--mqtt", f"{creds['host']}:{creds['port']}",
+             "--topic-prefix", topics.prefix, "--group-id", f"bench-edge-{run}", "--client-id", f"bench-edge-{run}",
+             "--metrics-port", "0"],
+            env={**os.environ, "GPUPOOL_MQTT_PASSWORD": users[BROKER_USER]}, stdin=subprocess.DEVNULL,
+            stdout=out, stderr=out, cwd=REPO,
+        )  # fmt: skip
+
+
+def _host(site: EdgeClient, lease_id: str) -> str | None:
+    msg = site.known_leases.get(lease_id)
+    if msg is None:
+        return None
+    return msg.hosts[0] if msg.hosts else msg.gpus[0].split("/", 1)[0]
+
+
+def _done(h: Handover) -> bool:
+    return h.released_at is not None or h.ended is not None
+
+
+async def _until(cond: object, timeout_s: float, what: str) -> None:
+    assert callable(cond)
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout_s:
+            raise RuntimeError(f"not within {timeout_s} s: {what}")
+        await asyncio.sleep(0.02)
+
+
+async def _reclaims(
+    args: argparse.Namespace, cluster: Cluster, capacity: Capacity, site: EdgeClient, kept: KeptLeases,
+    submit_to_running: list[float], steady: list[tuple[float, float]],
+) -> None:  # fmt: skip
+    """The reclaims (module docstring); the quiet ``--steady-s`` before each one goes to
+    ``steady``. The harness asks Slurm at most every 0.25 s: it shares the cores it measures."""
+    n = 0
+    while len(kept.handovers) < args.reclaims:
+        await _until(
+            lambda: len(kept.endpoints.serving) >= args.target and all(_done(h) for h in kept.handovers),
+            args.notice_s + 60, "every kept lease serving",
+        )  # fmt: skip
+        await asyncio.sleep(args.settle_s)  # the training node's placeholders come back meanwhile
+        quiet = time.time()
+        await asyncio.sleep(args.steady_s)
+        steady.append((quiet, time.time()))
+        serving = [lid for lid, ep in kept.leases.items() if ep in kept.endpoints.serving]
+        host = _host(site, serving[n % len(serving)])
+        n += 1
+        assert host is not None
+        await capacity.set_busy(host, True)
+        t0 = time.monotonic()
+        job = await cluster.submit_training(host, GPUS_PER_NODE)
+        try:
+            submit_to_running.append(await cluster.until_running(job, t0, args.notice_s + 60, poll_s=0.25))
+            await _until(lambda: all(_done(h) for h in kept.handovers), args.notice_s + 30, "hand-overs done")
+        finally:
+            await cluster.cancel(job)
+            await cluster.until_gone(job, poll_s=0.25)
+            await capacity.set_busy(host, False)
+        print(f"reclaims {len(kept.handovers)}/{args.reclaims} (training on {host})", file=sys.stderr, flush=True)
+
+
+async def _run(args: argparse.Namespace, tmp: Path) -> int:
+    cluster = Cluster(tmp / "slurm", args.notice_s)
+    kafka_started = False
+    broker: subprocess.Popen[bytes] | None = None
+    mq_state = tmp / "mqtt"
+    started = cluster.script("start")
+    if started.returncode != 0:
+        print(started.stdout, started.stderr, file=sys.stderr)
+        return 2
+    try:
+        creds = await start_mosquitto(mq_state, [SITE])
+        kafka, kafka_started = await start_kafka()
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        cluster.script("stop")
+        return 2
+    bus = KafkaBus(kafka, client_id="bench-edge")
+    topics = KafkaTopics(prefix=f"benchedge{uuid.uuid4().hex[:8]}.")
+    log_path = args.broker_log or tmp / "broker.log"
+    load_task: asyncio.Task[None] | None = None
+    refresh: asyncio.Task[None] | None = None
+    stop = asyncio.Event()
+    submit_to_running: list[float] = []
+    steady: list[tuple[float, float]] = []
+    capacity = Capacity(bus, topics)
+    try:
+        await create_all(kafka, topics, 1, replication_factor=1)
+        await capacity.producer.start()
+        refresh = asyncio.create_task(capacity.refresh_forever())
+        cfg = tmp / "broker.toml"
+        _broker_config(cfg, cluster, tmp / "lending", args.notice_s, args.latency_ms)
+        broker = _start_broker(cfg, kafka, creds, topics, log_path)
+        users = creds["users"]
+        async with EdgeClient(
+            site=SITE, host=creds["host"], port=creds["port"], username=SITE, password=users[SITE],
+            root=creds["root"], client_id=f"bench-{SITE}-{uuid.uuid4().hex[:6]}", connect_timeout_s=30,
+        ) as site:  # fmt: skip
+            async with KeptLeases(
+                site, target=args.target, workload=WORKLOAD, renew_every_s=5.0, ready_timeout_s=40.0,
+                drain_timeout_s=float(args.notice_s), duration_seconds=3600.0,
+                probe=(lambda ep, lid: probe(ep, lid, warmup=args.warmup)) if args.warmup >= 0 else None,
+                recheck=lambda ep, lid: probe(ep, lid, warmup=0), recheck_every_s=1.0,
+            ) as kept:  # fmt: skip
+                await kept.ready(180)
+                load = OpenLoopLoad(kept.endpoints, rate_per_s=args.rate, timeout_s=2.0)
+                load_task = asyncio.create_task(load.run(stop))
+                await asyncio.sleep(args.start_s)  # the broker puts a placeholder on every offered GPU
+                began = time.time()
+                await _reclaims(args, cluster, capacity, site, kept, submit_to_running, steady)
+                stop.set()
+                await load_task
+                ended = time.time()
+    except (RuntimeError, TimeoutError) as e:
+        tail = log_path.read_text(errors="replace").splitlines()[-30:] if log_path.exists() else []
+        print(f"benchmark failed: {e!r}\nbroker log tail:", *tail, sep="\n", file=sys.stderr)
+        return 1
+    finally:
+        stop.set()
+        for t in (load_task, refresh):
+            if t is not None:
+                t.cancel()
+                with contextlib.suppress(BaseException):
+                    await t
+        if broker is not None and broker.poll() is None:
+            broker.send_signal(signal.SIGTERM)
+            try:
+                broker.wait(30)
+            except subprocess.TimeoutExpired:
+                broker.kill()
+        await cluster.cancel_all()
+        with contextlib.suppress(Exception):
+            await capacity.producer.stop()
+        await bus.close()
+        cluster.script("stop")
+        await stop_mosquitto(mq_state)
+        if kafka_started:
+            await stop_kafka()
+    return _report(args, kept, load, submit_to_running, steady, began, ended)
+
+
+def _report(
+    args: argparse.Namespace, kept: KeptLeases, load: OpenLoopLoad, submit_to_running: list[float],
+    steady_windows: list[tuple[float, float]], began: float, ended: float,
+) -> int:  # fmt: skip
+    hs = kept.handovers
+    windows = []
+    for h in hs:
+        end = h.released_at if h.released_at is not None else (h.deadline if h.deadline is not None else h.noticed_at)
+        windows.append((h.noticed_at, end))
+    records = load.records
+    if args.records is not None:
+        with args.records.open("w") as out:
+            for r in records:
+                out.write(json.dumps({"request": [r.sent_at, r.latency_s, r.ok, r.endpoint, r.error]}) + "\n")
+            for h in hs:
+                out.write(json.dumps({"handover": dataclasses.asdict(h)}) + "\n")
+            out.write(json.dumps({"steady": steady_windows}) + "\n")
+    during, _ = summarize(records, windows)
+    steady, _ = summarize(records, steady_windows)
+    failed = sum(1 for r in records if not r.ok)
+    early = sum(1 for h in hs if h.early)
+    switch = [h.switched_at - h.noticed_at for h in hs if h.switched_at is not None]
+    release = [h.released_at - h.noticed_at for h in hs if h.released_at is not None]
+    before = [h.deadline - h.released_at for h in hs if h.released_at is not None and h.deadline is not None]
+    errors = Counter(r.error for r in records if not r.ok)
+    ratio = during.p99_s / steady.p99_s
+    print(f"\nedge site under load through {len(hs)} reclaims: {args.rate:g} requests/s over {args.target} kept leases, "
+          f"notice {args.notice_s} s, {args.latency_ms:g} ms per request, {ended - began:.0f} s")  # fmt: skip
+    print(f"{'':38} {'requests':>9} {'failed':>7} {'p50 ms':>8} {'p99 ms':>8}")
+    for name, s in (("steady state (quiet before each)", steady), ("during reclaims", during)):
+        print(f"{name:38} {s.total:9d} {s.failed:7d} {s.p50_s * 1e3:8.2f} {s.p99_s * 1e3:8.2f}")
+    print(f"all requests of the run {len(records)}, failed {failed}: {dict(errors) or 'none'}")
+    print(f"reclaims {len(hs)}; released early {early}; GPUs returned before the deadline {len(before)} "
+          f"(by {statistics.median(before) if before else float('nan'):.2f} s, median); "
+          f"kept-lease counts {dict(sorted(kept.counts.items()))}")  # fmt: skip
+    for name, vals in (("notice -> traffic switched", switch), ("notice -> released", release),
+                       ("training submit -> RUNNING", submit_to_running)):  # fmt: skip
+        if vals:
+            print(f"{name:38} p50 {statistics.median(vals):6.2f} s  p99 {quantile(vals, 0.99):6.2f} s  (n={len(vals)})")
+    per = sorted(p for w in windows if (p := summarize(records, [w])[0].p99_s) == p)  # NaN: none sent
+    per_steady = sorted(p for w in steady_windows if (p := summarize(records, [w])[0].p99_s) == p)
+    if per and per_steady:
+        print(f"p99 of each reclaim: median {statistics.median(per) * 1e3:.1f} ms, worst {per[-1] * 1e3:.1f} ms; "
+              f"of each steady window: median {statistics.median(per_steady) * 1e3:.1f} ms, "
+              f"worst {per_steady[-1] * 1e3:.1f} ms")  # fmt: skip
+    failed_ok = failed == 0
+    ratio_ok = ratio <= 1.5
+    count_ok = len(hs) >= 50 or args.reclaims < 50
+    print(f"failed edge requests {failed} (target 0): {'met' if failed_ok else 'MISSED'}; "
+          f"p99 during reclaims / steady state {ratio:.2f}x (target <= 1.5x): {'met' if ratio_ok else 'MISSED'}; "
+          f"reclaims {len(hs)} (target >= 50){'' if len(hs) >= 50 else ' (a shorter run)'}")  # fmt: skip
+    print(json.dumps({"reclaims": len(hs), "released_early": early, "returned_before_deadline": len(before),
+                      "requests_during": during.total, "failed_during": during.failed, "requests_steady": steady.total,
+                      "failed_steady": steady.failed, "requests_all": len(records), "failed_all": failed, "p99_steady_ms": round(steady.p99_s * 1e3, 3),
+                      "p99_during_ms": round(during.p99_s * 1e3, 3), "p99_ratio": round(ratio, 3)}))  # fmt: skip
+    return 0 if failed_ok and ratio_ok and count_ok else 1
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--reclaims", type=int, default=50, help="reclaims to make (>= 1)")
+    p.add_argument("--rate", type=float, default=200.0, help="requests per second (open loop)")
+    p.add_argument("--target", type=int, default=2, help="leases kept serving")
+    p.add_argument("--notice-s", type=int, default=10, help="reclaim notice (Slurm GraceTime), seconds")
+    p.add_argument("--start-s", type=float, default=15.0,
+                   help="load before the first reclaim while the broker fills the pool with placeholders, seconds")
+    p.add_argument("--steady-s", type=float, default=3.0, help="steady state measured before each reclaim, seconds")
+    p.add_argument("--settle-s", type=float, default=3.0, help="wait after a reclaim before the steady state, seconds")
+    p.add_argument("--latency-ms", type=float, default=5.0, help="simulated work per request, ms")
+    p.add_argument("--warmup", type=int, default=20,
+                   help="the site's readiness probe of a new endpoint: /health, then this many requests "
+                        "(-1: no probe, the broker's health check alone)")  # fmt: skip
+    p.add_argument("--broker-log", type=Path, help="the broker's JSON log (default: a temporary file)")
+    p.add_argument("--records", type=Path, help="write every request and hand-over here (JSON lines)")
+    args = p.parse_args()
+    if args.reclaims < 1 or args.target < 1:
+        p.error("--reclaims and --target must be >= 1")
+    with tempfile.TemporaryDirectory(prefix="gpupool-bench-edge-") as tmp:
+        return asyncio.run(_run(args, Path(tmp)))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,193 @@
+"""A simulated edge site's request load: open loop at a steady rate over the endpoints of its kept
+leases (:class:`broker.kept_leases.Endpoints`), every request's latency and outcome recorded, and
+the summary of those sent inside given windows (reclaims) against those outside (steady state).
+
+Open loop: request *i* is due at ``start + i / rate``, whether or not earlier ones have been
+answered, and its latency counts from that due time (a driver that fell behind adds its own
+delay, so a stall is never hidden; "coordinated omission" avoided). A request fails when no
+endpoint serves, the connection fails, the answer is not 200, or no answer came within
+``timeout_s``; failures are never retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+
+from broker.kept_leases import Endpoints, NoEndpoint
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One request of the load.
+
+    Attributes:
+        sent_at: when it was due (Unix s).
+        latency_s: due time → answer read (or failure), seconds.
+        ok: answered 200.
+        endpoint: where it went (``None``: no endpoint served).
+        error: why it failed (``no_endpoint``, ``status:<code>``, the exception's class name); ``""``.
+    """
+
+    sent_at: float
+    latency_s: float
+    ok: bool
+    endpoint: str | None
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSummary:
+    """Requests of one kind (during reclaims, or steady state).
+
+    Attributes:
+        total: requests sent.
+        failed: requests that failed.
+        p50_s / p99_s: latency quantiles of the successful ones, seconds (nearest rank; NaN if none).
+    """
+
+    total: int
+    failed: int
+    p50_s: float
+    p99_s: float
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values``, nearest rank (the smallest value with at least a
+    ``q`` share of the values at or below it); NaN when empty. Raises ``ValueError`` for ``q``
+    outside [0, 1]."""
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"quantile {q} outside [0, 1]")
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    rank = max(1, math.ceil(q * len(s) - 1e-9))  # ceil(q n), immune to q n landing a hair above an integer
+    return s[min(len(s), rank) - 1]
+
+
+def summarize(
+    records: Sequence[RequestRecord], windows: Sequence[tuple[float, float]]
+) -> tuple[LoadSummary, LoadSummary]:
+    """(requests sent inside any of ``windows``, those sent outside all of them); a window is
+    ``(start, end)`` in Unix s, both ends included."""
+    inside: list[RequestRecord] = []
+    outside: list[RequestRecord] = []
+    spans = sorted(windows)
+    for r in records:
+        hit = any(a <= r.sent_at <= b for a, b in spans)
+        (inside if hit else outside).append(r)
+
+    def one(rs: list[RequestRecord]) -> LoadSummary:
+        lat = [r.latency_s for r in rs if r.ok]
+        return LoadSummary(len(rs), sum(1 for r in rs if not r.ok), quantile(lat, 0.5), quantile(lat, 0.99))
+
+    return one(inside), one(outside)
+
+
+async def probe(
+    endpoint: str,
+    lease_id: str | None = None,
+    *,
+    health_path: str = "/health",
+    path: str = "/v1/infer",
+    warmup: int = 10,
+    timeout_s: float = 1.0,
+) -> bool:
+    """A site's check of an endpoint of the simulated inference server (``KeptLeases(probe=...,
+    recheck=...)``): ``GET <health_path>`` answers 200 — for ``lease_id``, when given (the body's
+    ``lease_id``: not another lease's process on the same address) — then ``warmup`` requests
+    ``POST <path>`` (one after the other) each answer 200, so the first requests of the load do
+    not meet a cold process. False on any other answer, a connection error or a timeout of
+    ``timeout_s`` per request."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+            async with session.get(f"http://{endpoint}{health_path}") as answer:
+                body = await answer.json(content_type=None)
+                if answer.status != 200 or (lease_id is not None and body.get("lease_id") != lease_id):
+                    return False
+            for _ in range(warmup):
+                async with session.post(f"http://{endpoint}{path}", json={}) as answer:
+                    await answer.read()
+                    if answer.status != 200:
+                        return False
+    except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
+        return False  # ValueError: a body not JSON; AttributeError: JSON but not an object
+    return True
+
+
+class OpenLoopLoad:
+    """Requests at ``rate_per_s`` (open loop, module docstring) to ``POST http://<endpoint><path>``
+    with an empty JSON body, each endpoint taken from ``endpoints`` (round robin, counted in flight
+    so a leaving endpoint drains).
+
+    Args:
+        endpoints: the view of serving endpoints.
+        rate_per_s: requests per second (> 0).
+        path: the request path (the simulated inference server's ``/v1/infer``).
+        timeout_s: a request without an answer this long fails, seconds.
+        clock: Unix time source of ``RequestRecord.sent_at``.
+
+    Attributes:
+        records: every finished request, in finishing order.
+
+    Raises ``ValueError`` for a rate that is not positive.
+    """
+
+    def __init__(
+        self,
+        endpoints: Endpoints,
+        *,
+        rate_per_s: float = 200.0,
+        path: str = "/v1/infer",
+        timeout_s: float = 2.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not rate_per_s > 0:
+            raise ValueError(f"rate_per_s must be > 0, got {rate_per_s}")
+        self.endpoints = endpoints
+        self.rate_per_s = rate_per_s
+        self.path = path
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self.records: list[RequestRecord] = []
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Send until ``stop`` is set, then wait for the requests still in flight (at most
+        ``timeout_s``)."""
+        pending: set[asyncio.Task[None]] = set()
+        connector = aiohttp.TCPConnector(limit=0)
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            t0, unix0 = time.perf_counter(), self._clock()
+            i = 0
+            while not stop.is_set():
+                due = t0 + i / self.rate_per_s
+                wait = due - time.perf_counter()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                task = asyncio.create_task(self._one(session, due, unix0 + (due - t0)))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+                i += 1
+            if pending:
+                await asyncio.wait(pending, timeout=self.timeout_s + 1.0)
+
+    async def _one(self, session: aiohttp.ClientSession, due: float, sent_at: float) -> None:
+        endpoint: str | None = None
+        error = ""
+        try:
+            with self.endpoints.use() as endpoint:
+                async with session.post(f"http://{endpoint}{self.path}", json={}) as answer:
+                    await answer.read()
+                    if answer.status != 200:
+                        error = f"status:{answer.status}"
+        except NoEndpoint:
+            error = "no_endpoint"
+        except (aiohttp.ClientError, TimeoutError) as e:
+            error = type(e).__name__
+        self.records.append(RequestRecord(sent_at, time.perf_counter() - due, not error, endpoint, error))

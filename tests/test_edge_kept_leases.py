@@ -1,0 +1,460 @@
+"""broker.kept_leases: leases kept at a target size and handed over on notice, against a fake
+broker (the client protocol :class:`broker.kept_leases.LeaseClient`); the real services are in
+tests/test_edge_kept_leases_slurm.py."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncGenerator, Callable, Mapping
+
+import pytest
+
+from broker.edge import ClaimRejected, LeaseRequestRejected, WatchEvent
+from broker.kept_leases import Endpoints, KeptLeases, NoEndpoint
+from contracts import LeaseMessage, LeaseState, ReasonCode, Reply
+from contracts.mqtt import Requirements
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Clock:
+    """A Unix clock the test moves."""
+
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeBroker:
+    """The client side of a broker: grants matched claims (idempotent by claim_id), publishes
+    lease messages to watchers, answers renewals and releases; scripted refusals and outages."""
+
+    site = "edge-a"
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.leases: dict[str, LeaseMessage] = {}
+        self.by_claim: dict[str, str] = {}
+        self.claim_ids: list[str] = []
+        self.refuse: list[ReasonCode] = []
+        self.timeouts = 0
+        """Requests (claims, renewals, releases) still to go unanswered."""
+        self.renew_code: ReasonCode = ReasonCode.OK
+        self.online: bool | None = True
+        self.released: list[tuple[str, float]] = []
+        self.renewed: list[str] = []
+        self._queues: set[asyncio.Queue[WatchEvent]] = set()
+        self._ids = itertools.count(1)
+
+    # what KeptLeases uses ------------------------------------------------------------------------
+    @property
+    def known_leases(self) -> Mapping[str, LeaseMessage]:
+        return dict(self.leases)
+
+    @property
+    def broker_online(self) -> bool | None:
+        return self.online
+
+    async def request(
+        self, count: int, requirements: Requirements | None = None, duration_seconds: float = 300.0,
+        min_notice_seconds: float = 0.0, min_duration_seconds: float = 0.0, timeout_s: float = 5.0,
+        claim_id: str | None = None, workload: str | None = None,
+    ) -> LeaseMessage:  # fmt: skip
+        assert claim_id is not None and workload == "infer" and count == 1
+        self.claim_ids.append(claim_id)
+        await asyncio.sleep(0)
+        if self.timeouts:
+            self.timeouts -= 1
+            raise TimeoutError
+        if self.refuse:
+            code = self.refuse.pop(0)
+            raise ClaimRejected(Reply(in_reply_to=claim_id, site=self.site, code=code, ts=self.clock()))
+        if claim_id in self.by_claim:
+            return self.leases[self.by_claim[claim_id]]
+        lease_id = f"L{next(self._ids)}"
+        self.by_claim[claim_id] = lease_id
+        msg = LeaseMessage(
+            lease_id=lease_id, site=self.site, claim_id=claim_id, offer_id="o", gpus=[f"n/gpu{lease_id}"],
+            state=LeaseState.GRANTED, ts=self.clock(), expires_at=self.clock() + 60, notice_seconds=10,
+            workload=workload,
+        )  # fmt: skip
+        self.publish(msg)
+        return msg
+
+    async def renew(
+        self, lease_id: str, extend_seconds: float | None = None, timeout_s: float = 5.0
+    ) -> Reply:
+        await asyncio.sleep(0)
+        if self.timeouts:
+            self.timeouts -= 1
+            raise TimeoutError
+        reply = Reply(in_reply_to=lease_id, site=self.site, code=self.renew_code, ts=self.clock())
+        if self.renew_code is not ReasonCode.OK:
+            raise LeaseRequestRejected(reply)
+        self.renewed.append(lease_id)
+        return reply
+
+    async def release(self, lease_id: str, timeout_s: float = 5.0) -> Reply:
+        await asyncio.sleep(0)
+        if self.timeouts:
+            self.timeouts -= 1
+            raise TimeoutError
+        msg = self.leases[lease_id]
+        if not msg.state.live:
+            raise LeaseRequestRejected(
+                Reply(in_reply_to=lease_id, site=self.site, code=ReasonCode.LEASE_NOT_LIVE, ts=self.clock())
+            )
+        self.released.append((lease_id, self.clock()))
+        self.transition(lease_id, state=LeaseState.RELEASED)
+        return Reply(in_reply_to=lease_id, site=self.site, code=ReasonCode.OK, ts=self.clock())
+
+    async def watch(self) -> AsyncGenerator[WatchEvent, None]:
+        queue: asyncio.Queue[WatchEvent] = asyncio.Queue()
+        self._queues.add(queue)
+        try:
+            for msg in list(self.leases.values()):
+                yield msg
+            while True:
+                yield await queue.get()
+        finally:
+            self._queues.discard(queue)
+
+    # what the test does ------------------------------------------------------------------------------
+    def publish(self, msg: LeaseMessage) -> None:
+        self.leases[msg.lease_id] = msg
+        for q in self._queues:
+            q.put_nowait(msg)
+
+    def transition(self, lease_id: str, **changes: object) -> None:
+        msg = self.leases[lease_id]
+        self.publish(msg.model_copy(update={"seq": msg.seq + 1, "ts": self.clock(), **changes}))
+
+    def healthy(self, lease_id: str) -> str:
+        endpoint = f"10.0.0.{lease_id[1:]}:8000"
+        self.transition(lease_id, endpoint=endpoint)
+        return endpoint
+
+    def reclaim(self, lease_id: str, in_s: float = 10.0) -> float:
+        deadline = self.clock() + in_s
+        self.transition(
+            lease_id, state=LeaseState.RECLAIMING, reclaim_deadline=deadline, reason="scheduler_preempted:7"
+        )
+        return deadline
+
+    def live(self) -> list[str]:
+        return [k for k, m in self.leases.items() if m.state.live]
+
+
+async def until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not cond():
+            await asyncio.sleep(0.005)
+
+
+async def settle(s: float = 0.25) -> None:
+    """Long enough for a few ticks of the helper (0.1 s) to act, if it were going to."""
+    await asyncio.sleep(s)
+
+
+def kept(broker: FakeBroker, clock: Clock, **kw: object) -> KeptLeases:
+    args: dict[str, object] = {
+        "target": 2, "workload": "infer", "renew_every_s": 60.0, "retry_min_s": 0.01, "retry_max_s": 0.02,
+        "clock": clock,
+    }  # fmt: skip
+    args.update(kw)
+    return KeptLeases(broker, **args)  # type: ignore[arg-type]
+
+
+async def serving_two(broker: FakeBroker, pool: KeptLeases) -> list[str]:
+    await until(lambda: len(broker.live()) == 2)
+    for lease_id in broker.live():
+        broker.healthy(lease_id)
+    await pool.ready(2)
+    return broker.live()
+
+
+# endpoints ---------------------------------------------------------------------------------------------
+async def test_endpoints_round_robin_count_in_flight_and_drain() -> None:
+    ep = Endpoints()
+    with pytest.raises(NoEndpoint):
+        with ep.use():
+            pass
+    assert ep._set(["a:1", "b:2"]) and not ep._set(["a:1", "b:2"])
+    picked = []
+    for _ in range(4):
+        with ep.use() as e:
+            picked.append(e)
+    assert picked == ["a:1", "b:2", "a:1", "b:2"]
+    with ep.use() as first, ep.use() as second:
+        assert (ep.in_flight(first), ep.in_flight(second)) == (1, 1)
+        ep._set(["b:2"])
+        assert not await ep.drained(first, 0.05)  # still in flight: gave up after the timeout
+        waiter = asyncio.create_task(ep.drained(first, 5))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()
+    assert await waiter  # woken when the request finished
+    assert ep.in_flight("a:1") == 0 and await ep.drained("a:1", 0)
+
+
+# keeping the target ------------------------------------------------------------------------------------
+async def test_claims_up_to_the_target_and_serves_each_endpoint_once_healthy() -> None:
+    clock = Clock()
+    broker = FakeBroker(clock)
+    changes: list[tuple[str, ...]] = []
+    async with kept(broker, clock, on_change=changes.append) as pool:
+        await until(lambda: len(broker.live()) == 2)
+        await settle()
+        assert len(broker.claim_ids) == 2  # no more claims than the target
+        assert pool.endpoints.serving == ()
+        first = broker.healthy(broker.live()[0])
+        await until(lambda: pool.endpoints.serving == (first,))
+        second = broker.healthy(broker.live()[1])
+        assert set(await pool.ready(2)) == {first, second}
+        assert changes[-1] == pool.endpoints.serving and len(changes) == 2
+        # a later message without endpoint (a restarted broker checking health again) keeps it
+        broker.transition(broker.live()[0], endpoint=None, state=LeaseState.ACTIVE)
+        await settle()
+        assert set(pool.endpoints.serving) == {first, second}
+    assert sorted(r for r, _ in broker.released) == sorted(broker.leases)  # released on exit
+    assert pool.endpoints.serving == ()
+
+
+async def test_reclaim_claims_first_switches_when_the_replacement_serves_drains_then_releases_early() -> None:
+    clock = Clock()
+    broker = FakeBroker(clock)
+    async with kept(broker, clock) as pool:
+        old, other = await serving_two(broker, pool)
+        old_ep = broker.leases[old].endpoint
+        with pool.endpoints.use() as in_flight:  # one request on the old endpoint, not finished
+            assert in_flight == old_ep
+            deadline = broker.reclaim(old)
+            await until(lambda: len(broker.live()) == 3)  # the replacement, claimed at once
+            (new,) = set(broker.live()) - {old, other}
+            await settle()
+            # the replacement does not serve yet: the old endpoint keeps serving (2 still >= target)
+            assert old_ep in pool.endpoints.serving and not broker.released
+            new_ep = broker.healthy(new)
+            await until(lambda: old_ep not in pool.endpoints.serving)
+            assert set(pool.endpoints.serving) == {broker.leases[other].endpoint, new_ep}
+            await settle()
+            assert not broker.released  # a request is still in flight there
+        await until(lambda: bool(broker.released))
+        assert broker.released == [(old, clock.now)]
+        (h,) = pool.handovers
+        assert (h.lease_id, h.endpoint, h.deadline, h.drained) == (old, old_ep, deadline, True)
+        assert h.switched_at is not None and h.drained_at is not None and h.early
+        await until(lambda: h.ended is LeaseState.RELEASED)
+        assert pool.counts["reclaims"] == 1 and pool.counts["released_early"] == 1
+        assert pool.counts["lost"] == 0 and pool.counts["released"] == 0  # its own release
+        assert set(pool.leases) == {other, new}
+        assert len(broker.claim_ids) == 3
+
+
+async def test_without_a_replacement_the_leaving_endpoint_serves_until_the_margin_before_the_deadline() -> (
+    None
+):
+    clock = Clock()
+    broker = FakeBroker(clock)
+    async with kept(broker, clock, handover_margin_s=1.0) as pool:
+        old, other = await serving_two(broker, pool)
+        old_ep = broker.leases[old].endpoint
+        deadline = broker.reclaim(old, in_s=10.0)
+        clock.now = deadline - 1.01
+        await settle()
+        assert old_ep in pool.endpoints.serving
+        clock.now = deadline - 1.0  # the margin reached, another endpoint serves: switched
+        await until(lambda: old_ep not in pool.endpoints.serving)
+        await until(lambda: bool(broker.released))
+        assert pool.endpoints.serving == (broker.leases[other].endpoint,)
+
+
+async def test_the_last_serving_endpoint_is_not_switched_off_for_a_deadline() -> None:
+    clock = Clock()
+    broker = FakeBroker(clock)
+    broker.refuse = [ReasonCode.NO_MATCH] * 10_000  # no second lease, no replacement
+    async with kept(broker, clock, target=1) as pool:
+        broker.refuse = []
+        await until(lambda: len(broker.live()) == 1)
+        broker.refuse = [ReasonCode.NO_MATCH] * 10_000
+        (only,) = broker.live()
+        ep = broker.healthy(only)
+        await pool.ready(2)
+        deadline = broker.reclaim(only, in_s=10.0)
+        clock.now = deadline - 0.5
+        await settle()
+        assert pool.endpoints.serving == (ep,) and not broker.released
+        assert pool.counts["refused:no_match"] > 1
+
+
+async def test_refused_claims_are_sent_again_with_a_new_claim_id_one_unanswered_with_the_same() -> None:
+    clock = Clock()
+    broker = FakeBroker(clock)
+    broker.refuse = [ReasonCode.GPU_UNAVAILABLE, ReasonCode.ISOLATION_FAILED]
+    async with kept(broker, clock, target=1) as pool:
+        await until(lambda: len(broker.live()) == 1)
+        assert len(set(broker.claim_ids)) == 3
+        assert pool.counts["refused:gpu_unavailable"] == pool.counts["refused:isolation_failed"] == 1
+    clock2 = Clock()
+    broker = FakeBroker(clock2)
+    broker.timeouts = 2
+    async with kept(broker, clock2, target=1) as pool:
+        await until(lambda: len(broker.live()) == 1)
+        await settle()
+        assert len(broker.claim_ids) == 3 and len(set(broker.claim_ids)) == 1  # never two leases
+        assert pool.counts["claim_timeouts"] == 2 and pool.counts["granted"] == 1
+
+
+async def test_a_lease_revoked_without_notice_leaves_the_view_at_once_and_is_replaced() -> None:
+    clock = Clock()
+    broker = FakeBroker(clock)
+    async with kept(broker, clock) as pool:
+        gone, other = await serving_two(broker, pool)
+        broker.transition(gone, state=LeaseState.REVOKED, reason="hold_lost:9")
+        await until(lambda: pool.endpoints.serving == (broker.leases[other].endpoint,))
+        await until(lambda: len(broker.live()) == 2)
+        assert pool.counts["lost"] == 1 and pool.counts["revoked"] == 1
+        assert gone not in pool.leases and not broker.released
+
+
+async def test_a_renewal_answered_unknown_lease_loses_the_lease_and_a_timeout_does_not() -> None:
+    clock = Clock()
+    broker = FakeBroker(clock)
+    async with kept(broker, clock, renew_every_s=0.05) as pool:
+        first, second = await serving_two(broker, pool)
+        broker.timeouts = 4  # the broker is away: renewals unanswered, nothing lost
+        await until(lambda: pool.counts["renewal_timeouts"] >= 4)
+        await settle(0.1)
+        assert set(pool.leases) == {first, second} and len(pool.endpoints.serving) == 2
+        broker.renew_code = ReasonCode.UNKNOWN_LEASE
+        await until(lambda: pool.counts["lost"] == 2)
+        assert pool.endpoints.serving == ()
+        broker.renew_code = ReasonCode.OK
+        await until(lambda: len(set(pool.leases) - {first, second}) == 2)
+
+
+async def test_a_broker_back_online_gets_every_lease_renewed_at_once() -> None:
+    clock = Clock()
+    broker = FakeBroker(clock)
+    async with kept(broker, clock, renew_every_s=3600) as pool:
+        leases = await serving_two(broker, pool)
+        broker.online = False
+        await settle()
+        assert not broker.renewed
+        broker.online = True
+        await until(lambda: sorted(broker.renewed) == sorted(leases))
+        assert pool.counts["broker_restarts"] == 1 and len(pool.endpoints.serving) == 2
+
+
+async def test_a_lease_not_serving_within_the_ready_timeout_is_released_and_replaced() -> None:
+    clock = Clock()
+    broker = FakeBroker(clock)
+    async with kept(broker, clock, target=1, ready_timeout_s=30) as pool:
+        await until(lambda: len(broker.live()) == 1)
+        (slow,) = broker.live()
+        clock.now += 29.9
+        await settle()
+        assert slow in pool.leases
+        clock.now += 0.1
+        await until(lambda: broker.released == [(slow, clock.now)])
+        await until(lambda: len(broker.live()) == 1 and broker.live() != [slow])
+        assert pool.counts["start_failed"] == 1
+
+
+async def test_at_risk_hands_over_like_a_notice_and_takes_the_deadline_of_a_later_reclaim() -> None:
+    clock = Clock()
+    broker = FakeBroker(clock)
+    async with kept(broker, clock) as pool:
+        risky, other = await serving_two(broker, pool)
+        assert not pool.at_risk("L999")
+        assert pool.at_risk(risky, reason="site_health")
+        assert not pool.at_risk(risky)  # once
+        await until(lambda: len(broker.live()) == 3)
+        (h,) = pool.handovers
+        assert h.deadline is None and h.reason == "site_health"
+        deadline = broker.reclaim(risky)
+        await until(lambda: h.deadline == deadline)
+        assert pool.counts["reclaims"] == 0 and pool.counts["at_risk"] == 1
+        (new,) = set(broker.live()) - {risky, other}
+        broker.healthy(new)
+        await until(lambda: bool(broker.released))
+        assert broker.released[0][0] == risky and h.early
+
+
+async def test_entering_adopts_the_sites_live_leases_of_the_workload() -> None:
+    clock = Clock()
+    broker = FakeBroker(clock)
+    lease = await broker.request(1, claim_id="earlier", workload="infer")
+    ep = broker.healthy(lease.lease_id)
+    async with kept(broker, clock) as pool:
+        assert pool.endpoints.serving == (ep,)
+        await until(lambda: len(broker.live()) == 2)
+        assert len(broker.claim_ids) == 2  # one adopted, one claimed
+
+
+def test_bad_targets_are_refused() -> None:
+    with pytest.raises(ValueError, match="target"):
+        KeptLeases(FakeBroker(Clock()), target=0, workload="infer")
+    with pytest.raises(ValueError, match="backoff"):
+        KeptLeases(FakeBroker(Clock()), target=1, workload="infer", retry_min_s=0)
+
+
+async def test_a_lease_reclaimed_before_it_serves_is_released_at_once() -> None:
+    clock = Clock()
+    broker = FakeBroker(clock)
+    async with kept(broker, clock) as pool:
+        await until(lambda: len(broker.live()) == 2)
+        starting, other = broker.live()
+        ep = broker.healthy(other)
+        broker.reclaim(starting)
+        await until(lambda: broker.released == [(starting, clock.now)])
+        assert pool.endpoints.serving == (ep,)
+        (h,) = pool.handovers
+        assert h.endpoint is None and h.drained_at is None and h.early
+        await until(lambda: len(broker.live()) == 2)  # and replaced
+
+
+async def test_an_endpoint_serves_only_once_the_sites_probe_passes_for_its_lease() -> None:
+    clock = Clock()
+    broker = FakeBroker(clock)
+    ready: set[str] = set()
+    asked: list[tuple[str, str]] = []
+
+    async def probe(endpoint: str, lease_id: str) -> bool:
+        asked.append((endpoint, lease_id))
+        return lease_id in ready
+
+    async with kept(broker, clock, target=1, probe=probe) as pool:
+        await until(lambda: len(broker.live()) == 1)
+        (lease,) = broker.live()
+        ep = broker.healthy(lease)
+        await until(lambda: len(asked) >= 3)
+        assert pool.endpoints.serving == () and set(asked) == {(ep, lease)}
+        ready.add(lease)
+        await until(lambda: pool.endpoints.serving == (ep,))
+
+
+async def test_a_serving_endpoint_failing_its_recheck_in_a_row_leaves_at_once_and_is_replaced() -> None:
+    clock = Clock()
+    broker = FakeBroker(clock)
+    answers: dict[str, list[bool]] = {}
+
+    async def recheck(endpoint: str, lease_id: str) -> bool:
+        script = answers.get(lease_id)
+        return script.pop(0) if script else True
+
+    async with kept(broker, clock, recheck=recheck, recheck_every_s=0.02, recheck_failures=2) as pool:
+        flaky, dead = await serving_two(broker, pool)
+        answers[flaky] = [False, True, False, True]  # never twice in a row: stays
+        answers[dead] = [False, False]
+        await until(lambda: bool(broker.released))
+        assert broker.released[0][0] == dead and pool.counts["unhealthy"] == 1
+        assert broker.leases[flaky].endpoint in pool.endpoints.serving
+        assert broker.leases[dead].endpoint not in pool.endpoints.serving
+        (h,) = pool.handovers
+        assert h.reason == "unhealthy" and h.endpoint is None  # nothing drained from a dead endpoint
+        await until(lambda: len(broker.live()) == 2)
+    with pytest.raises(ValueError, match="recheck_failures"):
+        KeptLeases(broker, target=1, workload="infer", recheck_failures=0)

@@ -1,0 +1,116 @@
+"""Inference that survives a reclaim, end to end (issue 14, item 3): the broker on a real Kafka and
+Mosquitto lends the local Slurm cluster's GPUs (tests/test_broker_lending_slurm.py's set-up), a
+site keeps one lease of the simulated inference server (:class:`broker.kept_leases.KeptLeases`)
+under an open-loop load (:class:`simulator.load.OpenLoopLoad`), and training jobs take the
+lease's node back through Slurm: every request is answered, every lease is released before its
+deadline. The numbers at scale: bench/edge_reclaim.py."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broker.kept_leases import KeptLeases
+from broker.workloads import WorkloadProfile
+from contracts import GpuState, KafkaTopics
+from contracts.bus import Bus
+from simulator.load import OpenLoopLoad, probe
+from tests.services import SLURM_GRACE_S
+from tests.test_broker_lending_slurm import (  # the same broker, lending and cluster helpers
+    _broker,
+    _env,
+    _idle,
+    _lending,
+    _sbatch_training,
+    _site,
+    _state,
+    _until,
+    slurm_clean,  # noqa: F401 — the fixture that cancels every job after the test
+)
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("slurm_clean")]
+
+NODES = [f"gpu-node-00{i}" for i in (1, 2, 3, 4)]
+RECLAIMS = 2
+PROFILE = WorkloadProfile(
+    name="infer-kept",
+    argv=(
+        sys.executable,
+        "-m",
+        "simulator.inference_server",
+        "--port",
+        "{port}",
+        "--drain-s",
+        str(SLURM_GRACE_S),
+        "--quiet-s",
+        str(SLURM_GRACE_S),
+    ),
+    port_min=28200,
+    port_max=28299,
+    health_timeout_s=30,
+)
+"""Drains for the whole notice (``--quiet-s`` too: a load stalled for a moment must not look like
+the end of traffic): the old endpoint answers until the replacement serves and the lease is released."""
+
+
+async def test_a_kept_lease_is_handed_over_through_slurm_reclaims_without_a_failed_request(
+    kafka_bus: Bus,
+    kafka_stage_topics: KafkaTopics,
+    mosquitto: dict[str, Any],
+    slurm_conf: Path,
+    tmp_path: Path,
+) -> None:
+    conf, topics = slurm_conf, kafka_stage_topics
+    lending = _lending(conf, tmp_path, (PROFILE,))
+    for host in NODES:
+        await _idle(kafka_bus, topics, host)
+    stop = asyncio.Event()
+    async with _broker(kafka_bus, topics, mosquitto, lending), _site(mosquitto) as site:
+        async with KeptLeases(
+            site, target=1, workload=PROFILE.name, renew_every_s=5, ready_timeout_s=40,
+            drain_timeout_s=SLURM_GRACE_S, probe=lambda ep, lid: probe(ep, lid, warmup=5),
+            recheck=lambda ep, lid: probe(ep, lid, warmup=0),
+        ) as kept:  # fmt: skip
+            await kept.ready(90)
+            load = OpenLoopLoad(kept.endpoints, rate_per_s=100)
+            driving = asyncio.create_task(load.run(stop))
+            for n in range(RECLAIMS):
+                await _until(lambda: len(kept.endpoints.serving) == 1 and len(kept.leases) == 1, 60)
+                await asyncio.sleep(1.0)
+                (lease_id,) = kept.leases
+                host = site.known_leases[lease_id].hosts[0]
+                await _idle(kafka_bus, topics, host, state=GpuState.BUSY)  # what analytics sees
+                job = _sbatch_training(conf, host, 8)  # needs the lease's GPUs back
+                await _until(
+                    lambda n=n: len(kept.handovers) > n and kept.handovers[n].released_at is not None, 30
+                )
+                await _until(lambda job=job: _state(conf, job) == "RUNNING", 15, 0.2)  # the GPUs went back
+                subprocess.run(["scancel", job], env=_env(conf), check=True)
+                await _until(lambda job=job: _state(conf, job) == "GONE", 15, 0.2)
+                await _idle(kafka_bus, topics, host)
+            await asyncio.sleep(1.0)
+            stop.set()
+            await driving
+    assert len(kept.handovers) == RECLAIMS
+    for h in kept.handovers:
+        assert h.reason.startswith("scheduler_preempted:") and h.endpoint is not None
+        assert h.deadline is not None and h.released_at is not None and h.released_at < h.deadline
+        assert h.switched_at is not None and h.switched_at <= h.released_at and h.drained
+    failed = [r for r in load.records if not r.ok]
+    assert not failed, failed[:5]
+    assert len({h.lease_id for h in kept.handovers}) == RECLAIMS  # the first lease, then a replacement
+    assert len({r.endpoint for r in load.records}) >= 2  # a port comes back once its hold is gone
+    assert len(load.records) >= 100 * 3
+    print(
+        f"{len(load.records)} requests, 0 failed; hand-overs (notice -> switched, -> released, s): "
+        + ", ".join(
+            f"{h.switched_at - h.noticed_at:.2f}/{h.released_at - h.noticed_at:.2f}" for h in kept.handovers
+        )
+        + f"; {time.time() - load.records[0].sent_at:.0f} s of load"
+    )
