@@ -296,7 +296,7 @@ def gpu_scrapes_table(
     fields = scrapes.fields
     cols: dict[str, pa.Array | list[Any]] = {
         "ts": _micros_array(scrapes.ts),
-        "gpu_key": _gpu_keys(host, pa.array(uuids, pa.string()), scrapes.gpu_index, scrapes.gpu_instance_id),
+        "gpu_key": _gpu_keys(host, uuids, scrapes.gpu_index, scrapes.gpu_instance_id),
         "host": host,
         "gpu_uuid": uuids,
         "gpu_index": index,
@@ -320,13 +320,16 @@ def gpu_scrapes_table(
 
 
 def _gpu_keys(
-    host: pa.Array, uuid: pa.Array, index: list[int | None], instance: list[int | None]
+    host: pa.Array, uuids: list[str | None], index: list[int | None], instance: list[int | None]
 ) -> pa.Array:
     """:func:`contracts.topics.gpu_key` of every row, by Arrow: ``host/<id>[/<instance>]`` with
-    ``<id>`` the UUID, else (NULL or empty) ``gpu<index>``; ``index`` and ``instance`` are the
-    GPUs' values as decoded (any size of integer)."""
-    named = pc.if_else(pc.equal(uuid, ""), pa.scalar(None, pa.string()), uuid)
-    key = pc.binary_join_element_wise(host, pc.coalesce(named, _prefixed("gpu", index)), "/")
+    ``<id>`` the UUID, else (``None`` or empty) ``gpu<index>``; ``index`` and ``instance`` are
+    the GPUs' values as decoded (any size of integer)."""
+    uuid = pa.array(uuids, pa.string())
+    if None in uuids or "" in uuids:
+        named = pc.if_else(pc.equal(uuid, ""), pa.scalar(None, pa.string()), uuid)
+        uuid = pc.coalesce(named, _prefixed("gpu", index))
+    key = pc.binary_join_element_wise(host, uuid, "/")
     if instance.count(None) == len(instance):
         return key
     return pc.coalesce(pc.binary_join_element_wise(key, _prefixed("", instance), "/"), key)

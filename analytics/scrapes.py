@@ -201,15 +201,21 @@ def _map_pieces(records: Iterable[Any], name: str) -> list[Any]:
     return pieces
 
 
-def _validate_maps(records: Sequence[Any]) -> dict[str, tuple[list[Any], list[Any]]] | None:
-    """Map column name → (raw pieces, decoded maps) over ``records``; ``None`` if one does not
-    decode as the model's type."""
-    out: dict[str, tuple[list[Any], list[Any]]] = {}
+_Maps = dict[str, tuple[list[Any] | None, list[Any]]]
+"""Map column name → (per GPU its raw JSON, ``None`` when every record left the column empty;
+per GPU the decoded map)."""
+
+
+def _validate_maps(records: Sequence[Any]) -> _Maps | None:
+    """The maps of ``records`` (:data:`_Maps`); ``None`` if one does not decode as the model's
+    type."""
+    out: _Maps = {}
+    gpus = sum(len(r.gpus.ts) for r in records)
     for name in MAP_COLUMNS:
-        pieces = _map_pieces(records, name)
-        if all(rec_column_empty(r, name) for r in records):
-            out[name] = (pieces, [{} for _ in pieces])
+        if all(not getattr(r.gpus, name) for r in records):
+            out[name] = (None, [{} for _ in range(gpus)])
             continue
+        pieces = _map_pieces(records, name)
         try:
             maps = _MAP_DECODERS[name].decode(b"[" + b",".join(pieces) + b"]")
         except _REFUSED:
@@ -218,32 +224,34 @@ def _validate_maps(records: Sequence[Any]) -> dict[str, tuple[list[Any], list[An
     return out
 
 
-def rec_column_empty(rec: Any, name: str) -> bool:
-    """Whether ``rec`` (a :data:`ScrapeStruct`) left column ``name`` empty."""
-    return not getattr(rec.gpus, name)
-
-
-def _fill(out: ScrapeColumns, maps: dict[str, tuple[list[Any], list[Any]]]) -> None:
+def _fill(out: ScrapeColumns, maps: _Maps) -> None:
     chain = itertools.chain.from_iterable
     cols = [r.gpus for r in out.records]
     out.counts = counts = [len(c.ts) for c in cols]
+    gpus = sum(counts)
     out.ts = list(chain(c.ts for c in cols))
     for name in SCALAR_COLUMNS:
-        setattr(
-            out,
-            name,
-            list(
+        if all(not getattr(c, name) for c in cols):
+            values: list[Any] = [None] * gpus
+        else:
+            values = list(
                 chain(
                     column if (column := getattr(c, name)) else itertools.repeat(None, n)
                     for c, n in zip(cols, counts, strict=True)
                 )
-            ),
-        )
+            )
+        setattr(out, name, values)
     for name in MAP_COLUMNS:
         pieces, decoded = maps[name]
         setattr(out, name, decoded)
         if name != "field_series":
-            out.texts[name] = _text_array(pieces)
+            out.texts[name] = _empty_maps(gpus) if pieces is None else _text_array(pieces)
+
+
+def _empty_maps(n: int) -> pa.Array:
+    """An Arrow ``string`` array of ``n`` empty JSON objects (``{}``)."""
+    offsets = array("i", range(0, 2 * n + 1, 2))
+    return cast(pa.Array, pa.StringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(_EMPTY_MAP * n)))
 
 
 def _text_array(pieces: list[Any]) -> pa.Array:

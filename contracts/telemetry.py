@@ -158,6 +158,8 @@ class GpuColumns(BaseModel):
             if got not in (0, n):
                 raise ValueError(f"gpus.{name} has {got} elements, gpus.ts {n} (a column has n or none)")
         uuids, indexes = self.gpu_uuid, self.gpu_index
+        if (uuids and all(uuids)) or (indexes and None not in indexes):
+            return self  # every GPU has a UUID, or every GPU an index
         for i in range(n):
             if not (uuids and uuids[i]) and (not indexes or indexes[i] is None):
                 raise ValueError(f"GPU {i} needs gpu_uuid or gpu_index")
