@@ -278,6 +278,7 @@ def gpu_scrapes_table(
     uuids = scrapes.gpu_uuid if gpu_uuid is None else list(gpu_uuid)
     if len(uuids) != len(scrapes):
         raise ValueError("gpu_uuid and the GPUs differ in length")
+    uuid_array = pa.array(uuids, pa.string())
     starts = list(itertools.accumulate(scrapes.counts, initial=0))
     record_of = pc.list_parent_indices(
         pa.ListArray.from_arrays(pa.array(starts, pa.int32()), pa.nulls(len(scrapes)))
@@ -296,9 +297,9 @@ def gpu_scrapes_table(
     fields = scrapes.fields
     cols: dict[str, pa.Array | list[Any]] = {
         "ts": _micros_array(scrapes.ts),
-        "gpu_key": _gpu_keys(host, uuids, scrapes.gpu_index, scrapes.gpu_instance_id),
+        "gpu_key": _gpu_keys(host, uuids, uuid_array, scrapes.gpu_index, scrapes.gpu_instance_id),
         "host": host,
-        "gpu_uuid": uuids,
+        "gpu_uuid": uuid_array,
         "gpu_index": index,
         "gpu_instance_id": instance,
         "gpu_instance_profile": scrapes.gpu_instance_profile,
@@ -320,12 +321,16 @@ def gpu_scrapes_table(
 
 
 def _gpu_keys(
-    host: pa.Array, uuids: list[str | None], index: list[int | None], instance: list[int | None]
+    host: pa.Array,
+    uuids: list[str | None],
+    uuid: pa.Array,
+    index: list[int | None],
+    instance: list[int | None],
 ) -> pa.Array:
     """:func:`contracts.topics.gpu_key` of every row, by Arrow: ``host/<id>[/<instance>]`` with
-    ``<id>`` the UUID, else (``None`` or empty) ``gpu<index>``; ``index`` and ``instance`` are
-    the GPUs' values as decoded (any size of integer)."""
-    uuid = pa.array(uuids, pa.string())
+    ``<id>`` the UUID (``uuids``, as the Arrow array ``uuid``), else (``None`` or empty)
+    ``gpu<index>``; ``index`` and ``instance`` are the GPUs' values as decoded (any size of
+    integer)."""
     if None in uuids or "" in uuids:
         named = pc.if_else(pc.equal(uuid, ""), pa.scalar(None, pa.string()), uuid)
         uuid = pc.coalesce(named, _prefixed("gpu", index))

@@ -4,10 +4,12 @@ One :meth:`AnalyticsService.step`:
 
 1. reads one batch from ``telemetry.gpu`` and ``telemetry.ib_port`` (one consumer group);
 2. decodes it as one batch (:func:`analytics.decode.decode_batch`: msgspec twins of the record
-   models, the pydantic model deciding every record they refuse) and builds its Arrow rows a
-   column at a time, both with the garbage collector paused; a record that cannot be used is
-   counted by reason
-   (``gpupool_analytics_rejected_records_total``) and skipped, never fatal;
+   models, the pydantic model deciding every record they refuse; :class:`contracts.GpuScrape`
+   records straight to columns, :mod:`analytics.scrapes`) and builds its Arrow rows a column at
+   a time (:func:`analytics.rows.gpu_scrapes_table`, :func:`analytics.rows.gpu_samples_table`),
+   both with the garbage collector paused; a record that cannot be used (or one GPU of a scrape
+   record) is counted by reason (``gpupool_analytics_rejected_records_total``) and skipped, never
+   fatal;
 3. feeds GPU samples to the :class:`~analytics.classify.IdleClassifier` (in offset order) and, every
    ``publish_interval_s``, marks GPUs not heard from for ``stale_after_s`` unknown and forgets
    those not heard from for ``forget_after_s`` (no more updates, out of the gauges);
