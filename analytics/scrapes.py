@@ -160,6 +160,11 @@ class ScrapeColumns:
         ]
 
 
+CHUNK_GPUS = 4096
+"""GPUs whose maps are validated in one decoder call: larger batches are cut into chunks of
+whole records of about this many GPUs (a chunk's buffers stay in the CPU caches)."""
+
+
 def scrape_columns(
     records: Sequence[Any], msgs: Sequence[BusMessage]
 ) -> tuple[ScrapeColumns, list[BusMessage]]:
@@ -167,9 +172,32 @@ def scrape_columns(
     of ``records[k]``), with their maps validated, and the messages of the records whose maps do
     not validate (left out of the columns, in batch order: the reference decides them).
 
-    The maps are validated a whole column of the batch at a time; only when one fails are the
-    records validated one by one to find the bad ones.
+    The maps are validated a whole column of a chunk of records (:data:`CHUNK_GPUS`) at a time;
+    only when one fails are that chunk's records validated one by one to find the bad ones.
     """
+    out = ScrapeColumns()
+    refused: list[BusMessage] = []
+    texts: dict[str, list[pa.Array]] = {}
+    start = gpus = 0
+    for k, rec in enumerate(records):
+        gpus += len(rec.gpus.ts)
+        if gpus >= CHUNK_GPUS or k == len(records) - 1:
+            columns, bad = _chunk_columns(records[start : k + 1], msgs[start : k + 1])
+            _extend(out, columns)
+            for name, text in columns.texts.items():
+                texts.setdefault(name, []).append(text)
+            refused += bad
+            start, gpus = k + 1, 0
+    out.texts = {
+        name: parts[0] if len(parts) == 1 else pa.concat_arrays(parts) for name, parts in texts.items()
+    }
+    return out, refused
+
+
+def _chunk_columns(
+    records: Sequence[Any], msgs: Sequence[BusMessage]
+) -> tuple[ScrapeColumns, list[BusMessage]]:
+    """:func:`scrape_columns` of one chunk."""
     out = ScrapeColumns(records=list(records), msgs=list(msgs))
     if not records:
         return out, []
@@ -184,10 +212,23 @@ def scrape_columns(
             else:
                 good.append(rec)
                 good_msgs.append(msg)
-        columns, _ = scrape_columns(good, good_msgs)
+        columns, _ = _chunk_columns(good, good_msgs)
         return columns, refused
     _fill(out, decoded)
     return out, refused
+
+
+_LISTS: tuple[str, ...] = ("records", "msgs", "counts", "ts", *SCALAR_COLUMNS, *MAP_COLUMNS)
+
+
+def _extend(out: ScrapeColumns, more: ScrapeColumns) -> None:
+    """Append ``more``'s GPUs to ``out``'s (all but the texts)."""
+    if not out.records:
+        for name in _LISTS:
+            setattr(out, name, getattr(more, name))
+        return
+    for name in _LISTS:
+        getattr(out, name).extend(getattr(more, name))
 
 
 def _map_pieces(records: Iterable[Any], name: str) -> list[Any]:

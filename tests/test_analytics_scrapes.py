@@ -266,3 +266,24 @@ def test_what_the_fast_path_accepts_the_reference_accepts_with_the_same_samples(
         ref_rows = _outcome(gpu_samples_table, ref.samples(), [0] * n, [0] * n)
         assert rows == ref_rows, value  # the JSON columns as sent, with the same values
     assert accepted > 20  # the mutations that stay valid went the fast way
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 5, 1000])
+def test_chunks_of_a_batch_give_the_same_columns(chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    import analytics.scrapes
+
+    samples = _mixed_samples()
+    msgs = _scrape_msgs(samples)
+    bad = json.dumps(_record(**{"gpus.fields": [{"DCGM_FI_DEV_GPU_UTIL": 1}, {"x": "bad"}, {}]})).encode()
+    msgs.insert(3, msg(bad, 99))
+    whole = decode_batch(msgs, TOPICS)
+    monkeypatch.setattr(analytics.scrapes, "CHUNK_GPUS", chunk)
+    got = decode_batch(msgs, TOPICS)
+    assert [(m.offset, e.reason) for m, e in got.rejected] == [(99, "invalid_sample")]
+    assert got.scrapes.msgs == [m for m in msgs if m.offset != 99] == whole.scrapes.msgs
+    assert got.scrapes.counts == whole.scrapes.counts
+    assert [values(s) for s in got.scrapes.samples(GpuRecord)] == [values(s) for s in samples]
+    offsets = [m.offset for m in got.scrapes.msgs]
+    assert _rows(gpu_scrapes_table(got.scrapes, [0] * len(offsets), offsets)) == _rows(
+        gpu_scrapes_table(whole.scrapes, [0] * len(offsets), offsets)
+    )
