@@ -245,7 +245,8 @@ def gpu_scrapes(samples: Sequence[GpuSample]) -> list[GpuScrape]:
     """``samples`` as :class:`GpuScrape` records: consecutive samples with the same ``host``,
     ``source``, ``target`` and ``schema_version`` and consecutive ``seq`` numbers share a record,
     in order, so that ``[s for r in gpu_scrapes(x) for s in r.samples()] == list(x)``. A column
-    whose every element is the default is left empty.
+    whose every element is the default is left empty. The records are built from the samples'
+    values without validating them again (valid samples make a valid record).
     """
     out: list[GpuScrape] = []
     run: list[GpuSample] = []
@@ -257,16 +258,17 @@ def gpu_scrapes(samples: Sequence[GpuSample]) -> list[GpuScrape]:
         columns: dict[str, list[object]] = {"ts": [s.ts for s in run]}
         for name in GPU_COLUMNS_OPTIONAL:
             values = [getattr(s, name) for s in run]
-            if any(v is not None and v != {} for v in values):
-                columns[name] = values
+            columns[name] = values if any(v is not None and v != {} for v in values) else []
+        # Valid samples make a valid record (columns of one length, every GPU identified):
+        # built without validating every map again, every member given (no default factory).
         out.append(
-            GpuScrape(
+            GpuScrape.model_construct(
                 schema_version=first.schema_version,
                 host=first.host,
                 source=first.source,
                 target=first.target,
                 seq=first.seq,
-                gpus=GpuColumns.model_validate(columns),
+                gpus=GpuColumns.model_construct(**columns),
             )
         )
         run.clear()

@@ -64,7 +64,7 @@ async def test_kafka_down_30s_nothing_lost_nothing_twice_in_order(
         interval_s=0.1,
         timeout_s=1.0,
         spool_dir=tmp_path / "spool",
-        spool_memory_records=300,  # a 30 s outage overflows memory: the disk tier is used too
+        spool_memory_records=100,  # a 30 s outage (3 records a cycle) overflows memory: the disk tier is used too
     )
     disk_before = _metric(svc, "gpupool_collector_spool_spooled_total", tier="disk")
     redelivered_before = _metric(svc, "gpupool_collector_spool_redelivered_total")
@@ -88,7 +88,7 @@ async def test_kafka_down_30s_nothing_lost_nothing_twice_in_order(
         await asyncio.sleep(OUTAGE_S)
         assert svc.seq - seq_at_stop > 1000  # the collector kept collecting all along
         tiers = spool.queued_by_tier
-        assert tiers["memory"] == 300 and tiers["disk"] > 0, tiers
+        assert tiers["memory"] == 100 and tiers["disk"] > 0, tiers
         assert _metric(svc, "gpupool_collector_spool_bus_up") == 0
         done = await asyncio.to_thread(run_service, "kafka.sh", "start")
         restarted = done.returncode == 0
