@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Literal, Self
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -255,7 +255,7 @@ def gpu_scrapes(samples: Sequence[GpuSample]) -> list[GpuScrape]:
         if not run:
             return
         first = run[0]
-        columns: dict[str, list[object]] = {"ts": [s.ts for s in run]}
+        columns: dict[str, Any] = {"ts": [s.ts for s in run]}
         for name in GPU_COLUMNS_OPTIONAL:
             values = [getattr(s, name) for s in run]
             columns[name] = values if any(v is not None and v != {} for v in values) else []

@@ -118,7 +118,9 @@ async def test_kafka_down_30s_nothing_lost_nothing_twice_in_order(
     for m in sorted(got, key=lambda m: REDELIVERY_HEADER in dict(m.headers)):
         assert m.value is not None and m.key is not None
         recs: list[GpuSample | IbPortSample] = (
-            list(decode_gpu_samples(m.value)) if m.topic == kafka_topics.telemetry_gpu else [decode(IbPortSample, m.value)]
+            list(decode_gpu_samples(m.value))
+            if m.topic == kafka_topics.telemetry_gpu
+            else [decode(IbPortSample, m.value)]
         )
         assert all(rec.partition_key == m.key == rec.host for rec in recs)
         if REDELIVERY_HEADER in dict(m.headers):
