@@ -8,11 +8,20 @@ values; every record it refuses (malformed, invalid, lax spellings such as a num
 an unknown field, another ``schema_version``, a non-finite ``ts``) goes to
 :func:`decode_telemetry`, so the verdict and the reason are the reference's. Accepted records come
 out as twins (same attributes, properties and methods as the model).
+
+``telemetry.gpu`` carries two records: :class:`contracts.GpuScrape` (a read of a host's GPUs in
+columns; a JSON object with a top-level ``gpus`` member) and :class:`contracts.GpuSample` (one
+GPU; older producers, replay files). Scrape records the fast path accepts come out as columns
+(:class:`analytics.scrapes.ScrapeColumns`); one the reference accepts after the fast path
+refused it comes out as its samples. A scrape record whose envelope is valid but some of whose
+GPUs are not loses only those GPUs: each is rejected with reason ``invalid_sample``
+(:func:`salvage_scrape`).
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -23,8 +32,9 @@ import msgspec
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
+from analytics.scrapes import ScrapeColumns, decode_scrape, is_scrape, scrape_columns
 from analytics.structs import struct_for
-from contracts import SCHEMA_VERSION, GpuSample, IbPortSample, KafkaTopics, decode
+from contracts import SCHEMA_VERSION, GpuColumns, GpuSample, GpuScrape, IbPortSample, KafkaTopics, decode
 from contracts.bus import BusMessage
 from contracts.scheduler import SchedulerNode
 
@@ -40,9 +50,9 @@ else:
 
 
 class RejectedRecord(ValueError):
-    """A record that cannot be used; :attr:`reason` is the metric label
-    (``tombstone``, ``unknown_topic``, ``malformed_json``, ``invalid_record``,
-    ``unsupported_version``, ``bad_timestamp``)."""
+    """A record (or one GPU of a scrape record) that cannot be used; :attr:`reason` is the metric
+    label (``tombstone``, ``unknown_topic``, ``malformed_json``, ``invalid_record``,
+    ``unsupported_version``, ``bad_timestamp``, ``invalid_sample``: one GPU of a scrape record)."""
 
     def __init__(self, reason: str, detail: str = "") -> None:
         """Build with a reason code and a short human detail."""
@@ -51,17 +61,20 @@ class RejectedRecord(ValueError):
         self.detail = detail
 
 
-def decode_telemetry(msg: BusMessage, topics: KafkaTopics) -> GpuSample | IbPortSample | SchedulerNode:
-    """Decode ``msg`` by its topic: :class:`GpuSample` on ``topics.telemetry_gpu``,
+def decode_telemetry(
+    msg: BusMessage, topics: KafkaTopics
+) -> GpuSample | GpuScrape | IbPortSample | SchedulerNode:
+    """Decode ``msg`` by its topic: :class:`GpuScrape` or :class:`GpuSample` on
+    ``topics.telemetry_gpu`` (a scrape when the JSON object has a top-level ``gpus`` member),
     :class:`IbPortSample` on ``topics.telemetry_ib_port``, :class:`SchedulerNode` on
     ``topics.telemetry_scheduler`` (JSON, :func:`contracts.decode`).
 
     Raises:
         RejectedRecord: with the reason the record cannot be used.
     """
-    model: type[GpuSample] | type[IbPortSample] | type[SchedulerNode]
+    model: type[GpuSample] | type[GpuScrape] | type[IbPortSample] | type[SchedulerNode]
     if msg.topic == topics.telemetry_gpu:
-        model = GpuSample
+        model = GpuScrape if msg.value is not None and _top_level(msg.value, "gpus") else GpuSample
     elif msg.topic == topics.telemetry_ib_port:
         model = IbPortSample
     elif msg.topic == topics.telemetry_scheduler:
@@ -79,9 +92,70 @@ def decode_telemetry(msg: BusMessage, topics: KafkaTopics) -> GpuSample | IbPort
         raise RejectedRecord("invalid_record", _summary(errors)) from exc
     except ValueError as exc:  # contracts.decode: schema_version != SCHEMA_VERSION
         raise RejectedRecord("unsupported_version", f"expected {SCHEMA_VERSION}") from exc
-    if not math.isfinite(record.ts):
-        raise RejectedRecord("bad_timestamp", repr(record.ts))
+    stamps = record.gpus.ts if isinstance(record, GpuScrape) else [record.ts]
+    bad = next((t for t in stamps if not math.isfinite(t)), None)
+    if bad is not None:
+        raise RejectedRecord("bad_timestamp", repr(bad))
     return record
+
+
+def _top_level(value: bytes, member: str) -> bool:
+    """Whether ``value`` is a JSON object with a top-level ``member`` (False if not JSON)."""
+    try:
+        obj = json.loads(value)
+    except ValueError:
+        return False
+    return isinstance(obj, dict) and member in obj
+
+
+def salvage_scrape(msg: BusMessage) -> tuple[list[GpuSample], list[RejectedRecord]] | None:
+    """The GPUs of a :class:`GpuScrape` record the reference rejected whole, one by one: the
+    valid ones as :class:`GpuSample` (GPU ``i`` with ``seq + i``), and one
+    ``invalid_sample`` rejection per GPU that is not a valid sample. ``None`` when the record
+    cannot be split so (not a JSON object with a ``gpus`` object of lists of one length, a
+    member the model does not know, or an envelope — ``host``, ``source``, ``target``, ``seq``,
+    ``schema_version`` — that is itself invalid): then the whole record is rejected.
+    """
+    if msg.value is None:
+        return None
+    try:
+        obj = json.loads(msg.value)
+    except ValueError:
+        return None
+    gpus = obj.get("gpus") if isinstance(obj, dict) else None
+    ts = gpus.get("ts") if isinstance(gpus, dict) else None
+    if not isinstance(gpus, dict) or not isinstance(ts, list) or not ts:
+        return None
+    n = len(ts)
+    known = GpuScrape.model_fields.keys()
+    if set(obj) - known or set(gpus) - GpuColumns.model_fields.keys():
+        return None
+    if any(not isinstance(c, list) or len(c) not in (0, n) for c in gpus.values()):
+        return None
+    envelope = {k: v for k, v in obj.items() if k != "gpus"}
+    try:
+        head = GpuScrape.model_validate({**envelope, "gpus": {"ts": [0.0], "gpu_index": [0]}})
+    except ValidationError:
+        return None
+    if head.schema_version != SCHEMA_VERSION:
+        return None
+    shared = {"host": head.host, "source": head.source, "target": head.target}
+    samples: list[GpuSample] = []
+    rejected: list[RejectedRecord] = []
+    for i in range(n):
+        sample = {**shared, "seq": head.seq + i, **{k: c[i] for k, c in gpus.items() if c}}
+        try:
+            got = GpuSample.model_validate(sample)
+        except ValidationError as exc:
+            rejected.append(
+                RejectedRecord("invalid_sample", f"GPU {i}: {_summary(exc.errors(include_url=False))}")
+            )
+            continue
+        if not math.isfinite(got.ts):
+            rejected.append(RejectedRecord("invalid_sample", f"GPU {i}: ts {got.ts!r}"))
+            continue
+        samples.append(got)
+    return samples, rejected
 
 
 def _summary(errors: list[ErrorDetails]) -> str:
@@ -117,7 +191,9 @@ class DecodedBatch:
     """What :func:`decode_batch` made of a batch, every list in the batch's order.
 
     Attributes:
-        gpu: decoded GPU samples (:data:`GpuRecord`); ``gpu_msgs[k]`` is the message of ``gpu[k]``.
+        gpu: decoded GPU samples (:data:`GpuRecord`) of :class:`GpuSample` records and of the
+            scrape records the reference decided; ``gpu_msgs[k]`` is the message of ``gpu[k]``.
+        scrapes: the GPUs of the scrape records the fast path accepted, in columns.
         ib: decoded InfiniBand port samples (:data:`IbPortRecord`); ``ib_msgs[k]`` is the
             message of ``ib[k]``.
         rejected: ``(message, rejection)`` of every record that cannot be used.
@@ -127,6 +203,7 @@ class DecodedBatch:
 
     gpu: list[GpuRecord] = field(default_factory=list)
     gpu_msgs: list[BusMessage] = field(default_factory=list)
+    scrapes: ScrapeColumns = field(default_factory=ScrapeColumns)
     ib: list[IbPortRecord] = field(default_factory=list)
     ib_msgs: list[BusMessage] = field(default_factory=list)
     rejected: list[tuple[BusMessage, RejectedRecord]] = field(default_factory=list)
@@ -169,8 +246,18 @@ def _decode_batch(msgs: Sequence[BusMessage], topics: KafkaTopics) -> DecodedBat
     gpu_ok, gpu_msgs, ib_ok, ib_msgs = out.gpu.append, out.gpu_msgs.append, out.ib.append, out.ib_msgs.append
     isfinite = math.isfinite
     slow: list[BusMessage] = []
+    scrapes: list[Any] = []
+    scrape_msgs: list[BusMessage] = []
     for msg in msgs:
         topic, value = msg.topic, msg.value
+        if topic == gpu_topic and value is not None and is_scrape(value):
+            scrape = decode_scrape(value)
+            if scrape is None:
+                slow.append(msg)
+            else:
+                scrapes.append(scrape)
+                scrape_msgs.append(msg)
+            continue
         if topic == gpu_topic:
             dec = gpu_dec
         elif topic == ib_topic:
@@ -194,6 +281,11 @@ def _decode_batch(msgs: Sequence[BusMessage], topics: KafkaTopics) -> DecodedBat
         else:
             ib_ok(rec)
             ib_msgs(msg)
+    out.scrapes, refused = scrape_columns(scrapes, scrape_msgs)
+    if refused:
+        slow.extend(refused)
+        index = {id(m): i for i, m in enumerate(msgs)}
+        slow.sort(key=lambda m: index[id(m)])
     if slow:
         _decode_slow(slow, topics, out, msgs)
     return out
@@ -211,9 +303,21 @@ def _decode_slow(
         try:
             sample = decode_telemetry(msg, topics)
         except RejectedRecord as exc:
-            out.rejected.append((msg, exc))
+            salvaged = (
+                salvage_scrape(msg)
+                if exc.reason == "invalid_record" and msg.topic == topics.telemetry_gpu
+                else None
+            )
+            if salvaged is None:
+                out.rejected.append((msg, exc))
+                continue
+            good, bad = salvaged
+            gpu.extend((_as_twin(s, GpuRecord), msg) for s in good)
+            out.rejected.extend((msg, b) for b in bad)
             continue
-        if isinstance(sample, GpuSample):
+        if isinstance(sample, GpuScrape):
+            gpu.extend((_as_twin(s, GpuRecord), msg) for s in sample.samples())
+        elif isinstance(sample, GpuSample):
             gpu.append((_as_twin(sample, GpuRecord), msg))
         elif isinstance(sample, SchedulerNode):  # read by analytics.service, not by this batch
             out.rejected.append((msg, RejectedRecord("unknown_topic", msg.topic)))

@@ -78,7 +78,8 @@ class AnalyticsMetrics(MetricSet):
         self.rejected_records = self.counter(
             "gpupool_analytics_rejected_records_total",
             "Records or values skipped, by reason (tombstone, malformed_json, invalid_record, "
-            "unsupported_version, unknown_topic, duplicate, counter_out_of_range, invalid_topology).",
+            "unsupported_version, unknown_topic, duplicate, counter_out_of_range, invalid_topology, "
+            "invalid_sample: one GPU of a scrape record whose other GPUs were kept).",
             ["reason"],
         )
         self.decode_fallbacks = self.counter(

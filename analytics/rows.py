@@ -10,6 +10,7 @@ deltas of switch byte counters past 2**53 stay exact; the whole counter map is a
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import struct
@@ -22,6 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic_core import to_json
 
+from analytics.scrapes import ScrapeColumns
 from analytics.classify import FB_FREE, FB_USED, GPU_UTIL, GR_ENGINE_ACTIVE, SM_ACTIVE, IdleRun
 from contracts import CapacityUpdate, GpuSample, IbPortSample
 
@@ -251,6 +253,100 @@ def gpu_samples_table(
     for col, name in _GPU_INT_FIELDS.items():
         cols[col] = _whole_array([f.get(name) for f in fields])
     return _table(GPU_SAMPLE_COLUMNS, cols)
+
+
+def gpu_scrapes_table(
+    scrapes: ScrapeColumns,
+    partitions: Sequence[int],
+    offsets: Sequence[int],
+    gpu_uuid: Sequence[str | None] | None = None,
+) -> pa.Table:
+    """Rows of ``gpu_samples`` for the GPUs of scrape records (one row per GPU, the same row
+    :func:`gpu_samples_table` makes of that GPU's :class:`contracts.GpuSample`), record ``k``
+    read at ``(partitions[k], offsets[k])``. ``gpu_uuid`` replaces the GPUs' UUIDs (one per GPU:
+    the identities the stage resolved, :mod:`analytics.identity`).
+
+    Columns are built a whole column at a time: what each record holds once (``host``,
+    ``source``, ``target``, ``seq``, the Kafka position) is repeated by Arrow, the JSON columns are
+    the maps' texts as sent (:mod:`analytics.scrapes`), ``gpu_key`` is joined by Arrow. Values
+    that do not fit their column become NULL as in :func:`gpu_samples_table`. Raises
+    ``ValueError`` if the lengths differ or a timestamp is not finite.
+    """
+    n_records = len(scrapes.records)
+    if not n_records == len(partitions) == len(offsets):
+        raise ValueError("records, partitions and offsets differ in length")
+    uuids = scrapes.gpu_uuid if gpu_uuid is None else list(gpu_uuid)
+    if len(uuids) != len(scrapes):
+        raise ValueError("gpu_uuid and the GPUs differ in length")
+    uuid_array = pa.array(uuids, pa.string())
+    starts = list(itertools.accumulate(scrapes.counts, initial=0))
+    record_of = pc.list_parent_indices(
+        pa.ListArray.from_arrays(pa.array(starts, pa.int32()), pa.nulls(len(scrapes)))
+    )
+    records = scrapes.records
+
+    def per_record(values: list[Any], arrow_type: pa.DataType) -> pa.Array:
+        return pa.array(values, arrow_type).take(record_of)
+
+    host = per_record([r.host for r in records], pa.string())
+    first_seq = _int_array([r.seq for r in records], 64).take(record_of)
+    first_row = per_record(starts[:-1], pa.int64())
+    seq = pc.add_checked(first_seq, pc.subtract(pa.array(range(len(scrapes)), pa.int64()), first_row))
+    index = _int_array(scrapes.gpu_index, 32)
+    instance = _int_array(scrapes.gpu_instance_id, 32)
+    fields = scrapes.fields
+    cols: dict[str, pa.Array | list[Any]] = {
+        "ts": _micros_array(scrapes.ts),
+        "gpu_key": _gpu_keys(host, uuids, uuid_array, scrapes.gpu_index, scrapes.gpu_instance_id),
+        "host": host,
+        "gpu_uuid": uuid_array,
+        "gpu_index": index,
+        "gpu_instance_id": instance,
+        "gpu_instance_profile": scrapes.gpu_instance_profile,
+        "model_name": scrapes.model_name,
+        "fields": scrapes.texts["fields"],
+        "invalid": scrapes.texts["invalid"],
+        "attributes": scrapes.texts["attributes"],
+        "source": per_record([r.source for r in records], pa.string()),
+        "target": per_record([r.target for r in records], pa.string()),
+        "seq": seq,
+        "kafka_partition": per_record(list(partitions), pa.int32()),
+        "kafka_offset": per_record(list(offsets), pa.int64()),
+    }
+    for col, name in _GPU_FLOAT_FIELDS.items():
+        cols[col] = _float_array([f.get(name) for f in fields])
+    for col, name in _GPU_INT_FIELDS.items():
+        cols[col] = _whole_array([f.get(name) for f in fields])
+    return _table(GPU_SAMPLE_COLUMNS, cols)
+
+
+def _gpu_keys(
+    host: pa.Array,
+    uuids: list[str | None],
+    uuid: pa.Array,
+    index: list[int | None],
+    instance: list[int | None],
+) -> pa.Array:
+    """:func:`contracts.topics.gpu_key` of every row, by Arrow: ``host/<id>[/<instance>]`` with
+    ``<id>`` the UUID (``uuids``, as the Arrow array ``uuid``), else (``None`` or empty)
+    ``gpu<index>``; ``index`` and ``instance`` are the GPUs' values as decoded (any size of
+    integer)."""
+    if None in uuids or "" in uuids:
+        named = pc.if_else(pc.equal(uuid, ""), pa.scalar(None, pa.string()), uuid)
+        uuid = pc.coalesce(named, _prefixed("gpu", index))
+    key = pc.binary_join_element_wise(host, uuid, "/")
+    if instance.count(None) == len(instance):
+        return key
+    return pc.coalesce(pc.binary_join_element_wise(key, _prefixed("", instance), "/"), key)
+
+
+def _prefixed(prefix: str, values: list[int | None]) -> pa.Array:
+    """``prefix`` + the decimal text of each integer (NULL for ``None``), exact at any size."""
+    try:
+        text = pc.cast(pa.array(values, pa.int64()), pa.string())
+    except (pa.ArrowInvalid, OverflowError, TypeError):  # past int64: Python's own text
+        text = pa.array([None if v is None else str(v) for v in values], pa.string())
+    return pc.binary_join_element_wise(prefix, text, "") if prefix else text
 
 
 def _fits_u64(raw: int | None) -> bool:

@@ -4,10 +4,12 @@ One :meth:`AnalyticsService.step`:
 
 1. reads one batch from ``telemetry.gpu`` and ``telemetry.ib_port`` (one consumer group);
 2. decodes it as one batch (:func:`analytics.decode.decode_batch`: msgspec twins of the record
-   models, the pydantic model deciding every record they refuse) and builds its Arrow rows a
-   column at a time, both with the garbage collector paused; a record that cannot be used is
-   counted by reason
-   (``gpupool_analytics_rejected_records_total``) and skipped, never fatal;
+   models, the pydantic model deciding every record they refuse; :class:`contracts.GpuScrape`
+   records straight to columns, :mod:`analytics.scrapes`) and builds its Arrow rows a column at
+   a time (:func:`analytics.rows.gpu_scrapes_table`, :func:`analytics.rows.gpu_samples_table`),
+   both with the garbage collector paused; a record that cannot be used (or one GPU of a scrape
+   record) is counted by reason (``gpupool_analytics_rejected_records_total``) and skipped, never
+   fatal;
 3. feeds GPU samples to the :class:`~analytics.classify.IdleClassifier` (in offset order) and, every
    ``publish_interval_s``, marks GPUs not heard from for ``stale_after_s`` unknown and forgets
    those not heard from for ``forget_after_s`` (no more updates, out of the gauges);
@@ -79,6 +81,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import uuid
@@ -105,7 +108,15 @@ from analytics.fabric_leaf import LeafHeadroom, LeafMap, leaf_headroom, leaf_map
 from analytics.identity import GpuIdentities
 from analytics.predict import IdlePredictor, PredictorConfig
 from analytics.retention import RetentionConfig
-from analytics.rows import counters_out_of_range, gpu_samples_table, gpu_states_table, ib_port_samples_table, idle_runs_table
+from analytics.rows import (
+    counters_out_of_range,
+    gpu_samples_table,
+    gpu_scrapes_table,
+    gpu_states_table,
+    ib_port_samples_table,
+    idle_runs_table,
+)
+from analytics.scrapes import ScrapeColumns
 from analytics.scheduler import DEFAULT_STALE_AFTER_S, SchedulerJoin, scheduler_gpus_table
 from analytics.store import AnalyticsStore, StoreBatch
 from analytics.views import HEADROOM_WINDOW_S
@@ -132,8 +143,12 @@ _T = TypeVar("_T")
 
 @dataclass(slots=True)
 class _Decoded:
-    gpu: list[GpuRecord] = field(default_factory=list)
-    gpu_pos: list[tuple[int, int]] = field(default_factory=list)
+    gpu: list[GpuRecord] = field(default_factory=list)  # every GPU sample, in offset order (classifier)
+    gpu_rows: list[GpuRecord] = field(default_factory=list)  # those of per-sample records (and salvaged)
+    gpu_pos: list[tuple[int, int]] = field(default_factory=list)  # (partition, offset) of gpu_rows
+    scrapes: ScrapeColumns = field(default_factory=ScrapeColumns)  # scrape records, in columns
+    scrape_uuid: list[str | None] = field(default_factory=list)  # their GPUs' resolved UUIDs
+    scrape_samples: list[GpuRecord] = field(default_factory=list)  # their GPUs, resolved
     ib: list[IbPortRecord] = field(default_factory=list)
     ib_pos: list[tuple[int, int]] = field(default_factory=list)
     offsets: dict[TopicPartition, int] = field(default_factory=dict)
@@ -411,7 +426,7 @@ class AnalyticsService:
         decoded = self._decode(msgs)
         retired = [await self._rename_gpu(*r) for r in decoded.renames]
         with paused_gc():  # see analytics.decode.paused_gc
-            gpu_table = _safe_table(gpu_samples_table, decoded.gpu, decoded.gpu_pos, self.metrics)
+            gpu_table = _gpu_table(decoded, self.metrics)
             ib_table = _safe_table(ib_port_samples_table, decoded.ib, decoded.ib_pos, self.metrics)
         out_of_range = counters_out_of_range(decoded.ib)
         if out_of_range:
@@ -855,12 +870,31 @@ class AnalyticsService:
                     "messaging.kafka.message.offset": msg.offset,
                 },
             )
-        out.gpu_pos = [(msg.partition, msg.offset) for msg in batch.gpu_msgs]
-        for raw, msg in zip(batch.gpu, batch.gpu_msgs, strict=True):
+        scrapes = out.scrapes = batch.scrapes
+        found: list[tuple[GpuRecord, BusMessage, bool]] = [
+            (r, m, False) for r, m in zip(batch.gpu, batch.gpu_msgs, strict=True)
+        ]
+        if scrapes.records:
+            per_gpu = itertools.chain.from_iterable(
+                itertools.repeat(m, n) for m, n in zip(scrapes.msgs, scrapes.counts, strict=True)
+            )
+            from_scrapes = [(r, m, True) for r, m in zip(scrapes.samples(GpuRecord), per_gpu, strict=True)]
+            if found:  # both kinds in one batch: in the batch's order
+                index = {id(m): i for i, m in enumerate(fresh)}
+                found = sorted([*found, *from_scrapes], key=lambda rm: index[id(rm[1])])
+            else:
+                found = from_scrapes
+        for raw, msg, in_scrape in found:
             record, stand_in = self._identities.resolve(raw)  # one key per GPU (analytics.identity)
             if stand_in is not None:
                 out.renames.append((stand_in, record.key, record.gpu_uuid or ""))
             out.gpu.append(record)
+            if in_scrape:
+                out.scrape_uuid.append(record.gpu_uuid)
+                out.scrape_samples.append(record)
+            else:
+                out.gpu_rows.append(record)
+                out.gpu_pos.append((msg.partition, msg.offset))
             tp = TopicPartition(msg.topic, msg.partition)
             self._partition_of[record.key] = tp
             self._own_host(tp, record.host)
@@ -1066,6 +1100,40 @@ class AnalyticsService:
         )
         if self._scheduler is not None:
             self._allocated_idle = self._scheduler.allocated_idle(statuses)
+
+
+def _gpu_table(decoded: _Decoded, metrics: AnalyticsMetrics) -> pa.Table | None:
+    """``gpu_samples`` rows of a decoded batch: its scrape records' GPUs a column at a time
+    (:func:`analytics.rows.gpu_scrapes_table`, with the resolved UUIDs) and its per-sample
+    records' (:func:`analytics.rows.gpu_samples_table`). If the scrape rows cannot be built as a
+    whole, they are built from their samples like per-sample records (:func:`_safe_table`: a GPU
+    that cannot be stored is dropped and counted, the others stay)."""
+    tables: list[pa.Table] = []
+    scrapes = decoded.scrapes
+    if scrapes.records:
+        msgs = scrapes.msgs
+        try:
+            tables.append(
+                gpu_scrapes_table(
+                    scrapes,
+                    [m.partition for m in msgs],
+                    [m.offset for m in msgs],
+                    gpu_uuid=decoded.scrape_uuid,
+                )
+            )
+        except Exception:  # noqa: BLE001 — built again GPU by GPU below
+            positions = [
+                (m.partition, m.offset) for m, n in zip(msgs, scrapes.counts, strict=True) for _ in range(n)
+            ]
+            table = _safe_table(gpu_samples_table, decoded.scrape_samples, positions, metrics)
+            if table is not None:
+                tables.append(table)
+    legacy = _safe_table(gpu_samples_table, decoded.gpu_rows, decoded.gpu_pos, metrics)
+    if legacy is not None:
+        tables.append(legacy)
+    if not tables:
+        return None
+    return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
 
 
 def _safe_table(

@@ -50,21 +50,31 @@ class Untranslatable(TypeError):
 
 
 @functools.cache
-def struct_for(model: type[BaseModel]) -> type[msgspec.Struct] | None:
+def struct_for(
+    model: type[BaseModel], types: tuple[tuple[str, Any], ...] = ()
+) -> type[msgspec.Struct] | None:
     """The msgspec twin of ``model`` (module docstring), or ``None`` if it has none; one class
-    per model (cached).
+    per model and ``types`` (cached).
+
+    ``types`` replaces the translated msgspec type of the fields it names (``(name, type)``
+    pairs), e.g. ``list[msgspec.Raw]`` to keep a list's elements undecoded, or a twin built with
+    such a replacement for a nested model. Raises ``KeyError`` for a name the model lacks.
 
     The twin is ``kw_only`` (fields in the model's order, required ones anywhere), ``frozen`` if
     the model is, and untracked by the cyclic garbage collector (``gc=False``: its instances hold
     only strings, numbers and containers of them, never a cycle).
     """
     try:
-        return _struct_for(model)
+        return _struct_for(model, dict(types))
     except Untranslatable:
         return None
 
 
-def _struct_for(model: type[BaseModel]) -> type[msgspec.Struct]:
+def _struct_for(model: type[BaseModel], types: dict[str, Any] | None = None) -> type[msgspec.Struct]:
+    types = types or {}
+    unknown = set(types) - set(model.model_fields)
+    if unknown:
+        raise KeyError(f"{model.__name__} has no field {sorted(unknown)}")
     config = dict(model.model_config)
     if set(config) - _CONFIG_OK:
         raise Untranslatable(f"model settings {sorted(set(config) - _CONFIG_OK)}")
@@ -83,7 +93,10 @@ def _struct_for(model: type[BaseModel]) -> type[msgspec.Struct]:
     for name, info in model.model_fields.items():
         if info.alias not in (None, name) or info.validation_alias not in (None, name):
             raise Untranslatable(f"{name}: alias")
-        annotation = _constrained(_translate(info.annotation), info.metadata)
+        if name in types:
+            annotation = types[name]
+        else:
+            annotation = _constrained(_translate(info.annotation), info.metadata)
         if info.default_factory is not None:
             default = msgspec.field(default_factory=info.default_factory)  # type: ignore[arg-type]
         elif info.default is PydanticUndefined:
@@ -94,8 +107,9 @@ def _struct_for(model: type[BaseModel]) -> type[msgspec.Struct]:
     namespace = _behaviour(model)
     if checks:
         namespace["__post_init__"] = _post_init(tuple(checks))
+    suffix = "Struct" if not types else "RawStruct"
     return msgspec.defstruct(
-        f"{model.__name__}Struct",
+        f"{model.__name__}{suffix}",
         [(n, a) if d is msgspec.NODEFAULT else (n, a, d) for n, a, d in fields],
         namespace=namespace,
         module=__name__,
@@ -104,6 +118,12 @@ def _struct_for(model: type[BaseModel]) -> type[msgspec.Struct]:
         forbid_unknown_fields=extra == "forbid",
         gc=False,
     )
+
+
+def translate(tp: Any) -> Any:
+    """The msgspec type of a pydantic field type (``dict[str, float | int]``, a model → its
+    twin ...); raises :class:`Untranslatable`."""
+    return _translate(tp)
 
 
 def _translate(tp: Any) -> Any:

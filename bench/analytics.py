@@ -1,23 +1,32 @@
 """Benchmarks of the analytics stage, printed as ratios against a yardstick measured in the same run.
 
-1. Ingest: bus records (JSON ``GpuSample``) → decode → Arrow → DuckDB with offsets, through the
-   stage's own ingest path (:func:`analytics.decode.decode_batch`,
-   :func:`analytics.rows.gpu_samples_table`, :meth:`analytics.store.AnalyticsStore.write`, as
-   :meth:`analytics.service.AnalyticsService.step` calls them), against DuckDB's fastest bulk path
-   on the same rows: ``INSERT ... SELECT * FROM <arrow table>`` of a prebuilt table, same batch
-   size, both into in-memory databases. The two are run in turn ``--repeat`` times and the best
-   of each is compared (a shared machine's noise only ever adds time). Target (issue 15): >= 50 %.
-   Also the cost of each step per row (of the best run), the pydantic reference decode (a loop of
-   :func:`analytics.decode.decode_telemetry`, which the batch decoder falls back to for the
-   records its msgspec twins refuse) for comparison, and the idle classifier's throughput on the
-   same samples.
+1. Ingest: ``--records`` GPU samples (1,000 GPUs, 8 per host, every 10 s) as the collectors
+   produce them — one :class:`contracts.GpuScrape` record per read of a host's GPUs — through
+   the stage's own ingest path: :func:`analytics.decode.decode_batch` (the record's JSON → the
+   batch's columns), :func:`analytics.rows.gpu_scrapes_table` (→ the ``gpu_samples`` Arrow
+   table) and :meth:`analytics.store.AnalyticsStore.write` (rows and offsets in one
+   transaction), as :meth:`analytics.service.AnalyticsService.step` calls them, timed from the
+   records' bytes to the commit. Yardstick: DuckDB's own bulk path on the same rows,
+   ``INSERT INTO gpu_samples SELECT * FROM <arrow table>`` of the very tables the stage's path
+   writes (built beforehand, not timed), one insert per transaction of the stage's path. Both
+   into in-memory databases, run in turn ``--repeat`` times; the best of each is compared (a
+   shared machine's noise only ever adds time). Target (issue 15): >= 50 %, with ``--batch``
+   rows per transaction (the headline ratio). Also printed, each against its own yardstick:
+   the same records ``--batch`` records per transaction (the stage's ``max_records``: 8 rows a
+   record here), and the previous record format, one :class:`contracts.GpuSample` per GPU
+   (older producers, replay files; :func:`analytics.rows.gpu_samples_table`), ``--batch``
+   records per transaction. Then: the cost of each step per row (of the best run), the pydantic
+   reference decode of per-sample records, the cost of decoding scrape records *and* expanding
+   them to per-GPU samples for the idle classifier (outside the ingest: the service does it
+   after the decode), and the classifier's throughput on the same samples.
 2. Queries over ``--gpus`` GPUs × 24 h at 10 s (default 1,000 → 8.64 M rows, generated inside
    DuckDB, with the ``gpu_states`` / ``idle_runs`` rows the stage stores for them):
    ``gpu_state_now`` and the ``idle_windows`` view. Target: <= 1 s each. The gaps-and-islands
    query over the raw samples that the view replaces is timed too (and gives the same windows),
    and so is the maintenance step (1-minute rollups of the day, expiry).
 3. Memory: in a child process (so its peak RSS is its own), ``--memory-rows`` GPU samples
-   (default 8.64 M: 1,000 GPUs × 24 h at 10 s) generated batch by batch go through the same ingest
+   (default 8.64 M: 1,000 GPUs × 24 h at 10 s) generated batch by batch, one record per sample
+   (the previous format, the one with the most Python objects per row), go through the same ingest
    path into a DuckDB file opened with ``--memory-limit`` (the process limit: DuckDB gets
    :data:`analytics.store.DUCKDB_MEMORY_SHARE` of it); its peak RSS (``VmHWM``) is printed
    against the limit. Target: under it.
@@ -41,16 +50,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import duckdb
+import pyarrow as pa
 from pydantic_core import to_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from analytics.classify import FB_USED, GPU_UTIL, GR_ENGINE_ACTIVE, SM_ACTIVE, IdleClassifier
-from analytics.decode import decode_batch, decode_telemetry, paused_gc
+from analytics.decode import DecodedBatch, GpuRecord, decode_batch, decode_telemetry, paused_gc
 from analytics.retention import RetentionConfig
-from analytics.rows import gpu_samples_table
+from analytics.rows import gpu_samples_table, gpu_scrapes_table
 from analytics.store import DUCKDB_MEMORY_SHARE, AnalyticsStore, StoreBatch, parse_bytes
-from contracts import GpuSample, KafkaTopics, encode
+from contracts import GpuSample, KafkaTopics, encode, gpu_scrapes
 from contracts.bus import BusMessage, TopicPartition
 
 TOPICS = KafkaTopics()
@@ -98,14 +108,15 @@ def _gpu(msg: BusMessage) -> GpuSample:
 
 def _ingest(store: AnalyticsStore, chunk: list[BusMessage], times: list[float]) -> int:
     """The stage's ingest path for one batch, as :meth:`analytics.service.AnalyticsService.step`
-    runs it; adds the seconds of decode, rows and write to ``times``; returns the rows written."""
+    runs it; adds the seconds of decode, rows and write to ``times``; returns the rows written.
+    Scrape records become rows with :func:`analytics.rows.gpu_scrapes_table`, per-sample records
+    with :func:`analytics.rows.gpu_samples_table`."""
     tp = TopicPartition(TOPICS.telemetry_gpu, 0)
     t0 = time.perf_counter()
     batch = decode_batch(chunk, TOPICS)
     t1 = time.perf_counter()
-    positions = batch.gpu_msgs
     with paused_gc():
-        table = gpu_samples_table(batch.gpu, [m.partition for m in positions], [m.offset for m in positions])
+        table = _rows(batch)
     t2 = time.perf_counter()
     store.write(StoreBatch(gpu_samples=table, offsets={tp: chunk[-1].offset + 1}))
     t3 = time.perf_counter()
@@ -114,23 +125,32 @@ def _ingest(store: AnalyticsStore, chunk: list[BusMessage], times: list[float]) 
     return table.num_rows
 
 
-def bench_ingest(n: int, batch: int, memory_limit: str, repeat: int = 3) -> None:
-    """Print end-to-end ingest vs the Arrow bulk insert of the same rows (best of ``repeat``
-    runs of each, in turn)."""
-    msgs = _messages(n, gpus=1000)
-    # yardstick: the rows already in Arrow, inserted with DuckDB's bulk path, same batch size
-    decoded = [_gpu(m) for m in msgs]
-    tables = [
-        gpu_samples_table(chunk, [0] * len(chunk), list(range(i, i + len(chunk))))
-        for i in range(0, n, batch)
-        if (chunk := decoded[i : i + batch])
-    ]
-    t = time.perf_counter()
-    clf = IdleClassifier()
-    for s in decoded:
-        clf.observe(s)
-    clf_s = time.perf_counter() - t
-    del decoded, clf  # the stage holds one batch of samples, not the whole run
+def _rows(batch: DecodedBatch) -> pa.Table:
+    """The ``gpu_samples`` rows of a decoded batch (scrape records' and per-sample records')."""
+    tables = []
+    scrapes = batch.scrapes
+    if scrapes.records:
+        msgs = scrapes.msgs
+        tables.append(gpu_scrapes_table(scrapes, [m.partition for m in msgs], [m.offset for m in msgs]))
+    if batch.gpu:
+        msgs = batch.gpu_msgs
+        tables.append(gpu_samples_table(batch.gpu, [m.partition for m in msgs], [m.offset for m in msgs]))
+    return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+
+
+def _chunks(msgs: list[BusMessage], per: int) -> list[list[BusMessage]]:
+    return [msgs[i : i + per] for i in range(0, len(msgs), per)]
+
+
+def _compare(
+    label: str, chunks: list[list[BusMessage]], memory_limit: str, repeat: int
+) -> tuple[float, float, list[float], int]:
+    """Ingest ``chunks`` (one transaction each) through the stage's path and insert the same rows
+    (the Arrow tables that path writes, built beforehand) with the yardstick, in turn ``repeat``
+    times; print and return ``(yardstick s, path s, per-step s of the best run, rows)``."""
+    with paused_gc():
+        tables = [_rows(decode_batch(c, TOPICS)) for c in chunks]
+    n = sum(t.num_rows for t in tables)
     gc.collect()
     yard_runs: list[float] = []
     e2e_runs: list[tuple[float, list[float]]] = []
@@ -150,42 +170,93 @@ def bench_ingest(n: int, batch: int, memory_limit: str, repeat: int = 3) -> None
         store = AnalyticsStore(":memory:", memory_limit=memory_limit)
         steps = [0.0, 0.0, 0.0]
         t = time.perf_counter()
-        rows = sum(_ingest(store, msgs[i : i + batch], steps) for i in range(0, n, batch))
+        rows = sum(_ingest(store, c, steps) for c in chunks)
         e2e_runs.append((time.perf_counter() - t, steps))
         store.close()
         assert rows == n
         gc.collect()
     yard_s = min(yard_runs)
     e2e_s, steps = min(e2e_runs)
+    us = 1e6 / n
+    print(f"  {label}: {n:,} rows in {len(chunks)} transactions of {n // len(chunks):,} rows")
+    print(f"    yardstick  INSERT FROM arrow    {n / yard_s:12,.0f} rows/s   {yard_s * us:5.2f} us/row")
+    print(
+        f"    gpupool    decode→arrow→duckdb  {n / e2e_s:12,.0f} rows/s   {e2e_s * us:5.2f} us/row"
+        f"   ratio {yard_s / e2e_s:6.1%}"
+    )
+    print(
+        f"      per row: decode_batch {steps[0] * us:.2f} us, rows {steps[1] * us:.2f} us,"
+        f" store.write {steps[2] * us:.2f} us; all runs, us/row: yardstick"
+        f" {' '.join(f'{y * us:.2f}' for y in yard_runs)}; gpupool {' '.join(f'{e * us:.2f}' for e, _ in e2e_runs)}"
+    )
+    return yard_s, e2e_s, steps, n
+
+
+def _scrape_messages(samples: list[GpuSample]) -> list[BusMessage]:
+    """``samples`` as the collectors now produce them: one :class:`contracts.GpuScrape` record
+    per read of a host (:func:`contracts.gpu_scrapes`), on one partition."""
+    return [
+        BusMessage(TOPICS.telemetry_gpu, 0, i, r.partition_key, encode(r))
+        for i, r in enumerate(gpu_scrapes(samples))
+    ]
+
+
+def bench_ingest(n: int, batch: int, memory_limit: str, repeat: int = 3) -> None:
+    """Print the ingest of ``n`` GPU samples (1,000 GPUs, 8 per host) against the Arrow bulk
+    insert of the same rows (best of ``repeat`` runs of each, in turn): as scrape records,
+    ``batch`` records per transaction (the stage's ``max_records``: the headline ratio) and
+    ``batch`` rows per transaction; as per-sample records (the previous format), ``batch``
+    records (= rows) per transaction."""
+    msgs = _messages(n, gpus=1000)
+    decoded = [_gpu(m) for m in msgs]
+    scrape_msgs = _scrape_messages(decoded)
+    per_record = n // len(scrape_msgs)
     t = time.perf_counter()
-    for i in range(0, n, batch):  # a batch's samples live until the next, as in the stage
-        kept: list[object] = [decode_telemetry(m, TOPICS) for m in msgs[i : i + batch]]
+    clf = IdleClassifier()
+    for s in decoded:
+        clf.observe(s)
+    clf_s = time.perf_counter() - t
+    del decoded, clf  # the stage holds one batch of samples, not the whole run
+    gc.collect()
+    print(
+        f"ingest of {n:,} GPU samples (1,000 GPUs, {per_record} per host), best of {max(1, repeat)} runs each:"
+    )
+    yard_s, e2e_s, _, _ = _compare(
+        f"scrape records (GpuScrape), {batch} rows per transaction",
+        _chunks(scrape_msgs, max(1, batch // per_record)),
+        memory_limit,
+        repeat,
+    )
+    print(f"    => ratio {yard_s / e2e_s:6.1%}  (target >= 50%)")
+    _compare(
+        f"scrape records (GpuScrape), {batch} records per transaction (the stage's max_records)",
+        _chunks(scrape_msgs, batch),
+        memory_limit,
+        repeat,
+    )
+    _compare(
+        f"per-sample records (GpuSample, the previous format), {batch} records per transaction",
+        _chunks(msgs, batch),
+        memory_limit,
+        repeat,
+    )
+    t = time.perf_counter()
+    for c in _chunks(msgs, batch):  # a batch's samples live until the next, as in the stage
+        kept: list[object] = [decode_telemetry(m, TOPICS) for m in c]
     per_record_s = time.perf_counter() - t
     t = time.perf_counter()
     fallbacks = 0
-    for i in range(0, n, batch):
-        got = decode_batch(msgs[i : i + batch], TOPICS)
-        kept, fallbacks = list(got.gpu), fallbacks + got.fallbacks
-    batch_alone_s = time.perf_counter() - t
+    for c in _chunks(scrape_msgs, batch):
+        got = decode_batch(c, TOPICS)
+        fallbacks += got.fallbacks
+        kept = got.scrapes.samples(GpuRecord)
+    samples_s = time.perf_counter() - t
     del kept
     us = 1e6 / n
-    print(f"ingest {n:,} GPU samples, batches of {batch}, best of {len(yard_runs)} runs each:")
-    print(f"  yardstick  INSERT FROM arrow      {n / yard_s:12,.0f} rows/s   {yard_s * us:5.2f} us/row")
     print(
-        f"  gpupool    decode→arrow→duckdb    {n / e2e_s:12,.0f} rows/s   {e2e_s * us:5.2f} us/row"
-        f"   ratio {yard_s / e2e_s:6.1%}  (target >= 50%)"
-    )
-    print(
-        f"    per row: decode_batch {steps[0] * us:.2f} us, gpu_samples_table {steps[1] * us:.2f} us,"
-        f" store.write {steps[2] * us:.2f} us"
-    )
-    print(
-        f"    all runs, us/row: yardstick {' '.join(f'{y * us:.2f}' for y in yard_runs)};"
-        f" gpupool {' '.join(f'{e * us:.2f}' for e, _ in e2e_runs)}"
-    )
-    print(
-        f"  decode alone: decode_batch {batch_alone_s * us:.2f} us/row ({fallbacks} records decided by"
-        f" the reference), the pydantic reference decode_telemetry {per_record_s * us:.2f} us/row"
+        f"  the pydantic reference decode_telemetry of per-sample records {per_record_s * us:.2f} us/row;"
+        f" scrape records decoded and expanded to samples for the classifier"
+        f" (ScrapeColumns.samples) {samples_s * us:.2f} us/row ({fallbacks} records decided by the reference)"
     )
     print(f"  classifier observe()              {n / clf_s:12,.0f} samples/s")
 

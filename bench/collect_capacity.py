@@ -2,8 +2,9 @@
 
 1. **Capacity** (in process). Simulated 8-GPU H100 bodies (``simulator.dcgm_http.render_metrics``
    over a ``simulator.fleet.Fleet`` replaying the Alibaba trace) go through what the collector
-   does to each body: :func:`collectors.dcgm.parse_dcgm_exporter`, :func:`contracts.encode` of every
-   :class:`contracts.GpuSample`, and ``send`` to the in-process bus (:class:`contracts.bus.MemoryBus`),
+   does to each body: :func:`collectors.dcgm.parse_dcgm_exporter`, :func:`contracts.encode` of the
+   body's :class:`contracts.GpuSample` records grouped into :class:`contracts.GpuScrape` records
+   (:func:`contracts.gpu_scrapes`), and ``send`` to the in-process bus (:class:`contracts.bus.MemoryBus`),
    once straight and once through :class:`collectors.spool.SpoolingProducer` (memory tier). CPU
    seconds per GPU sample are ``time.process_time()`` over the loop; the GPU count one core
    sustains at a 5 s interval is ``5 s / (CPU seconds per GPU sample)`` (target >= 10,000).
@@ -47,7 +48,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from collectors.dcgm import parse_dcgm_exporter
 from collectors.spool import SpoolingProducer
-from contracts import KafkaTopics, encode
+from contracts import KafkaTopics, encode, gpu_scrapes
 from contracts.bus import MemoryBus, Producer
 from simulator.dcgm_http import render_metrics
 from simulator.fleet import Fleet
@@ -74,8 +75,8 @@ async def _pipeline(bodies: list[str], producer: Producer, min_cpu_s: float) -> 
     while time.process_time() - t0 < min_cpu_s:
         for body in bodies:
             parsed = parse_dcgm_exporter(body, ts=time.time(), target="bench", seq_start=seq)
-            for s in parsed.samples:
-                await producer.send(topic, encode(s), key=s.partition_key)
+            for record in gpu_scrapes(parsed.samples):  # one record per read of a host, as the stage sends
+                await producer.send(topic, encode(record), key=record.partition_key)
             seq += len(parsed.samples)
             samples += len(parsed.samples)
         await producer.flush()

@@ -6,15 +6,16 @@ thread (:func:`collectors.sysfs_ib.read_sysfs_infiniband`), runs each optional `
 command (:func:`collectors.nvsmi.read_nvidia_smi`) and the optional local NVML reader
 (:class:`collectors.nvml.NvmlReader`, in a worker thread) and produces
 
-* :class:`contracts.GpuSample` to ``topics.telemetry_gpu`` and
+* :class:`contracts.GpuScrape` to ``topics.telemetry_gpu`` (one record per read of a host's GPUs:
+  the :class:`contracts.GpuSample` of every GPU, grouped by :func:`contracts.gpu_scrapes`) and
 * :class:`contracts.NvSwitchSample` (dcgm-exporter's NVSwitch series) to ``topics.telemetry_nvswitch``,
 * :class:`contracts.IbPortSample` to ``topics.telemetry_ib_port`` (sysfs roots, and UFM Telemetry
   endpoints: :func:`collectors.ufm_telemetry.parse_ufm_telemetry`), all with the host as Kafka key
   (``partition_key``, :func:`contracts.topics.telemetry_partition_key`: a host's GPUs and ports
   share a partition number, so one analytics instance sees the whole node),
 
-JSON-encoded with :func:`contracts.encode`, each with the next value of one per-producer
-sequence number. A failed target, a bad line, an unreadable file or a refused record is counted
+JSON-encoded with :func:`contracts.encode`, each sample (GPU of a scrape record) or record with
+the next value of one per-producer sequence number. A failed target, a bad line, an unreadable file or a refused record is counted
 (:class:`collectors.metrics.CollectorMetrics`, served from :attr:`CollectorService.registry`) and never stops the cycle; :meth:`CollectorService.run` survives any
 exception of a cycle.
 
@@ -57,10 +58,12 @@ from collectors.ufm_telemetry import parse_ufm_telemetry
 from collectors.xid import XidTracker
 from contracts import (
     GpuSample,
+    GpuScrape,
     IbPortSample,
     KafkaTopics,
     NvSwitchSample,
     encode,
+    gpu_scrapes,
 )
 from contracts.bus import Bus, MissingTopicsError, Producer, require_topics
 from runtime import tracing
@@ -613,7 +616,7 @@ class CollectorService:
                 },
             )
         samples = self._with_target_labels(res.target, parsed.samples)
-        await self._produce(self.topics.telemetry_gpu, samples, stats)
+        await self._produce(self.topics.telemetry_gpu, gpu_scrapes(samples), stats)
         stats.nvswitches += len(parsed.switches)
         await self._produce(self.topics.telemetry_nvswitch, parsed.switches, stats)
         return reason
@@ -725,7 +728,7 @@ class CollectorService:
         records = [smp.model_copy(update={"seq": self._seq + i}) for i, smp in enumerate(read.samples)]
         self._seq += len(records)
         stats.gpu_samples += len(records)
-        await self._produce(self.topics.telemetry_gpu, records, stats)
+        await self._produce(self.topics.telemetry_gpu, gpu_scrapes(records), stats)
 
     # --- UFM Telemetry ----------------------------------------------------------------------------
     async def _scrape_ufm(self, url: str) -> ScrapeResult:
@@ -779,7 +782,10 @@ class CollectorService:
 
     # --- bus --------------------------------------------------------------------------------------
     async def _produce(
-        self, topic: str, records: Sequence[GpuSample | IbPortSample | NvSwitchSample], stats: CollectStats
+        self,
+        topic: str,
+        records: Sequence[GpuScrape | IbPortSample | NvSwitchSample],
+        stats: CollectStats,
     ) -> None:
         """Send ``records`` to ``topic`` inside one ``send <topic>`` span (PRODUCER, child of the
         current span, semconv messaging attributes); every record carries that span's
@@ -801,7 +807,7 @@ class CollectorService:
     async def _send_records(
         self,
         topic: str,
-        records: Sequence[GpuSample | IbPortSample | NvSwitchSample],
+        records: Sequence[GpuScrape | IbPortSample | NvSwitchSample],
         stats: CollectStats,
         headers: Sequence[tuple[str, bytes]],
     ) -> None:
@@ -817,7 +823,8 @@ class CollectorService:
             except Exception as e:  # noqa: BLE001 — one refused record must not stop the cycle
                 stats.produce_errors += 1
                 self.metrics.produce_errors.labels(topic, type(e).__name__).inc()
-                log.warning("produce_failed", extra={"topic": topic, "key": rec.key, "error": repr(e)})
+                key = rec.partition_key if isinstance(rec, GpuScrape) else rec.key
+                log.warning("produce_failed", extra={"topic": topic, "key": key, "error": repr(e)})
         if dropped:
             stats.produce_errors += dropped.total()
             self.metrics.produce_errors.labels(topic, "RecordDroppedError").inc(dropped.total())

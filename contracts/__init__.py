@@ -24,7 +24,16 @@ from contracts.mqtt import (
     Requirements,
 )
 from contracts.scheduler import PendingJob, SchedulerGpu, SchedulerNode
-from contracts.telemetry import GpuSample, IbPortSample, NvSwitchSample, SeriesValue
+from contracts.telemetry import (
+    GpuColumns,
+    GpuSample,
+    GpuScrape,
+    IbPortSample,
+    NvSwitchSample,
+    SeriesValue,
+    decode_gpu_samples,
+    gpu_scrapes,
+)
 from contracts.topics import KafkaTopics, MqttTopics, gpu_key
 
 __all__ = [
@@ -33,6 +42,10 @@ __all__ = [
     "encode",
     "decode",
     "GpuSample",
+    "GpuScrape",
+    "GpuColumns",
+    "gpu_scrapes",
+    "decode_gpu_samples",
     "IbPortSample",
     "NvSwitchSample",
     "SeriesValue",

@@ -10,11 +10,13 @@ counters pass 2**53 and must never go through float64.
 
 from __future__ import annotations
 
-from typing import Literal, Self
+import json
+from collections.abc import Sequence
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from contracts.base import Record
+from contracts.base import Record, decode
 from contracts.topics import gpu_id, gpu_key, ib_port_key, telemetry_partition_key
 
 
@@ -115,6 +117,191 @@ class GpuSample(Record):
         (:func:`contracts.topics.telemetry_partition_key`), so that a host's GPUs and InfiniBand
         ports share a partition number (:mod:`contracts.topics`)."""
         return telemetry_partition_key(self.host)
+
+
+class GpuColumns(BaseModel):
+    """The per-GPU members of the :class:`GpuSample` records of one read, one list per member,
+    element ``i`` of every list belonging to GPU ``i`` (the record's ``gpus``).
+
+    Every attribute has the meaning and units of the :class:`GpuSample` field of the same name;
+    ``ts`` has one element per GPU and fixes the count ``n`` (at least 1). Every other list has
+    ``n`` elements, or none: an empty list means the :class:`GpuSample` default for every GPU
+    (``None``, or an empty map). Each GPU needs its ``gpu_uuid`` or its ``gpu_index`` (as a
+    :class:`GpuSample` does).
+
+    Attributes:
+        ts: sample time of each GPU, Unix epoch seconds.
+        gpu_uuid / gpu_index / gpu_instance_id / gpu_instance_profile / model_name: each GPU's.
+        fields / field_series / invalid / attributes: each GPU's maps, as in :class:`GpuSample`.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ts: list[float]
+    gpu_uuid: list[str | None] = Field(default_factory=list)
+    gpu_index: list[int | None] = Field(default_factory=list)
+    gpu_instance_id: list[int | None] = Field(default_factory=list)
+    gpu_instance_profile: list[str | None] = Field(default_factory=list)
+    model_name: list[str | None] = Field(default_factory=list)
+    fields: list[dict[str, float | int]] = Field(default_factory=list)
+    field_series: list[dict[str, list[SeriesValue]]] = Field(default_factory=list)
+    invalid: list[dict[str, str]] = Field(default_factory=list)
+    attributes: list[dict[str, str]] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _aligned(self) -> Self:
+        n = len(self.ts)
+        if n == 0:
+            raise ValueError("gpus.ts is empty: a GPU scrape holds at least one GPU")
+        for name in GPU_COLUMNS_OPTIONAL:
+            got = len(getattr(self, name))
+            if got not in (0, n):
+                raise ValueError(f"gpus.{name} has {got} elements, gpus.ts {n} (a column has n or none)")
+        uuids, indexes = self.gpu_uuid, self.gpu_index
+        if (uuids and all(uuids)) or (indexes and None not in indexes):
+            return self  # every GPU has a UUID, or every GPU an index
+        for i in range(n):
+            if not (uuids and uuids[i]) and (not indexes or indexes[i] is None):
+                raise ValueError(f"GPU {i} needs gpu_uuid or gpu_index")
+        return self
+
+
+GPU_COLUMNS_OPTIONAL: tuple[str, ...] = (
+    "gpu_uuid",
+    "gpu_index",
+    "gpu_instance_id",
+    "gpu_instance_profile",
+    "model_name",
+    "fields",
+    "field_series",
+    "invalid",
+    "attributes",
+)
+"""The members of :class:`GpuColumns` that may be empty (= the default for every GPU)."""
+
+GPU_SCRAPE_SHARED: tuple[str, ...] = ("host", "source", "target")
+"""The :class:`GpuSample` fields a :class:`GpuScrape` holds once for all its GPUs."""
+
+
+class GpuScrape(Record):
+    """One read of one target's GPUs on one host: the :class:`GpuSample` records of that read in
+    one Kafka record, the members that differ per GPU in columns (:class:`GpuColumns`).
+
+    Carried on ``telemetry.gpu`` beside :class:`GpuSample` (older producers, replay files): a
+    record whose JSON object has a top-level ``gpus`` member is a ``GpuScrape``, any other is a
+    ``GpuSample``. ``schema_version`` follows :data:`contracts.base.SCHEMA_VERSION` like every
+    record.
+
+    Attributes:
+        host: normalised host name of every GPU (the Kafka key, :attr:`partition_key`).
+        source: the source that produced every sample (as :attr:`GpuSample.source`).
+        target: the scrape target (as :attr:`GpuSample.target`).
+        seq: ``seq`` of GPU 0's sample; GPU ``i``'s is ``seq + i`` (per-producer numbering, to
+            account for every sample end to end).
+        gpus: the per-GPU members, one element per GPU (:class:`GpuColumns`).
+    """
+
+    host: str
+    source: Literal["dcgm-exporter", "nvml", "nvidia-smi", "dcgmi"] = "dcgm-exporter"
+    target: str = ""
+    seq: int = 0
+    gpus: GpuColumns
+
+    def __len__(self) -> int:
+        """Number of GPUs (samples) in the record."""
+        return len(self.gpus.ts)
+
+    @property
+    def partition_key(self) -> str:
+        """Kafka record key on ``telemetry.gpu``: the host, as for :class:`GpuSample`."""
+        return telemetry_partition_key(self.host)
+
+    def samples(self) -> list[GpuSample]:
+        """The :class:`GpuSample` of every GPU, in column order (GPU ``i`` with ``seq + i``).
+
+        Raises:
+            pydantic.ValidationError: a GPU's sample is not a valid :class:`GpuSample` (a record
+                built without validation, e.g. by ``model_construct``).
+        """
+        cols = self.gpus
+        out = []
+        for i in range(len(cols.ts)):
+            sample: dict[str, object] = {
+                "ts": cols.ts[i],
+                "host": self.host,
+                "source": self.source,
+                "target": self.target,
+                "seq": self.seq + i,
+            }
+            for name in GPU_COLUMNS_OPTIONAL:
+                column = getattr(cols, name)
+                if column:
+                    sample[name] = column[i]
+            out.append(GpuSample.model_validate(sample))
+        return out
+
+
+def gpu_scrapes(samples: Sequence[GpuSample]) -> list[GpuScrape]:
+    """``samples`` as :class:`GpuScrape` records: consecutive samples with the same ``host``,
+    ``source``, ``target`` and ``schema_version`` and consecutive ``seq`` numbers share a record,
+    in order, so that ``[s for r in gpu_scrapes(x) for s in r.samples()] == list(x)``. A column
+    whose every element is the default is left empty. The records are built from the samples'
+    values without validating them again (valid samples make a valid record).
+    """
+    out: list[GpuScrape] = []
+    run: list[GpuSample] = []
+
+    def flush() -> None:
+        if not run:
+            return
+        first = run[0]
+        columns: dict[str, Any] = {"ts": [s.ts for s in run]}
+        for name in GPU_COLUMNS_OPTIONAL:
+            values = [getattr(s, name) for s in run]
+            columns[name] = values if any(v is not None and v != {} for v in values) else []
+        # Valid samples make a valid record (columns of one length, every GPU identified):
+        # built without validating every map again, every member given (no default factory).
+        out.append(
+            GpuScrape.model_construct(
+                schema_version=first.schema_version,
+                host=first.host,
+                source=first.source,
+                target=first.target,
+                seq=first.seq,
+                gpus=GpuColumns.model_construct(**columns),
+            )
+        )
+        run.clear()
+
+    for s in samples:
+        if run:
+            last = run[-1]
+            same = (s.host, s.source, s.target, s.schema_version) == (
+                last.host,
+                last.source,
+                last.target,
+                last.schema_version,
+            )
+            if not same or s.seq != last.seq + 1:
+                flush()
+        run.append(s)
+    flush()
+    return out
+
+
+def decode_gpu_samples(payload: bytes | str) -> list[GpuSample]:
+    """The GPU samples of one ``telemetry.gpu`` record: those of a :class:`GpuScrape` (a JSON
+    object with a top-level ``gpus`` member), else the one :class:`GpuSample`. Strict, like
+    :func:`contracts.base.decode`.
+
+    Raises:
+        ValueError (``pydantic.ValidationError`` among them): not JSON, an invalid record or
+            sample, another ``schema_version``.
+    """
+    obj = json.loads(payload)
+    if isinstance(obj, dict) and "gpus" in obj:
+        return decode(GpuScrape, payload).samples()
+    return [decode(GpuSample, payload)]
 
 
 class IbPortSample(Record):

@@ -17,9 +17,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import yaml
+from pydantic import TypeAdapter
 from pydantic.json_schema import models_json_schema
 
 from contracts.base import SCHEMA_VERSION, Record
@@ -39,7 +40,7 @@ from contracts.mqtt import (
     Reply,
 )
 from contracts.scheduler import SchedulerNode
-from contracts.telemetry import GpuSample, IbPortSample, NvSwitchSample
+from contracts.telemetry import GpuSample, GpuScrape, IbPortSample, NvSwitchSample
 from contracts.topics import KafkaTopics, MqttTopics
 from runtime.settings import BrokerSettings
 
@@ -56,16 +57,19 @@ _TRACEPARENT = r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$"
 _MQTT_MODELS: tuple[type[Record], ...] = (Offer, Claim, LeaseMessage, Renewal, Release, Reply, PeerState)
 
 
-def kafka_records(prefix: str = "") -> dict[str, tuple[type[Record], str]]:
-    """Kafka topic name → (record model, what the record key is), per DESIGN.md "The bus" and
-    :mod:`contracts.topics`. ``prefix`` is :attr:`KafkaTopics.prefix`."""
+def kafka_records(prefix: str = "") -> dict[str, tuple[type[Record] | tuple[type[Record], ...], str]]:
+    """Kafka topic name → (record model, or the models a topic carries side by side, what the
+    record key is), per DESIGN.md "The bus" and :mod:`contracts.topics`. ``prefix`` is
+    :attr:`KafkaTopics.prefix`."""
     t = KafkaTopics(prefix=prefix)
     return {
         t.telemetry_gpu: (
-            GpuSample,
+            (GpuScrape, GpuSample),
             "telemetry_partition_key(host): the host, as on telemetry.ib_port (a host's GPUs and ports "
-            "share a partition number); the GPU's identity is "
-            "gpu_key(host, gpu_uuid or gpu<gpu_index>[, gpu_instance_id]) of the payload",
+            "share a partition number); a GpuScrape (a JSON object with a top-level gpus member: "
+            "one read of a host's GPUs, written by this release's collectors) or a GpuSample (one "
+            "GPU: older producers); each GPU's identity is "
+            "gpu_key(host, gpu_uuid or gpu<gpu_index>[, gpu_instance_id])",
         ),
         t.telemetry_ib_port: (
             IbPortSample,
@@ -95,10 +99,15 @@ def kafka_json_schemas(prefix: str = "") -> dict[str, dict[str, Any]]:
     ``x-kafka-topic`` / ``x-kafka-key`` annotations (unknown keywords, ignored by validators)."""
     out: dict[str, dict[str, Any]] = {}
     for topic, (model, key) in kafka_records(prefix).items():
+        if isinstance(model, tuple):  # several records side by side: any one of them
+            union: TypeAdapter[Any] = TypeAdapter(Union[model])  # type: ignore[arg-type]  # noqa: UP007 (built from a tuple)
+            body = {"title": " | ".join(m.__name__ for m in model), **union.json_schema()}
+        else:
+            body = model.model_json_schema()
         schema: dict[str, Any] = {
             "$schema": _JSON_SCHEMA_DIALECT,
             "$id": f"{topic}.schema.json",
-            **model.model_json_schema(),
+            **body,
             "x-kafka-topic": topic,
             "x-kafka-key": key,
             "x-schema-version": SCHEMA_VERSION,

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from analytics.decode import GpuRecord, IbPortRecord, RejectedRecord, decode_batch, decode_telemetry
 from analytics.rows import _json, _json_array, gpu_samples_table, ib_port_samples_table
 from analytics.structs import struct_for
-from contracts import GpuSample, IbPortSample, KafkaTopics, encode
+from contracts import GpuColumns, GpuSample, IbPortSample, KafkaTopics, encode
 from contracts.base import Record
 from contracts.bus import BusMessage
 
@@ -419,3 +419,15 @@ def test_nested_models_get_twins_and_after_validators_run_on_the_twin() -> None:
         with pytest.raises(ValueError):
             Outer.model_validate_json(bad)  # the model refuses each too
     assert struct_for(GpuSample) is not None  # a sample known by index alone is checked on the twin
+
+
+def test_a_twin_with_replaced_field_types_keeps_those_elements_raw() -> None:
+    raw = struct_for(GpuColumns, (("fields", list[msgspec.Raw]),))
+    assert raw is not None and raw is not struct_for(GpuColumns)
+    got = msgspec.json.decode(b'{"ts":[1.0],"gpu_index":[0],"fields":[{"A": 1}]}', type=raw)
+    assert [bytes(f) for f in got.fields] == [b'{"A": 1}']
+    # the model's validator runs on the twin
+    with pytest.raises(msgspec.ValidationError, match="needs gpu_uuid or gpu_index"):
+        msgspec.json.decode(b'{"ts":[1.0],"fields":[{}]}', type=raw)
+    with pytest.raises(KeyError, match="no field"):
+        struct_for(GpuColumns, (("nope", int),))

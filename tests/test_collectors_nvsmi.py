@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from collectors.cli import app as cli_app
 from collectors.nvsmi import DEVICE_LEVEL_FIELDS, parse_nvidia_smi_xml, read_nvidia_smi
 from collectors.service import CollectorService
-from contracts import GpuSample, KafkaTopics, decode
+from contracts import KafkaTopics, decode_gpu_samples
 from contracts.bus import MemoryBus
 
 XML_DIR = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "telemetry" / "nvidia_smi_xml"
@@ -448,7 +448,7 @@ async def test_collector_service_produces_nvsmi_gpus_and_counts_missing_sources(
         second = await svc.collect_once()
     finally:
         await svc.stop()
-    assert (first.targets, first.targets_ok, first.gpu_samples, first.produced) == (3, 1, 4, 4)
+    assert (first.targets, first.targets_ok, first.gpu_samples, first.produced) == (3, 1, 4, 1)  # one record per read
     assert first.failures == {"binary_not_found": 1, "library_not_found": 1}
     assert second.failures == first.failures
     assert _metric(svc, "gpupool_collector_scrape_errors_total", target="nvml", reason="library_not_found") == 2
@@ -456,7 +456,7 @@ async def test_collector_service_produces_nvsmi_gpus_and_counts_missing_sources(
     assert _metric(svc, "gpupool_collector_scrape_errors_total", target=missing, reason="binary_not_found") == 2
     assert _metric(svc, "gpupool_collector_scrapes_total", target=shlex.join(cat), result="success") == 2
     assert _metric(svc, "gpupool_collector_scrapes_total", target="nvml", result="failure") == 2
-    got = [(m.key, decode(GpuSample, m.value)) for m in bus.records(topics.telemetry_gpu) if m.value]
+    got = [(m.key, s) for m in bus.records(topics.telemetry_gpu) if m.value for s in decode_gpu_samples(m.value)]
     assert [s.key for _, s in got[:4]] == [
         f"dgx-1/GPU-513536b6-7d19-9063-b049-1e69664bb298/{gi}" for gi in (3, 4, 5, 6)
     ]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from collectors.service import CollectorService, CollectStats
-from contracts import GpuSample, IbPortSample, KafkaTopics, decode
+from contracts import GpuScrape, IbPortSample, KafkaTopics, decode, decode_gpu_samples
 from contracts.bus import MemoryBus
 from tests.fake_exporters import FakeExporters
 
@@ -68,10 +68,12 @@ async def test_collect_once_produces_to_topics_and_counts_failures(exporters: Fa
         "timeout": 1,
     }
     assert (stats.gpu_samples, stats.ib_ports, stats.sysfs_errors) == (4, 3, 0)
-    assert stats.produced == 7 and stats.produce_errors == 0
+    assert stats.produced == 4 and stats.produce_errors == 0  # the page's 4 GPUs in one record, 3 ports
     assert stats.xid_events == 1  # GPU 1 of the template shows XID 45
 
-    gpu = [(m.key, decode(GpuSample, m.value)) for m in bus.records(TOPICS.telemetry_gpu) if m.value]
+    [scrape] = [decode(GpuScrape, m.value) for m in bus.records(TOPICS.telemetry_gpu) if m.value]
+    assert len(scrape) == 4 and scrape.host == scrape.partition_key == "gpu-node-7"
+    gpu = [(m.key, s) for m in bus.records(TOPICS.telemetry_gpu) if m.value for s in decode_gpu_samples(m.value)]
     assert len(gpu) == 4
     assert all(key == s.partition_key == s.host == "gpu-node-7" and s.target == good for key, s in gpu)
     ib = [(m.key, decode(IbPortSample, m.value)) for m in bus.records(TOPICS.telemetry_ib_port) if m.value]
@@ -84,7 +86,7 @@ async def test_collect_once_produces_to_topics_and_counts_failures(exporters: Fa
 
     assert _metric(svc, "gpupool_collector_scrape_errors_total", target=bad, reason="http_500") == 1
     assert _metric(svc, "gpupool_collector_scrapes_total", target=good, result="success") == 1
-    assert _metric(svc, "gpupool_collector_records_produced_total", topic=TOPICS.telemetry_gpu) == 4
+    assert _metric(svc, "gpupool_collector_records_produced_total", topic=TOPICS.telemetry_gpu) == 1
     # TEST_METRIC of the good page, two lines of the garbage page (whose target failed as garbage)
     # and the cut line of the page cut by a proxy (whose target failed as truncated)
     assert stats.rejected == {"unknown_metric": 3, "truncated_line": 1}
@@ -105,11 +107,8 @@ async def test_sequence_numbers_keep_growing_across_cycles(exporters: FakeExport
             await svc.collect_once()
     finally:
         await svc.stop()
-    records = bus.records(TOPICS.telemetry_gpu) + bus.records(TOPICS.telemetry_ib_port)
-    seqs = [
-        decode(GpuSample if m.topic == TOPICS.telemetry_gpu else IbPortSample, m.value).seq  # type: ignore[arg-type]
-        for m in records
-    ]
+    seqs = [s.seq for m in bus.records(TOPICS.telemetry_gpu) if m.value for s in decode_gpu_samples(m.value)]
+    seqs += [decode(IbPortSample, m.value).seq for m in bus.records(TOPICS.telemetry_ib_port) if m.value]
     assert sorted(seqs) == list(range(27))  # (2 targets x 4 GPUs + 1 port) x 3 cycles, no gap, no repeat
     assert (
         svc.cycles == 3 and svc.last_stats is not None and svc.last_stats.xid_events == 0
@@ -146,7 +145,7 @@ async def test_run_survives_a_failing_cycle_and_stops_on_event(
     finally:
         await svc.stop()
     assert _metric(svc, "gpupool_collector_loop_errors_total", reason="RuntimeError") == before + 1
-    assert len(bus.records(TOPICS.telemetry_gpu)) >= 4 * 2  # cycles 1, 3, 4 produced
+    assert len(bus.records(TOPICS.telemetry_gpu)) >= 2  # cycles 1, 3, 4 produced (one record each)
 
 
 async def test_produce_errors_are_counted_not_raised(exporters: FakeExporters) -> None:
@@ -164,7 +163,7 @@ async def test_produce_errors_are_counted_not_raised(exporters: FakeExporters) -
         stats = await svc.collect_once()
     finally:
         await svc.stop()
-    assert stats.gpu_samples == 4 and stats.produced == 0 and stats.produce_errors == 4
+    assert stats.gpu_samples == 4 and stats.produced == 0 and stats.produce_errors == 1  # one scrape record
 
 
 async def test_collect_before_start_and_bad_settings() -> None:
@@ -202,9 +201,9 @@ async def test_two_collectors_in_one_process_keep_their_metrics_apart(exporters:
     ok1, bad, ok2 = exporters.url("/ok/1"), exporters.url("/500"), exporters.url("/ok/2")
     assert _metric(a, "gpupool_collector_scrapes_total", target=ok1, result="success") == 2
     assert _metric(a, "gpupool_collector_scrape_errors_total", target=bad, reason="http_500") == 2
-    assert _metric(a, "gpupool_collector_records_produced_total", topic=TOPICS.telemetry_gpu) == 8
+    assert _metric(a, "gpupool_collector_records_produced_total", topic=TOPICS.telemetry_gpu) == 2
     assert _metric(b, "gpupool_collector_scrapes_total", target=ok2, result="success") == 1
-    assert _metric(b, "gpupool_collector_records_produced_total", topic=TOPICS.telemetry_gpu) == 4
+    assert _metric(b, "gpupool_collector_records_produced_total", topic=TOPICS.telemetry_gpu) == 1
     for svc, other in ((a, ok2), (b, ok1)):
         assert svc.registry.get_sample_value("gpupool_collector_scrapes_total", {"target": other, "result": "success"}) is None
     assert b.registry.get_sample_value("gpupool_collector_scrape_errors_total", {"target": bad, "reason": "http_500"}) is None

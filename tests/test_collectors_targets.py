@@ -14,7 +14,7 @@ import pytest
 
 from collectors.service import CollectorService
 from collectors.targets import FileSdError, Target, TargetSet, parse_duration, parse_file_sd
-from contracts import GpuSample, KafkaTopics, decode
+from contracts import KafkaTopics, decode_gpu_samples
 from contracts.bus import MemoryBus
 from tests.fake_exporters import FakeExporters
 
@@ -215,7 +215,7 @@ async def test_service_carries_labels_and_uses_each_target_deadline(
         await svc.stop()
     assert stats.targets == 3 and stats.failures == {"timeout": 1}
     assert elapsed < 2.0  # /slow hit its own 200 ms deadline, not the service's 3 s
-    samples = [decode(GpuSample, m.value) for m in bus.records(TOPICS.telemetry_gpu) if m.value]
+    samples = [s for m in bus.records(TOPICS.telemetry_gpu) if m.value for s in decode_gpu_samples(m.value)]
     by_host = {s.host: s for s in samples}
     labelled = by_host["gpu-node-5"]
     assert labelled.attributes["target_cluster"] == "a" and labelled.attributes["target_pod"] == "from-target"

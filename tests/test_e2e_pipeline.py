@@ -18,7 +18,7 @@ import pytest
 
 from contracts import (
     CapacityUpdate,
-    GpuSample,
+    decode_gpu_samples,
     GpuState,
     KafkaTopics,
     LeaseLogRecord,
@@ -117,7 +117,7 @@ async def test_pipeline_over_real_kafka_and_mosquitto(kafka_bootstrap: str, mosq
         await bus.close()
 
     # 4. the real topics hold what each stage produced
-    gpu_records = [decode(GpuSample, v) for v in await _read_all(bus, topics.telemetry_gpu)]
+    gpu_records = [s for v in await _read_all(bus, topics.telemetry_gpu) for s in decode_gpu_samples(v)]
     assert len({g.key for g in gpu_records}) == 16
     caps = [decode(CapacityUpdate, v) for v in await _read_all(bus, topics.capacity)]
     assert any(c.state is GpuState.IDLE for c in caps)

@@ -330,7 +330,7 @@ def _assert_kafka_chain(offer_span: ReadableSpan, spans: InMemorySpanExporter, h
     assert a(scrape)["url.full"].endswith("/metrics") and a(scrape)["http.response.status_code"] == 200
     assert a(send_gpu)["messaging.system"] == "kafka" and a(send_gpu)["messaging.operation.type"] == "send"
     assert a(send_gpu)["messaging.destination.name"] == TOPICS.telemetry_gpu
-    assert a(send_gpu)["messaging.batch.message_count"] >= 2
+    assert a(send_gpu)["messaging.batch.message_count"] == 1  # the page's GPUs in one GpuScrape record
     gpu = a(process_gpu)
     assert gpu["messaging.operation.type"] == "process" and gpu["messaging.consumer.group.name"]
     assert gpu["hw.type"] == "gpu" and gpu["hw.id"].startswith("GPU-") and gpu["host.name"] == host
