@@ -359,15 +359,19 @@ class KubernetesLending:
         """See :meth:`broker.lending.Lending.stop`: the watch ends (within
         :data:`_WATCH_TIMEOUT_S` seconds, in its thread), deletions in progress are awaited, the
         pods stay."""
+        keep = [t for t in self._loops if t.get_name() == "broker-k8s-keep"]
+        for t in keep:
+            t.cancel()
+        await asyncio.gather(*keep, return_exceptions=True)
+        for t in list(self._tasks):
+            if not t.get_name().startswith("hold-release"):
+                t.cancel()
+        await asyncio.gather(*list(self._tasks), return_exceptions=True)  # releases see their pods go
         self._stop_watch.set()
         for t in self._loops:
             t.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
         self._loops = []
-        for t in list(self._tasks):
-            if not t.get_name().startswith("hold-release"):
-                t.cancel()
-        await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     @property
     def watching(self) -> bool:

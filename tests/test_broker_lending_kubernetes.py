@@ -439,3 +439,27 @@ def test_the_broker_role_is_least_privilege(broker_api: client.ApiClient) -> Non
         with pytest.raises(ApiException) as denied:
             call()
         assert denied.value.status == 403
+
+
+async def test_restart_adopts_the_pods_of_live_leases_and_deletes_the_others(
+    kafka_bus: Bus, kafka_stage_topics: KafkaTopics, mosquitto: dict[str, Any],
+    broker_api: client.ApiClient, admin: client.ApiClient, cluster: Training,
+) -> None:  # fmt: skip
+    host = "gpu-node-002"
+    async with _lent_node(kafka_bus, kafka_stage_topics, mosquitto, broker_api, host) as (lending, site, offer):
+        kept = await site.claim(offer, count=2, duration_seconds=600)
+        short = await site.claim(await _offer(site, lending, host, 6), count=1, duration_seconds=2)
+        kept_pods = set(lending.held_gpus()[kept.lease_id])
+        short_pods = set(lending.held_gpus()[short.lease_id])
+    await asyncio.sleep(3.0)  # the short lease ends while no broker runs: its pod stays meanwhile
+    assert short_pods <= set(_lent_running(admin, host))
+    again = _lending(broker_api)
+    async with _broker(kafka_bus, kafka_stage_topics, mosquitto, again), _site(mosquitto) as site:
+        assert set(again.held_gpus()[kept.lease_id]) == kept_pods  # adopted, not recreated
+        assert short.lease_id not in again.held_gpus()
+        await _until(lambda: not short_pods & set(_lent_running(admin, host)), 3)
+        assert kept_pods <= set(_lent_running(admin, host))
+        # the adopted lease is still taken back with notice
+        cluster.submit(host, 8)
+        msg = await site.wait_lease(kept.lease_id, lambda m: m.state is LeaseState.RECLAIMING, 15)
+        assert msg.reason is not None and msg.reason.removeprefix("scheduler_preempted:") in kept_pods
