@@ -115,8 +115,13 @@ def _training_pod(host: str) -> dict[str, Any]:
         "spec": {
             "terminationGracePeriodSeconds": 0,
             "nodeSelector": {"kubernetes.io/hostname": host},
-            "containers": [{"name": "main", "image": "registry.k8s.io/pause:3.10",
-                            "resources": {"limits": {"nvidia.com/gpu": "1"}}}],  # fmt: skip
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "registry.k8s.io/pause:3.10",
+                    "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                }
+            ],  # fmt: skip
         },
     }
 
@@ -185,7 +190,11 @@ async def _phase(
 
 
 async def _notices(
-    api: client.ApiClient, seen: Watched, site: EdgeClient, k8s: KubernetesLending, out: dict[str, list[float]]
+    api: client.ApiClient,
+    seen: Watched,
+    site: EdgeClient,
+    k8s: KubernetesLending,
+    out: dict[str, list[float]],
 ) -> None:
     """One 8-GPU lease per node, then a 1-GPU training pod on each node (module docstring)."""
     core = client.CoreV1Api(api)
@@ -201,7 +210,9 @@ async def _notices(
         lease = await site.claim(offer.offer_id, count=8, timeout_s=10)
         t0 = time.time()
         await asyncio.to_thread(core.create_namespaced_pod, TRAINING, _training_pod(host))
-        msg = await site.wait_lease(lease.lease_id, lambda m: m.state not in (LeaseState.GRANTED, LeaseState.ACTIVE), 30)
+        msg = await site.wait_lease(
+            lease.lease_id, lambda m: m.state not in (LeaseState.GRANTED, LeaseState.ACTIVE), 30
+        )
         now = time.time()
         if msg.state is not LeaseState.RECLAIMING or not msg.reason or ":" not in msg.reason:
             print(f"lease {lease.lease_id}: {msg.state} ({msg.reason}) instead of a notice", file=sys.stderr)
@@ -216,7 +227,10 @@ async def _notices(
             return
         seen_at, deadline, disrupted_at = seen.deleting[victim]
         if msg.reclaim_deadline != deadline:
-            print(f"lease {lease.lease_id}: deadline {msg.reclaim_deadline} != deletionTimestamp {deadline}", file=sys.stderr)
+            print(
+                f"lease {lease.lease_id}: deadline {msg.reclaim_deadline} != deletionTimestamp {deadline}",
+                file=sys.stderr,
+            )
         out["notice"].append(now - seen_at)
         if disrupted_at is not None:
             out["notice_disruption"].append(now - disrupted_at)
@@ -245,7 +259,16 @@ async def _main(args: argparse.Namespace) -> int:
             return 2
         api = config.new_client_from_config(config_file=str(kubeconfig))
         seen = Watched(api)
-        keys = ("none", "k8s", "none_refused", "k8s_refused", "hold_gone", "notice", "notice_disruption", "submit_notice")
+        keys = (
+            "none",
+            "k8s",
+            "none_refused",
+            "k8s_refused",
+            "hold_gone",
+            "notice",
+            "notice_disruption",
+            "submit_notice",
+        )
         out: dict[str, list[float]] = {k: [] for k in keys}
         try:
             for block in range(0, args.claims, 10):
@@ -283,7 +306,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--claims", type=int, default=40)
     p.add_argument("--notice-s", type=int, default=3)
-    p.add_argument("--kubeconfig", help="a running local cluster's kubeconfig (else a private one is started)")
+    p.add_argument(
+        "--kubeconfig", help="a running local cluster's kubeconfig (else a private one is started)"
+    )
     return asyncio.run(_main(p.parse_args()))
 
 

@@ -445,8 +445,8 @@ async def test_restart_adopts_the_pods_of_live_leases_and_deletes_the_others(
     kafka_bus: Bus, kafka_stage_topics: KafkaTopics, mosquitto: dict[str, Any],
     broker_api: client.ApiClient, admin: client.ApiClient, cluster: Training,
 ) -> None:  # fmt: skip
-    host = "gpu-node-002"
-    async with _lent_node(kafka_bus, kafka_stage_topics, mosquitto, broker_api, host) as (lending, site, offer):
+    host, bus = "gpu-node-002", kafka_bus
+    async with _lent_node(bus, kafka_stage_topics, mosquitto, broker_api, host) as (lending, site, offer):
         kept = await site.claim(offer, count=2, duration_seconds=600)
         short = await site.claim(await _offer(site, lending, host, 6), count=1, duration_seconds=2)
         kept_pods = set(lending.held_gpus()[kept.lease_id])
