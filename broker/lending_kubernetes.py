@@ -163,6 +163,8 @@ def parse_pod(pod: client.V1Pod) -> LentPod | None:
     """The :class:`LentPod` of a pod object of the client (``None`` for a pod without gpupool's
     node and slot labels)."""
     meta = pod.metadata
+    if meta is None or not meta.name:
+        return None
     labels = meta.labels or {}
     try:
         node, slot = labels[NODE_LABEL], int(labels[SLOT_LABEL])
@@ -496,26 +498,32 @@ class KubernetesLending:
         while True:
             kind, item = await self._events.get()
             try:
-                if kind == "ERROR":
-                    self._metrics.scheduler_errors.labels(operation="read").inc()
-                    log.error("scheduler_read_failed", extra={"scheduler": "kubernetes", "error": item})
-                elif kind == "SYNC":
-                    listed = {p.name: p for p in item}
-                    for name in [n for n in self._pods if n not in listed]:
-                        await self._gone(self._pods.pop(name))
-                    for p in listed.values():
-                        self._pods[p.name] = p
-                        await self._seen(p)
-                elif kind == "DELETED":
-                    self._pods.pop(item.name, None)
-                    await self._gone(item)
-                else:
-                    self._pods[item.name] = item
-                    await self._seen(item)
-                self._rebuild_idle()
-                await self._tell()
+                await self._on_event(kind, item)
             except Exception:  # noqa: BLE001 — a bug on one event must not stop watching
                 log.exception("lending_event_failed")
+
+    async def _on_event(self, kind: str, item: Any) -> None:
+        """One event of the watch thread: ``ADDED``/``MODIFIED``/``DELETED`` with a
+        :class:`LentPod`, ``SYNC`` with every pod listed (after the watch expired), ``ERROR`` with
+        the failure's text; then the idle placeholders are recounted and reported."""
+        if kind == "ERROR":
+            self._metrics.scheduler_errors.labels(operation="read").inc()
+            log.error("scheduler_read_failed", extra={"scheduler": "kubernetes", "error": item})
+        elif kind == "SYNC":
+            listed = {p.name: p for p in item}
+            for name in [n for n in self._pods if n not in listed]:
+                await self._gone(self._pods.pop(name))
+            for p in listed.values():
+                self._pods[p.name] = p
+                await self._seen(p)
+        elif kind == "DELETED":
+            self._pods.pop(item.name, None)
+            await self._gone(item)
+        else:
+            self._pods[item.name] = item
+            await self._seen(item)
+        self._rebuild_idle()
+        await self._tell()
 
     async def _seen(self, pod: LentPod) -> None:
         """A pod added or changed: a lease pod being deleted → the lease is reclaimed with its
@@ -638,7 +646,10 @@ class KubernetesLending:
         except (ApiException, HTTPError, OSError) as e:
             raise KubernetesError(f"list pods in {self.namespace}: {e}") from e
         pods = [p for p in (parse_pod(item) for item in listed.items) if p is not None]
-        return pods, listed.metadata.resource_version
+        version = listed.metadata.resource_version if listed.metadata is not None else None
+        if not version:
+            raise KubernetesError(f"list pods in {self.namespace}: no resourceVersion in the answer")
+        return pods, version
 
     async def _list(self) -> tuple[list[LentPod], str]:
         async with self._gate:
@@ -646,7 +657,7 @@ class KubernetesLending:
 
     async def _create(self, node: str, slot: int) -> None:
         name = f"gpupool-{node}-gpu{slot}-{secrets.token_hex(3)}"[:63]
-        body = placeholder_pod(
+        body: Any = placeholder_pod(  # the client takes a manifest as well as a V1Pod
             name, node, slot, notice_s=self.notice_s, priority_class=self.priority_class, image=self.image,
             resource=self.resource,
         )  # fmt: skip
