@@ -337,10 +337,14 @@ class KubernetesLending:
         for lease_id, names in unnamed.items():
             self._background(self._annotate(live_ids[lease_id], names), f"hold-annotate-{lease_id}")
         self._rebuild_idle()
-        self._stop_watch.clear()
+        self._stop_watch = stop = threading.Event()  # this start's: a thread of an earlier one stays stopped
+        self._events = asyncio.Queue()
         loop = asyncio.get_running_loop()
         thread = threading.Thread(
-            target=self._watch_thread, args=(version, loop), name="broker-k8s-watch", daemon=True
+            target=self._watch_thread,
+            args=(version, loop, stop, self._events),
+            name="broker-k8s-watch",
+            daemon=True,
         )
         thread.start()
         self._loops = [
@@ -448,20 +452,24 @@ class KubernetesLending:
         return frozenset(self._idle.get(node, {}))
 
     # events --------------------------------------------------------------------------------------
-    def _watch_thread(self, version: str, loop: asyncio.AbstractEventLoop) -> None:
-        """Watch the lent namespace's pods from ``version`` and hand each event to the loop; after
-        an expired version (410) or a failure, list again (a ``SYNC`` event) and watch on."""
+    def _watch_thread(
+        self, version: str, loop: asyncio.AbstractEventLoop, stop: threading.Event,
+        events: asyncio.Queue[tuple[str, Any]],
+    ) -> None:  # fmt: skip
+        """Watch the lent namespace's pods from ``version`` and hand each event to ``events`` on
+        ``loop`` until ``stop`` is set; after an expired version (410) or a failure, list again (a
+        ``SYNC`` event) and watch on."""
         selector = f"{MANAGED_BY}={MANAGER}"
 
         def put(item: tuple[str, Any]) -> bool:
             try:
-                loop.call_soon_threadsafe(self._events.put_nowait, item)
+                loop.call_soon_threadsafe(events.put_nowait, item)
             except RuntimeError:  # the loop is closed: nobody listens any more
                 return False
             return True
 
         backoff = 0.1
-        while not self._stop_watch.is_set():
+        while not stop.is_set():
             w = watch.Watch()
             try:
                 for event in w.stream(
@@ -475,12 +483,12 @@ class KubernetesLending:
                     pod = parse_pod(event["object"])
                     if pod is not None and not put((event["type"], pod)):
                         return
-                    if self._stop_watch.is_set():
+                    if stop.is_set():
                         w.stop()
                 version = w.resource_version or version
                 backoff = 0.1
             except (ApiException, HTTPError, OSError, ValueError) as e:
-                if self._stop_watch.is_set():
+                if stop.is_set():
                     return
                 if not (isinstance(e, ApiException) and e.status == 410):
                     put(("ERROR", str(e)))
