@@ -810,7 +810,7 @@ def lending_from(settings: BrokerSettings, config: BrokerConfig, state_dir: Path
     ``kubeconfig`` (or the in-cluster service account) for ``"kubernetes"``, else a
     :class:`SlurmLending` on ``slurm_conf`` (its control folder ``slurm_output_dir``, or
     ``<state_dir>/broker-slurm``). Raises ``ValueError`` or ``OSError`` for an unreadable
-    ``slurm_gpu_map``/``k8s_gpu_map`` or kubeconfig."""
+    ``slurm_gpu_map`` or kubeconfig."""
     if settings.scheduler == "none":
         return NoLending()
     if settings.scheduler == "kubernetes":
@@ -822,7 +822,6 @@ def lending_from(settings: BrokerSettings, config: BrokerConfig, state_dir: Path
             priority_class=settings.k8s_priority_class,
             image=settings.k8s_image,
             resource=settings.k8s_gpu_resource,
-            gpu_map=GpuMap.load(settings.k8s_gpu_map),
             notice_s=config.notice_s,
             poll_s=settings.k8s_poll_s,
         )

@@ -14,11 +14,12 @@ takes them back with the lease's notice as the termination grace period.
   (so offered).
 * *GPU identity.* A pod asks for a count of ``nvidia.com/gpu``; which device the device plugin
   gave it is not in the pod object. The broker gives each placeholder a *slot* (label
-  ``gpupool.io/slot``, 0 .. allocatable - 1, at most one pod per slot), and slot ``n`` of node
-  ``h`` is the GPU key ``h/gpu<n>`` (or the UUID at index ``n`` of the ``k8s_gpu_map``,
-  :class:`broker.placeholders.GpuMap`). On a real cluster the map from slot to device comes from
-  the kubelet's PodResources API (``List``: the device ids allocated to each pod) or
-  dcgm-exporter's pod labels; kwok (the local cluster) has no device plugin, so there the slot is
+  ``gpupool.io/slot``, at most one pod per slot), and slot ``n`` of node ``h`` is the GPU key
+  ``h/gpu<n>`` (:class:`broker.placeholders.GpuMap` without UUIDs). Holding every free GPU of a
+  node holds the right devices by count, but slot ``n`` is not device ``n``: on a cluster with a
+  device plugin the key of each placeholder must be read after it starts, from the kubelet's
+  PodResources API (``List``: the device ids allocated to each pod) or dcgm-exporter's pod
+  labels. Not built: kwok (the local cluster) has no device plugin to read, so there the slot is
   the identity.
 * *Claims stay fast.* :meth:`~KubernetesLending.hold` takes the placeholders of the lease's GPUs in
   memory (no API call on the claim's path); their annotation ``gpupool.io/lease`` (the lease id),
@@ -229,7 +230,6 @@ class KubernetesLending:
         priority_class: the PriorityClass of lent pods (below every training priority).
         image: the placeholders' image.
         resource: the GPU extended resource.
-        gpu_map: slot ↔ GPU key.
         notice_s: the leases' notice = the pods' termination grace period, seconds.
         poll_s: seconds between two passes that keep placeholders on the GPUs to hold (in
             memory; API calls only for pods to create or delete).
@@ -248,7 +248,6 @@ class KubernetesLending:
         priority_class: str = "gpupool-lent",
         image: str = "registry.k8s.io/pause:3.10",
         resource: str = GPU_RESOURCE,
-        gpu_map: GpuMap | None = None,
         notice_s: float = 30.0,
         poll_s: float = 0.25,
         unwanted_grace_s: float = 5.0,
@@ -260,7 +259,8 @@ class KubernetesLending:
         self.priority_class = priority_class
         self.image = image
         self.resource = resource
-        self.gpu_map = gpu_map or GpuMap()
+        self.gpu_map = GpuMap()
+        """Slot ↔ GPU key ``<node>/gpu<slot>`` (module docstring)."""
         self.notice_s = notice_s
         self.poll_s = poll_s
         self.unwanted_grace_s = unwanted_grace_s

@@ -365,10 +365,6 @@ class BrokerSettings(BrokerPolicy):
     """Image of placeholder pods (they only hold their GPU)."""
     k8s_gpu_resource: str = Field(default="nvidia.com/gpu", pattern=r"^[A-Za-z0-9.-]+/[A-Za-z0-9_.-]+$")
     """The GPUs' extended resource (the device plugin's)."""
-    k8s_gpu_map: Path | None = None
-    """JSON file {"<node>": ["<GPU UUID of slot 0>", ...]} mapping placeholder slots to the GPU
-    UUIDs of the telemetry (from the kubelet's PodResources API or dcgm-exporter's pod labels);
-    none: GPU keys are <node>/gpu<slot>."""
     k8s_poll_s: float = Field(default=0.25, gt=0, le=5)
     """Seconds between two passes that keep placeholder pods on the GPUs to hold (in memory; the
     API is called only for pods to create or delete; preemptions come from a watch)."""
