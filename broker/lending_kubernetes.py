@@ -705,7 +705,9 @@ class KubernetesLending:
 
     async def _annotate(self, record: LeaseLogRecord, names: Sequence[str]) -> None:
         """Name the carved pods after the lease (annotation, label ``state=lease``) and set their
-        ``activeDeadlineSeconds`` to the lease's end (counted from each pod's start)."""
+        ``activeDeadlineSeconds`` to the lease's end, counted from the pod's creation (the kubelet
+        counts from its start, a little later: the pod may outlive the lease by that much when
+        gpupool is down, never end before it)."""
         for name in names:
             if record.lease_id not in self._leases:
                 return  # ended meanwhile: its pods are being deleted

@@ -91,6 +91,10 @@ class _Core:
 
     def __init__(self) -> None:
         self.deleted: list[tuple[str, int]] = []
+        self.patched: dict[str, dict[str, Any]] = {}
+
+    def patch_namespaced_pod(self, name: str, namespace: str, body: dict[str, Any], **_: Any) -> None:
+        self.patched[name] = body
 
     def delete_namespaced_pod(self, name: str, namespace: str, grace_period_seconds: int, **_: Any) -> None:
         self.deleted.append((name, grace_period_seconds))
@@ -190,3 +194,25 @@ def test_settings_choose_the_kubernetes_lending(tmp_path: Path) -> None:
         lending_from(
             BrokerSettings(scheduler="kubernetes", kubeconfig=tmp_path / "missing"), BrokerConfig(), tmp_path
         )
+
+
+async def test_a_reclaim_gpupool_starts_deletes_the_lease_pods_with_the_grace_left() -> None:
+    now = time.time()
+    lending, core = _lending(_Hooks(), now)
+    assert await lending.hold(_record("L1", 0, 1)) == ""
+    assert await lending.hold(_record("L2", 2)) == ""
+    deferred = _record("L2", 2).model_copy(
+        update={"state": LeaseState.RECLAIMING, "reclaim_deadline": now + 6.5}
+    )
+    lending.reclaiming(deferred)  # past the notice + 1 s: a guarantee defers it, its pod stays
+    reclaimed = _record("L1", 0, 1).model_copy(
+        update={"state": LeaseState.RECLAIMING, "reclaim_deadline": now + 6.0}
+    )
+    lending.reclaiming(reclaimed)  # notice + 1 s exactly: signalled now
+    lending.reclaiming(reclaimed)  # once
+    for t in list(lending._tasks):
+        await t
+    assert sorted(core.deleted) == [("ph0", 6), ("ph1", 6)]
+    # the carving was named in the background: the lease id, and the lease's end as the pod's deadline
+    assert core.patched["ph0"]["metadata"]["annotations"] == {LEASE_ANNOTATION: "L1"}
+    assert core.patched["ph2"]["metadata"]["annotations"] == {LEASE_ANNOTATION: "L2"}
