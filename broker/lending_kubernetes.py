@@ -233,8 +233,10 @@ class KubernetesLending:
         notice_s: the leases' notice = the pods' termination grace period, seconds.
         poll_s: seconds between two passes that keep placeholders on the GPUs to hold (in
             memory; API calls only for pods to create or delete).
-        unwanted_grace_s: an idle placeholder on a GPU no longer to hold is deleted after this
-            many seconds; one still unbound after this long too (training holds its GPU).
+        unwanted_grace_s: a placeholder (holding or still pending) on a GPU no longer to hold is
+            deleted after this many seconds; one on a GPU to hold stays, pending while training
+            holds the GPU (kube-scheduler places pending training pods first: higher priority),
+            so no pod is created and deleted again and again for it.
         clock: Unix time source.
     """
 
@@ -591,8 +593,8 @@ class KubernetesLending:
                 log.exception("lending_keep_failed")
 
     async def _keep(self) -> None:
-        """One pass (in memory): placeholders created for GPUs to hold without a pod, idle ones on
-        GPUs no longer to hold and unbound ones deleted after ``unwanted_grace_s``."""
+        """One pass (in memory): placeholders created for GPUs to hold without a pod, those on
+        GPUs no longer to hold deleted after ``unwanted_grace_s``."""
         now = self._clock()
         wanted = self._wanted()
         occupied = {(p.node, p.slot) for p in self._pods.values()} | self._creating
@@ -600,10 +602,7 @@ class KubernetesLending:
         for p in self._pods.values():
             if p.name in self._carved or p.lease_id or p.name in self._deleting or p.deleting_at is not None:
                 continue
-            if not p.holding:  # not placed (training holds its GPU) or not started: given a while
-                if now - p.created_at >= self.unwanted_grace_s:
-                    remove.append(p.name)
-            elif p.slot in wanted.get(p.node, ()):
+            if p.slot in wanted.get(p.node, ()):  # held, or pending until training frees the GPU
                 self._unwanted.pop(p.name, None)
             elif now - self._unwanted.setdefault(p.name, now) >= self.unwanted_grace_s:
                 remove.append(p.name)

@@ -216,3 +216,36 @@ async def test_a_reclaim_gpupool_starts_deletes_the_lease_pods_with_the_grace_le
     # the carving was named in the background: the lease id, and the lease's end as the pod's deadline
     assert core.patched["ph0"]["metadata"]["annotations"] == {LEASE_ANNOTATION: "L1"}
     assert core.patched["ph2"]["metadata"]["annotations"] == {LEASE_ANNOTATION: "L2"}
+
+
+async def test_placeholders_stay_on_gpus_to_hold_even_pending_and_go_unwanted_after_the_grace() -> None:
+    now = [1000.0]
+    hooks, wanted = _Hooks(), [f"{HOST}/gpu{s}" for s in (0, 1, 4)]
+    lending = KubernetesLending(client.ApiClient(), notice_s=5, unwanted_grace_s=5, clock=lambda: now[0])
+    core = _Core()
+    lending.core = core  # type: ignore[assignment]
+    lending.bind(LendingHooks(hooks.reclaim, lambda: wanted, hooks.lendable, lambda _: None), BrokerMetrics())
+    for slot, bound in ((0, True), (1, False), (2, True)):  # slot 1: pending (training holds its GPU)
+        pod = LentPod(
+            name=f"ph{slot}", node=HOST, slot=slot, phase="Running" if bound else "Pending", bound=bound
+        )
+        await lending._on_event("ADDED", pod)
+    created: list[tuple[str, int]] = []
+
+    async def create(node: str, slot: int) -> None:
+        created.append((node, slot))
+
+    lending._create = create  # type: ignore[method-assign]
+    await lending._keep()
+    for t in list(lending._tasks):
+        await t
+    assert created == [(HOST, 4)]  # the one GPU to hold without a pod; pending slot 1 not recreated
+    now[0] += 4.0
+    await lending._keep()
+    assert core.deleted == []  # slot 2 unwanted for less than the grace
+    now[0] += 1.0
+    await lending._keep()
+    for t in list(lending._tasks):
+        await t
+    assert core.deleted == [("ph2", 0)]
+    assert lending.idle_slots(HOST) == {0}
