@@ -77,18 +77,27 @@ class Watched:
     def _run(self) -> None:
         version = self.core.list_namespaced_pod(LENT).metadata.resource_version
         while not self._stop.is_set():
-            for event in watch.Watch().stream(
-                self.core.list_namespaced_pod, LENT, resource_version=version, timeout_seconds=2
-            ):
+            try:
+                for event in watch.Watch().stream(
+                    self.core.list_namespaced_pod, LENT, resource_version=version, timeout_seconds=2
+                ):
+                    now = time.time()
+                    version = event["object"].metadata.resource_version
+                    pod = parse_pod(event["object"])
+                    if pod is None:
+                        continue
+                    if event["type"] == "DELETED":
+                        self.gone.setdefault(pod.name, now)
+                    elif pod.deleting_at is not None and pod.name not in self.deleting:
+                        self.deleting[pod.name] = (now, pod.deleting_at, pod.disrupted_at)
+            except Exception as e:  # noqa: BLE001 — an expired version (410), a dropped stream: list again
+                print(f"benchmark watch: {type(e).__name__}: {e}; listing again", file=sys.stderr)
+                listed = self.core.list_namespaced_pod(LENT)
+                names = {p.metadata.name for p in listed.items}
                 now = time.time()
-                version = event["object"].metadata.resource_version
-                pod = parse_pod(event["object"])
-                if pod is None:
-                    continue
-                if event["type"] == "DELETED":
-                    self.gone.setdefault(pod.name, now)
-                elif pod.deleting_at is not None and pod.name not in self.deleting:
-                    self.deleting[pod.name] = (now, pod.deleting_at, pod.disrupted_at)
+                for name in [n for n in self.deleting if n not in names and n not in self.gone]:
+                    self.gone[name] = now
+                version = listed.metadata.resource_version
 
     def stop(self) -> None:
         self._stop.set()
@@ -170,9 +179,13 @@ async def _phase(
                 t1 = time.time()
                 await site.release(lease.lease_id)
                 if k8s is not None:
-                    while not all(p in seen.gone for p in pods):
+                    for _ in range(1000):  # 10 s at most
+                        if all(p in seen.gone for p in pods):
+                            out["hold_gone"].append(max(seen.gone[p] for p in pods) - t1)
+                            break
                         await asyncio.sleep(0.01)
-                    out["hold_gone"].append(max(seen.gone[p] for p in pods) - t1)
+                    else:
+                        print(f"lease {lease.lease_id}: pods {pods} not seen gone in 10 s", file=sys.stderr)
             if k8s is not None:
                 await _notices(api, seen, site, k8s, out)
     finally:

@@ -90,6 +90,9 @@ LEASE_ANNOTATION = "gpupool.io/lease"
 GPU_RESOURCE = "nvidia.com/gpu"
 _API_CONCURRENCY = 4
 _WATCH_TIMEOUT_S = 5
+_RELEASE_CHECK_S = 5.0
+"""Seconds a lease's end waits for its pods to go before reading them (then again, each as long)."""
+_RELEASE_TRIES = 6
 """Server-side timeout of one watch request (the thread notices a stop at least this often)."""
 
 
@@ -364,9 +367,9 @@ class KubernetesLending:
         )
 
     async def stop(self) -> None:
-        """See :meth:`broker.lending.Lending.stop`: the watch ends (within
-        :data:`_WATCH_TIMEOUT_S` seconds, in its thread), deletions in progress are awaited, the
-        pods stay."""
+        """See :meth:`broker.lending.Lending.stop`: releases in progress are awaited (at most
+        ``2 × _RELEASE_CHECK_S`` seconds), the watch ends (within :data:`_WATCH_TIMEOUT_S` seconds,
+        in its thread), the pods stay."""
         keep = [t for t in self._loops if t.get_name() == "broker-k8s-keep"]
         for t in keep:
             t.cancel()
@@ -374,7 +377,11 @@ class KubernetesLending:
         for t in list(self._tasks):
             if not t.get_name().startswith("hold-release"):
                 t.cancel()
-        await asyncio.gather(*list(self._tasks), return_exceptions=True)  # releases see their pods go
+        if self._tasks:  # releases see their pods go (through the watch), for a while
+            _, late = await asyncio.wait(list(self._tasks), timeout=2 * _RELEASE_CHECK_S)
+            for t in late:
+                t.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
         self._stop_watch.set()
         for t in self._loops:
             t.cancel()
@@ -489,7 +496,7 @@ class KubernetesLending:
                         w.stop()
                 version = w.resource_version or version
                 backoff = 0.1
-            except (ApiException, HTTPError, OSError, ValueError) as e:
+            except Exception as e:  # noqa: BLE001 — whatever broke the stream, the watch must go on
                 if stop.is_set():
                     return
                 if not (isinstance(e, ApiException) and e.status == 410):
@@ -738,22 +745,53 @@ class KubernetesLending:
 
     async def _release(self, lease_id: str, names: list[str]) -> None:
         """Delete the lease's pods with no grace and wait until the watch sees them gone;
-        observed in ``gpupool_broker_hold_release_seconds``."""
+        observed in ``gpupool_broker_hold_release_seconds``. Every :data:`_RELEASE_CHECK_S`
+        seconds without that, each pod left is read: one the API no longer has counts as gone
+        (the watch missed its deletion), one still there is deleted again (a failed or lost
+        delete); given up after :data:`_RELEASE_TRIES` checks (logged ``hold_release_slow``)."""
         t0 = time.perf_counter()
         await self._delete(names, 0, "release")
-        while time.perf_counter() - t0 < 5.0:
-            if not any(n in self._pods for n in names):
-                for n in names:
-                    self._carved.pop(n, None)
-                self._metrics.hold_release.observe(time.perf_counter() - t0)
-                log.info(
-                    "hold_released",
-                    extra={"lease_id": lease_id, "pods": names, "seconds": time.perf_counter() - t0},
+        for tries in range(1, _RELEASE_TRIES + 1):
+            while time.perf_counter() - t0 < tries * _RELEASE_CHECK_S:
+                if not any(n in self._pods for n in names):
+                    for n in names:
+                        self._carved.pop(n, None)
+                    self._metrics.hold_release.observe(time.perf_counter() - t0)
+                    log.info(
+                        "hold_released",
+                        extra={"lease_id": lease_id, "pods": names, "seconds": time.perf_counter() - t0},
+                    )
+                    return
+                await asyncio.sleep(0.02)
+            left = [n for n in names if n in self._pods]
+            self._metrics.scheduler_errors.labels(operation="release").inc()
+            log.error("hold_release_slow", extra={"lease_id": lease_id, "pods": left, "check": tries})
+            again: list[str] = []
+            for name in left:
+                try:
+                    async with self._gate:
+                        pod = await asyncio.to_thread(
+                            self.core.read_namespaced_pod, name, self.namespace, _request_timeout=10
+                        )
+                except ApiException as e:
+                    if e.status == 404 and name in self._pods:  # gone, and the watch missed it
+                        await self._on_event("DELETED", self._pods[name])
+                    continue
+                except (HTTPError, OSError):
+                    continue
+                meta = pod.metadata
+                log.warning(
+                    "hold_still_there",
+                    extra={
+                        "pod": name,
+                        "phase": pod.status.phase if pod.status else None,
+                        "deletion_timestamp": str(meta.deletion_timestamp) if meta else None,
+                        "finalizers": meta.finalizers if meta else None,
+                    },
                 )
-                return
-            await asyncio.sleep(0.02)
-        self._metrics.scheduler_errors.labels(operation="release").inc()
-        log.error("hold_release_slow", extra={"lease_id": lease_id, "pods": names})
+                again.append(name)
+            if again:
+                await self._delete(again, 0, "release")
 
     async def _notify(self, lease_id: str, deadline: float, reason: str) -> None:
         log.info(

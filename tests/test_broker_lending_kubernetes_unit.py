@@ -4,6 +4,7 @@ that choose it. The same code over the real control plane: tests/test_broker_len
 
 from __future__ import annotations
 
+import asyncio
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -11,9 +12,11 @@ from typing import Any
 
 import pytest
 from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
 from broker.config import BrokerConfig
 from broker.lending import LendingHooks, lending_from
+import broker.lending_kubernetes
 from broker.lending_kubernetes import (
     LEASE_ANNOTATION,
     NODE_LABEL,
@@ -92,9 +95,15 @@ class _Core:
     def __init__(self) -> None:
         self.deleted: list[tuple[str, int]] = []
         self.patched: dict[str, dict[str, Any]] = {}
+        self.missing: set[str] = set()
 
     def patch_namespaced_pod(self, name: str, namespace: str, body: dict[str, Any], **_: Any) -> None:
         self.patched[name] = body
+
+    def read_namespaced_pod(self, name: str, namespace: str, **_: Any) -> client.V1Pod:
+        if name in self.missing:
+            raise ApiException(status=404)
+        return _pod(name)
 
     def delete_namespaced_pod(self, name: str, namespace: str, grace_period_seconds: int, **_: Any) -> None:
         self.deleted.append((name, grace_period_seconds))
@@ -249,3 +258,20 @@ async def test_placeholders_stay_on_gpus_to_hold_even_pending_and_go_unwanted_af
         await t
     assert core.deleted == [("ph2", 0)]
     assert lending.idle_slots(HOST) == {0}
+
+
+async def test_a_release_the_watch_does_not_see_through_is_checked_and_deleted_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(broker.lending_kubernetes, "_RELEASE_CHECK_S", 0.1)
+    lending, core = _lending(_Hooks(), time.time())
+    assert await lending.hold(_record("L1", 0, 1)) == ""
+    core.missing = {"ph0"}  # ph0 is gone but its DELETED event was lost; ph1's delete was lost
+    lending.ended(_record("L1", 0, 1))
+    release = next(t for t in lending._tasks if t.get_name() == "hold-release-L1")
+    await asyncio.sleep(0.3)
+    assert "ph0" not in lending._pods  # counted gone
+    assert core.deleted.count(("ph1", 0)) >= 2  # deleted again
+    await lending._on_event("DELETED", lending._pods["ph1"])
+    await release
+    assert not lending._carved
