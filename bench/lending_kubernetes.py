@@ -56,6 +56,15 @@ LENT = "gpupool-lent"
 TRAINING = "training"
 
 
+async def _until(what: str, cond: Any, timeout_s: float = 30.0) -> None:
+    """Wait (polling every 20 ms) until ``cond()`` is true; ``TimeoutError`` naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while not await cond() if asyncio.iscoroutinefunction(cond) else not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout_s} s")
+        await asyncio.sleep(0.02)
+
+
 def _pct(values: list[float], q: float) -> float:
     """The q-quantile (0..1) of ``values``, nearest rank."""
     s = sorted(values)
@@ -158,10 +167,13 @@ async def _phase(
             n = 0
             while n < claims:
                 if k8s is not None:  # steady state: every GPU held by a placeholder, no release running
-                    while sum(len(k8s.idle_slots(h)) for h in NODES) < 8 * len(NODES) or any(
-                        t.get_name().startswith("hold-") for t in k8s._tasks
-                    ):
-                        await asyncio.sleep(0.02)
+                    await _until(
+                        "every GPU held by a placeholder, no release running",
+                        lambda: (
+                            sum(len(k8s.idle_slots(h)) for h in NODES) == 8 * len(NODES)
+                            and not any(t.get_name().startswith("hold-") for t in k8s._tasks)
+                        ),
+                    )
                 offer = next((o for o in site.known_offers.values() if o.gpus), None)
                 if offer is None:
                     await asyncio.sleep(0.01)
@@ -188,6 +200,13 @@ async def _phase(
                         print(f"lease {lease.lease_id}: pods {pods} not seen gone in 10 s", file=sys.stderr)
             if k8s is not None:
                 await _notices(api, seen, site, k8s, out)
+    except TimeoutError:
+        if k8s is not None:  # what the lending saw, to tell a lost event from a stuck pod
+            print(f"idle: { {h: sorted(k8s.idle_slots(h)) for h in NODES} }", file=sys.stderr)
+            print(f"not holding: {[p for p in k8s._pods.values() if not p.holding]}", file=sys.stderr)
+            print(f"creating {k8s._creating} deleting {k8s._deleting} leases {k8s._leases}", file=sys.stderr)
+            print(f"tasks {sorted(t.get_name() for t in k8s._tasks)}", file=sys.stderr)
+        raise
     finally:
         stop.set()
         await serve
@@ -196,10 +215,13 @@ async def _phase(
         core = client.CoreV1Api(api)
         await asyncio.to_thread(core.delete_collection_namespaced_pod, LENT, grace_period_seconds=0)
         await asyncio.to_thread(core.delete_collection_namespaced_pod, TRAINING, grace_period_seconds=0)
-        while (await asyncio.to_thread(core.list_namespaced_pod, LENT)).items or (
-            await asyncio.to_thread(core.list_namespaced_pod, TRAINING)
-        ).items:
-            await asyncio.sleep(0.1)
+
+        async def empty() -> bool:
+            lent = await asyncio.to_thread(core.list_namespaced_pod, LENT)
+            training = await asyncio.to_thread(core.list_namespaced_pod, TRAINING)
+            return not lent.items and not training.items
+
+        await _until("the lent and training namespaces empty", empty)
 
 
 async def _notices(
@@ -212,8 +234,7 @@ async def _notices(
     """One 8-GPU lease per node, then a 1-GPU training pod on each node (module docstring)."""
     core = client.CoreV1Api(api)
     for host in NODES:
-        while len(k8s.idle_slots(host)) < 8:
-            await asyncio.sleep(0.05)
+        await _until(f"8 placeholders on {host}", lambda host=host: len(k8s.idle_slots(host)) == 8)
 
     async def one(host: str) -> None:
         offer = None

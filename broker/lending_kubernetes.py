@@ -61,7 +61,7 @@ import secrets
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -739,9 +739,6 @@ class KubernetesLending:
                     "hold_annotate_failed",
                     extra={"lease_id": record.lease_id, "pod": name, "error": str(e)[:500]},
                 )
-            else:
-                if pod is not None:
-                    self._pods[name] = replace(self._pods.get(name, pod), lease_id=record.lease_id)
 
     async def _release(self, lease_id: str, names: list[str]) -> None:
         """Delete the lease's pods with no grace and wait until the watch sees them gone;

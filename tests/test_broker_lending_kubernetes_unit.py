@@ -5,6 +5,7 @@ that choose it. The same code over the real control plane: tests/test_broker_len
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -96,8 +97,11 @@ class _Core:
         self.deleted: list[tuple[str, int]] = []
         self.patched: dict[str, dict[str, Any]] = {}
         self.missing: set[str] = set()
+        self.hold_patch = threading.Event()
+        self.hold_patch.set()
 
     def patch_namespaced_pod(self, name: str, namespace: str, body: dict[str, Any], **_: Any) -> None:
+        self.hold_patch.wait(5)
         self.patched[name] = body
 
     def read_namespaced_pod(self, name: str, namespace: str, **_: Any) -> client.V1Pod:
@@ -275,3 +279,14 @@ async def test_a_release_the_watch_does_not_see_through_is_checked_and_deleted_a
     await lending._on_event("DELETED", lending._pods["ph1"])
     await release
     assert not lending._carved
+
+
+async def test_a_pod_deleted_while_its_carving_is_being_named_does_not_come_back() -> None:
+    lending, core = _lending(_Hooks(), time.time())
+    core.hold_patch.clear()  # the patch naming ph0 after L1 is still on its way
+    assert await lending.hold(_record("L1", 0)) == ""
+    await asyncio.sleep(0.05)
+    await lending._on_event("DELETED", lending._pods["ph0"])  # meanwhile the pod went
+    core.hold_patch.set()
+    await next(t for t in lending._tasks if t.get_name() == "hold-annotate-L1")
+    assert "ph0" not in lending._pods  # a slot with no pod gets a placeholder again
