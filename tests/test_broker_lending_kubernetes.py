@@ -189,13 +189,16 @@ async def test_evicts_only_the_gpus_training_needs(
         ):
             leases = []
             for left in range(8, 0, -1):  # every GPU of the node lent, one lease each
-                leases.append(
-                    await site.claim(
-                        await held_offer(site, lambda: len(lending.idle_slots(host)), host, left),
-                        count=1,
-                        duration_seconds=600,
-                    )
-                )
+                for _ in range(20):  # the offer the site saw may just have been replaced: claim again
+                    offer = await held_offer(site, lambda: len(lending.idle_slots(host)), host, left)
+                    try:
+                        leases.append(await site.claim(offer, count=1, duration_seconds=600))
+                        break
+                    except ClaimRejected as e:
+                        assert e.reply.code is ReasonCode.UNKNOWN_OFFER, e.reply
+                        await asyncio.sleep(0.05)
+                else:
+                    raise AssertionError(f"no lease on {host} with {left} GPUs left")
             assert not lending.idle_slots(host)
             kube.submit_training(host, needed)  # fewer than the 8 lent
             await until(lambda: len(seen.preempted()) >= needed, 15)
