@@ -180,7 +180,8 @@ def run(settings: DeploymentSettings) -> None:
     try:
         lending = lending_from(sb, config, settings.state_dir)
     except (OSError, ValueError) as e:
-        raise typer.BadParameter(str(e), param_hint="[broker] slurm_gpu_map") from None
+        hint = "[broker] kubeconfig" if sb.scheduler == "kubernetes" else "[broker] slurm_gpu_map"
+        raise typer.BadParameter(str(e), param_hint=hint) from None
     secret = settings.mqtt_password.get_secret_value() if settings.mqtt_password is not None else None
     tls = tls_options(settings.mqtt_cafile, settings.mqtt_certfile, settings.mqtt_keyfile)
 

@@ -10,7 +10,9 @@ GPUs are held for the lease; else why not, and the claim is refused ``isolation_
 :meth:`~Lending.endpoint` when it publishes a lease message (node → ``host:port`` of the lease's
 workload healthy there).
 
-:class:`NoLending` (``[broker] scheduler = "none"``) holds nothing. :class:`SlurmLending`
+:class:`NoLending` (``[broker] scheduler = "none"``) holds nothing;
+:class:`broker.lending_kubernetes.KubernetesLending` (``"kubernetes"``) holds with placeholder pods
+(that module's docstring). :class:`SlurmLending`
 (``"slurm"``) carves leases out of placeholder jobs (:mod:`broker.placeholders`): every GPU the
 book would offer (:meth:`broker.leases.LeaseBook.to_hold_for_lending`) is held ahead of time by
 a one-GPU job in the lent partition, and only GPUs held so are offered
@@ -866,11 +868,25 @@ class SlurmLending:
 
 def lending_from(settings: BrokerSettings, config: BrokerConfig, state_dir: Path) -> Lending:
     """The :class:`Lending` of the ``[broker]`` settings group: :class:`NoLending` for
-    ``scheduler = "none"``, else a :class:`SlurmLending` on ``slurm_conf`` (its control folder
-    ``slurm_output_dir``, or ``<state_dir>/broker-slurm``). Raises ``ValueError`` or ``OSError``
-    for an unreadable ``slurm_gpu_map``."""
+    ``scheduler = "none"``, a :class:`broker.lending_kubernetes.KubernetesLending` on
+    ``kubeconfig`` (or the in-cluster service account) for ``"kubernetes"``, else a
+    :class:`SlurmLending` on ``slurm_conf`` (its control folder ``slurm_output_dir``, or
+    ``<state_dir>/broker-slurm``). Raises ``ValueError`` or ``OSError`` for an unreadable
+    ``slurm_gpu_map`` or kubeconfig."""
     if settings.scheduler == "none":
         return NoLending()
+    if settings.scheduler == "kubernetes":
+        from broker.lending_kubernetes import KubernetesLending, kubernetes_client
+
+        return KubernetesLending(
+            kubernetes_client(settings.kubeconfig),
+            namespace=settings.k8s_namespace,
+            priority_class=settings.k8s_priority_class,
+            image=settings.k8s_image,
+            resource=settings.k8s_gpu_resource,
+            notice_s=config.notice_s,
+            poll_s=settings.k8s_poll_s,
+        )
     scheduler = SlurmScheduler(
         settings.slurm_conf, partition=settings.slurm_partition, gres_type=settings.slurm_gres_type or None
     )

@@ -328,9 +328,11 @@ class BrokerSettings(BrokerPolicy):
     """After the start, freeze the objects alive then and re-freeze the young survivors every
     second, with a full collection once an hour (broker.service.tune_gc): no full GC pause walks
     the lease book."""
-    scheduler: Annotated[Literal["none", "slurm"], Flag()] = "none"
+    scheduler: Annotated[Literal["none", "slurm", "kubernetes"], Flag()] = "none"
     """The training scheduler that fences lent GPUs: slurm (each lease held by jobs in the lent
-    partition and reclaimed by Slurm's own preemption, broker.lending) or none (leases are
+    partition and reclaimed by Slurm's own preemption, broker.lending), kubernetes (each lease held
+    by low-priority pods in the lent namespace and reclaimed by kube-scheduler's priority
+    preemption with the notice as grace period, broker.lending_kubernetes) or none (leases are
     bookkeeping and a fabric partition only)."""
     slurm_conf: Annotated[Path | None, Flag()] = None
     """slurm.conf of the cluster (SLURM_CONF of every Slurm command the broker runs); none: the
@@ -351,6 +353,21 @@ class BrokerSettings(BrokerPolicy):
     slurm_output_dir: Path | None = None
     """Where hold jobs write their output and read their workload's start file (on a filesystem the
     nodes share with the broker); none: a folder under GPUPOOL_STATE."""
+    kubeconfig: Annotated[Path | None, Flag()] = None
+    """kubeconfig of the Kubernetes cluster (scheduler = "kubernetes"); none: the in-cluster
+    service account of the broker's pod."""
+    k8s_namespace: str = Field(default="gpupool-lent", pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+    """The lent namespace: placeholder and lease pods (the broker's Role is granted there)."""
+    k8s_priority_class: str = Field(default="gpupool-lent", pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+    """PriorityClass of lent pods: a value below every training pod's priority and
+    preemptionPolicy Never, so kube-scheduler preempts them for training and they preempt nothing."""
+    k8s_image: str = Field(default="registry.k8s.io/pause:3.10", min_length=1)
+    """Image of placeholder pods (they only hold their GPU)."""
+    k8s_gpu_resource: str = Field(default="nvidia.com/gpu", pattern=r"^[A-Za-z0-9.-]+/[A-Za-z0-9_.-]+$")
+    """The GPUs' extended resource (the device plugin's)."""
+    k8s_poll_s: float = Field(default=0.25, gt=0, le=5)
+    """Seconds between two passes that keep placeholder pods on the GPUs to hold (in memory; the
+    API is called only for pods to create or delete; preemptions come from a watch)."""
     workloads: list[dict[str, Any]] = Field(default_factory=list)
     """The operator's workload profiles, [[broker.workloads]] tables with name, argv (template
     fields {port} {lease_id} {site} {gpus}), port_min, port_max, health_path, health_timeout_s,

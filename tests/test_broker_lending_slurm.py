@@ -1,9 +1,10 @@
 """Leases in Slurm end to end (broker/lending.py, broker/placeholders.py): the broker on a real
 Kafka and Mosquitto, lending the GPUs of the local Slurm cluster (deploy/local/slurm.sh, grace
-time :data:`tests.services.SLURM_GRACE_S` = the notice), a site on the SDK.
+time :data:`tests.services.SLURM_GRACE_S` = the notice), a site on the SDK: the site's workload on
+the lent GPUs, preempted with notice, and profiles only. Fencing and gpupool-down run for every
+scheduler in tests/test_broker_lending_schedulers.py.
 
-Each test uses a node of its own (the multi-node one two) and cancels every gpupool job when it
-ends."""
+Each test uses a node of its own and cancels every gpupool job when it ends."""
 
 from __future__ import annotations
 
@@ -23,16 +24,10 @@ import aiomqtt
 import httpx
 import pytest
 
-from broker.config import BrokerConfig
 from broker.edge import ClaimRejected, EdgeClient
 from broker.lending import SlurmLending
-from broker.scheduler_slurm import JOB_NAME, SlurmScheduler
-from broker.fabric import FabricManager
-from broker.service import BrokerService
 from broker.workloads import WorkloadProfile
 from contracts import (
-    CapacityUpdate,
-    GpuState,
     KafkaTopics,
     LeaseState,
     MqttTopics,
@@ -44,14 +39,24 @@ from contracts import (
 from contracts.bus import Bus
 from contracts.leases import Partition
 from contracts.mqtt import Requirements
-from tests.mqtt_support import running
+from tests.lending_support import SlurmUnderTest, edge_site, held_offer, idle_capacity, lending_broker, until
 from tests.services import SLURM_GRACE_S
 
 pytestmark = pytest.mark.timeout(120)
 
 PROFILE = WorkloadProfile(
     name="infer",
-    argv=(sys.executable, "-m", "simulator.inference_server", "--port", "{port}", "--drain-s", "2", "--quiet-s", "0.3"),
+    argv=(
+        sys.executable,
+        "-m",
+        "simulator.inference_server",
+        "--port",
+        "{port}",
+        "--drain-s",
+        "2",
+        "--quiet-s",
+        "0.3",
+    ),
     port_min=28100,
     port_max=28199,
     health_timeout_s=20,
@@ -60,157 +65,35 @@ WIDE = PROFILE.model_copy(update={"name": "infer-wide", "cpus_per_gpu": 2, "port
 """A profile needing 2 CPUs per GPU: every placeholder then asks Slurm for 2."""
 
 
-def _env(conf: Path) -> dict[str, str]:
-    return {**os.environ, "SLURM_CONF": str(conf)}
-
-
-def _sbatch_training(conf: Path, host: str, gpus: int) -> str:
-    done = subprocess.run(
-        ["sbatch", "--parsable", "-p", "training", "-w", host, f"--gres=gpu:h100:{gpus}", "-c", "1",
-         "-o", "/dev/null", "--wrap", "sleep 60"],
-        capture_output=True, text=True, env=_env(conf), check=True,
-    )  # fmt: skip
-    return done.stdout.strip()
-
-
-def _state(conf: Path, job: str) -> str:
-    done = subprocess.run(
-        ["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True, env=_env(conf), check=False
-    )
-    return done.stdout.strip() or "GONE"
-
-
-def _lent_jobs(conf: Path, host: str) -> list[str]:
-    """Running gpupool jobs on ``host``."""
-    done = subprocess.run(
-        ["squeue", "-h", "-n", JOB_NAME, "-w", host, "-t", "RUNNING", "-o", "%i"],
-        capture_output=True, text=True, env=_env(conf), check=True,
-    )  # fmt: skip
-    return done.stdout.split()
-
-
 @pytest.fixture
-def slurm_clean(slurm_conf: Path) -> Iterator[Path]:
-    """``slurm_conf``; every gpupool and training job cancelled after the test."""
-    yield slurm_conf
-    subprocess.run(["scancel", "-n", JOB_NAME], env=_env(slurm_conf), check=False)
-    subprocess.run(["scancel", "-p", "training"], env=_env(slurm_conf), check=False)
-
-
-async def _idle(
-    bus: Bus, topics: KafkaTopics, host: str, gpus: int = 8, leaf: str | None = None, state: GpuState = GpuState.IDLE
-) -> None:
-    """Capacity: every GPU of ``host`` idle (keys ``<host>/gpu<index>``, as the GPU map reads
-    them), under leaf switch ``leaf``, or in ``state`` (busy: training runs there)."""
-    producer = bus.producer()
-    await producer.start()
-    now = time.time()
-    for i in range(gpus):
-        u = CapacityUpdate(
-            ts=now, host=host, gpu_uuid=f"gpu{i}", state=state, since=now - 60, leaf=leaf,
-            predicted_idle_until=now + 3600 if state is GpuState.IDLE else None, model_name="NVIDIA H100 80GB HBM3",
-        )  # fmt: skip
-        await producer.send(topics.capacity, encode(u), key=u.key)
-    await producer.flush()
-    await producer.stop()
-
-
-def _lending(conf: Path, tmp_path: Path, profiles: tuple[WorkloadProfile, ...] = (PROFILE,)) -> SlurmLending:
-    return SlurmLending(
-        SlurmScheduler(conf),
-        workloads=profiles,
-        notice_s=SLURM_GRACE_S,
-        control_dir=tmp_path / "slurm",
-        poll_s=0.2,
-    )
-
-
-@contextlib.asynccontextmanager
-async def _broker(
-    bus: Bus, topics: KafkaTopics, creds: dict[str, Any], lending: SlurmLending, fabric: FabricManager | None = None
-) -> AsyncIterator[BrokerService]:
-    cfg = BrokerConfig(
-        offer_ttl_s=60, notice_s=SLURM_GRACE_S, lease_ttl_s=60, tick_s=0.1, workloads=lending.workloads,
-        group_id=f"g-{uuid.uuid4().hex}",
-    )  # fmt: skip
-    svc = BrokerService(
-        bus=bus, topics=topics, mqtt_host=creds["host"], mqtt_port=creds["port"],
-        mqtt_username="gpupool-broker", mqtt_password=creds["users"]["gpupool-broker"], root=creds["root"],
-        protocol=5, config=cfg, client_id=f"broker-{uuid.uuid4().hex[:8]}", lending=lending, fabric=fabric,
-    )  # fmt: skip
-    async with running(svc):
-        yield svc
-
-
-def _site(creds: dict[str, Any], name: str = "edge-a") -> EdgeClient:
-    return EdgeClient(
-        site=name, host=creds["host"], port=creds["port"], username=name, password=creds["users"][name],
-        root=creds["root"], protocol=5, client_id=f"{name}-{uuid.uuid4().hex[:8]}",
-        reconnect_min_s=0.1, reconnect_max_s=0.5,
-    )  # fmt: skip
-
-
-async def _offer_with_holds(site: EdgeClient, lending: SlurmLending, host: str, gpus: int) -> str:
-    """The offer of ``host`` once placeholders hold at least ``gpus`` of its GPUs."""
-    for _ in range(200):
-        offer = next((o for o in site.known_offers.values() if o.host == host), None)
-        if offer is not None and len(lending._idle.get(host, {})) >= gpus:
-            return offer.offer_id
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"no offer of {host} with {gpus} GPUs held by placeholders")
+def slurm(slurm_conf: Path, tmp_path: Path) -> Iterator[SlurmUnderTest]:
+    """The local Slurm cluster as the shared lending tests drive it; every gpupool and training
+    job cancelled after the test."""
+    sched = SlurmUnderTest(slurm_conf, tmp_path / "slurm", SLURM_GRACE_S, workloads=(PROFILE,))
+    yield sched
+    sched.clean()
 
 
 @contextlib.asynccontextmanager
 async def _lent_node(
-    bus: Bus, topics: KafkaTopics, creds: dict[str, Any], conf: Path, tmp_path: Path, host: str
+    bus: Bus, topics: KafkaTopics, creds: dict[str, Any], slurm: SlurmUnderTest, host: str
 ) -> AsyncIterator[tuple[SlurmLending, EdgeClient, str]]:
     """Every GPU of ``host`` idle, a broker lending through Slurm, a site: (lending, site, the
     offer of ``host`` once placeholders hold its 8 GPUs)."""
-    lending = _lending(conf, tmp_path)
-    await _idle(bus, topics, host)
-    async with _broker(bus, topics, creds, lending), _site(creds) as site:
-        yield lending, site, await _offer_with_holds(site, lending, host, 8)
-
-
-async def _until(cond: Any, timeout_s: float, step_s: float = 0.05) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        if cond():
-            return time.monotonic() - t0
-        await asyncio.sleep(step_s)
-    raise AssertionError(f"not within {timeout_s} s")
-
-
-async def test_fencing_training_pends_while_the_lease_lives_and_runs_once_it_is_released(
-    kafka_bus: Bus, kafka_stage_topics: KafkaTopics, mosquitto: dict[str, Any], slurm_clean: Path, tmp_path: Path
-) -> None:
-    conf, host = slurm_clean, "gpu-node-001"
-    async with _lent_node(kafka_bus, kafka_stage_topics, mosquitto, conf, tmp_path, host) as (lending, site, offer):
-        lease = await site.claim(offer, count=8, duration_seconds=600)
-        held = lending.held_gpus()[lease.lease_id]
-        assert held == tuple(range(8))  # what Slurm allocated, mapped to the lease's GPU keys
-        assert sorted(lease.gpus) == sorted(f"{host}/gpu{i}" for i in held)
-        await _until(lambda: len(_lent_jobs(conf, host)) == 8, 5)
-        train = _sbatch_training(conf, host, 1)
-        # Slurm chooses a lent hold for preemption: the lease is reclaimed, the job pends meanwhile
-        msg = await site.wait_lease(lease.lease_id, lambda m: m.state is LeaseState.RECLAIMING, 5)
-        assert msg.reason.startswith("scheduler_preempted:")
-        assert _state(conf, train) == "PENDING"
-        await asyncio.sleep(1.0)
-        assert _state(conf, train) == "PENDING"  # a second later: still fenced
-        t0 = time.monotonic()
-        await site.release(lease.lease_id)
-        gone_s = await _until(lambda: not _lent_jobs(conf, host), 3.0, 0.02)
-        assert gone_s <= 1.0, f"hold still running {gone_s:.2f} s after the release"
-        run_s = await _until(lambda: _state(conf, train) == "RUNNING", 10)
-        print(f"hold gone {gone_s:.3f} s after release; training RUNNING {time.monotonic() - t0:.3f} s after ({run_s:.3f})")
+    lending = slurm.lending()
+    await idle_capacity(bus, topics, host)
+    async with (
+        lending_broker(bus, topics, creds, lending, SLURM_GRACE_S, (PROFILE,)),
+        edge_site(creds) as site,
+    ):
+        yield lending, site, await held_offer(site, lambda: slurm.idle_held(lending, host), host, 8)
 
 
 async def test_slurm_preempts_a_lease_the_site_gets_the_deadline_the_workload_drains_the_lease_is_revoked(
-    kafka_bus: Bus, kafka_stage_topics: KafkaTopics, mosquitto: dict[str, Any], slurm_clean: Path, tmp_path: Path
+    kafka_bus: Bus, kafka_stage_topics: KafkaTopics, mosquitto: dict[str, Any], slurm: SlurmUnderTest
 ) -> None:
-    conf, host = slurm_clean, "gpu-node-002"
-    async with _lent_node(kafka_bus, kafka_stage_topics, mosquitto, conf, tmp_path, host) as (lending, site, offer):
+    host = "gpu-node-002"
+    async with _lent_node(kafka_bus, kafka_stage_topics, mosquitto, slurm, host) as (lending, site, offer):
         lease = await site.claim(offer, count=2, duration_seconds=600, workload="infer")
         assert lease.workload == "infer"
         ready = await site.wait_lease(lease.lease_id, lambda m: m.endpoint is not None, 20)
@@ -220,7 +103,7 @@ async def test_slurm_preempts_a_lease_the_site_gets_the_deadline_the_workload_dr
             assert sorted(answer["gpus"]) == list(lending.held_gpus()[lease.lease_id])
             assert answer["lease_id"] == lease.lease_id
             submitted = time.time()
-            train = _sbatch_training(conf, host, 8)  # needs the lent GPUs
+            train = slurm.submit_training(host, 8)  # needs the lent GPUs
             msg = await site.wait_lease(lease.lease_id, lambda m: m.state is LeaseState.RECLAIMING, 5)
             notice_s = time.time() - submitted
             assert msg.reclaim_deadline is not None
@@ -237,19 +120,23 @@ async def test_slurm_preempts_a_lease_the_site_gets_the_deadline_the_workload_dr
                     break
                 await asyncio.sleep(0.05)
             assert status in (503, -1)
-        assert _state(conf, train) == "PENDING"
-        revoked = await site.wait_lease(lease.lease_id, lambda m: m.state is LeaseState.REVOKED, SLURM_GRACE_S + 5)
+        assert slurm.training_state(train) == "pending"
+        revoked = await site.wait_lease(
+            lease.lease_id, lambda m: m.state is LeaseState.REVOKED, SLURM_GRACE_S + 5
+        )
         assert revoked.ts <= msg.reclaim_deadline + 1.0
-        await _until(lambda: _state(conf, train) == "RUNNING", msg.reclaim_deadline - time.time() + 5)
-        print(f"notice at the site {notice_s:.3f} s after the training submit; deadline {msg.reclaim_deadline - submitted:.2f} s")
+        await until(lambda: slurm.training_state(train) == "running", msg.reclaim_deadline - time.time() + 5)
+        print(
+            f"notice at the site {notice_s:.3f} s after the training submit; deadline {msg.reclaim_deadline - submitted:.2f} s"
+        )
 
 
 async def test_workload_profiles_only_and_never_a_command(
-    kafka_bus: Bus, kafka_stage_topics: KafkaTopics, mosquitto: dict[str, Any], slurm_clean: Path, tmp_path: Path
+    kafka_bus: Bus, kafka_stage_topics: KafkaTopics, mosquitto: dict[str, Any], slurm: SlurmUnderTest
 ) -> None:
-    conf, host = slurm_clean, "gpu-node-003"
+    host = "gpu-node-003"
     mt = MqttTopics(mosquitto["root"])
-    async with _lent_node(kafka_bus, kafka_stage_topics, mosquitto, conf, tmp_path, host) as (lending, site, offer):
+    async with _lent_node(kafka_bus, kafka_stage_topics, mosquitto, slurm, host) as (lending, site, offer):
         with pytest.raises(ClaimRejected) as refused:
             await site.claim(offer, count=1, workload="bitcoin-miner")
         assert refused.value.reply.code is ReasonCode.UNKNOWN_WORKLOAD
@@ -272,7 +159,9 @@ async def test_workload_profiles_only_and_never_a_command(
         ready = await site.wait_lease(lease.lease_id, lambda m: m.endpoint is not None, 20)
         async with httpx.AsyncClient(timeout=2.0) as http:
             answer = (await http.post(f"http://{ready.endpoint}/v1/infer", json={})).json()
-        assert sorted(answer["gpus"]) == list(lending.held_gpus()[lease.lease_id]) and len(answer["gpus"]) == 3
+        assert (
+            sorted(answer["gpus"]) == list(lending.held_gpus()[lease.lease_id]) and len(answer["gpus"]) == 3
+        )
         # an operator's training demand (not Slurm) reclaims it: the workload gets SIGTERM at the notice
         producer = kafka_bus.producer()
         await producer.start()
@@ -295,23 +184,6 @@ async def test_workload_profiles_only_and_never_a_command(
                 break
             await asyncio.sleep(0.05)
         assert await draining(), "the workload did not get SIGTERM at the notice"
-
-
-async def test_gpupool_down_training_still_takes_the_lent_gpus(
-    kafka_bus: Bus, kafka_stage_topics: KafkaTopics, mosquitto: dict[str, Any], slurm_clean: Path, tmp_path: Path
-) -> None:
-    conf, host = slurm_clean, "gpu-node-004"
-    async with _lent_node(kafka_bus, kafka_stage_topics, mosquitto, conf, tmp_path, host) as (lending, site, offer):
-        await site.claim(offer, count=4, duration_seconds=600, workload="infer")
-        await _until(lambda: bool(lending.held_gpus()), 2)
-    # every gpupool process of this test is stopped (broker, its watcher, the site); Slurm alone
-    assert lending._watch is None
-    await _until(lambda: len(_lent_jobs(conf, host)) == 8, 5)
-    submitted = time.monotonic()
-    train = _sbatch_training(conf, host, 8)
-    run_s = await _until(lambda: _state(conf, train) == "RUNNING", SLURM_GRACE_S + 10, 0.1)
-    assert not _lent_jobs(conf, host)
-    print(f"training needing the lent GPUs RUNNING {time.monotonic() - submitted:.3f} s after submit ({run_s:.3f})")
 
 
 class _OnePartition:
@@ -337,23 +209,28 @@ class _OnePartition:
 def _num_cpus(conf: Path, job: str) -> int:
     """``NumCPUs`` of a job as Slurm reports it (``scontrol show job -o``)."""
     out = subprocess.run(
-        ["scontrol", "show", "job", "-o", job], capture_output=True, text=True, env=_env(conf), check=True
-    ).stdout
+        ["scontrol", "show", "job", "-o", job], capture_output=True, text=True,
+        env={**os.environ, "SLURM_CONF": str(conf)}, check=True,
+    ).stdout  # fmt: skip
     return int(next(f for f in out.split() if f.startswith("NumCPUs=")).split("=", 1)[1])
 
 
 async def test_workload_gets_the_profile_cpus_reserved_by_slurm_and_runs_inside_the_lease_partition(
-    kafka_bus: Bus, kafka_stage_topics: KafkaTopics, mosquitto: dict[str, Any], slurm_clean: Path, tmp_path: Path
+    kafka_bus: Bus, kafka_stage_topics: KafkaTopics, mosquitto: dict[str, Any], slurm: SlurmUnderTest
 ) -> None:
-    conf, host = slurm_clean, "gpu-node-001"
-    lending = _lending(conf, tmp_path, (PROFILE, WIDE))
+    host = "gpu-node-001"
+    wide = SlurmUnderTest(slurm.conf, slurm.control_dir, SLURM_GRACE_S, workloads=(PROFILE, WIDE))
+    lending = wide.lending()
     assert lending.placeholder_cpus == 2
-    await _idle(kafka_bus, kafka_stage_topics, host)
+    await idle_capacity(kafka_bus, kafka_stage_topics, host)
     fabric = _OnePartition()
-    async with _broker(kafka_bus, kafka_stage_topics, mosquitto, lending, fabric), _site(mosquitto) as site:
-        offer = await _offer_with_holds(site, lending, host, 8)
-        jobs = _lent_jobs(conf, host)
-        assert len(jobs) == 8 and {_num_cpus(conf, j) for j in jobs} == {2}  # Slurm reserved 2 CPUs per GPU
+    async with (
+        lending_broker(kafka_bus, kafka_stage_topics, mosquitto, lending, SLURM_GRACE_S, (PROFILE, WIDE), fabric),
+        edge_site(mosquitto) as site,
+    ):
+        offer = await held_offer(site, lambda: wide.idle_held(lending, host), host, 8)
+        jobs = wide.lent_holding(host)
+        assert len(jobs) == 8 and {_num_cpus(slurm.conf, j) for j in jobs} == {2}  # 2 CPUs per GPU reserved
         lease = await site.claim(offer, count=3, duration_seconds=600, workload="infer-wide")
         assert lease.partition is not None and lease.partition.pkey == 0x0123
         (url,) = await site.wait_endpoints(lease.lease_id, 20)
@@ -366,9 +243,9 @@ async def test_workload_gets_the_profile_cpus_reserved_by_slurm_and_runs_inside_
         if not Path("/sys/class/infiniband").exists():
             assert "NCCL_IB_PKEY" not in env  # no P_Key table on this node: NCCL's default index
         assert answer["node"] == host and len(answer["gpus"]) == 3
-        # the same profiles without fabric isolation: no InfiniBand knob at all (checked in
-        # tests/test_broker_workloads.py); the plain profile's budget is its 1 CPU per GPU
-        rest = await _offer_with_holds(site, lending, host, 5)
+        # the plain profile's budget is its 1 CPU per GPU (without fabric isolation no InfiniBand
+        # knob at all: tests/test_broker_workloads.py)
+        rest = await held_offer(site, lambda: wide.idle_held(lending, host), host, 5)
         plain = await site.claim(rest, count=2, workload="infer")
         (url2,) = await site.wait_endpoints(plain.lease_id, 20)
         async with httpx.AsyncClient(timeout=2.0) as http:
@@ -377,15 +254,18 @@ async def test_workload_gets_the_profile_cpus_reserved_by_slurm_and_runs_inside_
 
 
 async def test_a_lease_on_two_nodes_runs_its_workload_on_each_and_a_restarted_broker_adopts_both(
-    kafka_bus: Bus, kafka_stage_topics: KafkaTopics, mosquitto: dict[str, Any], slurm_clean: Path, tmp_path: Path
+    kafka_bus: Bus, kafka_stage_topics: KafkaTopics, mosquitto: dict[str, Any], slurm: SlurmUnderTest
 ) -> None:
-    conf, hosts = slurm_clean, ["gpu-node-002", "gpu-node-003"]
-    lending = _lending(conf, tmp_path)
+    hosts = ["gpu-node-002", "gpu-node-003"]
+    lending = slurm.lending()
     for h in hosts:
-        await _idle(kafka_bus, kafka_stage_topics, h, leaf="leaf-t")
-    async with _broker(kafka_bus, kafka_stage_topics, mosquitto, lending), _site(mosquitto) as site:
+        await idle_capacity(kafka_bus, kafka_stage_topics, h, leaf="leaf-t")
+    async with (
+        lending_broker(kafka_bus, kafka_stage_topics, mosquitto, lending, SLURM_GRACE_S, (PROFILE,)),
+        edge_site(mosquitto) as site,
+    ):
         for h in hosts:
-            await _offer_with_holds(site, lending, h, 8)
+            await held_offer(site, lambda h=h: slurm.idle_held(lending, h), h, 8)
         lease = await site.request(12, Requirements(), duration_seconds=600, workload="infer")
         assert lease.hosts == hosts and lease.reason == "match:leaf"
         urls = await site.wait_endpoints(lease.lease_id, 30)
@@ -400,9 +280,12 @@ async def test_a_lease_on_two_nodes_runs_its_workload_on_each_and_a_restarted_br
         assert answers[0]["pid"] != answers[1]["pid"]
         assert len(set(urls)) == 2  # both nodes listen on 127.0.0.1 here: the ports differ
     # the broker stopped; its holds and both instances run on. A new one adopts them.
-    again = _lending(conf, tmp_path)
-    async with _broker(kafka_bus, kafka_stage_topics, mosquitto, again), _site(mosquitto) as site2:
-        await _until(lambda: len(again.endpoint(lease.lease_id)) == 2, 20)
+    again = slurm.lending()
+    async with (
+        lending_broker(kafka_bus, kafka_stage_topics, mosquitto, again, SLURM_GRACE_S, (PROFILE,)),
+        edge_site(mosquitto) as site2,
+    ):
+        await until(lambda: len(again.endpoint(lease.lease_id)) == 2, 20)
         assert [again.endpoint(lease.lease_id)[h] for h in hosts] == urls
         assert again.held_gpus()[lease.lease_id] == tuple(sorted(i for v in held.values() for i in v))
         await site2.release(lease.lease_id)

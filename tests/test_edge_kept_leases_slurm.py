@@ -8,9 +8,9 @@ deadline. The numbers at scale: bench/edge_reclaim.py."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,21 +22,19 @@ from contracts import GpuState, KafkaTopics
 from contracts.bus import Bus
 from simulator.load import OpenLoopLoad, probe
 from tests.services import SLURM_GRACE_S
-from tests.test_broker_lending_slurm import (  # the same broker, lending and cluster helpers
-    _broker,
-    _env,
-    _idle,
-    _lending,
-    _sbatch_training,
-    _site,
-    _state,
-    _until,
-    slurm_clean,  # noqa: F401 — the fixture that cancels every job after the test
-)
+from tests.lending_support import SlurmUnderTest, edge_site, idle_capacity, lending_broker, until
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("slurm_clean")]
+pytestmark = pytest.mark.timeout(240)
 
 NODES = [f"gpu-node-00{i}" for i in (1, 2, 3, 4)]
+
+
+@pytest.fixture
+def slurm(slurm_conf: Path, tmp_path: Path) -> Iterator[SlurmUnderTest]:
+    """The local Slurm cluster lending with :data:`PROFILE`; every job cancelled after the test."""
+    sched = SlurmUnderTest(slurm_conf, tmp_path / "slurm", SLURM_GRACE_S, workloads=(PROFILE,))
+    yield sched
+    sched.clean()
 RECLAIMS = 2
 PROFILE = WorkloadProfile(
     name="infer-kept",
@@ -63,15 +61,17 @@ async def test_a_kept_lease_is_handed_over_through_slurm_reclaims_without_a_fail
     kafka_bus: Bus,
     kafka_stage_topics: KafkaTopics,
     mosquitto: dict[str, Any],
-    slurm_conf: Path,
-    tmp_path: Path,
+    slurm: SlurmUnderTest,
 ) -> None:
-    conf, topics = slurm_conf, kafka_stage_topics
-    lending = _lending(conf, tmp_path, (PROFILE,))
+    topics = kafka_stage_topics
+    lending = slurm.lending()
     for host in NODES:
-        await _idle(kafka_bus, topics, host)
+        await idle_capacity(kafka_bus, topics, host)
     stop = asyncio.Event()
-    async with _broker(kafka_bus, topics, mosquitto, lending), _site(mosquitto) as site:
+    async with (
+        lending_broker(kafka_bus, topics, mosquitto, lending, SLURM_GRACE_S, (PROFILE,)),
+        edge_site(mosquitto) as site,
+    ):
         async with KeptLeases(
             site, target=1, workload=PROFILE.name, renew_every_s=5, ready_timeout_s=40,
             drain_timeout_s=SLURM_GRACE_S, probe=lambda ep, lid: probe(ep, lid, warmup=5),
@@ -81,19 +81,19 @@ async def test_a_kept_lease_is_handed_over_through_slurm_reclaims_without_a_fail
             load = OpenLoopLoad(kept.endpoints, rate_per_s=100)
             driving = asyncio.create_task(load.run(stop))
             for n in range(RECLAIMS):
-                await _until(lambda: len(kept.endpoints.serving) == 1 and len(kept.leases) == 1, 60)
+                await until(lambda: len(kept.endpoints.serving) == 1 and len(kept.leases) == 1, 60)
                 await asyncio.sleep(1.0)
                 (lease_id,) = kept.leases
                 host = site.known_leases[lease_id].hosts[0]
-                await _idle(kafka_bus, topics, host, state=GpuState.BUSY)  # what analytics sees
-                job = _sbatch_training(conf, host, 8)  # needs the lease's GPUs back
-                await _until(
+                await idle_capacity(kafka_bus, topics, host, state=GpuState.BUSY)  # what analytics sees
+                job = slurm.submit_training(host, 8)  # needs the lease's GPUs back
+                await until(
                     lambda n=n: len(kept.handovers) > n and kept.handovers[n].released_at is not None, 30
                 )
-                await _until(lambda job=job: _state(conf, job) == "RUNNING", 15, 0.2)  # the GPUs went back
-                subprocess.run(["scancel", job], env=_env(conf), check=True)
-                await _until(lambda job=job: _state(conf, job) == "GONE", 15, 0.2)
-                await _idle(kafka_bus, topics, host)
+                await until(lambda job=job: slurm.training_state(job) == "running", 15, 0.2)  # the GPUs went back
+                slurm.cancel(job)
+                await until(lambda job=job: slurm.training_state(job) == "GONE", 15, 0.2)
+                await idle_capacity(kafka_bus, topics, host)
             await asyncio.sleep(1.0)
             stop.set()
             await driving

@@ -15,7 +15,10 @@ Usage: ``python kubernetes_setup.py COMMAND --kubeconfig PATH [options]``, comma
   ResourceFlavor ``gpu`` (node label ``nvidia.com/gpu.present=true``), ClusterQueue ``training``
   (nominal quota = what the nodes hold: ``--nodes`` × ``--gpus`` GPUs, × ``--cpus``, × ``--memory``;
   preemption of lower-priority workloads within the queue), namespace ``training`` and its
-  LocalQueue ``training``; then wait until the ClusterQueue is ``Active``.
+  LocalQueue ``training``; namespace ``gpupool`` and what gpupool's broker needs to lend GPUs
+  (``deploy/kubernetes/lending/lending.yaml``: namespace ``gpupool-lent``, PriorityClass
+  ``gpupool-lent``, the broker's ServiceAccount and Role); then wait until the ClusterQueue is
+  ``Active``.
 * ``ready``: exit 0 at once if the API answers, every node is ``Ready`` with ``--gpus`` allocatable
   GPUs and Kueue's ``/readyz`` (``--kueue-health``) answers; used by ``status``.
 * ``nodes``: wait until every node is ``Ready`` with ``--gpus`` allocatable ``nvidia.com/gpu``.
@@ -65,6 +68,8 @@ KUEUE_WEBHOOK_PATHS = ("-kueue-x-k8s-io-", "-batch-v1-job")
 GPU = "nvidia.com/gpu"
 TRAINING = "training"
 FLAVOR = "gpu"
+LENDING_YAML = Path(__file__).resolve().parents[1] / "kubernetes" / "lending" / "lending.yaml"
+"""What gpupool's broker needs to lend GPUs (the file an operator applies to a real cluster)."""
 
 
 class NotReady(Exception):
@@ -281,7 +286,9 @@ def queue_objects(nodes: int, gpus: int, cpus: int, memory: str) -> list[dict[st
 def queues(api: client.ApiClient, args: argparse.Namespace) -> None:
     """The ``queues`` command (see the module docstring)."""
     dyn = dynamic.DynamicClient(api)
-    for obj in queue_objects(args.nodes, args.gpus, args.cpus, args.memory):
+    lending = [d for d in yaml.safe_load_all(LENDING_YAML.read_text()) if d]
+    gpupool_ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "gpupool"}}
+    for obj in [*queue_objects(args.nodes, args.gpus, args.cpus, args.memory), gpupool_ns, *lending]:
         _wait(f"apply {obj['kind']} {obj['metadata']['name']}", lambda o=obj: _apply(dyn, o), args.timeout, args.pid)
     custom = client.CustomObjectsApi(api)
 
