@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kubernetes import client, config, watch  # noqa: E402
 
 from broker.config import BrokerConfig  # noqa: E402
-from broker.edge import ClaimRejected, EdgeClient  # noqa: E402
+from bench.support.claims import claim_one_gpu  # noqa: E402
+from broker.edge import EdgeClient  # noqa: E402
 from broker.lending import Lending, NoLending  # noqa: E402
 from broker.lending_kubernetes import KubernetesLending, parse_pod  # noqa: E402
 from broker.service import BrokerService  # noqa: E402
@@ -174,18 +175,9 @@ async def _phase(
                             and not any(t.get_name().startswith("hold-") for t in k8s._tasks)
                         ),
                     )
-                offer = next((o for o in site.known_offers.values() if o.gpus), None)
-                if offer is None:
-                    await asyncio.sleep(0.01)
+                lease = await claim_one_gpu(site, out, tag)
+                if lease is None:
                     continue
-                t0 = time.perf_counter()
-                try:
-                    lease = await site.claim(offer.offer_id, count=1, timeout_s=10)
-                except ClaimRejected:
-                    out[f"{tag}_refused"].append(time.perf_counter() - t0)
-                    await asyncio.sleep(0.05)
-                    continue
-                out[tag].append(time.perf_counter() - t0)
                 n += 1
                 pods = list(k8s.held_gpus().get(lease.lease_id, ())) if k8s else []
                 t1 = time.time()

@@ -51,7 +51,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from broker.config import BrokerConfig  # noqa: E402
-from broker.edge import ClaimRejected, EdgeClient  # noqa: E402
+from bench.support.claims import claim_one_gpu  # noqa: E402
+from broker.edge import EdgeClient  # noqa: E402
 from broker.lending import Lending, NoLending, SlurmLending  # noqa: E402
 from broker.placeholders import read_term  # noqa: E402
 from broker.scheduler import HoldRequest, HoldState  # noqa: E402
@@ -183,18 +184,9 @@ async def _broker_phase(
                         await asyncio.sleep(0.02)
                     if n:
                         out["refill"].append(time.perf_counter() - t_refill)
-                offer = next((o for o in site.known_offers.values() if o.gpus), None)
-                if offer is None:
-                    await asyncio.sleep(0.01)
+                lease = await claim_one_gpu(site, out, tag)
+                if lease is None:
                     continue
-                t0 = time.perf_counter()
-                try:
-                    lease = await site.claim(offer.offer_id, count=1, timeout_s=10)
-                except ClaimRejected:
-                    out[f"{tag}_refused"].append(time.perf_counter() - t0)
-                    await asyncio.sleep(0.05)
-                    continue
-                out[tag].append(time.perf_counter() - t0)
                 n += 1
                 jobs = {h.job_id for h in slurm._leases.get(lease.lease_id, [])} if slurm else set()
                 t1 = time.perf_counter()

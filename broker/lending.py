@@ -791,12 +791,7 @@ class SlurmLending:
 
     def _wanted(self) -> dict[str, set[int]]:
         """GRES indices per node of the GPUs to hold for lending (what placeholders should hold)."""
-        wanted: dict[str, set[int]] = {}
-        for key in self._to_hold():
-            where = self.gpu_map.locate(key)
-            if where is not None:
-                wanted.setdefault(where[0], set()).add(where[1])
-        return wanted
+        return self.gpu_map.by_node(self._to_hold())
 
     async def _tell(self) -> None:
         """Report the GPUs idle placeholders hold (:attr:`LendingHooks.lendable`) if they changed

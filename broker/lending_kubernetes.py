@@ -625,12 +625,8 @@ class KubernetesLending:
         await self._tell()
 
     def _wanted(self) -> dict[str, set[int]]:
-        wanted: dict[str, set[int]] = {}
-        for key in self._to_hold():
-            where = self.gpu_map.locate(key)
-            if where is not None:
-                wanted.setdefault(where[0], set()).add(where[1])
-        return wanted
+        """Slots per node of the GPUs to hold for lending (what placeholders should hold)."""
+        return self.gpu_map.by_node(self._to_hold())
 
     def _key(self, pod: LentPod) -> str | None:
         try:

@@ -35,7 +35,7 @@ import json
 import math
 import re
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from broker.scheduler_slurm import leave_function
@@ -81,6 +81,15 @@ class GpuMap:
         if not 0 <= index < len(uuids):
             raise KeyError(f"{host} has no GPU index {index} in the GPU map")
         return gpu_key(host, uuids[index])
+
+    def by_node(self, keys: Iterable[str]) -> dict[str, set[int]]:
+        """The GPU keys this map can locate, as node → indices (keys it cannot are left out)."""
+        out: dict[str, set[int]] = {}
+        for key in keys:
+            where = self.locate(key)
+            if where is not None:
+                out.setdefault(where[0], set()).add(where[1])
+        return out
 
     def locate(self, key: str) -> tuple[str, int] | None:
         """``(host, index)`` of a GPU key, or ``None`` if it is not a whole GPU this map knows
