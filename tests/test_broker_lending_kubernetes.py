@@ -151,11 +151,13 @@ async def test_scheduler_preempts_a_lease_the_site_gets_the_deletion_timestamp_a
             assert msg.reason is not None
             victim = msg.reason.removeprefix("scheduler_preempted:")
             assert victim in lease_pods
+            # the test's own watch (a thread) may see the deletion after the broker did
+            await until(lambda: (p := seen.pods.get(victim)) is not None and p.deleting_at is not None, 5)
             pod = seen.pods[victim]
             assert pod.deleting_at is not None and pod.deleting_seen is not None
             assert msg.reclaim_deadline == pod.deleting_at  # the scheduler's own deadline
             assert NOTICE_S - 1.5 <= msg.reclaim_deadline - submitted <= NOTICE_S + 10
-            latency = noticed - pod.deleting_seen
+            latency = max(0.0, noticed - pod.deleting_seen)  # 0: the test's watch was the later one
             assert latency <= 1.0, f"notice {latency:.3f} s after the pod was seen being deleted"
             # idle placeholders chosen as victims go at once: training does not wait for their grace
             idle_victims = [n for n in seen.preempted() if n not in lease_pods]

@@ -53,7 +53,8 @@ def test_demo_on_the_simulated_fabric_verifies_every_lease(tmp_path: Path) -> No
     the per-lease rows and the printed summary."""
     assert not missing_tools(), "install the fabric tools: bash deploy/local/install-system.sh"
     state = tmp_path / "demo"
-    result = CliRunner().invoke(app, ["demo", "--duration", "20", "--fabric", "on", "--state-dir", str(state)],
+    result = CliRunner().invoke(app, ["demo", "--duration", "20", "--fabric", "on", "--scheduler", "none",
+                                          "--state-dir", str(state)],
                                 env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output[-3000:]
     out = result.output
