@@ -63,6 +63,7 @@ from broker.transport import (
 from broker.wire import payload_bytes
 from contracts import (
     Claim,
+    LeaseKind,
     LeaseMessage,
     LeaseState,
     MqttTopics,
@@ -301,6 +302,7 @@ class EdgeClient:
         claim_id: str | None = None,
         min_duration_seconds: float = 0.0,
         workload: str | None = None,
+        lease_kind: LeaseKind | None = None,
     ) -> LeaseMessage:
         """Claim GPUs of an offer and wait for the lease.
 
@@ -317,6 +319,9 @@ class EdgeClient:
             workload: an operator-declared workload profile to run on the GPUs (else
                 ``unknown_workload``); its ``endpoint`` comes in a later lease message
                 (:meth:`wait_lease`).
+            lease_kind: ``preemptible`` (promises only the notice) or ``window`` (promised until
+                the offer's ``available_until``, the lease message's ``window_until``);
+                ``None``: as a claim of an earlier release (:attr:`contracts.Claim.kind`).
 
         Returns the lease's retained :class:`contracts.LeaseMessage` (state ``granted``).
         Raises :class:`ClaimRejected` with the broker's reply, ``TimeoutError`` if no answer came.
@@ -333,6 +338,7 @@ class EdgeClient:
             ts=time.time(),
             request_id=_request_id(),
             workload=workload,
+            lease_kind=lease_kind,
         )
         return await self._submit(claim, timeout_s)
 
@@ -345,6 +351,7 @@ class EdgeClient:
         min_duration_seconds: float = 0.0,
         timeout_s: float = 5.0,
         claim_id: str | None = None,
+        lease_kind: LeaseKind | None = None,
     ) -> LeaseMessage:
         """Claim ``count`` GPUs by requirements and let the broker pick the offers (matchmaking:
         one node if it can, else several nodes under one leaf switch; ``broker/match.py``).
@@ -359,6 +366,7 @@ class EdgeClient:
                 long match, and no unforced training demand takes the lease back sooner.
             timeout_s: how long to wait for the reply and the lease, seconds.
             claim_id: idempotency key (default: a random one).
+            lease_kind: ``preemptible`` or ``window`` (as for :meth:`claim`).
 
         Returns the lease's retained :class:`contracts.LeaseMessage` (state ``granted``; its
         ``hosts`` and ``offer_ids`` say where the GPUs are). Raises ``ValueError`` (a
@@ -376,6 +384,7 @@ class EdgeClient:
             min_duration_seconds=min_duration_seconds,
             ts=time.time(),
             request_id=_request_id(),
+            lease_kind=lease_kind,
         )
         return await self._submit(claim, timeout_s)
 
