@@ -15,8 +15,9 @@ training workload calibrated to one AcmeTrace cluster's published job statistics
    placeholder jobs in ``lent`` and Slurm's partition preemption takes them back with GraceTime
    as the notice; three simulated edge sites claim with a diurnal inference demand
    (:class:`simulator.sites.DiurnalDemand`, ``--demand-peak`` / ``--demand-trough`` of the
-   cluster's GPUs in all, the first site asking for window leases, the others for preemptible
-   ones, every site releasing a lease as soon as it is at risk).
+   cluster's GPUs in all, leases of up to ``--lease-gpus`` GPUs, the first site asking for window
+   leases, the others for preemptible ones, every site releasing a lease as soon as it is at
+   risk).
 
 It prints, in simulated time unless marked wall, one table: idle GPU-hours (unallocated, and
 allocated-but-idle apart) and the share lent; training queueing delay p50/p95/p99 without and with
@@ -25,7 +26,7 @@ GPUs taken back ÷ GPUs training used (disruption); window leases ended before t
 leases that outlived their notice; and the targets of issue 14 (met, or the gap).
 
 Run: ``.venv/bin/python bench/harvest.py [--nodes 16] [--hours 24] [--wall-minutes 20] [--load 0.8]
-[--notice 2] [--cluster Seren] [--seed 1] [--warmup-hours 0] [--without-only] [--json out.json]``;
+[--notice 2] [--lease-gpus 1] [--demand-peak 0.5] [--demand-trough 0.25] [--start-hour 0] [--cluster Seren] [--seed 1] [--warmup-hours 0] [--without-only] [--json out.json]``;
 a small slice: ``--nodes 4 --hours 2 --wall-minutes 3``. Exit 0 when the replays ran, 2 when the
 cluster could not start, 3 when the pipeline failed. The cluster is stopped at the end, also on an
 error or Ctrl-C.
@@ -83,8 +84,8 @@ def _pipeline_config(args: argparse.Namespace, conf: Path, state: Path, compress
         duration_s=wall_s, nodes=args.nodes, gpus_per_node=GPUS_PER_NODE, seed=args.seed, state_dir=state,
         scheduler=SchedulerMode.SLURM, slurm_conf=conf, training_submit=False, training_compression=compression,
         fabric=FabricMode.OFF, sites=sites, site_demand=demand, site_release_on_at_risk=True,
+        site_lease_gpus=args.lease_gpus, site_claim_every_s=0.5,
         site_lease_kinds=(LeaseKind.WINDOW, LeaseKind.PREEMPTIBLE, LeaseKind.PREEMPTIBLE),
-        # a site holds many GPUs at the peak: more than the default quota of a 16-node pool's third
         offer_ttl_s=20.0,
     )
 
@@ -208,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--notice", type=int, default=2, help="GraceTime of the lent partition = a lease's notice, wall s")
     ap.add_argument("--demand-peak", type=float, default=0.5, help="edge demand at its peak, share of the GPUs")
     ap.add_argument("--demand-trough", type=float, default=0.25, help="edge demand at its trough, share of the GPUs")
+    ap.add_argument("--lease-gpus", type=int, default=1,
+                    help="most GPUs per lease a site claims (Slurm takes a lease back whole)")
     ap.add_argument("--start-hour", type=float, default=0.0, help="simulated hour of day the replay starts at")
     ap.add_argument("--without-only", action="store_true", help="run only the replay without lending")
     ap.add_argument("--seed", type=int, default=1)

@@ -338,7 +338,7 @@ class EdgeClient:
             ts=time.time(),
             request_id=_request_id(),
             workload=workload,
-            lease_kind=lease_kind,
+            lease_kind=None if lease_kind is None else lease_kind.value,
         )
         return await self._submit(claim, timeout_s)
 
@@ -384,7 +384,7 @@ class EdgeClient:
             min_duration_seconds=min_duration_seconds,
             ts=time.time(),
             request_id=_request_id(),
-            lease_kind=lease_kind,
+            lease_kind=None if lease_kind is None else lease_kind.value,
         )
         return await self._submit(claim, timeout_s)
 

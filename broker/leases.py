@@ -660,7 +660,7 @@ class LeaseBook:
                 ReasonCode.DURATION_UNAVAILABLE,
                 f"offer {offer.offer_id} is promised for {promised}, claim needs {need:g} s",
             )
-        if claim.lease_kind is LeaseKind.WINDOW and (
+        if claim.lease_kind == LeaseKind.WINDOW.value and (
             offer.available_until is None or offer.available_until <= now
         ):
             return Answer(
@@ -691,7 +691,7 @@ class LeaseBook:
             min_notice=claim.min_notice_seconds,
             # a window lease needs a promise past now, however short its minimum
             min_duration=max(claim.min_duration_seconds,
-                             _WINDOW_MIN_S if claim.lease_kind is LeaseKind.WINDOW else 0.0),
+                             _WINDOW_MIN_S if claim.lease_kind == LeaseKind.WINDOW.value else 0.0),
             usable=lambda g: not self._unavailable(g, now),
         )
         if isinstance(placed, str):
@@ -713,7 +713,7 @@ class LeaseBook:
         ends_at = now + claim.duration_seconds
         need = claim.min_duration_seconds
         window: float | None = None
-        if claim.lease_kind is LeaseKind.WINDOW:  # promised until the offers' promise (validated > now)
+        if claim.lease_kind == LeaseKind.WINDOW.value:  # promised until the offers' promise (validated > now)
             promised = [o.available_until for o in offers if o.available_until is not None]
             window = min(min(promised), ends_at) if promised else now + need
         elif claim.kind is LeaseKind.WINDOW:  # a claim of an earlier release: its minimum guarantee

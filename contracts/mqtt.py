@@ -17,7 +17,7 @@ both roots for a transition.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Final
+from typing import Annotated, Final, Literal
 
 from pydantic import ConfigDict, Field, StringConstraints, model_validator
 
@@ -226,7 +226,7 @@ class Claim(Message):
     of the broker's settings); the lease message then carries its ``endpoint`` once healthy.
     ``null``: the GPUs are held and nothing runs. A profile the site may not use is refused
     (``unknown_workload``); a claim never carries a command (``command_not_allowed``)."""
-    lease_kind: LeaseKind | None = None
+    lease_kind: Literal["preemptible", "window"] | None = None  # LeaseKind's values (strict wire parsing)
     """``preemptible``: spot capacity, promises only the offer's ``notice_seconds`` (then
     ``min_duration_seconds`` must be 0). ``window``: promised until the offers'
     ``available_until`` (capped at the lease's end; the lease message's ``window_until``),
@@ -246,7 +246,7 @@ class Claim(Message):
                 raise ValueError("a claim without offer_id needs count >= 1")
         if self.min_duration_seconds > self.duration_seconds:
             raise ValueError("min_duration_seconds exceeds duration_seconds")
-        if self.lease_kind is LeaseKind.PREEMPTIBLE and self.min_duration_seconds > 0:
+        if self.lease_kind == LeaseKind.PREEMPTIBLE.value and self.min_duration_seconds > 0:
             raise ValueError("a preemptible lease promises only the notice: min_duration_seconds must be 0")
         return self
 
@@ -254,7 +254,7 @@ class Claim(Message):
     def kind(self) -> LeaseKind:
         """The kind of lease asked for (``lease_kind``, or what a claim without one means)."""
         if self.lease_kind is not None:
-            return self.lease_kind
+            return LeaseKind(self.lease_kind)
         return LeaseKind.WINDOW if self.min_duration_seconds > 0 else LeaseKind.PREEMPTIBLE
 
     @property

@@ -138,6 +138,11 @@ class DemoConfig:
     """Lease kind each site's claims ask for, by site order (cycled); empty: unset."""
     site_release_on_at_risk: bool = False
     """Sites release a lease as soon as it is at risk (a training job is planned onto it)."""
+    site_lease_gpus: int | None = None
+    """With ``site_demand``: the most GPUs one claim (one lease) takes (default 8): Slurm takes a
+    lease back whole when it preempts any of its holds, so smaller leases lose fewer GPUs."""
+    site_claim_every_s: float = 1.0
+    """Mean time between two claim attempts of a site, seconds."""
     on_started: Callable[[FleetServer, SysfsTree], object] | None = None
     """Called once, when every stage has started, with the simulated nodes' dcgm-exporter endpoints
     (``FleetServer.urls()``, ``fail_mode``) and InfiniBand sysfs trees (``SysfsTree.roots()``): lets a
@@ -460,7 +465,8 @@ async def _run_pipeline(
                            renew_every_s=cfg.lease_ttl_s / 3, workload=parts.workload.name if parts else None,
                            # through Slurm the sites take more (up to 3 leases of 4 GPUs): training needs them back
                            max_live_leases=3 if parts else 2,
-                           max_gpus_per_claim=8 if cfg.site_demand else 4 if parts else 2,
+                           max_gpus_per_claim=(cfg.site_lease_gpus or 8) if cfg.site_demand else 4 if parts else 2,
+                           claim_every_s=cfg.site_claim_every_s,
                            demand=cfg.site_demand, release_on_at_risk=cfg.site_release_on_at_risk,
                            lease_kind=cfg.site_lease_kinds[i % len(cfg.site_lease_kinds)] if cfg.site_lease_kinds else None)
              for i, s in enumerate(cfg.sites)]

@@ -113,7 +113,8 @@ class LendingFigures:
         at_risk: leases warned at risk before any reclaim.
         hold_lost: leases whose hold ended without a preemption (``hold_lost``).
         needed_gpupool: training jobs started in the window on GPUs a gpupool job (an idle
-            placeholder or a lease) held at the read before: they waited for the notice.
+            placeholder or a lease) held at the read before, or on GPUs of a lease Slurm
+            preempted for them.
         needed_leased: of those, jobs started on GPUs of a lease Slurm preempted.
     """
 
@@ -215,7 +216,8 @@ def lending_figures(
         preempt_to_running_s=to_running, gpus_taken_back=taken, gpus_needed=needed,
         unnoticed_starts=unnoticed, window_leases=windows, window_broken=broken,
         outlived_notice=outlived, at_risk=at_risk, hold_lost=lost,
-        needed_gpupool=sum(1 for t, _, waited in starts.values() if waited and window[0] <= t < window[1]),
+        needed_gpupool=len({j for j, (t, _, waited) in starts.items() if waited and window[0] <= t < window[1]}
+                           | leased_jobs),
         needed_leased=len(leased_jobs),
     )  # fmt: skip
 

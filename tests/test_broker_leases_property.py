@@ -156,7 +156,7 @@ class LeaseBookMachine(RuleBasedStateMachine):
             if claim.kind is LeaseKind.WINDOW:
                 assert rec.window_until is not None and rec.ends_at is not None
                 assert rec.window_until <= rec.ends_at
-                if claim.lease_kind is LeaseKind.WINDOW:  # promised past the reservation (claim.ts)
+                if claim.lease_kind == LeaseKind.WINDOW.value:  # promised past the reservation (claim.ts)
                     assert rec.window_until > claim.ts or rec.window_until == rec.ends_at
             else:
                 assert rec.window_until is None and rec.min_until is None

@@ -110,3 +110,15 @@ def test_diurnal_demand_peaks_at_its_hour_and_bottoms_out_twelve_hours_away() ->
         DiurnalDemand(peak_gpus=3, trough_gpus=4, compression=1.0)
     with pytest.raises(ValueError):
         DiurnalDemand(peak_gpus=3, trough_gpus=1, compression=0.0)
+
+
+def test_the_demo_summary_states_the_harvest_share_and_the_delay_added() -> None:
+    from gpupool.demo_cli import _scheduler_rows
+
+    rows = dict(_scheduler_rows({"enabled": True, "gpu_hours_idle": 8.0, "gpu_hours_lent": 6.0,
+                                 "needed_lent_wait_p50_s": 5.25, "free_wait_p50_s": 0.75}))  # fmt: skip
+    assert rows["harvest: share of idle GPU-hours lent"] == "75%"
+    assert rows["harvest: training delay added by lending (p50, wall)"].startswith("+4.5 s")
+    rows = dict(_scheduler_rows({"enabled": True, "gpu_hours_idle": 0.0, "gpu_hours_lent": 0.0}))
+    assert rows["harvest: share of idle GPU-hours lent"] == "—"
+    assert rows["harvest: training delay added by lending (p50, wall)"] == "—"
