@@ -450,7 +450,7 @@ class LeaseBook:
         (the claim's workload profile is not declared or not allowed to the site), ``unknown_offer``,
         ``offer_expired``, ``gpu_unavailable`` (leased, not idle, not in the offer, too few),
         ``notice_too_short``, ``duration_unavailable`` (offer not promised for
-        ``min_duration_seconds``), ``no_match`` (nothing meets the requirements),
+        ``min_duration_seconds``, or, for a ``window`` lease, not past now), ``no_match`` (nothing meets the requirements),
         ``quota_exceeded`` (quota or fair share, :mod:`broker.quota`).
         """
         key = (site, claim.claim_id)
