@@ -10,11 +10,16 @@ the index DCGM reports: the scheduler's GRES index on the same host, :mod:`contr
   without a known job; not for gpupool's own holds, jobs named
   :data:`contracts.scheduler.LENT_JOB_NAME`, which hold it to lend it), ``scheduler_node_<state>`` (the node is down, drained... :data:`contracts.
   scheduler.UNSCHEDULABLE_NODE_STATES`, lowercase), ``scheduler_planned_start`` (a pending job is
-  planned onto the node at or before now), ``scheduler_unknown`` (no scheduler state for the host
+  planned onto the node at or before now), ``scheduler_planned`` (the GPU is one the scheduler's
+  plan needs for a pending job, :func:`planned_gpus`: lending it would make that job wait for the
+  lease's notice), ``scheduler_unknown`` (no scheduler state for the host
   yet, or the scheduler does not list a GPU of that index there, or the GPU's index is unknown),
   ``scheduler_stale`` (the host's latest state is older than ``stale_after_s``);
 * :meth:`SchedulerJoin.window_end`: the earliest planned start of a pending job planned onto the
-  node: a promise (``predicted_idle_until``) is cut there.
+  node: a promise (``predicted_idle_until``) is cut there;
+* :meth:`SchedulerJoin.planned_start`: the planned start of the pending job the plan needs this
+  GPU for (:func:`planned_gpus`), in any state: a lease holding it is at risk
+  (``CapacityUpdate.planned_start``).
 
 It also counts, per job, user and partition, the GPUs allocated to a job that the telemetry says
 are idle (:meth:`SchedulerJoin.allocated_idle`, gauge ``gpupool_analytics_allocated_idle_gpus``)
@@ -41,6 +46,7 @@ __all__ = [
     "SCHEDULER_GPU_COLUMNS",
     "SCHEDULER_GPU_TABLE_SQL",
     "SchedulerJoin",
+    "planned_gpus",
     "scheduler_gpus_table",
 ]
 
@@ -114,6 +120,40 @@ def scheduler_gpus_table(
     )
 
 
+def planned_gpus(node: SchedulerNode) -> dict[int, float]:
+    """GRES index → planned start (Unix s) of the GPUs of ``node`` the scheduler's plan needs
+    for its pending jobs.
+
+    The scheduler says which nodes a pending job is planned onto (``planned_nodes``) and when
+    (``planned_start``), not which GPUs: a job needs ``gpus_per_node`` GPUs of each of its nodes
+    (or ``ceil(gpus / len(planned_nodes))`` when it asks per job; none when it asks for no GPU),
+    and takes them from the GPUs no training job holds (free ones first, then those gpupool's
+    own jobs, :data:`contracts.scheduler.LENT_JOB_NAME`, hold: the scheduler preempts those),
+    lowest index first; the rest it needs come from training jobs that end by then. Jobs are
+    served earliest planned start first (then by job id); jobs without a planned start, or not
+    planned onto this node, need none of its GPUs."""
+    jobs = sorted(
+        ((p.planned_start, p) for p in node.pending if p.planned_start is not None and node.host in p.planned_nodes),
+        key=lambda sp: (sp[0], sp[1].job_id),
+    )
+    if not jobs:
+        return {}
+    free = sorted(g.index for g in node.gpus if not g.allocated)
+    lent = sorted(g.index for g in node.gpus if g.allocated and g.job_name == LENT_JOB_NAME)
+    candidates = free + lent
+    out: dict[int, float] = {}
+    for start, p in jobs:
+        if p.gpus_per_node is not None:
+            need = p.gpus_per_node
+        elif p.gpus:
+            need = math.ceil(p.gpus / len(p.planned_nodes))
+        else:
+            need = 0
+        for index in candidates[len(out) : len(out) + need]:
+            out[index] = start
+    return out
+
+
 class SchedulerJoin:
     """The latest scheduler state per host, joined with the classifier's GPUs (module docstring).
 
@@ -129,6 +169,7 @@ class SchedulerJoin:
             raise ValueError("stale_after_s must be > 0")
         self.stale_after_s = stale_after_s
         self._nodes: dict[str, SchedulerNode] = {}
+        self._planned: dict[str, dict[int, float]] = {}
         self._index: dict[str, int] = {}
 
     def observe(self, record: SchedulerNode) -> None:
@@ -136,6 +177,7 @@ class SchedulerJoin:
         held = self._nodes.get(record.host)
         if held is None or record.ts >= held.ts:
             self._nodes[record.host] = record
+            self._planned[record.host] = planned_gpus(record)
 
     def note_gpu(self, key: str, gpu_index: int | None) -> None:
         """Remember the GPU index DCGM reported for GPU ``key`` (``None`` forgets it)."""
@@ -152,6 +194,7 @@ class SchedulerJoin:
         """Forget the scheduler state of ``hosts`` (their partition moved away)."""
         for host in hosts:
             self._nodes.pop(host, None)
+            self._planned.pop(host, None)
 
     def node(self, host: str) -> SchedulerNode | None:
         """The latest state held for ``host``."""
@@ -186,7 +229,16 @@ class SchedulerJoin:
         start = node.next_planned_start()
         if start is not None and start <= max(now, st.ts):
             return "scheduler_planned_start"
+        if index in self._planned.get(st.host, {}):
+            return "scheduler_planned"
         return None
+
+    def planned_start(self, st: GpuStatus) -> float | None:
+        """The planned start (Unix s) of the pending job the scheduler's plan needs GPU ``st``
+        for (:func:`planned_gpus`; a MIG instance follows its GPU), ``None`` when none does or
+        the GPU's index is unknown."""
+        index = self._index.get(st.key)
+        return None if index is None else self._planned.get(st.host, {}).get(index)
 
     def window_end(self, host: str) -> float | None:
         """The earliest planned start (Unix s) of a pending job planned onto ``host``."""

@@ -955,6 +955,7 @@ class AnalyticsService:
         figures = self._leaf_headroom.get(leaf) if leaf is not None else None
         leaf_room = figures.headroom if figures is not None else None
         reason = self._block_reason(st)
+        plan = self._planned_start(st)
         if reason is not None:
             return CapacityUpdate(
                 ts=st.ts,
@@ -970,6 +971,7 @@ class AnalyticsService:
                 pool=self.pool,
                 leaf=leaf,
                 leaf_headroom=leaf_room,
+                planned_start=plan,
             )
         until = confidence = None
         if st.state is GpuState.IDLE:
@@ -995,7 +997,14 @@ class AnalyticsService:
             pool=self.pool,
             leaf=leaf,
             leaf_headroom=leaf_room,
+            planned_start=plan,
         )
+
+    def _planned_start(self, st: GpuStatus) -> float | None:
+        """The planned start of the pending job the scheduler plans GPU ``st`` for
+        (:meth:`analytics.scheduler.SchedulerJoin.planned_start`), in any state; ``None``
+        without the scheduler joined."""
+        return self._scheduler.planned_start(st) if self._scheduler is not None else None
 
     def _due_updates(self, now: float) -> list[CapacityUpdate]:
         due: list[CapacityUpdate] = []
@@ -1014,6 +1023,7 @@ class AnalyticsService:
                 or last.state is not state
                 or last.grade != grade
                 or last.leaf != self._leaves.leaf_of.get(st.host)  # a new topology: at once
+                or last.planned_start != self._planned_start(st)  # a plan onto it: leases at risk at once
                 or now - self._published_at.get(key, float("-inf")) >= self._refresh_s
             ):
                 due.append(self._update(st))

@@ -1,31 +1,42 @@
-"""Benchmark: harvest replay on the real Slurm cluster — training without lending (issue 14's baseline).
+"""Benchmark: harvest replay on the real Slurm cluster — the same training workload without
+lending, then with gpupool lending its idle GPUs (issue 14).
 
 Starts a private Slurm cluster with ``deploy/local/slurm.sh`` (``--nodes`` × 8 GPUs, its own state
-directory under a temporary folder), generates a training workload calibrated to one AcmeTrace
-cluster's published job statistics (:mod:`simulator.training_jobs`), replays it on the ``training``
-partition time-compressed (:mod:`simulator.slurm_replay`) and prints, in simulated time:
+directory under a temporary folder, the ``lent`` partition's GraceTime = ``--notice``), generates a
+training workload calibrated to one AcmeTrace cluster's published job statistics
+(:mod:`simulator.training_jobs`) and replays it on the ``training`` partition time-compressed
+(:mod:`simulator.slurm_replay`) twice:
 
-* the fit used (cluster row, size and run-time laws, arrival rate);
-* jobs submitted / started / still pending at the end, final states as Slurm reports them;
-* training queueing delay p50 / p95 / p99 (Slurm's StartTime - SubmitTime);
-* the yardstick, measured first on the idle cluster: submit -> batch script start of a 0-second
-  1-GPU job (Slurm's own start latency), and the replay's p95 against it;
-* idle GPU-hours: unallocated (from the jobs' Slurm times, and from polled ``GresUsed``), and
-  allocated-but-idle (GPUs held at 0 % utilisation) shown apart.
+1. without lending: the cluster holds only the training jobs;
+2. with gpupool: the whole pipeline (:mod:`gpupool.harvest`, :func:`gpupool.demo.run_demo` in a
+   process of its own) lends through the same cluster — simulated DCGM telemetry follows Slurm's
+   training allocations, the Slurm collector feeds analytics (which holds back GPUs the
+   scheduler's plan needs and warns leases at risk), the broker holds lendable GPUs with
+   placeholder jobs in ``lent`` and Slurm's partition preemption takes them back with GraceTime
+   as the notice; three simulated edge sites claim with a diurnal inference demand
+   (:class:`simulator.sites.DiurnalDemand`, ``--demand-peak`` / ``--demand-trough`` of the
+   cluster's GPUs in all, leases of up to ``--lease-gpus`` GPUs, the first site asking for window
+   leases, the others for preemptible ones, every site releasing a lease as soon as it is at
+   risk).
 
-The "with gpupool" column (the same workload with the broker lending unallocated GPUs through the
-``lent`` partition) is the second half of issue 14: the lender plugs in as an observer of
-:func:`simulator.slurm_replay.replay`; this script runs the "without lending" column.
+It prints, in simulated time unless marked wall, one table: idle GPU-hours (unallocated, and
+allocated-but-idle apart) and the share lent; training queueing delay p50/p95/p99 without and with
+lending and the difference; Slurm preemption of a lease → the training job running, p50/p99 (wall);
+GPUs taken back ÷ GPUs training used (disruption); window leases ended before their promised window;
+leases that outlived their notice; and the targets of issue 14 (met, or the gap).
 
 Run: ``.venv/bin/python bench/harvest.py [--nodes 16] [--hours 24] [--wall-minutes 20] [--load 0.8]
-[--cluster Seren] [--seed 1] [--warmup-hours 0] [--json out.json]``. Exit 0 when the replay ran,
-2 when the cluster could not start. The cluster is stopped at the end, also on an error or Ctrl-C.
+[--notice 2] [--lease-gpus 1] [--demand-peak 0.5] [--demand-trough 0.25] [--start-hour 0] [--cluster Seren] [--seed 1] [--warmup-hours 0] [--without-only] [--json out.json]``;
+a small slice: ``--nodes 4 --hours 2 --wall-minutes 3``. Exit 0 when the replays ran, 2 when the
+cluster could not start, 3 when the pipeline failed. The cluster is stopped at the end, also on an
+error or Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -56,18 +67,152 @@ def _cluster(action: str, env: dict[str, str]) -> subprocess.CompletedProcess[st
                           capture_output=True, text=True, timeout=180, check=False)
 
 
+def _pipeline_config(args: argparse.Namespace, conf: Path, state: Path, compression: float, wall_s: float):
+    """The :class:`gpupool.demo.DemoConfig` of the "with gpupool" run."""
+    from contracts import LeaseKind
+    from gpupool.demo import DemoConfig
+    from gpupool.demo_fabric import FabricMode
+    from gpupool.demo_slurm import SchedulerMode
+    from simulator.sites import DiurnalDemand
+
+    gpus = args.nodes * GPUS_PER_NODE
+    sites = ("edge-a", "edge-b", "edge-c")
+    demand = DiurnalDemand(peak_gpus=math.ceil(args.demand_peak * gpus / len(sites)),
+                           trough_gpus=math.ceil(args.demand_trough * gpus / len(sites)),
+                           compression=compression, start_hour=args.start_hour)
+    return DemoConfig(
+        duration_s=wall_s, nodes=args.nodes, gpus_per_node=GPUS_PER_NODE, seed=args.seed, state_dir=state,
+        scheduler=SchedulerMode.SLURM, slurm_conf=conf, training_submit=False, training_compression=compression,
+        fabric=FabricMode.OFF, sites=sites, site_demand=demand, site_release_on_at_risk=True,
+        site_lease_gpus=args.lease_gpus, site_claim_every_s=0.5,
+        site_lease_kinds=(LeaseKind.WINDOW, LeaseKind.PREEMPTIBLE, LeaseKind.PREEMPTIBLE),
+        offer_ttl_s=20.0,
+    )
+
+
+def _with_gpupool(args, client: SlurmClient, conf: Path, jobs, tmp: Path, compression: float, horizon_s: float,
+                  gpus: int):
+    """Start Mosquitto, run the pipeline in its own process and the replay here; (run, pipeline
+    summary)."""
+    wall_s = horizon_s / compression
+    out = tmp / "pipeline.json"
+    cfg = _pipeline_config(args, conf, tmp / "demo", compression, wall_s + 5.0)
+    # Mosquitto in a process of its own (the embedded broker would share the pipeline's GIL)
+    mqtt_env = {**os.environ, "GPUPOOL_STATE": str(tmp / "mqtt")}
+    mqtt = subprocess.run(["bash", str(REPO / "deploy/local/mosquitto.sh"), "start"], env=mqtt_env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    if mqtt.returncode == 0 and mqtt.stdout.strip():
+        cfg.mqtt = mqtt.stdout.strip().splitlines()[-1]
+        cfg.mqtt_credentials = tmp / "mqtt" / "mosquitto" / "credentials.json"
+        print(f"mosquitto at {cfg.mqtt}", flush=True)
+    else:
+        print(f"mosquitto did not start, the embedded MQTT broker is used: {mqtt.stderr[-300:]}", flush=True)
+    try:
+        return _run_with(args, client, cfg, jobs, tmp, out, compression, horizon_s, gpus, wall_s)
+    finally:
+        subprocess.run(["bash", str(REPO / "deploy/local/mosquitto.sh"), "stop"], env=mqtt_env,
+                       capture_output=True, text=True, timeout=60, check=False)
+
+
+def _run_with(args, client: SlurmClient, cfg, jobs, tmp: Path, out: Path, compression: float, horizon_s: float,
+              gpus: int, wall_s: float):
+    """The pipeline in its own process, the replay here; (run, pipeline summary)."""
+    from gpupool.harvest import start_pipeline
+
+    proc, ready = start_pipeline(cfg, out)
+    try:
+        said = ready.get(timeout=300)
+    except Exception:  # noqa: BLE001 — queue.Empty: the pipeline did not start in time
+        said = "failed: no start within 300 s"
+    if said != "started":
+        proc.join(30)
+        raise RuntimeError(f"the gpupool pipeline did not start: {said}")
+    try:
+        run = replay(client, jobs, compression=compression, horizon_s=horizon_s, cluster_gpus=gpus,
+                     out_dir=tmp / "out-lending", warmup_s=args.warmup_hours * 3600)
+    finally:
+        proc.join(wall_s + 180)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(30)
+    summary = json.loads(out.read_text()) if out.exists() else {"error": "no summary written"}
+    if "error" in summary:
+        raise RuntimeError(f"the gpupool pipeline failed: {summary['error']}")
+    return run, summary
+
+
+def _pcts(values: list[float]) -> str:
+    if not values:
+        return "- (none)"
+    return f"{quantile(values, 0.5):.2f} / {quantile(values, 0.99):.2f} s wall ({len(values)})"
+
+
+def _table(base, lent, fig, notice_s: float, compression: float) -> list[tuple[str, str, str, str]]:
+    """Rows (figure, without lending, with gpupool, difference / target) of the harvest table."""
+    share = fig.lent_gpu_hours / lent.idle_unallocated_gpu_hours if lent.idle_unallocated_gpu_hours else 0.0
+    d95 = lent.queue_delay_s[1] - base.queue_delay_s[1]
+    bound = max(0.02 * base.queue_delay_s[1], (notice_s + 5.0) * compression)
+    disruption = fig.disruption
+    run99 = quantile(fig.preempt_to_running_s, 0.99) if fig.preempt_to_running_s else None
+
+    def met(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    def pct(r) -> str:
+        return "{:.0f} / {:.0f} / {:.0f} s".format(*r.queue_delay_s)
+
+    return [
+        ("GPU-hours in the window", f"{base.window_gpu_hours:.1f}", f"{lent.window_gpu_hours:.1f}", ""),
+        ("idle GPU-hours, unallocated",
+         f"{base.idle_unallocated_gpu_hours:.1f} ({base.idle_unallocated_gpu_hours / base.window_gpu_hours:.1%})",
+         f"{lent.idle_unallocated_gpu_hours:.1f} ({lent.idle_unallocated_gpu_hours / lent.window_gpu_hours:.1%})",
+         ""),
+        ("idle GPU-hours, allocated at 0 % (apart)", f"{base.allocated_idle_gpu_hours:.1f}",
+         f"{lent.allocated_idle_gpu_hours:.1f}", "not lent (training holds them)"),
+        ("GPU-hours lent (leases)", "-", f"{fig.lent_gpu_hours:.1f}", ""),
+        ("share of unallocated idle lent", "-", f"{share:.1%}", f">= 60 %: {met(share >= 0.6)}"),
+        ("training queueing delay p50 / p95 / p99", pct(base), pct(lent),
+         "{:+.0f} / {:+.0f} / {:+.0f} s".format(*(w - b for w, b in zip(lent.queue_delay_s, base.queue_delay_s,
+                                                                          strict=True)))),
+        ("  added p95 vs bound", "", f"{d95:+.0f} s",
+         f"<= max(2 % of {base.queue_delay_s[1]:.0f}, (notice {notice_s:g} + 5 s) x {compression:.0f}) = "
+         f"{bound:.0f} s: {met(d95 <= bound)}"),
+        ("jobs submitted / pending at end", f"{base.jobs_submitted} / {base.jobs_pending_at_end}",
+         f"{lent.jobs_submitted} / {lent.jobs_pending_at_end}", ""),
+        ("training jobs that needed gpupool's GPUs", "-", f"{fig.needed_gpupool} ({fig.needed_leased} leased)",
+         "started on GPUs a placeholder or lease held"),
+        ("leases granted / Slurm-preempted / at risk", "-", f"{fig.leases} / {fig.preempted} / {fig.at_risk}", ""),
+        ("Slurm preemption -> training RUNNING p50 / p99", "-", _pcts(fig.preempt_to_running_s),
+         f"notice {notice_s:g} s" + (f"; p99 <= notice + 5 s: {met(run99 <= notice_s + 5)}" if run99 is not None
+                                     else "")),
+        ("GPUs taken back / GPUs training used", "-",
+         f"{fig.gpus_taken_back} / {fig.gpus_needed}" + (f" = {disruption:.2f}" if disruption is not None else ""),
+         "<= 1.1: " + (met(disruption <= 1.1) if disruption is not None else "nothing taken back")),
+        ("window leases ended before their window", "-", f"{fig.window_broken} of {fig.window_leases}", ""),
+        ("leases that outlived the notice", "-", f"{fig.outlived_notice}", "0 expected"),
+        ("training starts on a lease without notice", "-", f"{fig.unnoticed_starts}", "0 expected"),
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Parse arguments, run the replay, print the table; the exit status."""
+    """Parse arguments, run the replays, print the table; the exit status."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cluster", default="Seren", help="AcmeTrace cluster row to calibrate to")
     ap.add_argument("--nodes", type=int, default=16, help="Slurm nodes, 8 GPUs each")
     ap.add_argument("--hours", type=float, default=24.0, help="simulated hours replayed (warm-up included)")
-    ap.add_argument("--wall-minutes", type=float, default=20.0, help="wall-clock minutes the replay takes")
+    ap.add_argument("--wall-minutes", type=float, default=20.0, help="wall-clock minutes each replay takes")
     ap.add_argument("--warmup-hours", type=float, default=0.0, help="simulated hours replayed, not measured")
     ap.add_argument("--warm-start-days", type=float, default=7.0,
                     help="start with the jobs an earlier span of this length leaves running (0: empty cluster)")
     ap.add_argument("--load", type=float, default=0.8, help="offered load: GPU-seconds asked per second / GPUs")
     ap.add_argument("--p-single", type=float, default=0.6, help="share of single-GPU jobs (>= 0.5)")
+    ap.add_argument("--notice", type=int, default=2, help="GraceTime of the lent partition = a lease's notice, wall s")
+    ap.add_argument("--demand-peak", type=float, default=0.5, help="edge demand at its peak, share of the GPUs")
+    ap.add_argument("--demand-trough", type=float, default=0.25, help="edge demand at its trough, share of the GPUs")
+    ap.add_argument("--lease-gpus", type=int, default=1,
+                    help="most GPUs per lease a site claims (Slurm takes a lease back whole)")
+    ap.add_argument("--start-hour", type=float, default=0.0, help="simulated hour of day the replay starts at")
+    ap.add_argument("--without-only", action="store_true", help="run only the replay without lending")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", type=Path, help="also write the report as JSON here")
     args = ap.parse_args(argv)
@@ -87,10 +232,13 @@ def main(argv: list[str] | None = None) -> int:
           f"mean {workload.sizes.mean:.2f}; load {args.load}: {workload.arrival_rate_per_s * 3600:.1f} jobs/h, "
           f"{len(jobs) - carried} jobs in {args.hours:g} h + {carried} running at the start (warm start "
           f"{args.warm_start_days:g} d); utilisation {series}: P(job idle all its life) = "
-          f"{workload.idle_job_probability:.3f}; compression {compression:.1f}x", flush=True)
+          f"{workload.idle_job_probability:.3f}; compression {compression:.1f}x; notice {args.notice} s wall; "
+          f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start", flush=True)
 
-    with tempfile.TemporaryDirectory(prefix="gpupool-harvest-") as tmp:
-        env = {**os.environ, "GPUPOOL_SLURM_DIR": str(Path(tmp) / "slurm"), "GPUPOOL_SLURM_NODES": str(args.nodes)}
+    with tempfile.TemporaryDirectory(prefix="gpupool-harvest-") as tmp_name:
+        tmp = Path(tmp_name)
+        env = {**os.environ, "GPUPOOL_SLURM_DIR": str(tmp / "slurm"), "GPUPOOL_SLURM_NODES": str(args.nodes),
+               "GPUPOOL_SLURM_GRACE": str(args.notice)}
         t = time.monotonic()
         started = _cluster("start", env)
         if started.returncode != 0:
@@ -98,44 +246,70 @@ def main(argv: list[str] | None = None) -> int:
             _cluster("stop", env)
             return 2
         print(f"slurm: {args.nodes} nodes up in {time.monotonic() - t:.1f} s", flush=True)
+        conf = Path(started.stdout.strip().splitlines()[-1])
+        loads: list[float] = []
+        lending = None
         try:
-            client = SlurmClient(Path(started.stdout.strip().splitlines()[-1]))
-            yardstick = start_latency(client, Path(tmp) / "yardstick")
-            run = replay(client, jobs, compression=compression, horizon_s=horizon_s, cluster_gpus=gpus,
-                         out_dir=Path(tmp) / "out", warmup_s=args.warmup_hours * 3600)
+            client = SlurmClient(conf)
+            yardstick = start_latency(client, tmp / "yardstick")
+            base_run = replay(client, jobs, compression=compression, horizon_s=horizon_s, cluster_gpus=gpus,
+                              out_dir=tmp / "out", warmup_s=args.warmup_hours * 3600)
+            loads.append(os.getloadavg()[0])
+            if not args.without_only:
+                try:
+                    lending = _with_gpupool(args, client, conf, jobs, tmp, compression, horizon_s, gpus)
+                except RuntimeError as e:
+                    print(str(e), file=sys.stderr)
+                    return 3
+                loads.append(os.getloadavg()[0])
         finally:
             _cluster("stop", env)
-        report = account(run, workload.idle_fraction)  # reads the jobs' output files
-    late = sorted(run.late_submits_s)
-    y50 = quantile(yardstick, 0.5) if yardstick else float("nan")
-    p50, p95, p99 = report.queue_delay_s
-    rows = [
-        ("jobs submitted / started / pending at end",
-         f"{report.jobs_submitted} / {report.jobs_started} / {report.jobs_pending_at_end}"),
-        ("final states (Slurm)", ", ".join(f"{k or 'unseen'} {v}" for k, v in sorted(report.final_states.items()))),
-        ("training queueing delay p50 / p95 / p99",
-         f"{p50:.0f} / {p95:.0f} / {p99:.0f} s (Slurm times, resolution {report.queue_delay_resolution_s:.0f} s)"),
-        ("  submit -> script start p50 / p95 / p99", "{:.0f} / {:.0f} / {:.0f} s".format(*report.script_delay_s)),
-        ("  the same, wall", "{:.3f} / {:.3f} / {:.3f} s".format(*report.script_delay_wall_s)),
-        ("  yardstick: idle cluster, wall p50 / max", f"{y50:.3f} / {max(yardstick):.3f} s ({len(yardstick)} jobs)"),
-        ("  replay p95 / yardstick p50", f"{report.script_delay_wall_s[1] / y50:.2f}x"),
-        ("GPU-hours in the window", f"{report.window_gpu_hours:.1f}"),
-        ("idle GPU-hours, unallocated (job times)",
-         f"{report.idle_unallocated_gpu_hours:.1f} ({report.idle_unallocated_gpu_hours / report.window_gpu_hours:.1%})"),
-        ("idle GPU-hours, unallocated (GresUsed polls)", f"{report.idle_unallocated_sampled_gpu_hours:.1f}"),
-        ("idle GPU-hours, allocated at 0 % (expected)", f"{report.allocated_idle_gpu_hours:.1f}"),
-        ("share lent", "- (without lending)"),
-    ]
-    print(f"\n{'':46} without lending")
-    for name, value in rows:
-        print(f"{name:46} {value}")
-    print(f"\npolls {run.polls} ({run.poll_errors} failed); submit lateness p50 {late[len(late) // 2]:.3f} s, "
-          f"max {late[-1]:.3f} s (wall)" if late else "no jobs submitted")
-    if args.json:
-        args.json.write_text(json.dumps({"fit": fit.describe(), "nodes": args.nodes, "hours": args.hours,
-                                         "compression": compression, "yardstick_s": yardstick,
-                                         "report": asdict(report)}, indent=2))
+        base = account(base_run, workload.idle_fraction)  # reads the jobs' output files
+        late = sorted(base_run.late_submits_s)
+        y50 = quantile(yardstick, 0.5) if yardstick else float("nan")
+        d50, d95, d99 = base.script_delay_s
+        print(f"\nwithout lending: final states {dict(sorted(base.final_states.items()))}; submit -> script start "
+              f"p50/p95/p99 {d50:.0f} / {d95:.0f} / {d99:.0f} s; wall p95 {base.script_delay_wall_s[1]:.3f} s = "
+              f"{base.script_delay_wall_s[1] / y50:.2f}x the idle-cluster yardstick (p50 {y50:.3f} s); polls "
+              f"{base_run.polls} ({base_run.poll_errors} failed); submit lateness max "
+              f"{late[-1] if late else 0.0:.3f} s wall; load average {loads[0]:.1f}")
+        report: dict[str, object] = {"fit": fit.describe(), "nodes": args.nodes, "hours": args.hours,
+                                     "compression": compression, "notice_s": args.notice, "yardstick_s": yardstick,
+                                     "without": asdict(base)}
+        if lending is not None:
+            from gpupool.harvest import figures_dict, lending_figures, read_run
+
+            run, summary = lending
+            lent = account(run, workload.idle_fraction)
+            records, starts, locate = read_run(summary)
+            fig = lending_figures(records, starts, locate, run.window_wall, compression)
+            late = sorted(run.late_submits_s)
+            sites = {k: {c: v for c, v in st.items() if c in ("leases_granted", "at_risk_seen", "released_at_risk",
+                                                              "reclaims_seen", "revoked")}
+                     for k, st in summary.get("sites", {}).items()}  # fmt: skip
+            d50, d95, d99 = lent.script_delay_s
+            print(f"with gpupool: final states {dict(sorted(lent.final_states.items()))}; submit -> script start "
+                  f"p50/p95/p99 {d50:.0f} / {d95:.0f} / {d99:.0f} s; polls {run.polls} ({run.poll_errors} failed); "
+                  f"submit lateness max {late[-1] if late else 0.0:.3f} s wall; load average {loads[-1]:.1f}; "
+                  f"offers {summary.get('offers')} ({summary.get('offer_violations')} for a busy GPU); sites {sites}")
+            rows = _table(base, lent, fig, float(args.notice), compression)
+            report |= {"with": asdict(lent), "lending": figures_dict(fig), "pipeline": summary}
+        else:
+            rows = [(name, w, "-", "") for name, w, _, _ in _table(base, base, _no_lending(), float(args.notice),
+                                                                    compression)[:3]]
+        report["table"] = rows
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=2, default=str))
+        print(f"\n{'':46} {'without lending':28} {'with gpupool':28} difference / target")
+        for name, without, with_, diff in rows:
+            print(f"{name:46} {without:28} {with_:28} {diff}")
     return 0
+
+
+def _no_lending():
+    from gpupool.harvest import LendingFigures
+
+    return LendingFigures(0, 0.0, 0, [], 0, 0, 0, 0, 0, 0, 0, 0)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from broker.edge import BrokerRejected, EdgeClient, OfferWithdrawn
 from broker.transport import LoginRefused, TlsOptions
 from contracts import (
     KafkaTopics,
+    LeaseKind,
     LeaseLogRecord,
     LeaseMessage,
     LeaseState,
@@ -684,6 +685,13 @@ def claim(
     memory_held: Annotated[
         bool, typer.Option(help="Accept GPUs whose memory a resident model holds. Matching only.")
     ] = True,
+    kind: Annotated[
+        LeaseKind | None,
+        typer.Option(
+            help="preemptible: promises only the notice; window: promised until the offer's available_until "
+            "(the lease's window_until). Default: window when --min-duration > 0, else preemptible."
+        ),
+    ] = None,
 ) -> None:
     """Claim an offer (OFFER_ID), or --count GPUs that meet the requirements (no OFFER_ID: the broker
     picks one node, else several under one leaf switch): print the granted LeaseMessage as JSON
@@ -696,6 +704,8 @@ def claim(
         raise typer.BadParameter("without OFFER_ID give --count >= 1 (and no --gpu)")
     if min_duration > duration:
         raise typer.BadParameter("--min-duration exceeds --duration")
+    if kind is LeaseKind.PREEMPTIBLE and min_duration > 0:
+        raise typer.BadParameter("a preemptible lease promises only the notice: no --min-duration")
     requirements = Requirements(
         model_names=model or [],
         min_fb_total_mib=min_memory_mib,
@@ -715,6 +725,7 @@ def claim(
                 min_notice_seconds=min_notice,
                 min_duration_seconds=min_duration,
                 timeout_s=timeout,
+                lease_kind=kind,
             )
         return await client.claim(
             offer_id,
@@ -724,6 +735,7 @@ def claim(
             min_notice_seconds=min_notice,
             min_duration_seconds=min_duration,
             timeout_s=timeout,
+            lease_kind=kind,
         )
 
     _print_answer(conn, ask)

@@ -66,6 +66,7 @@ from broker.transport import (
 from broker.wire import payload_bytes
 from contracts import (
     Claim,
+    LeaseKind,
     LeaseMessage,
     LeaseState,
     MqttTopics,
@@ -304,6 +305,7 @@ class EdgeClient:
         claim_id: str | None = None,
         min_duration_seconds: float = 0.0,
         workload: str | None = None,
+        lease_kind: LeaseKind | None = None,
     ) -> LeaseMessage:
         """Claim GPUs of an offer and wait for the lease.
 
@@ -320,6 +322,9 @@ class EdgeClient:
             workload: an operator-declared workload profile to run on the GPUs (else
                 ``unknown_workload``); its ``endpoints`` come in later lease messages
                 (:meth:`wait_endpoints`).
+            lease_kind: ``preemptible`` (promises only the notice) or ``window`` (promised until
+                the offer's ``available_until``, the lease message's ``window_until``);
+                ``None``: as a claim of an earlier release (:attr:`contracts.Claim.kind`).
 
         Returns the lease's retained :class:`contracts.LeaseMessage` (state ``granted``).
         Raises :class:`ClaimRejected` with the broker's reply, ``TimeoutError`` if no answer came.
@@ -336,6 +341,7 @@ class EdgeClient:
             ts=time.time(),
             request_id=_request_id(),
             workload=workload,
+            lease_kind=None if lease_kind is None else lease_kind.value,
         )
         return await self._submit(claim, timeout_s)
 
@@ -349,6 +355,7 @@ class EdgeClient:
         timeout_s: float = 5.0,
         claim_id: str | None = None,
         workload: str | None = None,
+        lease_kind: LeaseKind | None = None,
     ) -> LeaseMessage:
         """Claim ``count`` GPUs by requirements and let the broker pick the offers (matchmaking:
         one node if it can, else several nodes under one leaf switch; ``broker/match.py``).
@@ -366,6 +373,7 @@ class EdgeClient:
                 with the same id, so it never makes a second lease.
             workload: an operator-declared workload profile to run on the GPUs, one instance per
                 node of the lease (else ``unknown_workload``); see :meth:`wait_endpoints`.
+            lease_kind: ``preemptible`` or ``window`` (as for :meth:`claim`).
 
         Returns the lease's retained :class:`contracts.LeaseMessage` (state ``granted``; its
         ``hosts`` and ``offer_ids`` say where the GPUs are). Raises ``ValueError`` (a
@@ -384,6 +392,7 @@ class EdgeClient:
             ts=time.time(),
             request_id=_request_id(),
             workload=workload,
+            lease_kind=None if lease_kind is None else lease_kind.value,
         )
         return await self._submit(claim, timeout_s)
 

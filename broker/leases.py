@@ -8,7 +8,8 @@ Invariants (checked by :meth:`LeaseBook.violations`, property-tested with hypoth
 
 * no GPU is in two live leases (``granted``, ``active``, ``reclaiming``);
 * no offer holds a GPU that is leased, reserved by a claim in progress, held back for training,
-  not ``idle`` in the newest capacity update (or whose newest update is older than
+  planned for a pending training job (``CapacityUpdate.planned_start``), not ``idle`` in the
+  newest capacity update (or whose newest update is older than
   ``capacity_max_age_s``: checked at every call with ``now``), or, when the training scheduler
   fences what is lent (:meth:`LeaseBook.set_lendable`), not held for lending in the scheduler; a
   node has at most one offer;
@@ -16,7 +17,24 @@ Invariants (checked by :meth:`LeaseBook.violations`, property-tested with hypoth
   (``Offer.available_until <= max(min(CapacityUpdate.predicted_idle_until), Offer.ts)``), and
   ``available_until`` is never before the offer's ``ts``;
 * no site holds more GPUs (live leases and claims being granted) than its quota;
-* no lease is reclaiming with a deadline before its ``min_until`` unless a forced reclaim did it.
+* no lease is reclaiming with a deadline before its ``min_until`` unless a forced reclaim did it;
+* a ``window`` lease has ``window_until`` = ``min_until`` (its promise is its guarantee) and
+  ``window_until`` <= ``ends_at``; a ``preemptible`` lease has no ``window_until``;
+* a lease is at risk (``at_risk_since``) exactly when it has ``reclaim_expected_at``, and only
+  after a capacity update said the scheduler plans a pending job onto one of its GPUs.
+
+Lease kinds (:class:`contracts.leases.LeaseKind`, the claim's ``lease_kind``): a ``preemptible``
+lease promises only the notice; a ``window`` lease is promised until ``window_until`` (the offers'
+``available_until`` at the reservation, capped at ``ends_at``), refused ``duration_unavailable``
+when the offers promise nothing past now. Offers state both prices (``[broker] window_price``,
+``preemptible_price``).
+
+At risk: a capacity update whose ``planned_start`` is set (the training scheduler's plan needs the
+GPU for a pending job) marks the live, not yet reclaiming lease holding the GPU at risk: the same
+state, reason ``at_risk``, ``at_risk_since`` = now, ``reclaim_expected_at`` = the planned start
+(moved earlier by an earlier plan, never later). Its lease message goes out at once: the site's
+early warning before the scheduler's hard notice. A window lease whose promise the plan cuts
+(planned start before ``window_until``) is counted (:attr:`Changes.windows_cut`).
 
 What protects training is the reclaim notice, not the prediction: a GPU is offered as long as the
 newest capacity update says idle, and its offer states the prediction as ``available_until`` (the
@@ -76,7 +94,7 @@ from contracts import (
     Release,
     Renewal,
 )
-from contracts.leases import LeaseReason, Partition
+from contracts.leases import LeaseKind, LeaseReason, Partition
 from contracts.mqtt import Requirements
 
 log = logging.getLogger(__name__)
@@ -85,6 +103,8 @@ _Node = tuple[str, str]
 """(pool, host): offers group a node's idle GPUs."""
 _ClaimKey = tuple[str, str]
 """(site, claim_id): the idempotency key of a claim."""
+_WINDOW_MIN_S = 1e-3
+"""A matched window claim needs offers promised at least this far past now, seconds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +162,8 @@ class Changes:
             reserved.
         guarantees_broken: leases reclaimed by a forced demand inside their minimum guarantee.
         reclaims_deferred: reclaims whose deadline was moved to the end of the guarantee.
+        at_risk: leases newly marked at risk (or whose expected reclaim moved earlier).
+        windows_cut: window leases newly at risk before their ``window_until``.
     """
 
     records: list[LeaseLogRecord] = field(default_factory=list)
@@ -153,6 +175,8 @@ class Changes:
     placements: list[str] = field(default_factory=list)
     guarantees_broken: int = 0
     reclaims_deferred: int = 0
+    at_risk: int = 0
+    windows_cut: int = 0
 
     def add(self, new: LeaseLogRecord, prior: LeaseLogRecord | None) -> None:
         """Append the transition ``prior`` → ``new`` (``prior`` ``None``: a new lease)."""
@@ -171,6 +195,8 @@ class Changes:
         self.placements.extend(other.placements)
         self.guarantees_broken += other.guarantees_broken
         self.reclaims_deferred += other.reclaims_deferred
+        self.at_risk += other.at_risk
+        self.windows_cut += other.windows_cut
         return self
 
     def __bool__(self) -> bool:
@@ -251,6 +277,10 @@ def lease_message(record: LeaseLogRecord, endpoints: Mapping[str, str] | None = 
         workload=record.workload,
         endpoint=found.get(hosts[0]) if hosts else None,
         endpoints=[found[h] for h in hosts if h in found],
+        kind=record.kind,
+        window_until=record.window_until,
+        at_risk_since=record.at_risk_since,
+        reclaim_expected_at=record.reclaim_expected_at,
     )
 
 
@@ -342,13 +372,17 @@ class LeaseBook:
     def apply_capacity(self, update: CapacityUpdate, now: float) -> Changes:
         """Take the newest state of one GPU; offers of its node follow (a GPU that turns busy or
         unknown leaves its offer at once). An update older (by ``ts``) than the one held is
-        ignored. Leases are never touched: a leased GPU looks busy because the site uses it."""
+        ignored. A lease's state is never changed (a leased GPU looks busy because the site uses
+        it), but an update with ``planned_start`` marks the lease holding the GPU at risk
+        (module docstring)."""
         ch = Changes()
         key = update.key
         old = self._caps.get(key)
         if old is not None and update.ts < old.ts:
             return ch
         self._caps[key] = update
+        if update.planned_start is not None:
+            self._mark_at_risk(key, update.planned_start, now, ch)
         node = (update.pool, update.host)
         dirty = {node}
         prev = self._node_of.get(key)
@@ -364,6 +398,34 @@ class LeaseBook:
             self._wake(node, self._holds[key])
         self._reconcile(dirty, now, ch)
         return ch
+
+    def _mark_at_risk(self, gpu: str, planned_start: float, now: float, ch: Changes) -> None:
+        """The scheduler plans a pending job onto ``gpu`` at ``planned_start``: mark its lease
+        (granted or active) at risk, or move its expected reclaim earlier."""
+        lease_id = self._gpu_lease.get(gpu)
+        rec = self._leases.get(lease_id) if lease_id is not None else None
+        if rec is None or rec.state not in (LeaseState.GRANTED, LeaseState.ACTIVE):
+            return
+        if rec.reclaim_expected_at is not None and rec.reclaim_expected_at <= planned_start:
+            return
+        first = rec.at_risk_since is None
+        new = self._transition(
+            rec,
+            rec.state,
+            now,
+            LeaseReason.AT_RISK,
+            at_risk_since=now if first else rec.at_risk_since,
+            reclaim_expected_at=planned_start,
+        )
+        ch.add(new, rec)
+        ch.at_risk += 1
+        cut = first and rec.window_until is not None and planned_start < rec.window_until
+        ch.windows_cut += cut
+        log.info(
+            "lease_at_risk",
+            extra={"lease_id": rec.lease_id, "site": rec.site, "gpu": gpu, "reclaim_expected_at": planned_start,
+                   "kind": rec.kind.value, "window_until": rec.window_until, "window_cut": cut},
+        )  # fmt: skip
 
     # the training scheduler's fence ---------------------------------------------------------------
     def set_lendable(self, gpus: Collection[str] | None, now: float) -> Changes:
@@ -402,7 +464,7 @@ class LeaseBook:
         (the claim's workload profile is not declared or not allowed to the site), ``unknown_offer``,
         ``offer_expired``, ``gpu_unavailable`` (leased, not idle, not in the offer, too few),
         ``notice_too_short``, ``duration_unavailable`` (offer not promised for
-        ``min_duration_seconds``), ``no_match`` (nothing meets the requirements),
+        ``min_duration_seconds``, or, for a ``window`` lease, not past now), ``no_match`` (nothing meets the requirements),
         ``quota_exceeded`` (quota or fair share, :mod:`broker.quota`).
         """
         key = (site, claim.claim_id)
@@ -612,6 +674,13 @@ class LeaseBook:
                 ReasonCode.DURATION_UNAVAILABLE,
                 f"offer {offer.offer_id} is promised for {promised}, claim needs {need:g} s",
             )
+        if claim.lease_kind == LeaseKind.WINDOW.value and (
+            offer.available_until is None or offer.available_until <= now
+        ):
+            return Answer(
+                ReasonCode.DURATION_UNAVAILABLE,
+                f"offer {offer.offer_id} promises no window past now; claim a preemptible lease",
+            )
         for g in wanted:
             why = self._unavailable(g, now)
             if why:
@@ -634,7 +703,9 @@ class LeaseBook:
             claim.count,
             now,
             min_notice=claim.min_notice_seconds,
-            min_duration=claim.min_duration_seconds,
+            # a window lease needs a promise past now, however short its minimum
+            min_duration=max(claim.min_duration_seconds,
+                             _WINDOW_MIN_S if claim.lease_kind == LeaseKind.WINDOW.value else 0.0),
             usable=lambda g: not self._unavailable(g, now),
         )
         if isinstance(placed, str):
@@ -655,6 +726,12 @@ class LeaseBook:
     ) -> PendingGrant:
         ends_at = now + claim.duration_seconds
         need = claim.min_duration_seconds
+        window: float | None = None
+        if claim.lease_kind == LeaseKind.WINDOW.value:  # promised until the offers' promise (validated > now)
+            promised = [o.available_until for o in offers if o.available_until is not None]
+            window = min(min(promised), ends_at) if promised else now + need
+        elif claim.kind is LeaseKind.WINDOW:  # a claim of an earlier release: its minimum guarantee
+            window = now + need
         record = LeaseLogRecord(
             lease_id=self._new_id("lease"),
             site=site,
@@ -668,12 +745,14 @@ class LeaseBook:
             granted_at=now,
             expires_at=min(now + self.config.lease_ttl_s, ends_at),
             ends_at=ends_at,
-            min_until=now + need if need > 0 else None,
+            min_until=window,
             notice_seconds=min(o.notice_seconds for o in offers),
             lent_share_percent=self.config.lent_share_percent,
             reason=LeaseReason.CLAIM.value if placed is None else f"{LeaseReason.MATCH}:{placed.tier}",
             seq=1,
             workload=claim.workload,
+            kind=claim.kind,
+            window_until=window,
         )
         return PendingGrant(
             site=site,
@@ -1135,6 +1214,8 @@ class LeaseBook:
                     out.append(f"offer {offer.offer_id} holds {g}, reserved by a claim")
                 if self._lendable is not None and g not in self._lendable:
                     out.append(f"offer {offer.offer_id} holds {g}, not held for lending by the scheduler")
+                if cap is not None and cap.planned_start is not None:
+                    out.append(f"offer {offer.offer_id} holds {g}, planned for a pending training job")
                 if cap is None or cap.state is not GpuState.IDLE:
                     out.append(f"offer {offer.offer_id} holds {g}, which is not idle")
                 elif cap.predicted_idle_until is not None:
@@ -1164,6 +1245,16 @@ class LeaseBook:
                 and rec.lease_id not in self._broken
             ):
                 out.append(f"lease {rec.lease_id} is reclaimed inside its guarantee without force")
+        for rec in self._leases.values():
+            if rec.kind is LeaseKind.WINDOW:
+                if rec.window_until is None or rec.window_until != rec.min_until:
+                    out.append(f"window lease {rec.lease_id} has window_until {rec.window_until} != min_until")
+                elif rec.ends_at is not None and rec.window_until > rec.ends_at:
+                    out.append(f"window lease {rec.lease_id} is promised past its end")
+            elif rec.window_until is not None:
+                out.append(f"preemptible lease {rec.lease_id} promises a window")
+            if (rec.at_risk_since is None) != (rec.reclaim_expected_at is None):
+                out.append(f"lease {rec.lease_id} at_risk_since and reclaim_expected_at disagree")
         return out
 
     # internals --------------------------------------------------------------------------------------
@@ -1207,6 +1298,8 @@ class LeaseBook:
             return "not idle"
         if now - cap.ts > self.config.capacity_max_age_s:
             return "no recent capacity update"
+        if cap.planned_start is not None:
+            return "planned for a pending training job"
         if self._holds.get(gpu, -math.inf) > now:
             return "held for training"
         if fenced and self._lendable is not None and gpu not in self._lendable:
@@ -1267,6 +1360,8 @@ class LeaseBook:
                 pool=node[0],
                 zone=self.config.pool_zones.get(node[0]),
                 lent_share_percent=self.config.lent_share_percent,
+                window_price=self.config.window_price,
+                preemptible_price=self.config.preemptible_price,
             )
             self._offers[offer.offer_id] = offer
             self._node_offer[node] = offer.offer_id

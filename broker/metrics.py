@@ -155,6 +155,16 @@ class BrokerMetrics(MetricSet):
             "Leases a demand wanted back inside their minimum guaranteed duration: their reclaim deadline was "
             "moved to the end of the guarantee (the GPUs come back then).",
         )
+        self.leases_at_risk = self.counter(
+            "gpupool_broker_leases_at_risk_total",
+            "Leases warned at risk (the training scheduler planned a pending job onto their GPUs), or whose "
+            "expected reclaim moved earlier: each is a lease message with reason at_risk.",
+        )
+        self.windows_cut = self.counter(
+            "gpupool_broker_windows_cut_total",
+            "Window leases a training job is planned onto before their promised window_until ends (the promise "
+            "is broken by the scheduler's plan).",
+        )
         self.fabric_stale_removed = self.counter(
             "gpupool_broker_fabric_stale_partitions_removed_total",
             "Lease partitions removed (verified gone) at start because no live lease holds them: leases that "

@@ -585,7 +585,7 @@ class BrokerService:
 
     def _count_outcomes(self, ch: Changes) -> None:
         """Count what the book decided in ``ch``: claim decisions, match placements, broken and
-        deferred guarantees."""
+        deferred guarantees, leases at risk and window promises cut."""
         for d in ch.decisions:
             self.metrics.claim_decisions.labels(site=d.site, kind=d.kind, result=d.result).inc()
         for tier in ch.placements:
@@ -594,6 +594,10 @@ class BrokerService:
             self.metrics.guarantees_broken.inc(ch.guarantees_broken)
         if ch.reclaims_deferred:
             self.metrics.reclaims_deferred.inc(ch.reclaims_deferred)
+        if ch.at_risk:
+            self.metrics.leases_at_risk.inc(ch.at_risk)
+        if ch.windows_cut:
+            self.metrics.windows_cut.inc(ch.windows_cut)
 
     async def _log(self, records: Sequence[LeaseLogRecord]) -> set[str]:
         """Write the pending undo records, then ``records``, to the lease log and wait until they

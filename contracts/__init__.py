@@ -10,7 +10,7 @@ topic names in :mod:`contracts.topics`; the bus interface and its implementation
 from contracts.base import SCHEMA_VERSION, Record, decode, encode
 from contracts.capacity import CapacityUpdate, GpuState, IdleGrade, PoolDemand
 from contracts.fabric import FabricTopology
-from contracts.leases import LeaseLogRecord, LeaseState
+from contracts.leases import LeaseKind, LeaseLogRecord, LeaseState
 from contracts.mqtt import (
     Claim,
     LeaseMessage,
@@ -57,6 +57,7 @@ __all__ = [
     "IdleGrade",
     "PoolDemand",
     "FabricTopology",
+    "LeaseKind",
     "LeaseState",
     "LeaseLogRecord",
     "Offer",

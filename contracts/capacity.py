@@ -49,6 +49,11 @@ class CapacityUpdate(Record):
             by training (1 - p95 utilisation in its busier direction, the switch-to-switch ports
             of the leaf read by the fabric collector); ``None`` if unknown. An idle GPU is offered
             only while it is at least the lent share (``[broker] lent_share_percent`` / 100).
+        planned_start: the training scheduler plans a pending job onto this GPU, to start at
+            this time (Unix s; Slurm's expected ``StartTime`` of the job, whose GPUs on the node
+            are taken from the node's GPUs no training job holds, lowest index first): set in
+            any ``state``. Such a GPU is not offered (``reason`` ``scheduler_planned``), and a
+            lease holding it is told it is at risk. ``None``: no plan for it.
     """
 
     ts: float
@@ -67,6 +72,7 @@ class CapacityUpdate(Record):
     pool: str = "default"
     leaf: str | None = None
     leaf_headroom: float | None = None
+    planned_start: float | None = None
 
     @property
     def key(self) -> str:

@@ -35,6 +35,22 @@ class LeaseState(StrEnum):
         return self in (LeaseState.GRANTED, LeaseState.ACTIVE, LeaseState.RECLAIMING)
 
 
+class LeaseKind(StrEnum):
+    """The two kinds of lease a site chooses between in its claim (``Claim.lease_kind``).
+
+    ``preemptible``: spot capacity; promises only the reclaim notice (``notice_seconds``): the
+    GPUs may be taken back at any time the training scheduler needs them, with that notice.
+    ``window``: a promised window; the lease is promised until ``window_until`` (the offer's
+    ``available_until`` at the grant, from the scheduler's plan and the idle predictor, capped
+    at the lease's ``ends_at``): no reclaim of gpupool's own takes the GPUs back before it unless
+    forced, and a training job planned onto the GPUs before it is announced early (``at_risk``).
+    Offers state a price for each kind (``Offer.window_price`` / ``Offer.preemptible_price``).
+    """
+
+    PREEMPTIBLE = "preemptible"
+    WINDOW = "window"
+
+
 class LeaseReason(StrEnum):
     """Why a lease transition happened: the ``reason`` of a lease-log record and lease message is
     one of these values, possibly followed by ``:<detail>`` where noted, and by at most one of
@@ -60,6 +76,11 @@ class LeaseReason(StrEnum):
     """Reclaiming because the training scheduler chose the lease's hold for preemption (a
     pending training job needs the GPUs); ``scheduler_preempted:<job id>``, the deadline is the
     scheduler's own (the end of its grace time)."""
+    AT_RISK = "at_risk"
+    """The lease is at risk (its state does not change): the training scheduler has planned a
+    pending job onto its GPUs (``at_risk_since`` and ``reclaim_expected_at`` are set; a window
+    lease's promise is cut there). Expect a reclaim notice by ``reclaim_expected_at``; moving
+    away before it leaves training nothing to wait for."""
     HOLD_LOST = "hold_lost"
     """Reclaiming at once: the lease's hold in the training scheduler ended while the lease was
     live (cancelled by an operator, node failure); ``hold_lost:<job id>``."""
@@ -155,6 +176,15 @@ class LeaseLogRecord(Record):
         seq: per-lease transition counter (1, 2, 3...).
         workload: the operator's workload profile the site named in its claim
             (``[broker] workloads``), run on the leased GPUs; ``None``: hold only.
+        kind: ``preemptible`` or ``window`` (:class:`LeaseKind`); records of older brokers:
+            ``preemptible``.
+        window_until: a window lease's promised end as granted (Unix s, never moved later; equal
+            to ``min_until``); ``None`` for a preemptible lease.
+        at_risk_since: when the broker learnt that the training scheduler plans a pending job
+            onto the lease's GPUs (Unix s); ``None``: not at risk.
+        reclaim_expected_at: the scheduler's planned start of that job (Unix s): a reclaim is
+            expected by then; moves earlier when a newer plan is earlier, never later; ``None``:
+            not at risk.
     """
 
     lease_id: str
@@ -177,3 +207,7 @@ class LeaseLogRecord(Record):
     reason: str = ""
     seq: int = 1
     workload: str | None = None
+    kind: LeaseKind = LeaseKind.PREEMPTIBLE
+    window_until: float | None = None
+    at_risk_since: float | None = None
+    reclaim_expected_at: float | None = None

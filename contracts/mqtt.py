@@ -17,12 +17,12 @@ both roots for a transition.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Final
+from typing import Annotated, Final, Literal
 
 from pydantic import ConfigDict, Field, StringConstraints, model_validator
 
 from contracts.base import Record
-from contracts.leases import LeaseState, Partition
+from contracts.leases import LeaseKind, LeaseState, Partition
 
 
 class _Limits:
@@ -142,6 +142,13 @@ class Offer(Message):
     """A lease from this offer gets its own virtual lane on the fabric, and this is the most of a
     link's bandwidth (percent, 0 < x <= 50) its traffic can take while training keeps the link
     busy; ``null``: the broker manages no fabric QoS."""
+    window_price: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    """Price of a ``window`` lease (promised until ``available_until``), credits per GPU-hour
+    (``[broker] window_price``); ``null``: not priced. A window lease can be claimed only while
+    ``available_until`` is after now."""
+    preemptible_price: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    """Price of a ``preemptible`` lease (promises only ``notice_seconds``), credits per GPU-hour
+    (``[broker] preemptible_price``); ``null``: not priced."""
 
 
 class Requirements(Message):
@@ -219,6 +226,14 @@ class Claim(Message):
     of the broker's settings); the lease message then carries its ``endpoint`` once healthy.
     ``null``: the GPUs are held and nothing runs. A profile the site may not use is refused
     (``unknown_workload``); a claim never carries a command (``command_not_allowed``)."""
+    lease_kind: Literal["preemptible", "window"] | None = None  # LeaseKind's values (strict wire parsing)
+    """``preemptible``: spot capacity, promises only the offer's ``notice_seconds`` (then
+    ``min_duration_seconds`` must be 0). ``window``: promised until the offers'
+    ``available_until`` (capped at the lease's end; the lease message's ``window_until``),
+    refused ``duration_unavailable`` when the offers promise nothing past now or less than
+    ``min_duration_seconds``. ``null`` (clients of earlier releases): ``window`` when
+    ``min_duration_seconds`` > 0, promised until ``now + min_duration_seconds``, else
+    ``preemptible`` (:attr:`kind`)."""
 
     @model_validator(mode="after")
     def _one_kind(self) -> Claim:
@@ -231,7 +246,16 @@ class Claim(Message):
                 raise ValueError("a claim without offer_id needs count >= 1")
         if self.min_duration_seconds > self.duration_seconds:
             raise ValueError("min_duration_seconds exceeds duration_seconds")
+        if self.lease_kind == LeaseKind.PREEMPTIBLE.value and self.min_duration_seconds > 0:
+            raise ValueError("a preemptible lease promises only the notice: min_duration_seconds must be 0")
         return self
+
+    @property
+    def kind(self) -> LeaseKind:
+        """The kind of lease asked for (``lease_kind``, or what a claim without one means)."""
+        if self.lease_kind is not None:
+            return LeaseKind(self.lease_kind)
+        return LeaseKind.WINDOW if self.min_duration_seconds > 0 else LeaseKind.PREEMPTIBLE
 
     @property
     def matched(self) -> bool:
@@ -313,6 +337,24 @@ class LeaseMessage(Message):
     order of ``hosts`` (a multi-node lease runs its workload on each of its nodes; the message is
     published again as each becomes healthy); empty: no workload, none healthy yet, or a broker
     older than this field."""
+    kind: LeaseKind = LeaseKind.PREEMPTIBLE
+    """``preemptible`` (promises only ``notice_seconds``) or ``window`` (promised until
+    ``window_until``): the claim's ``lease_kind``."""
+    window_until: float | None = None
+    """A window lease's promise as granted (Unix s): no reclaim of gpupool's own before it unless
+    forced; never moved later. ``null`` for a preemptible lease."""
+    at_risk_since: float | None = None
+    """Early warning, before any reclaim notice: set (Unix s, when the broker learnt it) once the
+    training scheduler has planned a pending job onto the lease's GPUs; the lease keeps its
+    ``state`` and the message's ``reason`` is ``at_risk``. Expect ``state`` ``reclaiming`` by
+    ``reclaim_expected_at``; a site that claims a replacement and releases this lease before then
+    loses nothing and training waits for nothing. Stays set for the rest of the lease (a plan that
+    goes away does not clear it). ``null``: not at risk."""
+    reclaim_expected_at: float | None = None
+    """With ``at_risk_since``: the scheduler's planned start of that job (Unix s), the latest
+    time to move away by; republished (``reason`` ``at_risk``) when a newer plan is earlier,
+    never moved later. For a window lease below ``window_until`` the promise is broken by the
+    plan: the broker counts it. ``null``: not at risk."""
 
 
 class Renewal(Message):

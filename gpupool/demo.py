@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import aiomqtt
 
-from contracts import KafkaTopics, LeaseLogRecord, MqttTopics, Offer, decode
+from contracts import KafkaTopics, LeaseKind, LeaseLogRecord, MqttTopics, Offer, decode
 from gpupool.demo_fabric import (
     INSTALL_HINT,
     DemoFabric,
@@ -50,6 +50,7 @@ from runtime.bus import make_bus
 if TYPE_CHECKING:
     from gpupool.demo_mosquitto import PrivateMosquitto
     from simulator.dcgm_http import FleetServer
+    from simulator.sites import DiurnalDemand
     from simulator.sysfs import SysfsTree
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,24 @@ class DemoConfig:
     slurm_grace_s: int = 4
     """With Slurm: GraceTime of the lent partition of a cluster the demo starts (= the notice);
     a cluster already running keeps its own."""
+    slurm_conf: Path | None = None
+    """With Slurm: the ``slurm.conf`` of a cluster someone else runs (and stops): the demo lends
+    through it (:meth:`gpupool.demo_slurm.DemoCluster.attach`) instead of starting its own."""
+    training_submit: bool = True
+    """With Slurm: submit the demo's own training jobs; ``False``: only follow the cluster's jobs
+    (someone else submits them, e.g. the harvest replay, ``bench/harvest.py``)."""
+    site_demand: DiurnalDemand | None = None
+    """GPUs each site wants over the simulated day (:class:`simulator.sites.DiurnalDemand`);
+    ``None``: sites claim now and then, a few leases each."""
+    site_lease_kinds: tuple[LeaseKind | None, ...] = ()
+    """Lease kind each site's claims ask for, by site order (cycled); empty: unset."""
+    site_release_on_at_risk: bool = False
+    """Sites release a lease as soon as it is at risk (a training job is planned onto it)."""
+    site_lease_gpus: int | None = None
+    """With ``site_demand``: the most GPUs one claim (one lease) takes (default 8): Slurm takes a
+    lease back whole when it preempts any of its holds, so smaller leases lose fewer GPUs."""
+    site_claim_every_s: float = 1.0
+    """Mean time between two claim attempts of a site, seconds."""
     on_started: Callable[[FleetServer, SysfsTree], object] | None = None
     """Called once, when every stage has started, with the simulated nodes' dcgm-exporter endpoints
     (``FleetServer.urls()``, ``fail_mode``) and InfiniBand sysfs trees (``SysfsTree.roots()``): lets a
@@ -232,6 +251,12 @@ class DemoSummary:
     scheduler: dict[str, object] = field(default_factory=dict)
     """``mode``, ``enabled``, ``detail`` and, lending through Slurm, the fields of
     :class:`gpupool.demo_slurm.SchedulerSummary`."""
+    training_starts_file: str | None = None
+    """Lending through Slurm: JSON of every training job seen running (``starts``: Slurm id →
+    [first seen running, Unix s; node → GRES indices]) and ``locate`` (GPU key → [node, GRES
+    index]), input of :func:`gpupool.harvest.lending_figures`."""
+    sites: dict[str, dict[str, object]] = field(default_factory=dict)
+    """Each site's counters (:meth:`simulator.sites.SimulatedSite.stats`)."""
 
     def as_dict(self) -> dict[str, object]:
         """JSON-friendly dict."""
@@ -316,6 +341,11 @@ async def _open_cluster(cfg: DemoConfig) -> tuple[dict[str, object], DemoCluster
     mode = cfg.scheduler
     if mode is SchedulerMode.NONE:
         return {"mode": "none", "enabled": False, "detail": "--scheduler none"}, None
+    if cfg.slurm_conf is not None:
+        cluster = DemoCluster.attach(cfg.slurm_conf)
+        return {"mode": mode.value, "enabled": True, "grace_s": cluster.grace_s, "start_s": 0.0,
+                "detail": f"Slurm cluster run by the caller: {cluster.conf}, lent partition GraceTime "
+                          f"{cluster.grace_s:g} s"}, cluster  # fmt: skip
     missing = missing_slurm_tools()
     if missing:
         why = f"Slurm's tools are not installed: {', '.join(missing)} (bash deploy/local/install-system.sh)"
@@ -411,7 +441,7 @@ async def _run_pipeline(
     if cluster is not None:
         parts = SlurmParts.build(cluster, fleet, bus, topics, registry, cfg.state_dir / f"slurm-{run_id}",
                                  load=cfg.training_load, compression=cfg.training_compression,
-                                 seed=cfg.seed, horizon_s=cfg.duration_s)
+                                 seed=cfg.seed, horizon_s=cfg.duration_s, submit=cfg.training_submit)
 
     embedded: EmbeddedMqttBroker | PrivateMosquitto | None = None
     users: dict[str, str] = {}
@@ -455,7 +485,11 @@ async def _run_pipeline(
                            root=root, protocol=protocol, seed=cfg.seed + i,
                            renew_every_s=cfg.lease_ttl_s / 3, workload=parts.workload.name if parts else None,
                            # through Slurm the sites take more (up to 3 leases of 4 GPUs): training needs them back
-                           max_live_leases=3 if parts else 2, max_gpus_per_claim=4 if parts else 2)
+                           max_live_leases=3 if parts else 2,
+                           max_gpus_per_claim=(cfg.site_lease_gpus or 8) if cfg.site_demand else 4 if parts else 2,
+                           claim_every_s=cfg.site_claim_every_s,
+                           demand=cfg.site_demand, release_on_at_risk=cfg.site_release_on_at_risk,
+                           lease_kind=cfg.site_lease_kinds[i % len(cfg.site_lease_kinds)] if cfg.site_lease_kinds else None)
              for i, s in enumerate(cfg.sites)]
     demand = TrainingDemand(fleet, bus, topics)
     watch = LeaseWatch(bus, topics.leases_log)
@@ -548,6 +582,12 @@ async def _run_pipeline(
             except Exception:  # noqa: BLE001 — as above
                 log.exception("demo_shutdown_error", extra={"step": "embedded_mqtt"})
 
+    starts_path = cfg.state_dir / f"training-starts-{run_id}.json"
+    if parts is not None:
+        try:
+            starts_path.write_text(json.dumps({"starts": parts.stream.starts, "locate": parts.locate}))
+        except OSError:
+            log.exception("demo_training_starts_not_written", extra={"path": str(starts_path)})
     rows = lease_rows(records if records is not None else watch.records, isolate_s)
     try:
         write_rows(rows, rows_path)
@@ -586,6 +626,8 @@ async def _run_pipeline(
         lease_rows_file=str(rows_path) if rows_path.exists() else None,
         scheduler={**(sched or {}), **(asdict(parts.summary(records or watch.records, sites, wall0, wall1))
                                        if parts is not None else {})},
+        training_starts_file=str(starts_path) if starts_path.exists() else None,
+        sites={s.name: s.stats() for s in sites},
     )
 
 

@@ -128,6 +128,21 @@ def _s(seconds: object) -> str:
     return f"{seconds:.1f} s" if isinstance(seconds, float | int) else "—"
 
 
+def _share(part: object, whole: object) -> str:
+    """``part / whole`` as a percentage, ``—`` when either is missing or ``whole`` is 0."""
+    if isinstance(part, float | int) and isinstance(whole, float | int) and whole > 0:
+        return f"{part / whole:.0%}"
+    return "—"
+
+
+def _added(needed: object, free: object) -> str:
+    """Submit → start of the training jobs that needed lent GPUs minus that of the others
+    (seconds, signed), ``—`` when either is missing."""
+    if isinstance(needed, float | int) and isinstance(free, float | int):
+        return f"{needed - free:+.1f} s (needed lent GPUs vs the others)"
+    return "—"
+
+
 def _scheduler_rows(sc: dict[str, object]) -> list[tuple[str, object]]:
     """The summary's rows about lending through Slurm (``DemoSummary.scheduler``)."""
     if not sc.get("enabled"):
@@ -143,6 +158,9 @@ def _scheduler_rows(sc: dict[str, object]) -> list[tuple[str, object]]:
          f"{_s(sc.get('needed_lent_wait_p50_s'))} / {_s(sc.get('needed_lent_wait_max_s'))}"),
         ("  …of which on a lease's GPUs", sc.get("needed_leased")),
         ("  …other training jobs, submit → start p50", _s(sc.get("free_wait_p50_s"))),
+        ("harvest: share of idle GPU-hours lent", _share(sc.get("gpu_hours_lent"), sc.get("gpu_hours_idle"))),
+        ("harvest: training delay added by lending (p50, wall)",
+         _added(sc.get("needed_lent_wait_p50_s"), sc.get("free_wait_p50_s"))),
         ("leases reclaimed by Slurm preemption", sc.get("reclaimed_by_slurm")),
         ("  …notice at the site before its deadline",
          f"{sc.get('notices_before_deadline')} / {sc.get('notices_seen')} seen"

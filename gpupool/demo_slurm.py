@@ -98,6 +98,21 @@ class DemoCluster:
     start_s: float
 
     @classmethod
+    def attach(cls, conf: Path, partition: str = "lent") -> DemoCluster:
+        """A cluster someone else runs (and stops), from its ``slurm.conf``; the notice is the
+        ``partition``'s ``GraceTime``. Raises :class:`SlurmUnavailable` when the file cannot be
+        read or has no such partition with a ``GraceTime``."""
+        t0 = time.monotonic()
+        try:
+            text = conf.read_text()
+        except OSError as e:
+            raise SlurmUnavailable(f"cannot read {conf}: {e}") from e
+        graces = {p: float(g) for p, g in _GRACE.findall(text)}
+        if partition not in graces:
+            raise SlurmUnavailable(f"{conf} has no {partition!r} partition with a GraceTime")
+        return cls(conf, graces[partition], False, time.monotonic() - t0)
+
+    @classmethod
     def open(cls, nodes: int, grace_s: int, partition: str = "lent", timeout_s: float = 120.0) -> DemoCluster:
         """Reuse the cluster of ``deploy/local/slurm.sh`` (``GPUPOOL_STATE``) when it runs, else
         start one of ``nodes`` nodes with ``GraceTime`` = ``grace_s``. Blocking (run it in a
@@ -203,6 +218,11 @@ class TrainingStream:
         self.poll_s = poll_s
         self.history = AllocationHistory(len(self.gpu_keys))
         self.records: dict[str, TrainingRecord] = {}
+        self.starts: dict[str, tuple[float, dict[str, tuple[int, ...]], bool]] = {}
+        """Every training job (not a gpupool hold) seen running: Slurm id → (the first read that
+        showed it running, Unix s; node → GRES indices it holds; whether a gpupool job, a
+        placeholder or a lease hold, held one of those GPUs at the read before), whoever
+        submitted it."""
         self.submit_errors = 0
         self.t0: float | None = None
         self._gpupool: list[tuple[float, frozenset[str]]] = []
@@ -266,6 +286,9 @@ class TrainingStream:
                 lent |= keys
                 continue
             held |= keys
+            if j.state == "RUNNING" and j.job_id not in self.starts:
+                before = self._gpupool[-1][1] if self._gpupool else frozenset()
+                self.starts[j.job_id] = (t, dict(j.gpus_by_node), bool(keys & before))
             rec = self.records.get(j.job_id)
             if rec is not None and rec.started is None and j.state == "RUNNING":
                 rec.started, rec.held = t, dict(j.gpus_by_node)
@@ -402,12 +425,13 @@ class SlurmParts:
     @classmethod
     def build(cls, cluster: DemoCluster, fleet: Fleet, bus: Bus, topics: KafkaTopics,
               registry: CollectorRegistry, out_dir: Path, *, load: float, compression: float, seed: int,
-              horizon_s: float, poll_s: float = 0.5) -> SlurmParts:
+              horizon_s: float, poll_s: float = 0.5, submit: bool = True) -> SlurmParts:
         """Wire the parts for ``fleet`` (its hosts are the cluster's nodes; its telemetry starts
         following Slurm's training allocations). Training jobs: AcmeTrace's Seren fit on the
         fleet's GPUs at ``load``, ``horizon_s`` wall seconds of arrivals at ``compression``,
-        with a day's warm start (the cluster starts busy). Raises ``FileNotFoundError`` if the
-        AcmeTrace data is missing."""
+        with a day's warm start (the cluster starts busy); ``submit=False``: none (someone else
+        submits training jobs, the stream only follows them). Raises ``FileNotFoundError`` if
+        the AcmeTrace data is missing."""
         from broker.lending import SlurmLending
         from broker.placeholders import GpuMap
         from broker.scheduler_slurm import SlurmScheduler
@@ -420,7 +444,7 @@ class SlurmParts:
         workload = TrainingWorkload(fit_workload(load_cluster_summary("Seren")),
                                     load_utilisation_cdf("seren:GPU_UTIL"),
                                     cluster_gpus=len(keys), load=load, seed=seed)
-        jobs = workload.jobs(horizon_s * compression, warm_start_s=86400.0)
+        jobs = workload.jobs(horizon_s * compression, warm_start_s=86400.0) if submit else []
         stream = TrainingStream(SlurmClient(cluster.conf), jobs, compression, out_dir / "training", keys, poll_s)
         fleet.follow_scheduler(stream.history)
         profile = WorkloadProfile(

@@ -253,6 +253,12 @@ class BrokerPolicy(BaseModel):
     release before the lease is revoked."""
     lease_ttl_s: Annotated[float, Flag("lease_ttl")] = Field(default=60.0, gt=0)
     """A lease expires unless renewed within this long, seconds; a renewal never extends it by more."""
+    window_price: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    """Price of a window lease (promised until the offer's available_until), credits per GPU-hour,
+    stated in every offer (Offer.window_price); none: not priced."""
+    preemptible_price: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    """Price of a preemptible lease (promises only the notice), credits per GPU-hour, stated in
+    every offer (Offer.preemptible_price); none: not priced."""
     group_id: Annotated[str, Flag()] = "gpupool-broker"
     """Kafka consumer group of capacity and pool demand (one per deployment)."""
     pool_zones: dict[str, str] = Field(default_factory=dict)

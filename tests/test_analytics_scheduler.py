@@ -35,6 +35,7 @@ def node(
     *,
     job_on: dict[int, str] | None = None,
     planned_start: float | None = None,
+    need: int = 8,
     state: str = "MIXED",
     flags: tuple[str, ...] = (),
     host: str = HOST,
@@ -44,7 +45,7 @@ def node(
     if planned_start is not None:
         pending.append(
             PendingJob(
-                job_id="43", user="bob", partition="training", gpus_per_node=8, gpus=8,
+                job_id="43", user="bob", partition="training", gpus_per_node=need, gpus=need,
                 reason="Resources", planned_start=planned_start, planned_nodes=[host],
             )
         )  # fmt: skip
@@ -92,14 +93,19 @@ async def test_allocated_gpu_is_not_offered_and_the_window_stops_at_the_planned_
     await svc.start()
     try:
         # GPU 0 held by training job 42 (idle by DCGM); job 43 planned onto the node at T0 + 45
-        records = {T0 + t: node(T0 + t, job_on={0: "42"}, planned_start=T0 + 45) for t in (0, 10, 20, 30)}
+        # needs 2 GPUs there: the free GPUs 1 and 2 (lowest index first) are not lent, GPU 3 is
+        records = {T0 + t: node(T0 + t, job_on={0: "42"}, planned_start=T0 + 45, need=2) for t in (0, 10, 20, 30)}
         await _feed(bus, svc, clock, range(0, 31, 10), records)
         # (an update goes out when the state changes: GPU 0 stays unknown, from idle_pending to
         # scheduler_allocated, so its current update is read from the service)
         held = svc.current_states()[f"{HOST}/GPU-{HOST}-0"]
         assert held.state is GpuState.UNKNOWN and held.reason == "scheduler_allocated"
-        free = latest(bus)[f"{HOST}/GPU-{HOST}-1"]
-        assert free.state is GpuState.IDLE and free.ts == T0 + 30
+        for i in (1, 2):
+            planned = svc.current_states()[f"{HOST}/GPU-{HOST}-{i}"]
+            assert planned.state is GpuState.UNKNOWN and planned.reason == "scheduler_planned"
+            assert planned.planned_start == T0 + 45
+        free = latest(bus)[f"{HOST}/GPU-{HOST}-3"]
+        assert free.state is GpuState.IDLE and free.ts == T0 + 30 and free.planned_start is None
         # without the plan the promise would be T0 + 30 + min_idle_s (no history): cut at T0 + 45
         assert free.predicted_idle_until == pytest.approx(T0 + 45)
         assert gauge(svc, partition="training", user="alice", job="42") == 1
@@ -110,16 +116,16 @@ async def test_allocated_gpu_is_not_offered_and_the_window_stops_at_the_planned_
             " FROM allocated_idle_gpu_hours"
         )
         assert rows == [("42", "alice", "training", 1, pytest.approx(30 / 3600), 0.0)]
-        at40 = node(T0 + 40, job_on={0: "42"}, planned_start=T0 + 45)
+        at40 = node(T0 + 40, job_on={0: "42"}, planned_start=T0 + 45, need=2)
         await _feed(bus, svc, clock, range(40, 41), {T0 + 40: at40})
         _, [(idle_h, alloc_h)] = svc.store.sql(
             "SELECT idle_gpu_hours, allocated_gpu_hours FROM allocated_idle_gpu_hours"
         )
         assert idle_h == pytest.approx(10 / 3600) and alloc_h == pytest.approx(40 / 3600)
         # the planned start comes within the promise: at T0 + 45 it is now, so nothing is offered
-        at45 = node(T0 + 45, job_on={0: "42"}, planned_start=T0 + 45)
+        at45 = node(T0 + 45, job_on={0: "42"}, planned_start=T0 + 45, need=2)
         await _feed(bus, svc, clock, range(45, 46), {T0 + 45: at45})
-        free = latest(bus)[f"{HOST}/GPU-{HOST}-1"]
+        free = latest(bus)[f"{HOST}/GPU-{HOST}-3"]
         assert free.state is GpuState.UNKNOWN and free.reason == "scheduler_planned_start"
         # the job starts: GPUs 0-3 allocated, no pending job; then it ends and GPU 1 is free again
         at50 = node(T0 + 50, job_on={i: "43" for i in range(4)})
@@ -246,3 +252,56 @@ def test_gpus_held_by_gpupools_own_lent_jobs_stay_lendable() -> None:
     assert join.block_reason(_status("k0"), T0) is None  # a placeholder or lease hold: lendable
     assert join.block_reason(_status("k1"), T0) == "scheduler_allocated"  # a training job
     assert join.allocated_idle([_status(f"k{i}") for i in range(3)]) == {("training", "alice", "51"): 1}
+
+
+def _planned_node(*, need: int | None, gpus: int | None = None, nodes: tuple[str, ...] = (HOST,),
+                  lent: tuple[int, ...] = (), training: tuple[int, ...] = (), start: float | None = T0 + 100,
+                  more: tuple[PendingJob, ...] = ()) -> SchedulerNode:
+    from contracts.scheduler import LENT_JOB_NAME
+
+    gpus_ = [
+        SchedulerGpu(index=i, allocated=i in lent or i in training,
+                     job_id="90" if i in lent else ("42" if i in training else None),
+                     job_name=LENT_JOB_NAME if i in lent else None)
+        for i in range(8)
+    ]  # fmt: skip
+    pending = [PendingJob(job_id="43", gpus_per_node=need, gpus=gpus, planned_start=start, planned_nodes=list(nodes))]
+    return SchedulerNode(ts=T0, host=HOST, state="MIXED", gpus=gpus_, pending=[*pending, *more])
+
+
+def test_planned_gpus_are_the_free_ones_lowest_index_first_then_gpupools_holds() -> None:
+    from analytics.scheduler import planned_gpus
+
+    # 3 GPUs per node: free 1, 2 (0 held by training), then the lent hold 3 (free ones first)
+    got = planned_gpus(_planned_node(need=3, lent=(3, 4), training=(0, 2)))
+    assert got == {1: T0 + 100, 5: T0 + 100, 6: T0 + 100}
+    got = planned_gpus(_planned_node(need=3, lent=(3, 4), training=(0, 1, 2, 5, 6, 7)))
+    assert got == {3: T0 + 100, 4: T0 + 100}  # only 2 not held by training: both
+    # exactly the count asked: 2 of 8 free GPUs, not 3, not 1
+    assert sorted(planned_gpus(_planned_node(need=2))) == [0, 1]
+    # asked per job: ceil(5 / 2 nodes) = 3 on this node
+    assert sorted(planned_gpus(_planned_node(need=None, gpus=5, nodes=(HOST, "gpu-node-002")))) == [0, 1, 2]
+    assert sorted(planned_gpus(_planned_node(need=None, gpus=4, nodes=(HOST, "gpu-node-002")))) == [0, 1]
+    # no GPUs asked, no estimate, or planned onto another node: nothing
+    assert planned_gpus(_planned_node(need=None)) == {}
+    assert planned_gpus(_planned_node(need=2, start=None)) == {}
+    assert planned_gpus(_planned_node(need=2, nodes=("gpu-node-002",))) == {}
+    # two jobs: the earlier one takes the lower indices, the later one the next ones
+    later = PendingJob(job_id="41", gpus_per_node=1, planned_start=T0 + 50, planned_nodes=[HOST])
+    assert planned_gpus(_planned_node(need=2, more=(later,))) == {0: T0 + 50, 1: T0 + 100, 2: T0 + 100}
+
+
+def test_a_gpu_the_plan_needs_is_not_lent_and_carries_its_planned_start() -> None:
+    join = SchedulerJoin(stale_after_s=600.0)
+    for i in range(8):
+        join.note_gpu(f"k{i}", i)
+    join.observe(_planned_node(need=2, lent=(0,)))
+    # the free GPUs 1, 2 are planned; the lent hold 0 too only past the free ones: not here
+    assert [join.block_reason(_status(f"k{i}"), T0) for i in range(4)] == [
+        None, "scheduler_planned", "scheduler_planned", None]
+    assert [join.planned_start(_status(f"k{i}")) for i in range(4)] == [None, T0 + 100, T0 + 100, None]
+    assert join.planned_start(_status("unknown-key")) is None
+    # once the planned start is now, the whole node is held back (as before)
+    assert join.block_reason(_status("k3"), T0 + 100) == "scheduler_planned_start"
+    join.forget_hosts([HOST])
+    assert join.planned_start(_status("k1")) is None

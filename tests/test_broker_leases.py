@@ -8,12 +8,13 @@ import itertools
 import pytest
 
 from broker.config import BrokerConfig
-from broker.leases import Answer, LeaseBook, PendingGrant
+from broker.leases import Answer, LeaseBook, PendingGrant, lease_message
 from contracts import (
     CapacityUpdate,
     Claim,
     GpuState,
     IdleGrade,
+    LeaseKind,
     LeaseLogRecord,
     LeaseState,
     PoolDemand,
@@ -564,3 +565,117 @@ def test_a_scheduler_deadline_is_the_reclaim_deadline_even_inside_a_guarantee() 
     assert book.tick(14.4).records == []
     (revoked,) = book.tick(14.5).records
     assert revoked.state is LeaseState.REVOKED
+
+
+# lease kinds, prices and the at-risk warning --------------------------------------------------------
+
+
+def test_offers_state_both_prices_and_a_window_lease_is_promised_until_the_offer_s_promise() -> None:
+    book = _book(CFG.model_copy(update={"window_price": 2.5, "preemptible_price": 0.8}))
+    oid = _idle_node(book)  # predicted idle until 10 000
+    offer = book.offers[oid]
+    assert (offer.window_price, offer.preemptible_price) == (2.5, 0.8)
+    answer, ch = book.claim("edge-a", _claim(oid, count=1, lease_kind=LeaseKind.WINDOW, duration_seconds=20_000), 5.0)
+    assert answer.ok
+    (rec,) = ch.records
+    assert rec.kind is LeaseKind.WINDOW and rec.window_until == 10_000.0 and rec.min_until == 10_000.0
+    msg = lease_message(rec)
+    assert msg.kind is LeaseKind.WINDOW and msg.window_until == 10_000.0 and msg.at_risk_since is None
+    # capped at the lease's end
+    _, ch = book.claim("edge-a", _claim(book_offer(book), "c2", count=1, lease_kind=LeaseKind.WINDOW,
+                                        duration_seconds=100), 5.0)  # fmt: skip
+    assert ch.records[-1].window_until == 105.0
+    # a preemptible lease promises nothing but the notice
+    _, ch = book.claim("edge-a", _claim(book_offer(book), "c3", count=1, lease_kind=LeaseKind.PREEMPTIBLE), 5.0)
+    rec = ch.records[-1]
+    assert rec.kind is LeaseKind.PREEMPTIBLE and rec.window_until is None and rec.min_until is None
+    assert book.violations() == []
+
+
+def book_offer(book: LeaseBook) -> str:
+    (offer,) = book.offers.values()
+    return offer.offer_id
+
+
+def test_a_window_needs_a_promise_past_now_and_a_preemptible_lease_no_minimum() -> None:
+    book = _book()
+    for i in range(2):
+        book.apply_capacity(_cap("n1", i, until=None), 0.0)  # no prediction: nothing promised
+    oid = book_offer(book)
+    answer, _ = book.claim("edge-a", _claim(oid, count=1, lease_kind=LeaseKind.WINDOW), 1.0)
+    assert answer.code is ReasonCode.DURATION_UNAVAILABLE
+    answer, _ = book.claim("edge-a", _claim(oid, "c2", count=1, lease_kind=LeaseKind.PREEMPTIBLE), 1.0)
+    assert answer.ok
+    # a promise that ends exactly now is no window; one a hair later is
+    book = _book()
+    book.apply_capacity(_cap("n1", 0, ts=0.0, until=50.0), 0.0)
+    oid = book_offer(book)
+    assert book.claim("edge-a", _claim(oid, count=1, lease_kind=LeaseKind.WINDOW), 50.0)[0].code is (
+        ReasonCode.DURATION_UNAVAILABLE)
+    answer, ch = book.claim("edge-a", _claim(oid, "c2", count=1, lease_kind=LeaseKind.WINDOW), 49.5)
+    assert answer.ok and ch.records[-1].window_until == 50.0
+    # matched: the same rule
+    book = _book()
+    book.apply_capacity(_cap("n1", 0, ts=0.0, until=None), 0.0)
+    matched = Claim(claim_id="m", site="edge-a", count=1, ts=0.0, lease_kind=LeaseKind.WINDOW)
+    assert book.claim("edge-a", matched, 1.0)[0].code is ReasonCode.NO_MATCH
+    with pytest.raises(ValueError, match="preemptible"):
+        _claim("o", lease_kind=LeaseKind.PREEMPTIBLE, min_duration_seconds=1.0)
+    # a claim of an earlier release: a minimum guarantee makes it a window of that length
+    assert _claim("o", min_duration_seconds=1.0).kind is LeaseKind.WINDOW
+    assert _claim("o").kind is LeaseKind.PREEMPTIBLE
+
+
+def _planned(host: str, i: int, start: float, ts: float, state: GpuState = GpuState.UNKNOWN) -> CapacityUpdate:
+    return _cap(host, i, state=state, ts=ts, planned_start=start, reason="scheduler_planned")
+
+
+def test_a_plan_onto_a_leased_gpu_marks_the_lease_at_risk_before_any_notice() -> None:
+    book = _book()
+    oid = _idle_node(book)
+    _, ch = book.claim("edge-a", _claim(oid, count=2, lease_kind=LeaseKind.WINDOW, duration_seconds=20_000), 1.0)
+    (lease,) = ch.records
+    # a plan onto a GPU the lease does not hold: nothing
+    ch = book.apply_capacity(_planned("n1", 2, 500.0, 2.0), 2.0)
+    assert ch.records == [] and ch.at_risk == 0
+    # onto GPU 1 of the lease: at risk, same state, the window cut is counted
+    ch = book.apply_capacity(_planned("n1", 1, 500.0, 3.0), 3.0)
+    (rec,) = ch.records
+    assert rec.state is LeaseState.GRANTED and rec.reason == "at_risk" and rec.seq == 2
+    assert (rec.at_risk_since, rec.reclaim_expected_at, rec.window_until) == (3.0, 500.0, 10_000.0)
+    assert (ch.at_risk, ch.windows_cut) == (1, 1)
+    # the same plan again, or a later one: nothing new; an earlier one: moved earlier, not cut again
+    assert book.apply_capacity(_planned("n1", 0, 500.0, 4.0), 4.0).records == []
+    assert book.apply_capacity(_planned("n1", 0, 600.0, 5.0), 5.0).records == []
+    ch = book.apply_capacity(_planned("n1", 0, 499.0, 6.0), 6.0)
+    (rec,) = ch.records
+    assert (rec.at_risk_since, rec.reclaim_expected_at) == (3.0, 499.0) and (ch.at_risk, ch.windows_cut) == (1, 0)
+    # a reclaiming lease has its notice already: no at-risk on top
+    book.reclaim(7.0, gpus=[lease.gpus[0]])
+    assert book.apply_capacity(_planned("n1", 0, 100.0, 8.0), 8.0).records == []
+    assert book.violations() == []
+
+
+def test_a_plan_after_a_window_ends_cuts_nothing_and_a_preemptible_lease_is_warned_too() -> None:
+    book = _book()
+    oid = _idle_node(book)
+    _, ch = book.claim("edge-a", _claim(oid, count=1, lease_kind=LeaseKind.WINDOW, duration_seconds=20_000), 1.0)
+    ch = book.apply_capacity(_planned("n1", 0, 10_000.0, 2.0), 2.0)  # exactly at the window's end
+    assert (ch.at_risk, ch.windows_cut) == (1, 0)
+    _, ch = book.claim("edge-b", _claim(book_offer(book), "c2", site="edge-b", count=1), 3.0)
+    gpu = ch.records[-1].gpus[0]
+    ch = book.apply_capacity(_planned("n1", int(gpu[-1]), 40.0, 4.0), 4.0)
+    (rec,) = ch.records
+    assert rec.kind is LeaseKind.PREEMPTIBLE and rec.reclaim_expected_at == 40.0 and ch.windows_cut == 0
+    assert book.violations() == []
+
+
+def test_an_idle_gpu_the_scheduler_planned_for_a_pending_job_is_not_offered() -> None:
+    book = _book()
+    book.apply_capacity(_cap("n1", 0, ts=0.0), 0.0)
+    book.apply_capacity(_cap("n1", 1, ts=0.0, planned_start=90.0), 0.0)
+    (offer,) = book.offers.values()
+    assert [g.gpu for g in offer.gpus] == ["n1/GPU-n1-0"]
+    book.apply_capacity(_cap("n1", 1, ts=1.0), 1.0)  # the plan went away: offered again
+    (offer,) = book.offers.values()
+    assert len(offer.gpus) == 2 and book.violations() == []

@@ -1,10 +1,12 @@
 """Property test of the lease book: random interleavings of capacity updates, claims (of named
 offers and matched by requirements; one- and two-step, with aborts; with minimum guaranteed
-durations), renewals, releases, reclaims and demands (forced or not), ticks and broker restarts
-(rebuild from the lease log) never put a GPU in two live leases, never offer a GPU that is leased
-or not idle, never let a site hold more than its quota, never take a lease back inside its
-guarantee without force, and a rebuilt book carries on with exactly the leases the log says are
-live.
+durations; preemptible and window leases), renewals, releases, reclaims and demands (forced or
+not), scheduler plans onto GPUs, ticks and broker restarts (rebuild from the lease log) never put
+a GPU in two live leases, never offer a GPU that is leased or not idle, never let a site hold more
+than its quota, never take a lease back inside its guarantee without force, never promise a window
+past the offers' promise or the lease's end, mark a lease at risk only after a plan onto one of
+its GPUs (its expected reclaim never moving later), and a rebuilt book carries on with exactly the
+leases the log says are live.
 
 The checks are computed here from the lease log and the capacity updates the test sent, not from
 the book's own bookkeeping (``violations()`` is checked as well).
@@ -24,6 +26,7 @@ from contracts import (
     CapacityUpdate,
     Claim,
     GpuState,
+    LeaseKind,
     LeaseLogRecord,
     LeaseState,
     PoolDemand,
@@ -78,6 +81,8 @@ class LeaseBookMachine(RuleBasedStateMachine):
         self.claims = 0
         self.forced: set[str] = set()
         """Leases a forced reclaim or demand moved to reclaiming."""
+        self.plans: dict[str, float] = {}
+        """Lease id → the earliest planned start sent for one of its GPUs while it held it."""
 
     # helpers ---------------------------------------------------------------------------------------
     def _take(self, ch: object) -> None:
@@ -110,6 +115,8 @@ class LeaseBookMachine(RuleBasedStateMachine):
         duration = data.draw(st.floats(1, 100), label="duration")
         min_duration = min(duration, data.draw(st.sampled_from([0.0, 0.0, 10.0, 40.0]), label="min_duration"))
         notice = data.draw(st.sampled_from([0.0, 5.0, 6.0]), label="notice")
+        kinds = [None, LeaseKind.WINDOW] + ([LeaseKind.PREEMPTIBLE] if min_duration == 0 else [])
+        kind = data.draw(st.sampled_from(kinds), label="lease_kind")
         if data.draw(st.booleans(), label="matched"):
             claim = Claim(
                 claim_id=cid,
@@ -120,6 +127,7 @@ class LeaseBookMachine(RuleBasedStateMachine):
                 min_duration_seconds=min_duration,
                 min_notice_seconds=notice,
                 ts=self.now,
+                lease_kind=kind,
             )
             return site, claim
         offer_id = self._pick_offer(data)
@@ -135,8 +143,23 @@ class LeaseBookMachine(RuleBasedStateMachine):
             min_duration_seconds=min_duration,
             min_notice_seconds=notice,
             ts=self.now,
+            lease_kind=kind,
         )
         return site, claim
+
+    def _check_grant(self, claim: Claim, ch: object) -> None:
+        """A granted window lease is promised past now, no further than its offers' promise."""
+        for rec in ch.records:  # type: ignore[attr-defined]
+            if rec.seq != 1 or rec.state is not LeaseState.GRANTED:
+                continue
+            assert rec.kind is claim.kind
+            if claim.kind is LeaseKind.WINDOW:
+                assert rec.window_until is not None and rec.ends_at is not None
+                assert rec.window_until <= rec.ends_at
+                if claim.lease_kind == LeaseKind.WINDOW.value:  # promised past the reservation (claim.ts)
+                    assert rec.window_until > claim.ts or rec.window_until == rec.ends_at
+            else:
+                assert rec.window_until is None and rec.min_until is None
 
     # rules -----------------------------------------------------------------------------------------
     @rule(dt=st.floats(0, 30))
@@ -156,8 +179,9 @@ class LeaseBookMachine(RuleBasedStateMachine):
         state=st.sampled_from(list(GpuState)),
         idle_for=st.one_of(st.none(), st.floats(0, 120)),
         age=st.floats(0, 5),
+        plan_in=st.one_of(st.none(), st.none(), st.floats(0, 60)),
     )
-    def capacity(self, gpu: str, state: GpuState, idle_for: float | None, age: float) -> None:
+    def capacity(self, gpu: str, state: GpuState, idle_for: float | None, age: float, plan_in: float | None) -> None:
         host, uuid = gpu.split("/")
         until = None if state is not GpuState.IDLE or idle_for is None else self.now + idle_for
         u = CapacityUpdate(
@@ -169,8 +193,13 @@ class LeaseBookMachine(RuleBasedStateMachine):
             predicted_idle_until=until,
             model_name=MODEL[host],
             leaf=LEAF[host],
+            planned_start=None if plan_in is None else self.now + plan_in,
         )
         old = self.caps.get(gpu)
+        lease = self.book.lease_of(gpu)
+        live = lease is not None and self.book.leases[lease].state in (LeaseState.GRANTED, LeaseState.ACTIVE)
+        if u.planned_start is not None and lease is not None and live and (old is None or u.ts >= old.ts):
+            self.plans[lease] = min(self.plans.get(lease, u.planned_start), u.planned_start)
         if old is None or u.ts >= old.ts:
             self.caps[gpu] = u
         self._take(self.book.apply_capacity(u, self.now))
@@ -210,6 +239,7 @@ class LeaseBookMachine(RuleBasedStateMachine):
         site, claim = self._claim(data)
         answer, ch = self.book.claim(site, claim, self.now)
         self._take(ch)
+        self._check_grant(claim, ch)
         if answer.ok and not answer.replayed:
             assert len(ch.records) == 1 and ch.records[0].state is LeaseState.GRANTED
 
@@ -226,6 +256,7 @@ class LeaseBookMachine(RuleBasedStateMachine):
         self.now += delay
         if grant:
             _, ch = self.book.grant(step, self.now)
+            self._check_grant(claim, ch)
         else:
             _, ch = self.book.abort(step, ReasonCode.ISOLATION_FAILED, "test", self.now)
         self._take(ch)
@@ -281,6 +312,11 @@ class LeaseBookMachine(RuleBasedStateMachine):
         assert not [r for r in ch.records if r.reason == "rebuild_conflict"]
         self._take(ch)
         for u in self.caps.values():
+            lease = fresh.lease_of(u.key)
+            if u.planned_start is not None and lease is not None and fresh.leases[lease].state in (
+                LeaseState.GRANTED, LeaseState.ACTIVE
+            ):  # the new broker learns the plans again
+                self.plans[lease] = min(self.plans.get(lease, u.planned_start), u.planned_start)
             self._take(fresh.apply_capacity(u, self.now))
         after = {r.lease_id: r for r in fresh.live_leases()}
         # same live leases, with the same terms (the tick at rebuild may only end leases that were due)
@@ -308,6 +344,7 @@ class LeaseBookMachine(RuleBasedStateMachine):
                 cap = self.caps[og.gpu]
                 assert og.gpu not in live, f"offer {offer.offer_id} holds leased {og.gpu}"
                 assert cap.state is GpuState.IDLE, f"offer {offer.offer_id} holds {cap.state} {og.gpu}"
+                assert cap.planned_start is None, f"offer {offer.offer_id} holds {og.gpu}, planned for training"
                 # fresh when offered, and withdrawn by the next tick once stale
                 assert offer.ts - cap.ts <= CFG.capacity_max_age_s, (
                     f"offer {offer.offer_id} made on stale {og.gpu}"
@@ -364,6 +401,24 @@ class LeaseBookMachine(RuleBasedStateMachine):
                 assert len(r.offer_ids) >= 1 and r.offer_ids[0] == r.offer_id
                 if r.reason == "match:leaf":
                     assert len({LEAF[h] for h in r.hosts}) == 1
+
+    @invariant()
+    def at_risk_only_after_a_plan_and_never_later(self) -> None:
+        by_lease: dict[str, list[LeaseLogRecord]] = {}
+        for r in self.log:
+            by_lease.setdefault(r.lease_id, []).append(r)
+        for lid, recs in by_lease.items():
+            recs = sorted(recs, key=lambda r: r.seq)
+            assert len({r.window_until for r in recs if r.reason != "log_write_failed"}) <= 1, (
+                f"lease {lid}'s promised window moved")
+            expected = [r.reclaim_expected_at for r in recs if r.reclaim_expected_at is not None]
+            assert expected == sorted(expected, reverse=True), f"lease {lid}'s expected reclaim moved later"
+            if expected:
+                assert lid in self.plans and expected[-1] == self.plans[lid], (
+                    f"lease {lid} at risk at {expected[-1]}, plans sent {self.plans.get(lid)}")
+            for r in recs:
+                if r.reason == "at_risk":
+                    assert r.at_risk_since is not None and r.state in (LeaseState.GRANTED, LeaseState.ACTIVE)
 
     @invariant()
     def book_agrees(self) -> None:

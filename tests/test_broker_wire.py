@@ -223,3 +223,17 @@ def test_committed_samples_decode(name: str) -> None:
 def test_writers_stay_strict() -> None:
     with pytest.raises(ValueError):
         Claim(**GOOD, lent_share=1)  # type: ignore[call-arg]
+
+
+def test_a_claim_s_lease_kind_is_read_from_its_json_string() -> None:
+    import json as _json
+
+    from contracts import Claim as _Claim
+    from contracts import LeaseKind
+
+    base = {"claim_id": "c", "site": "edge-a", "offer_id": "o", "ts": 1.0}
+    for text, kind in (("window", LeaseKind.WINDOW), ("preemptible", LeaseKind.PREEMPTIBLE)):
+        claim = parse_site_message(_Claim, _json.dumps({**base, "lease_kind": text}).encode(), "claim_id")
+        assert isinstance(claim, _Claim) and claim.kind is kind
+    bad = parse_site_message(_Claim, _json.dumps({**base, "lease_kind": "spot"}).encode(), "claim_id")
+    assert bad.code.value == "malformed" and "lease_kind" in bad.text
