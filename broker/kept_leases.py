@@ -40,10 +40,10 @@ birth follows its death (a broker restart). Renewals and releases without answer
 the :class:`broker.edge.EdgeClient` below resends requests after a reconnect and keeps lease
 messages queued while the site is offline (persistent session).
 
-An *at-risk* signal (the broker expects to reclaim soon but has not given notice) does not exist
-in protocol v1; when it does, feed it to :meth:`KeptLeases.at_risk` (the same hand-over, without
-a deadline until the lease turns ``reclaiming``). A site can call it today from its own signals
-(an endpoint that fails its health checks).
+An *at-risk* lease message (``LeaseMessage.at_risk_since`` set: the training scheduler has planned
+a job onto the lease's GPUs, before any reclaim notice) starts the same hand-over at once, without
+a deadline until the lease turns ``reclaiming`` (:meth:`KeptLeases.at_risk`). A site can call
+:meth:`KeptLeases.at_risk` from its own signals too (an endpoint that fails its health checks).
 """
 
 from __future__ import annotations
@@ -393,9 +393,9 @@ class KeptLeases:
     def at_risk(self, lease_id: str, reason: str = "at_risk", deadline: float | None = None) -> bool:
         """Hand over ``lease_id`` as on a reclaim notice: a replacement is claimed now and the
         lease is drained and released once it serves (by ``deadline``, Unix s, if given; a later
-        ``reclaiming`` message sets it). For the broker's at-risk signal once the protocol has
-        one, or a site's own (module docstring). Returns False for a lease not kept or already
-        handed over."""
+        ``reclaiming`` message sets it). Called on the broker's at-risk lease message, or by a
+        site on a signal of its own (module docstring). Returns False for a lease not kept or
+        already handed over."""
         k = self._kept.get(lease_id)
         if k is None or k.handover is not None:
             return False
@@ -467,6 +467,9 @@ class KeptLeases:
                 self._notice(k, msg.reason, msg.reclaim_deadline)
             elif k.handover.deadline is None:
                 k.handover.deadline = msg.reclaim_deadline  # at risk first, now with a deadline
+        elif msg.at_risk_since is not None and k.handover is None:
+            # the broker's early warning: the scheduler plans a job onto the lease's GPUs
+            self.at_risk(msg.lease_id, msg.reason or "at_risk")
         if msg.endpoint and k.endpoint is None:
             # a later message without endpoint (a restarted broker checking health again) keeps ours
             k.endpoint = msg.endpoint

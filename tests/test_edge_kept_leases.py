@@ -144,6 +144,11 @@ class FakeBroker:
         )
         return deadline
 
+    def plan_onto(self, lease_id: str, start_in_s: float = 60.0) -> None:
+        """The broker's at-risk message: a training job planned onto the lease's GPUs."""
+        now = self.clock()
+        self.transition(lease_id, reason="at_risk", at_risk_since=now, reclaim_expected_at=now + start_in_s)
+
     def live(self) -> list[str]:
         return [k for k, m in self.leases.items() if m.state.live]
 
@@ -381,6 +386,25 @@ async def test_at_risk_hands_over_like_a_notice_and_takes_the_deadline_of_a_late
         broker.healthy(new)
         await until(lambda: bool(broker.released))
         assert broker.released[0][0] == risky and h.early
+
+
+async def test_the_brokers_at_risk_message_starts_the_hand_over_before_any_notice() -> None:
+    clock = Clock()
+    broker = FakeBroker(clock)
+    async with kept(broker, clock) as pool:
+        risky, other = await serving_two(broker, pool)
+        broker.plan_onto(risky)
+        await until(lambda: len(broker.live()) == 3)  # a replacement claimed, no notice yet
+        (h,) = pool.handovers
+        assert h.lease_id == risky and h.reason == "at_risk" and h.deadline is None
+        assert pool.counts["at_risk"] == 1 and pool.counts["reclaims"] == 0
+        broker.plan_onto(risky, 30.0)  # an earlier plan: still one hand-over
+        await settle()
+        assert len(pool.handovers) == 1 and pool.counts["at_risk"] == 1
+        (new,) = set(broker.live()) - {risky, other}
+        broker.healthy(new)
+        await until(lambda: bool(broker.released))
+        assert broker.released[0][0] == risky and h.early  # the pool got its GPUs back early
 
 
 async def test_entering_adopts_the_sites_live_leases_of_the_workload() -> None:
