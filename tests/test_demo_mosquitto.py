@@ -3,6 +3,11 @@ a child process that is gone after ``stop``."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import aiomqtt
@@ -40,3 +45,32 @@ async def test_a_mosquitto_that_cannot_start_is_an_oserror_with_its_log(tmp_path
     broken.chmod(0o755)
     with pytest.raises(OSError, match="did not start.*exited with 3.*no config"):
         await PrivateMosquitto(tmp_path / "mqtt", "gpupool/v1", ["edge-a"], binary=str(broken)).start()
+
+
+def test_the_server_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
+    """A demo killed without its cleanup (SIGKILL here) leaves no Mosquitto behind."""
+    code = (
+        "import asyncio, sys, pathlib\n"
+        "from gpupool.demo_mosquitto import PrivateMosquitto\n"
+        "async def main():\n"
+        "    m = PrivateMosquitto(pathlib.Path(sys.argv[1]), 'gpupool/v1', ['edge-a'])\n"
+        "    await m.start()\n"
+        "    print(m._proc.pid, flush=True)\n"
+        "    await asyncio.sleep(60)\n"
+        "asyncio.run(main())\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "mqtt")], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    pid = int(parent.stdout.readline())
+    os.kill(pid, 0)  # running
+    parent.kill()
+    parent.wait(10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    pytest.fail("mosquitto outlived the process that started it")
