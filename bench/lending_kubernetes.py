@@ -42,12 +42,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kubernetes import client, config, watch  # noqa: E402
 
 from broker.config import BrokerConfig  # noqa: E402
-from bench.support.claims import claim_one_gpu  # noqa: E402
+from bench.support.lending import claim_one_gpu, idle_capacity  # noqa: E402
 from broker.edge import EdgeClient  # noqa: E402
 from broker.lending import Lending, NoLending  # noqa: E402
 from broker.lending_kubernetes import KubernetesLending, parse_pod  # noqa: E402
 from broker.service import BrokerService  # noqa: E402
-from contracts import CapacityUpdate, GpuState, KafkaTopics, LeaseState, encode  # noqa: E402
+from contracts import KafkaTopics, LeaseState  # noqa: E402
 from contracts.bus import MemoryBus  # noqa: E402
 from gpupool.embedded_mqtt import EmbeddedMqttBroker  # noqa: E402
 
@@ -113,19 +113,6 @@ class Watched:
         self._stop.set()
 
 
-async def _idle_capacity(bus: MemoryBus, topics: KafkaTopics) -> None:
-    producer = bus.producer()
-    await producer.start()
-    now = time.time()
-    for host in NODES:
-        for i in range(8):
-            u = CapacityUpdate(ts=now, host=host, gpu_uuid=f"gpu{i}", state=GpuState.IDLE, since=now - 60,
-                               predicted_idle_until=now + 3600, model_name="NVIDIA H100 80GB HBM3")  # fmt: skip
-            await producer.send(topics.capacity, encode(u), key=u.key)
-    await producer.flush()
-    await producer.stop()
-
-
 def _training_pod(host: str) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
@@ -154,7 +141,7 @@ async def _phase(
     mqtt = EmbeddedMqttBroker()
     await mqtt.start()
     bus, topics = MemoryBus(), KafkaTopics()
-    await _idle_capacity(bus, topics)
+    await idle_capacity(bus, topics, NODES)
     cfg = BrokerConfig(offer_ttl_s=600, lease_ttl_s=300, notice_s=notice_s, tick_s=0.1)
     svc = BrokerService(bus=bus, topics=topics, mqtt_host=mqtt.host, mqtt_port=mqtt.port, protocol=4,
                         config=cfg, lending=lending)  # fmt: skip

@@ -51,14 +51,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from broker.config import BrokerConfig  # noqa: E402
-from bench.support.claims import claim_one_gpu  # noqa: E402
+from bench.support.lending import claim_one_gpu, idle_capacity  # noqa: E402
 from broker.edge import EdgeClient  # noqa: E402
 from broker.lending import Lending, NoLending, SlurmLending  # noqa: E402
 from broker.placeholders import read_term  # noqa: E402
 from broker.scheduler import HoldRequest, HoldState  # noqa: E402
 from broker.scheduler_slurm import JOB_NAME, SlurmScheduler  # noqa: E402
 from broker.service import BrokerService  # noqa: E402
-from contracts import CapacityUpdate, GpuState, KafkaTopics, LeaseState, encode  # noqa: E402
+from contracts import KafkaTopics, LeaseState  # noqa: E402
 from contracts.bus import MemoryBus  # noqa: E402
 from gpupool.embedded_mqtt import EmbeddedMqttBroker  # noqa: E402
 from gpupool.demo_mosquitto import PrivateMosquitto, mosquitto_binary  # noqa: E402
@@ -153,15 +153,7 @@ async def _broker_phase(
     svc = BrokerService(bus=bus, topics=topics, mqtt_host=mqtt.host, mqtt_port=mqtt.port, protocol=protocol,
                         mqtt_username="gpupool-broker" if users else None, mqtt_password=users.get("gpupool-broker"),
                         config=cfg, lending=lending)  # fmt: skip
-    producer = bus.producer()
-    await producer.start()
-    now = time.time()
-    for host in NODES:
-        for i in range(8):
-            u = CapacityUpdate(ts=now, host=host, gpu_uuid=f"gpu{i}", state=GpuState.IDLE, since=now - 60,
-                               predicted_idle_until=now + 3600, model_name="NVIDIA H100 80GB HBM3")  # fmt: skip
-            await producer.send(topics.capacity, encode(u), key=u.key)
-    await producer.flush()
+    await idle_capacity(bus, topics, NODES)
     await svc.start()
     stop = asyncio.Event()
     serve = asyncio.create_task(svc.run(stop))
@@ -202,7 +194,6 @@ async def _broker_phase(
         stop.set()
         await serve
         await svc.stop()
-        await producer.stop()
         await mqtt.stop()
         await cluster.cancel_all()
 
