@@ -94,6 +94,7 @@ class Capacity:
         self.refresh_s = refresh_s
 
     async def send(self, hosts: list[str]) -> None:
+        """Send a capacity update of every GPU of ``hosts`` (busy or idle as marked), now."""
         now = time.time()
         for host in hosts:
             state = GpuState.BUSY if host in self.busy else GpuState.IDLE
@@ -107,10 +108,12 @@ class Capacity:
         await self.producer.flush()
 
     async def set_busy(self, host: str, busy: bool) -> None:
+        """Mark ``host`` busy (training runs there) or idle, and send its capacity at once."""
         (self.busy.add if busy else self.busy.discard)(host)
         await self.send([host])
 
     async def refresh_forever(self) -> None:
+        """Send every node's capacity again every ``refresh_s`` seconds (analytics' refresh), until cancelled."""
         while True:
             await self.send(NODES)
             await asyncio.sleep(self.refresh_s)
@@ -340,6 +343,7 @@ def _report(
 
 
 def main() -> int:
+    """Run the benchmark (module docstring); exit 0 when the targets are met, 1 otherwise, 2 when a service could not start."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--reclaims", type=int, default=50, help="reclaims to make (>= 1)")
     p.add_argument("--rate", type=float, default=200.0, help="requests per second (open loop)")

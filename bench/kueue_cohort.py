@@ -68,10 +68,12 @@ class Experiment:
         return name
 
     def running(self, ns: str) -> list[client.V1Pod]:
+        """The pods of namespace ``ns`` that are Running and not being deleted."""
         pods = self.core.list_namespaced_pod(ns).items
         return [p for p in pods if p.status.phase == "Running" and not p.metadata.deletion_timestamp]
 
     def until(self, what: str, cond: Any, timeout_s: float = 60.0) -> None:
+        """Poll ``cond()`` every 0.1 s; ``SystemExit`` naming ``what`` after ``timeout_s`` seconds."""
         deadline = time.monotonic() + timeout_s
         while not cond():
             if time.monotonic() > deadline:
@@ -135,6 +137,9 @@ def run(exp: Experiment, training: dict[str, Any]) -> float:
 
 
 def cleanup(exp: Experiment, training: dict[str, Any]) -> None:
+    """Delete the experiment's Jobs and pods (``training`` and the lent namespace), its lent
+    LocalQueue, ClusterQueue and namespace, and put the ``training`` ClusterQueue's cohort and
+    preemption back as ``training`` (its spec before the run) had them."""
     for ns in ("training", NS):
         try:
             for job in exp.batch.list_namespaced_job(ns).items:
@@ -158,6 +163,7 @@ def cleanup(exp: Experiment, training: dict[str, Any]) -> None:
 
 
 def main() -> int:
+    """Run the experiment (module docstring) on the local cluster; exit 0 when it ran."""
     default = Path(os.environ.get("GPUPOOL_STATE", ".state")) / "kubernetes" / "kubeconfig"
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kubeconfig", default=str(default))

@@ -310,6 +310,7 @@ async def _main(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
+    """Run the benchmark (module docstring); exit 0 when the targets are met, 1 otherwise, 2 when the cluster could not start."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=13)
     p.add_argument("--notice-s", type=int, default=3)

@@ -65,7 +65,7 @@ from broker.config import BrokerConfig
 from broker.metrics import BrokerMetrics
 from broker.placeholders import GpuMap, placeholder_script, read_term, start_script
 from broker.scheduler import Hold, HoldState, SchedulerError
-from broker.scheduler_slurm import COMMENT_PREFIX, IDLE_COMMENT, JOB_NAME, SlurmScheduler
+from broker.scheduler_slurm import COMMENT_PREFIX, IDLE_COMMENT, JOB_NAME, SlurmScheduler, job_gone
 from broker.workloads import WorkloadError, WorkloadProfile, allowed, pick_port, placeholder_cpus, render
 from contracts import LeaseLogRecord, LeaseState
 from contracts.leases import LeaseReason
@@ -629,6 +629,9 @@ class SlurmLending:
         try:
             await self.scheduler.command("scancel", *job_ids)
         except SchedulerError as e:
+            if job_gone(e):  # ended meanwhile (its time limit, a preemption): nothing to cancel
+                log.info("scancel_jobs_gone", extra={"job_ids": list(job_ids), "error": str(e)})
+                return
             self._metrics.scheduler_errors.labels(operation=operation).inc()
             log.error("scancel_failed", extra={"job_ids": list(job_ids), "error": str(e)})
 

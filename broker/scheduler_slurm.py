@@ -212,6 +212,13 @@ of ``ESLURM_INVALID_JOB_ID`` (2017) and ``ESLURM_ALREADY_DONE`` (2021; ``slurm_e
 it may exit with without printing anything (a job that completed as the signal was sent)."""
 
 
+def job_gone(error: SchedulerError) -> bool:
+    """True if ``error`` (from ``scancel``) says only that the job has already ended or does not
+    exist (:data:`_JOB_GONE_EXIT`, or Slurm's messages for those errors): nothing was left to do."""
+    text = str(error)
+    return error.returncode in _JOB_GONE_EXIT or "Invalid job id" in text or "already completing" in text
+
+
 class SlurmScheduler:
     """Lease holds as jobs in Slurm's lent partition (module docstring: the job, the script).
 
@@ -379,8 +386,7 @@ class SlurmScheduler:
         try:
             await self.command("scancel", "--batch", "--signal=TERM", hold.job_id)
         except SchedulerError as e:
-            gone = e.returncode in _JOB_GONE_EXIT or "Invalid job id" in str(e) or "already completing" in str(e)
-            if not gone:
+            if not job_gone(e):
                 raise
 
     async def holds(self) -> dict[str, Hold]:

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import os
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -62,6 +63,20 @@ class SchedulerUnderTest(Protocol):
     def training_state(self, job: str) -> str:
         """``pending`` (waiting for GPUs), ``running``, or the scheduler's own word otherwise."""
         ...
+
+
+def inference_profile(
+    name: str, port_min: int, drain_s: float, quiet_s: float, health_timeout_s: float
+) -> WorkloadProfile:
+    """The simulated inference server (``simulator.inference_server``) as a workload profile on
+    ports ``port_min``..``port_min + 99``, draining ``drain_s`` seconds at most on SIGTERM and
+    leaving once no request came for ``quiet_s`` seconds."""
+    return WorkloadProfile(
+        name=name,
+        argv=(sys.executable, "-m", "simulator.inference_server", "--port", "{port}",
+              "--drain-s", f"{drain_s:g}", "--quiet-s", f"{quiet_s:g}"),
+        port_min=port_min, port_max=port_min + 99, health_timeout_s=health_timeout_s,
+    )  # fmt: skip
 
 
 async def idle_capacity(

@@ -16,13 +16,16 @@ Scheduler-specific tests: tests/test_broker_lending_slurm.py, tests/test_broker_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from broker.edge import EdgeClient
+from broker.lending import Lending
 from contracts import KafkaTopics, LeaseState
 from contracts.bus import Bus
 from tests.lending_support import (
@@ -59,17 +62,23 @@ def scheduler(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Schedu
         kube.clean()
 
 
+@contextlib.asynccontextmanager
+async def _lent_node(
+    bus: Bus, topics: KafkaTopics, creds: dict[str, Any], sched: SchedulerUnderTest, lending: Lending, host: str
+) -> AsyncIterator[tuple[EdgeClient, str]]:
+    """Every GPU of ``host`` idle, a broker lending through ``lending``, a site: (the site, the
+    offer of ``host`` once placeholders hold its 8 GPUs)."""
+    await idle_capacity(bus, topics, host)
+    async with lending_broker(bus, topics, creds, lending, sched.notice_s), edge_site(creds) as site:
+        yield site, await held_offer(site, lambda: sched.idle_held(lending, host), host, 8)
+
+
 async def test_fencing_training_pends_while_the_lease_lives_and_runs_once_it_is_released(
     kafka_bus: Bus, kafka_stage_topics: KafkaTopics, mosquitto: dict[str, Any], scheduler: SchedulerUnderTest
 ) -> None:
     host, sched = "gpu-node-001", scheduler
     lending = sched.lending()
-    await idle_capacity(kafka_bus, kafka_stage_topics, host)
-    async with (
-        lending_broker(kafka_bus, kafka_stage_topics, mosquitto, lending, sched.notice_s),
-        edge_site(mosquitto) as site,
-    ):
-        offer = await held_offer(site, lambda: sched.idle_held(lending, host), host, 8)
+    async with _lent_node(kafka_bus, kafka_stage_topics, mosquitto, sched, lending, host) as (site, offer):
         lease = await site.claim(offer, count=8, duration_seconds=600)
         assert sorted(lease.gpus) == sorted(f"{host}/gpu{i}" for i in range(8))
         await until(lambda: len(sched.lent_holding(host)) == 8, 5)
@@ -95,12 +104,7 @@ async def test_gpupool_down_training_still_takes_the_lent_gpus(
 ) -> None:
     host, sched = "gpu-node-004", scheduler
     lending = sched.lending()
-    await idle_capacity(kafka_bus, kafka_stage_topics, host)
-    async with (
-        lending_broker(kafka_bus, kafka_stage_topics, mosquitto, lending, sched.notice_s),
-        edge_site(mosquitto) as site,
-    ):
-        offer = await held_offer(site, lambda: sched.idle_held(lending, host), host, 8)
+    async with _lent_node(kafka_bus, kafka_stage_topics, mosquitto, sched, lending, host) as (site, offer):
         await site.claim(offer, count=4, duration_seconds=600)
     # every gpupool process of this test is stopped (broker, its watch, the site); the scheduler alone
     assert sched.stopped(lending)

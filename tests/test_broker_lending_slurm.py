@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Collection, Iterator
@@ -26,7 +25,6 @@ import pytest
 
 from broker.edge import ClaimRejected, EdgeClient
 from broker.lending import SlurmLending
-from broker.workloads import WorkloadProfile
 from contracts import (
     KafkaTopics,
     LeaseState,
@@ -39,28 +37,20 @@ from contracts import (
 from contracts.bus import Bus
 from contracts.leases import Partition
 from contracts.mqtt import Requirements
-from tests.lending_support import SlurmUnderTest, edge_site, held_offer, idle_capacity, lending_broker, until
+from tests.lending_support import (
+    SlurmUnderTest,
+    edge_site,
+    held_offer,
+    idle_capacity,
+    inference_profile,
+    lending_broker,
+    until,
+)
 from tests.services import SLURM_GRACE_S
 
 pytestmark = pytest.mark.timeout(120)
 
-PROFILE = WorkloadProfile(
-    name="infer",
-    argv=(
-        sys.executable,
-        "-m",
-        "simulator.inference_server",
-        "--port",
-        "{port}",
-        "--drain-s",
-        "2",
-        "--quiet-s",
-        "0.3",
-    ),
-    port_min=28100,
-    port_max=28199,
-    health_timeout_s=20,
-)
+PROFILE = inference_profile("infer", 28100, drain_s=2, quiet_s=0.3, health_timeout_s=20)
 WIDE = PROFILE.model_copy(update={"name": "infer-wide", "cpus_per_gpu": 2, "port_min": 28200, "port_max": 28299})
 """A profile needing 2 CPUs per GPU: every placeholder then asks Slurm for 2."""
 

@@ -8,7 +8,6 @@ deadline. The numbers at scale: bench/edge_reclaim.py."""
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,12 +16,11 @@ from typing import Any
 import pytest
 
 from broker.kept_leases import KeptLeases
-from broker.workloads import WorkloadProfile
 from contracts import GpuState, KafkaTopics
 from contracts.bus import Bus
 from simulator.load import OpenLoopLoad, probe
 from tests.services import SLURM_GRACE_S
-from tests.lending_support import SlurmUnderTest, edge_site, idle_capacity, lending_broker, until
+from tests.lending_support import SlurmUnderTest, edge_site, idle_capacity, inference_profile, lending_broker, until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -36,23 +34,7 @@ def slurm(slurm_conf: Path, tmp_path: Path) -> Iterator[SlurmUnderTest]:
     yield sched
     sched.clean()
 RECLAIMS = 2
-PROFILE = WorkloadProfile(
-    name="infer-kept",
-    argv=(
-        sys.executable,
-        "-m",
-        "simulator.inference_server",
-        "--port",
-        "{port}",
-        "--drain-s",
-        str(SLURM_GRACE_S),
-        "--quiet-s",
-        str(SLURM_GRACE_S),
-    ),
-    port_min=28200,
-    port_max=28299,
-    health_timeout_s=30,
-)
+PROFILE = inference_profile("infer", 28200, drain_s=SLURM_GRACE_S, quiet_s=SLURM_GRACE_S, health_timeout_s=30)
 """Drains for the whole notice (``--quiet-s`` too: a load stalled for a moment must not look like
 the end of traffic): the old endpoint answers until the replacement serves and the lease is released."""
 
