@@ -104,7 +104,6 @@ class LendingHooks:
 async def _nothing_lendable(_: frozenset[str]) -> None:
     return None
 
-
 _RETAG_DELAY_S = 0.2
 """Seconds between a carving and the Slurm commands that name its jobs."""
 
@@ -578,12 +577,7 @@ class SlurmLending:
                 minutes = max(1, math.ceil((record.ends_at - started) / 60.0))
             groups.setdefault(minutes, []).append(h.job_id)
         for minutes, job_ids in groups.items():
-            argv = [
-                "scontrol",
-                "update",
-                f"JobId={','.join(job_ids)}",
-                f"Comment={COMMENT_PREFIX}{record.lease_id}",
-            ]
+            argv = ["scontrol", "update", f"JobId={','.join(job_ids)}", f"Comment={COMMENT_PREFIX}{record.lease_id}"]
             if minutes is not None:
                 argv.append(f"TimeLimit={minutes}")
             if record.lease_id not in self._leases:
