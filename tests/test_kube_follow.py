@@ -35,7 +35,9 @@ async def test_simulated_gpus_follow_the_pods_on_the_slots_the_source_reports(
     kubeconfig: Path, team: Team, trace: Trace
 ) -> None:
     fleet = Fleet(trace, nodes=4, gpus_per_node=8, seed=3)
-    follower = PodFollower(as_collector(kubeconfig), {(g.host, g.index): g.key for g in fleet.gpus()}, poll_s=0.1)
+    follower = PodFollower(
+        as_collector(kubeconfig), {(g.host, g.index): g.key for g in fleet.gpus()}, poll_s=0.1
+    )
     fleet.follow_scheduler(follower.history)
     source = KubernetesCollector(MemoryBus(), KafkaTopics(), as_collector(kubeconfig), kueue=False)
     for informer in source.informers:
