@@ -13,6 +13,9 @@ not offer those the Job holds (``scheduler_allocated``), though DCGM says every 
 from __future__ import annotations
 
 import asyncio
+import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -262,3 +265,37 @@ async def test_a_denied_or_unreachable_api_server_fails_the_read_only_and_is_cou
             ) or 0) >= 1  # fmt: skip
         finally:
             await collector.stop()
+
+
+async def test_collect_run_with_kubernetes_streams_node_records(
+    kubeconfig: Path, kafka_bus: KafkaBus, kafka_stage_topics: KafkaTopics
+) -> None:
+    """``gpupool collect run --kubernetes --kubeconfig`` alone (no GPU source) reads the cluster
+    every --kubernetes-interval and produces to the prefixed telemetry.scheduler, until SIGTERM; with
+    a Slurm cluster too, the settings are refused (one training scheduler)."""
+    topic = kafka_stage_topics.telemetry_scheduler
+    gpupool = str(Path(sys.executable).parent / "gpupool")
+    base = [gpupool, "collect", "run", "--kafka", kafka_bus.bootstrap_servers, "--topic-prefix",
+            kafka_stage_topics.prefix, "--metrics-port", "0", "--kubernetes", "--kubeconfig", str(kubeconfig)]  # fmt: skip
+    proc = subprocess.Popen(
+        [*base, "--kubernetes-interval", "0.5"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    consumer = kafka_bus.consumer([topic], f"g{uuid.uuid4().hex}")
+    await consumer.start()
+    msgs: list[Any] = []
+    try:
+        deadline = time.monotonic() + 40
+        while len(msgs) < 8 and time.monotonic() < deadline:  # two reads of four nodes
+            msgs += await consumer.getmany(timeout_s=1.0)
+    finally:
+        await consumer.stop()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=40)
+    assert proc.returncode == 0, err[-2000:]
+    records = [decode(SchedulerNode, m.value or b"") for m in msgs]
+    assert len(records) >= 8 and all(r.scheduler == "kubernetes" and len(r.gpus) == 8 for r in records)
+    assert {m.key for m in msgs} == {r.host for r in records} == {f"gpu-node-00{i}" for i in range(1, 5)}
+    both = subprocess.run(
+        [*base, "--slurm-conf", "/etc/slurm/slurm.conf"], capture_output=True, text=True, timeout=60
+    )
+    assert both.returncode == 2 and "kubernetes or slurm_conf, not both" in both.stderr, both.stderr[-1000:]
