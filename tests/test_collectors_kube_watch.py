@@ -1,12 +1,14 @@
 """collectors.kube_watch.Informer against a fake API (responses as urllib3 gives them to the
 official client): list, watch from the list's resourceVersion, resume from the last event's or
-bookmark's version, relist after 410 Gone, skip and count an object that does not parse."""
+bookmark's version, relist after 410 Gone, skip and count an object that does not parse; a failed list leaves the cache unsynced until one succeeds."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
 from typing import Any
+
+from urllib3.exceptions import MaxRetryError
 
 from collectors.kube_parse import KubeParseError
 from collectors.kube_watch import Informer
@@ -69,3 +71,29 @@ def test_the_informer_resumes_from_the_versions_it_saw_and_relists_when_the_vers
     assert watched == ["10", "20", "26"]  # the list's version, the relist's, the last event's
     assert errors == [("things", "expired"), ("things", "no_metadata")]
     assert informer.synced and informer.version == "26"
+
+
+def test_a_failed_list_leaves_the_cache_unsynced_counted_until_a_list_succeeds() -> None:
+    answers: list[Any] = [
+        MaxRetryError(None, "/api/v1/pods", "connection refused"),  # type: ignore[arg-type]
+        {"metadata": {"resourceVersion": "5"}, "items": [_obj("a", "4")]},
+    ]
+    seen: list[tuple[str, str, bool, str | None]] = []
+
+    def list_call(**kwargs: Any) -> _Resp:
+        if kwargs.get("watch"):
+            informer._stop.set()
+            return _Resp(lines=[])
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return _Resp(body=answer)
+
+    def on_error(resource: str, reason: str) -> None:
+        seen.append((resource, reason, informer.synced, informer.failure))
+
+    informer: Informer[str] = Informer("things", list_call, lambda o: str(o["metadata"]["name"]), on_error)
+    assert (informer.synced, informer.failure) == (False, "not_listed")
+    informer._run()
+    assert seen == [("things", "unreachable", False, "unreachable")]
+    assert informer.synced and informer.failure is None and informer.snapshot() == ["a"]
