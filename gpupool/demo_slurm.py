@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from contracts import KafkaTopics
     from contracts.bus import Bus
     from simulator.fleet import Fleet
+    from gpupool.demo_edge import ServingSite
     from simulator.sites import SimulatedSite
 
 log = logging.getLogger(__name__)
@@ -450,7 +451,10 @@ class SlurmParts:
         profile = WorkloadProfile(
             name="infer",
             argv=(sys.executable, "-m", "simulator.inference_server", "--port", "{port}",
-                  "--drain-s", str(max(0.5, cluster.grace_s / 2)), "--quiet-s", "0.3"),
+                  # drains through the notice while a site still sends (it moves its traffic first,
+                  # then releases: the hold's end is the second SIGTERM); a pause in the requests (a
+                  # busy machine) must not end it while the endpoint still takes traffic
+                  "--drain-s", str(max(0.5, cluster.grace_s)), "--quiet-s", str(max(0.5, cluster.grace_s))),
             port_min=DEMO_WORKLOAD_PORTS[0], port_max=DEMO_WORKLOAD_PORTS[1], health_timeout_s=30,
         )  # fmt: skip
         lending = SlurmLending(
@@ -466,7 +470,7 @@ class SlurmParts:
         """Cancel the training jobs and gpupool holds of this run (the cluster as found)."""
         await asyncio.to_thread(self.stream.cancel_all)
 
-    def summary(self, records: Sequence[LeaseLogRecord], sites: Sequence[SimulatedSite], t0: float,
+    def summary(self, records: Sequence[LeaseLogRecord], sites: Sequence[SimulatedSite | ServingSite], t0: float,
                 t1: float) -> SchedulerSummary:
         """:func:`scheduler_summary` of the run from ``t0`` to ``t1`` (Unix s), notices from ``sites``."""
         notices = {lid: n for s in sites for lid, n in s.notices.items()}

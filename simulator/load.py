@@ -134,6 +134,7 @@ class OpenLoopLoad:
 
     Attributes:
         records: every finished request, in finishing order.
+        sent: requests sent so far (those still in flight are not in ``records`` yet).
 
     Raises ``ValueError`` for a rate that is not positive.
     """
@@ -155,6 +156,7 @@ class OpenLoopLoad:
         self.timeout_s = timeout_s
         self._clock = clock
         self.records: list[RequestRecord] = []
+        self.sent = 0
 
     async def run(self, stop: asyncio.Event) -> None:
         """Send until ``stop`` is set, then wait for the requests still in flight (at most
@@ -174,6 +176,7 @@ class OpenLoopLoad:
                 pending.add(task)
                 task.add_done_callback(pending.discard)
                 i += 1
+                self.sent = i
             if pending:
                 await asyncio.wait(pending, timeout=self.timeout_s + 1.0)
 
