@@ -43,8 +43,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import signal
@@ -75,7 +77,7 @@ from broker.kept_leases import Handover, KeptLeases  # noqa: E402
 from contracts import CapacityUpdate, GpuState, KafkaTopics, encode  # noqa: E402
 from gpupool.topics_cli import create_all  # noqa: E402
 from runtime.kafka import KafkaBus  # noqa: E402
-from simulator.load import OpenLoopLoad, probe, quantile, summarize  # noqa: E402
+from simulator.load import OpenLoopLoad, RequestRecord, probe, quantile, summarize  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SITE = "edge-a"
@@ -229,6 +231,9 @@ async def _run(args: argparse.Namespace, tmp: Path) -> int:
     submit_to_running: list[float] = []
     steady: list[tuple[float, float]] = []
     capacity = Capacity(bus, topics)
+    loadavg: list[float] = []
+    cpu: list[tuple[float, float]] = []
+    sampler = asyncio.create_task(_sample_loadavg(loadavg, cpu))
     try:
         await create_all(kafka, topics, 1, replication_factor=1)
         await capacity.producer.start()
@@ -241,14 +246,22 @@ async def _run(args: argparse.Namespace, tmp: Path) -> int:
             site=SITE, host=creds["host"], port=creds["port"], username=SITE, password=users[SITE],
             root=creds["root"], client_id=f"bench-{SITE}-{uuid.uuid4().hex[:6]}", connect_timeout_s=30,
         ) as site:  # fmt: skip
-            async with KeptLeases(
+            fast_s = args.fast_ms / 1000 if args.fast_ms is not None else None
+
+            async def warm(ep: str, lid: str) -> bool:
+                # over the load's own connection pool (--pooled-probe) or a session of the probe's own
+                how = load.probe if args.pooled_probe else probe
+                return await how(ep, lid, warmup=args.warmup, concurrency=args.warm_concurrency, fast_s=fast_s)
+
+            kept = KeptLeases(
                 site, target=args.target, workload=WORKLOAD, renew_every_s=5.0, ready_timeout_s=40.0,
                 drain_timeout_s=float(args.notice_s), duration_seconds=3600.0,
-                probe=(lambda ep, lid: probe(ep, lid, warmup=args.warmup)) if args.warmup >= 0 else None,
-                recheck=lambda ep, lid: probe(ep, lid, warmup=0), recheck_every_s=1.0,
-            ) as kept:  # fmt: skip
+                probe=warm if args.warmup >= 0 else None,
+                recheck=lambda ep, lid: probe(ep, lid, warmup=0), recheck_every_s=1.0, overlap_s=args.overlap_s,
+            )  # fmt: skip
+            load = OpenLoopLoad(kept.endpoints, rate_per_s=args.rate, timeout_s=2.0)
+            async with load, kept:
                 await kept.ready(180)
-                load = OpenLoopLoad(kept.endpoints, rate_per_s=args.rate, timeout_s=2.0)
                 load_task = asyncio.create_task(load.run(stop))
                 await asyncio.sleep(args.start_s)  # the broker puts a placeholder on every offered GPU
                 began = time.time()
@@ -262,7 +275,7 @@ async def _run(args: argparse.Namespace, tmp: Path) -> int:
         return 1
     finally:
         stop.set()
-        for t in (load_task, refresh):
+        for t in (load_task, refresh, sampler):
             if t is not None:
                 t.cancel()
                 with contextlib.suppress(BaseException):
@@ -281,12 +294,71 @@ async def _run(args: argparse.Namespace, tmp: Path) -> int:
         await stop_mosquitto(mq_state)
         if kafka_started:
             await stop_kafka()
-    return _report(args, kept, load, submit_to_running, steady, began, ended)
+    return _report(args, kept, load, submit_to_running, steady, began, ended, loadavg, cpu)
+
+
+async def _sample_loadavg(into: list[float], cpu: list[tuple[float, float]], every_s: float = 0.1) -> None:
+    """Every ``every_s`` seconds until cancelled: append (Unix s, CPU seconds this process has
+    used) to ``cpu``, and every tenth time the machine's 1-minute load average to ``into``."""
+    n = 0
+    while True:
+        cpu.append((time.time(), time.process_time()))
+        if n % 10 == 0:
+            into.append(os.getloadavg()[0])
+        n += 1
+        await asyncio.sleep(every_s)
+
+
+def _cpu_share(cpu: list[tuple[float, float]], windows: list[tuple[float, float]]) -> float:
+    """CPU seconds this process used per wall second inside ``windows`` (samples of
+    :func:`_sample_loadavg`; NaN without samples there)."""
+    used = wall = 0.0
+    for (t0, c0), (t1, c1) in itertools.pairwise(cpu):
+        if any(a <= t0 and t1 <= b for a, b in windows):
+            used += c1 - c0
+            wall += t1 - t0
+    return used / wall if wall else float("nan")
+
+
+def _ms(values: list[float], q: float) -> str:
+    return f"{quantile(values, q) * 1e3:8.1f}" if values else f"{'—':>8}"
+
+
+def _breakdown(records: list[RequestRecord], hs: list[Handover], windows: list[tuple[float, float]],
+               steady_windows: list[tuple[float, float]]) -> None:  # fmt: skip
+    """Where the tail comes from: the served requests of each kind, by where they went (the leaving
+    endpoint, the replacement, the endpoint the reclaim did not touch) and by phase (notice →
+    switch → +1 s → release); for each, p99 of the latency, of the driver's own lag (due → sent:
+    its process late, part of the latency), of the latency less that lag, and the new connections."""
+    ok = sorted((r for r in records if r.ok), key=lambda r: r.sent_at)
+    times = [r.sent_at for r in ok]
+    rows: dict[str, list[RequestRecord]] = {k: [] for k in (
+        "steady state", "during: all", "  leaving endpoint", "  replacement endpoint", "  untouched endpoint",
+        "  notice -> switch", "  switch -> +1 s", "  +1 s -> release")}  # fmt: skip
+    for a, b in steady_windows:
+        rows["steady state"] += ok[bisect.bisect_left(times, a) : bisect.bisect_right(times, b)]
+    for i, (h, (a, b)) in enumerate(zip(hs, windows, strict=True)):
+        inside = ok[bisect.bisect_left(times, a) : bisect.bisect_right(times, b)]
+        before = {r.endpoint for r in ok[bisect.bisect_left(times, a - 1.0) : bisect.bisect_left(times, a)]}
+        switched = h.switched_at if h.switched_at is not None else b
+        rows["during: all"] += [r for r in inside if not any(a0 <= r.sent_at <= b0 for a0, b0 in windows[:i])]
+        for r in inside:
+            role = "leaving" if r.endpoint == h.endpoint else "untouched" if r.endpoint in before else "replacement"
+            rows[f"  {role} endpoint"].append(r)
+            phase = "notice -> switch" if r.sent_at < switched else "switch -> +1 s" if r.sent_at < switched + 1 else "+1 s -> release"
+            rows[f"  {phase}"].append(r)  # fmt: skip
+    print(f"{'where the tail comes from (served)':38} {'requests':>9} {'p99 ms':>8} {'lag p99':>8} "
+          f"{'p99-lag':>8} {'new conn':>8} {'conn p99':>8}")  # fmt: skip
+    for name, rs in rows.items():
+        conns = [r.connect_s for r in rs if r.connect_s is not None]
+        print(f"{name:38} {len(rs):9d} {_ms([r.latency_s for r in rs], 0.99)} {_ms([r.lag_s for r in rs], 0.99)} "
+              f"{_ms([r.latency_s - r.lag_s for r in rs], 0.99)} {len(conns):8d} {_ms(conns, 0.99)}")  # fmt: skip
 
 
 def _report(
     args: argparse.Namespace, kept: KeptLeases, load: OpenLoopLoad, submit_to_running: list[float],
-    steady_windows: list[tuple[float, float]], began: float, ended: float,
+    steady_windows: list[tuple[float, float]], began: float, ended: float, loadavg: list[float],
+    cpu: list[tuple[float, float]],
 ) -> int:  # fmt: skip
     hs = kept.handovers
     windows = []
@@ -297,7 +369,7 @@ def _report(
     if args.records is not None:
         with args.records.open("w") as out:
             for r in records:
-                out.write(json.dumps({"request": [r.sent_at, r.latency_s, r.ok, r.endpoint, r.error]}) + "\n")
+                out.write(json.dumps({"request": r.row()}) + "\n")
             for h in hs:
                 out.write(json.dumps({"handover": dataclasses.asdict(h)}) + "\n")
             out.write(json.dumps({"steady": steady_windows}) + "\n")
@@ -329,6 +401,12 @@ def _report(
         print(f"p99 of each reclaim: median {statistics.median(per) * 1e3:.1f} ms, worst {per[-1] * 1e3:.1f} ms; "
               f"of each steady window: median {statistics.median(per_steady) * 1e3:.1f} ms, "
               f"worst {per_steady[-1] * 1e3:.1f} ms")  # fmt: skip
+    _breakdown(records, hs, windows, steady_windows)
+    print(f"this process's CPU (load driver, site SDK, harness), cores: steady state "
+          f"{_cpu_share(cpu, steady_windows):.2f}, during reclaims {_cpu_share(cpu, windows):.2f}")  # fmt: skip
+    if loadavg:
+        print(f"load average (1 min) during the run: min {min(loadavg):.2f}, median {statistics.median(loadavg):.2f}, "
+              f"max {max(loadavg):.2f} ({os.cpu_count()} CPUs)")  # fmt: skip
     failed_ok = failed == 0
     ratio_ok = ratio <= 1.5
     count_ok = len(hs) >= 50 or args.reclaims < 50
@@ -338,7 +416,8 @@ def _report(
     print(json.dumps({"reclaims": len(hs), "released_early": early, "returned_before_deadline": len(before),
                       "requests_during": during.total, "failed_during": during.failed, "requests_steady": steady.total,
                       "failed_steady": steady.failed, "requests_all": len(records), "failed_all": failed, "p99_steady_ms": round(steady.p99_s * 1e3, 3),
-                      "p99_during_ms": round(during.p99_s * 1e3, 3), "p99_ratio": round(ratio, 3)}))  # fmt: skip
+                      "p99_during_ms": round(during.p99_s * 1e3, 3), "p99_ratio": round(ratio, 3),
+                      "loadavg_median": round(statistics.median(loadavg), 2) if loadavg else None}))  # fmt: skip
     return 0 if failed_ok and ratio_ok and count_ok else 1
 
 
@@ -357,6 +436,15 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=20,
                    help="the site's readiness probe of a new endpoint: /health, then this many requests "
                         "(-1: no probe, the broker's health check alone)")  # fmt: skip
+    p.add_argument("--warm-concurrency", type=int, default=1,
+                   help="the readiness probe's warm-up requests sent this many at a time (>= 1)")
+    p.add_argument("--fast-ms", type=float, default=None,
+                   help="the readiness probe passes only when its last warm-up requests answered within this "
+                        "many ms (default: any answer)")
+    p.add_argument("--pooled-probe", action=argparse.BooleanOptionalAction, default=False,
+                   help="warm a new endpoint over the load's own connection pool, or (default) a session of its own")
+    p.add_argument("--overlap-s", type=float, default=0.0,
+                   help="a leaving endpoint keeps its share this long after its replacement serves (KeptLeases overlap_s)")
     p.add_argument("--broker-log", type=Path, help="the broker's JSON log (default: a temporary file)")
     p.add_argument("--records", type=Path, help="write every request and hand-over here (JSON lines)")
     args = p.parse_args()

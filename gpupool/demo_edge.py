@@ -236,13 +236,13 @@ class ServingSite:
             await asyncio.wait_for(self._load_done.wait(), timeout_s)
 
     def write_records(self, path: Path) -> None:
-        """Write every finished request (``{"request": [sent_at, latency_s, ok, endpoint, error]}``)
+        """Write every finished request (``{"request": RequestRecord.row()}``)
         and every hand-over (``{"handover": <Handover fields>}``) as JSON lines, the format of
         ``bench/edge_reclaim.py --records``. Raises ``OSError``."""
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("w", encoding="utf-8") as out:
             for r in self.load.records if self.load is not None else []:
-                out.write(json.dumps({"request": [r.sent_at, r.latency_s, r.ok, r.endpoint, r.error]}) + "\n")
+                out.write(json.dumps({"request": r.row()}) + "\n")
             for h in self.kept.handovers if self.kept is not None else []:
                 out.write(json.dumps({"handover": asdict(h)}) + "\n")
 
