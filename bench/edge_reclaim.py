@@ -31,7 +31,19 @@ Printed: reclaims (hand-overs), early releases and GPUs returned before the dead
 in total and failed, during reclaims (sent between a notice and the early release, or the
 deadline) and in steady state (the quiet ``--steady-s`` before each reclaim); p50/p99 latency of both and the ratio of the p99s
 (target: 0 failed requests over >= 50 reclaims; p99 during reclaims <= 1.5 × steady state);
-notice → switch and notice → release; training submit → running. Exit 0 when the targets are met
+notice → switch and notice → release; training submit → running.
+
+Latency is taken from the moment the load driver sent each request: the driver runs in this
+process, on the cores every simulated node shares, and when it is starved of CPU it sends late;
+that lateness is the client's, not the endpoints' (:mod:`simulator.load`). The latency from each
+request's due time (which includes it), the ratio on it, and the driver's lag are printed too.
+Where the tail comes from: the served requests by endpoint (the leaving one, its replacement, the
+one the reclaim did not touch) and by phase, with the driver's lag and new connections; this
+process's CPU use and its time waiting for a CPU in each kind of window; the load average.
+``--steady-burst`` (a diagnostic) starts the workload's process in each steady window, as a
+replacement's start does in a reclaim, to see what that start alone costs the tail.
+
+Exit 0 when the targets are met
 (the count of reclaims only with ``--reclaims`` >= 50), 1 otherwise, 2 when a service did not start.
 
 Run: ``.venv/bin/python bench/edge_reclaim.py [--reclaims 50] [--rate 200] [--notice-s 10]``
@@ -121,7 +133,8 @@ class Capacity:
             await asyncio.sleep(self.refresh_s)
 
 
-def _broker_config(path: Path, cluster: Cluster, control: Path, notice_s: int, latency_ms: float) -> None:
+def _broker_config(path: Path, cluster: Cluster, control: Path, notice_s: int, latency_ms: float,
+                   port_min: int) -> None:  # fmt: skip
     argv = [sys.executable, "-m", "simulator.inference_server", "--port", "{port}",
             "--latency-ms", str(latency_ms), "--drain-s", str(notice_s), "--quiet-s", str(notice_s)]  # fmt: skip
     broker = {
@@ -132,7 +145,7 @@ def _broker_config(path: Path, cluster: Cluster, control: Path, notice_s: int, l
         "lease_ttl_s": 30.0,
         "offer_ttl_s": 60.0,
         "workloads": [
-            {"name": WORKLOAD, "argv": argv, "port_min": 28300, "port_max": 28399, "health_timeout_s": 30.0}
+            {"name": WORKLOAD, "argv": argv, "port_min": port_min, "port_max": port_min + 99, "health_timeout_s": 30.0}
         ],
     }
     path.write_text(tomli_w.dumps({"broker": broker}))
@@ -187,8 +200,16 @@ async def _reclaims(
         )  # fmt: skip
         await asyncio.sleep(args.settle_s)  # the training node's placeholders come back meanwhile
         quiet = time.time()
+        if args.steady_burst:  # diagnostic: a workload process starting, as a replacement's does
+            burst = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "simulator.inference_server", "--port", "0", cwd=REPO,
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+            )  # fmt: skip
         await asyncio.sleep(args.steady_s)
         steady.append((quiet, time.time()))
+        if args.steady_burst:
+            burst.kill()
+            await burst.wait()
         serving = [lid for lid, ep in kept.leases.items() if ep in kept.endpoints.serving]
         host = _host(site, serving[n % len(serving)])
         n += 1
@@ -232,14 +253,14 @@ async def _run(args: argparse.Namespace, tmp: Path) -> int:
     steady: list[tuple[float, float]] = []
     capacity = Capacity(bus, topics)
     loadavg: list[float] = []
-    cpu: list[tuple[float, float]] = []
+    cpu: list[tuple[float, float, float]] = []
     sampler = asyncio.create_task(_sample_loadavg(loadavg, cpu))
     try:
         await create_all(kafka, topics, 1, replication_factor=1)
         await capacity.producer.start()
         refresh = asyncio.create_task(capacity.refresh_forever())
         cfg = tmp / "broker.toml"
-        _broker_config(cfg, cluster, tmp / "lending", args.notice_s, args.latency_ms)
+        _broker_config(cfg, cluster, tmp / "lending", args.notice_s, args.latency_ms, args.port_min)
         broker = _start_broker(cfg, kafka, creds, topics, log_path)
         users = creds["users"]
         async with EdgeClient(
@@ -297,27 +318,38 @@ async def _run(args: argparse.Namespace, tmp: Path) -> int:
     return _report(args, kept, load, submit_to_running, steady, began, ended, loadavg, cpu)
 
 
-async def _sample_loadavg(into: list[float], cpu: list[tuple[float, float]], every_s: float = 0.1) -> None:
+def _runqueue_wait_s() -> float:
+    """Seconds the calling thread has waited on a run queue, runnable but not running
+    (``/proc/thread-self/schedstat``, second field, ns); NaN where the kernel does not say."""
+    try:
+        return int(Path("/proc/thread-self/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+async def _sample_loadavg(into: list[float], cpu: list[tuple[float, float, float]], every_s: float = 0.1) -> None:
     """Every ``every_s`` seconds until cancelled: append (Unix s, CPU seconds this process has
-    used) to ``cpu``, and every tenth time the machine's 1-minute load average to ``into``."""
+    used, seconds its event loop's thread waited for a CPU) to ``cpu``, and every tenth time the
+    machine's 1-minute load average to ``into``."""
     n = 0
     while True:
-        cpu.append((time.time(), time.process_time()))
+        cpu.append((time.time(), time.process_time(), _runqueue_wait_s()))
         if n % 10 == 0:
             into.append(os.getloadavg()[0])
         n += 1
         await asyncio.sleep(every_s)
 
 
-def _cpu_share(cpu: list[tuple[float, float]], windows: list[tuple[float, float]]) -> float:
-    """CPU seconds this process used per wall second inside ``windows`` (samples of
-    :func:`_sample_loadavg`; NaN without samples there)."""
-    used = wall = 0.0
-    for (t0, c0), (t1, c1) in itertools.pairwise(cpu):
+def _cpu_share(cpu: list[tuple[float, float, float]], windows: list[tuple[float, float]]) -> tuple[float, float]:
+    """(CPU seconds this process used, seconds its loop's thread waited for a CPU) per wall second
+    inside ``windows`` (samples of :func:`_sample_loadavg`; NaN without samples there)."""
+    used = waited = wall = 0.0
+    for (t0, c0, w0), (t1, c1, w1) in itertools.pairwise(cpu):
         if any(a <= t0 and t1 <= b for a, b in windows):
             used += c1 - c0
+            waited += w1 - w0
             wall += t1 - t0
-    return used / wall if wall else float("nan")
+    return (used / wall, waited / wall) if wall else (float("nan"), float("nan"))
 
 
 def _ms(values: list[float], q: float) -> str:
@@ -358,7 +390,7 @@ def _breakdown(records: list[RequestRecord], hs: list[Handover], windows: list[t
 def _report(
     args: argparse.Namespace, kept: KeptLeases, load: OpenLoopLoad, submit_to_running: list[float],
     steady_windows: list[tuple[float, float]], began: float, ended: float, loadavg: list[float],
-    cpu: list[tuple[float, float]],
+    cpu: list[tuple[float, float, float]],
 ) -> int:  # fmt: skip
     hs = kept.handovers
     windows = []
@@ -373,8 +405,12 @@ def _report(
             for h in hs:
                 out.write(json.dumps({"handover": dataclasses.asdict(h)}) + "\n")
             out.write(json.dumps({"steady": steady_windows}) + "\n")
-    during, _ = summarize(records, windows)
-    steady, _ = summarize(records, steady_windows)
+    # the target's latency: from the moment the driver sent each request (its own lateness, a
+    # starved client process, is not the endpoints' doing; simulator.load); from the due time too
+    during, _ = summarize(records, windows, from_send=True)
+    steady, _ = summarize(records, steady_windows, from_send=True)
+    during_due, _ = summarize(records, windows)
+    steady_due, _ = summarize(records, steady_windows)
     failed = sum(1 for r in records if not r.ok)
     early = sum(1 for h in hs if h.early)
     switch = [h.switched_at - h.noticed_at for h in hs if h.switched_at is not None]
@@ -382,11 +418,14 @@ def _report(
     before = [h.deadline - h.released_at for h in hs if h.released_at is not None and h.deadline is not None]
     errors = Counter(r.error for r in records if not r.ok)
     ratio = during.p99_s / steady.p99_s
+    ratio_due = during_due.p99_s / steady_due.p99_s
     print(f"\nedge site under load through {len(hs)} reclaims: {args.rate:g} requests/s over {args.target} kept leases, "
           f"notice {args.notice_s} s, {args.latency_ms:g} ms per request, {ended - began:.0f} s")  # fmt: skip
-    print(f"{'':38} {'requests':>9} {'failed':>7} {'p50 ms':>8} {'p99 ms':>8}")
-    for name, s in (("steady state (quiet before each)", steady), ("during reclaims", during)):
-        print(f"{name:38} {s.total:9d} {s.failed:7d} {s.p50_s * 1e3:8.2f} {s.p99_s * 1e3:8.2f}")
+    print(f"{'latency from the send':38} {'requests':>9} {'failed':>7} {'p50 ms':>8} {'p99 ms':>8} "
+          f"{'| from due: p50':>15} {'p99':>8} {'driver lag p99':>15}")  # fmt: skip
+    for name, s, d in (("steady state (quiet before each)", steady, steady_due), ("during reclaims", during, during_due)):
+        print(f"{name:38} {s.total:9d} {s.failed:7d} {s.p50_s * 1e3:8.2f} {s.p99_s * 1e3:8.2f} "
+              f"{d.p50_s * 1e3:15.2f} {d.p99_s * 1e3:8.2f} {s.lag_p99_s * 1e3:15.2f}")  # fmt: skip
     print(f"all requests of the run {len(records)}, failed {failed}: {dict(errors) or 'none'}")
     print(f"reclaims {len(hs)}; released early {early}; GPUs returned before the deadline {len(before)} "
           f"(by {statistics.median(before) if before else float('nan'):.2f} s, median); "
@@ -395,15 +434,16 @@ def _report(
                        ("training submit -> RUNNING", submit_to_running)):  # fmt: skip
         if vals:
             print(f"{name:38} p50 {statistics.median(vals):6.2f} s  p99 {quantile(vals, 0.99):6.2f} s  (n={len(vals)})")
-    per = sorted(p for w in windows if (p := summarize(records, [w])[0].p99_s) == p)  # NaN: none sent
-    per_steady = sorted(p for w in steady_windows if (p := summarize(records, [w])[0].p99_s) == p)
+    per = sorted(p for w in windows if (p := summarize(records, [w], from_send=True)[0].p99_s) == p)  # NaN: none
+    per_steady = sorted(p for w in steady_windows if (p := summarize(records, [w], from_send=True)[0].p99_s) == p)
     if per and per_steady:
         print(f"p99 of each reclaim: median {statistics.median(per) * 1e3:.1f} ms, worst {per[-1] * 1e3:.1f} ms; "
               f"of each steady window: median {statistics.median(per_steady) * 1e3:.1f} ms, "
               f"worst {per_steady[-1] * 1e3:.1f} ms")  # fmt: skip
     _breakdown(records, hs, windows, steady_windows)
-    print(f"this process's CPU (load driver, site SDK, harness), cores: steady state "
-          f"{_cpu_share(cpu, steady_windows):.2f}, during reclaims {_cpu_share(cpu, windows):.2f}")  # fmt: skip
+    (cs, ws), (cd, wd) = _cpu_share(cpu, steady_windows), _cpu_share(cpu, windows)
+    print(f"this process (load driver, site SDK, harness) per wall second: CPU used {cs:.2f} s steady, {cd:.2f} s "
+          f"during reclaims; waiting for a CPU {ws:.2f} s steady, {wd:.2f} s during reclaims")  # fmt: skip
     if loadavg:
         print(f"load average (1 min) during the run: min {min(loadavg):.2f}, median {statistics.median(loadavg):.2f}, "
               f"max {max(loadavg):.2f} ({os.cpu_count()} CPUs)")  # fmt: skip
@@ -411,12 +451,16 @@ def _report(
     ratio_ok = ratio <= 1.5
     count_ok = len(hs) >= 50 or args.reclaims < 50
     print(f"failed edge requests {failed} (target 0): {'met' if failed_ok else 'MISSED'}; "
-          f"p99 during reclaims / steady state {ratio:.2f}x (target <= 1.5x): {'met' if ratio_ok else 'MISSED'}; "
+          f"p99 during reclaims / steady state {ratio:.2f}x (target <= 1.5x): {'met' if ratio_ok else 'MISSED'} "
+          f"({ratio_due:.2f}x from the due time); "
           f"reclaims {len(hs)} (target >= 50){'' if len(hs) >= 50 else ' (a shorter run)'}")  # fmt: skip
     print(json.dumps({"reclaims": len(hs), "released_early": early, "returned_before_deadline": len(before),
                       "requests_during": during.total, "failed_during": during.failed, "requests_steady": steady.total,
                       "failed_steady": steady.failed, "requests_all": len(records), "failed_all": failed, "p99_steady_ms": round(steady.p99_s * 1e3, 3),
                       "p99_during_ms": round(during.p99_s * 1e3, 3), "p99_ratio": round(ratio, 3),
+                      "p99_steady_due_ms": round(steady_due.p99_s * 1e3, 3), "p99_during_due_ms": round(during_due.p99_s * 1e3, 3),
+                      "p99_ratio_due": round(ratio_due, 3), "driver_lag_p99_steady_ms": round(steady.lag_p99_s * 1e3, 3),
+                      "driver_lag_p99_during_ms": round(during.lag_p99_s * 1e3, 3),
                       "loadavg_median": round(statistics.median(loadavg), 2) if loadavg else None}))  # fmt: skip
     return 0 if failed_ok and ratio_ok and count_ok else 1
 
@@ -445,6 +489,11 @@ def main() -> int:
                    help="warm a new endpoint over the load's own connection pool, or (default) a session of its own")
     p.add_argument("--overlap-s", type=float, default=0.0,
                    help="a leaving endpoint keeps its share this long after its replacement serves (KeptLeases overlap_s)")
+    p.add_argument("--port-min", type=int, default=28300,
+                   help="the workload's ports: this one and the 99 above (another run on this machine must not share them)")
+    p.add_argument("--steady-burst", action="store_true",
+                   help="diagnostic: start the workload's process (simulator.inference_server) at the start of each "
+                        "steady window, as a replacement's start does during a reclaim; off by default")
     p.add_argument("--broker-log", type=Path, help="the broker's JSON log (default: a temporary file)")
     p.add_argument("--records", type=Path, help="write every request and hand-over here (JSON lines)")
     args = p.parse_args()

@@ -193,10 +193,11 @@ def _edge_rows(e: dict[str, object]) -> list[tuple[str, object]]:
          f"{e.get('site')}: {e.get('rate_per_s'):g} requests/s over {e.get('target')} kept leases "
          f"of {e.get('gpus_per_lease')} GPUs, {e.get('load_s')} s"),
         ("  …sent / served / failed", f"{e.get('sent')} / {e.get('served')} / {e.get('failed')}{why}"),
-        ("  …latency p50 / p99, steady state",
+        ("  …latency p50 / p99 (sent → answered), steady state",
          f"{_lat(e.get('steady_p50_s'))} / {_lat(e.get('steady_p99_s'))} ({e.get('steady_sent')} requests, "
          f"{e.get('steady_failed')} failed)"),
-        ("  …latency p50 / p99, during reclaims", during),
+        ("  …latency p50 / p99 (sent → answered), during reclaims", during),
+        ("  …the load driver's own lateness (due → sent), p99", _lat(e.get("driver_lag_p99_s"))),
         ("  …reclaims survived (released early, no failed request)",
          f"{e.get('reclaims_survived')} / {reclaims} ({e.get('reclaims_with_deadline')} with a deadline)"),
     ]

@@ -2,10 +2,14 @@
 leases (:class:`broker.kept_leases.Endpoints`), every request's latency and outcome recorded, and
 the summary of those sent inside given windows (reclaims) against those outside (steady state).
 
-Open loop: request *i* is due at ``start + i / rate``, whether or not earlier ones have been
-answered, and its latency counts from that due time (a driver that fell behind adds its own
-delay, so a stall is never hidden; "coordinated omission" avoided). A request fails when no
-endpoint serves, the connection fails, the answer is not 200, or no answer came within
+Open loop: request *i* is due at ``start + i / rate`` and is sent then, whether or not earlier
+ones have been answered, so a slow or stalled server never slows the sending ("coordinated
+omission" avoided). Each request records its latency from its due time (``latency_s``) and how
+late the driver itself began it (``lag_s``: its process waiting for a CPU, or its event loop
+busy). Since the driver never waits for answers, that lateness is the driver's own, not the
+served endpoint's: :func:`summarize` with ``from_send`` takes the latency from the moment the
+request was sent (``latency_s - lag_s``), and reports the driver's lag apart. A request fails
+when no endpoint serves, the connection fails, the answer is not 200, or no answer came within
 ``timeout_s``; failures are never retried.
 """
 
@@ -61,13 +65,16 @@ class LoadSummary:
     Attributes:
         total: requests sent.
         failed: requests that failed.
-        p50_s / p99_s: latency quantiles of the successful ones, seconds (nearest rank; NaN if none).
+        p50_s / p99_s: latency quantiles of the successful ones, seconds (nearest rank; NaN if
+            none): from the due time, or from the send with ``summarize(from_send=True)``.
+        lag_p99_s: p99 of the driver's own lag (due → sent) of the successful ones, seconds.
     """
 
     total: int
     failed: int
     p50_s: float
     p99_s: float
+    lag_p99_s: float = float("nan")
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -84,10 +91,11 @@ def quantile(values: Sequence[float], q: float) -> float:
 
 
 def summarize(
-    records: Sequence[RequestRecord], windows: Sequence[tuple[float, float]]
+    records: Sequence[RequestRecord], windows: Sequence[tuple[float, float]], *, from_send: bool = False
 ) -> tuple[LoadSummary, LoadSummary]:
     """(requests sent inside any of ``windows``, those sent outside all of them); a window is
-    ``(start, end)`` in Unix s, both ends included."""
+    ``(start, end)`` in Unix s, both ends included. Latencies from each request's due time, or
+    with ``from_send`` from the moment the driver sent it (module docstring)."""
     inside: list[RequestRecord] = []
     outside: list[RequestRecord] = []
     spans = sorted(windows)
@@ -96,8 +104,11 @@ def summarize(
         (inside if hit else outside).append(r)
 
     def one(rs: list[RequestRecord]) -> LoadSummary:
-        lat = [r.latency_s for r in rs if r.ok]
-        return LoadSummary(len(rs), sum(1 for r in rs if not r.ok), quantile(lat, 0.5), quantile(lat, 0.99))
+        ok = [r for r in rs if r.ok]
+        lat = [r.latency_s - r.lag_s if from_send else r.latency_s for r in ok]
+        return LoadSummary(
+            len(rs), len(rs) - len(ok), quantile(lat, 0.5), quantile(lat, 0.99), quantile([r.lag_s for r in ok], 0.99)
+        )
 
     return one(inside), one(outside)
 

@@ -67,6 +67,14 @@ def test_a_failed_request_inside_the_window_or_a_late_release_is_not_survived() 
     assert load_summary("s", 1.0, 1, 1, 1, [_ok(11.0, 5)], [late], 0.0, 20.0).reclaims_survived == 0
 
 
+def test_latencies_count_from_the_send_and_the_drivers_lateness_is_shown_apart() -> None:
+    # due at 1.0, sent 30 ms late, answered 40 ms after its due time: 10 ms from the send
+    late = RequestRecord(1.0, 0.040, True, "e", "", lag_s=0.030)
+    s = load_summary("s", 1.0, 1, 1, 2, [late, _ok(2.0, 5)], [], 0.0, 3.0)
+    assert s.steady_p50_s == pytest.approx(0.005) and s.steady_p99_s == pytest.approx(0.010)
+    assert s.driver_lag_p99_s == pytest.approx(0.030)
+
+
 def test_no_request_of_a_kind_gives_no_latency_and_more_records_than_sent_is_refused() -> None:
     s = load_summary("s", 1.0, 1, 1, 1, [_ok(1.0, 5)], [], 0.0, 2.0)
     assert s.reclaim_p50_s is None and s.reclaim_p99_s is None and s.reclaims == 0
@@ -81,8 +89,9 @@ def test_summary_rows_show_the_load_or_say_why_none_ran() -> None:
     rows = dict(_edge_rows({"enabled": True, **s.as_dict()}))
     assert rows["edge requests across reclaims"].startswith("edge-a: 50 requests/s over 2 kept leases of 2 GPUs")
     assert rows["  …sent / served / failed"] == f"3 / 2 / 1 ({UNANSWERED}=1)"
-    assert rows["  …latency p50 / p99, steady state"] == "4.0 ms / 4.0 ms (1 requests, 0 failed)"
-    assert rows["  …latency p50 / p99, during reclaims"] == "9.0 ms / 9.0 ms (1 requests, 0 failed)"
+    assert rows["  …latency p50 / p99 (sent → answered), steady state"] == "4.0 ms / 4.0 ms (1 requests, 0 failed)"
+    assert rows["  …latency p50 / p99 (sent → answered), during reclaims"] == "9.0 ms / 9.0 ms (1 requests, 0 failed)"
+    assert rows["  …the load driver's own lateness (due → sent), p99"] == "0.0 ms"
     assert rows["  …reclaims survived (released early, no failed request)"] == "1 / 1 (1 with a deadline)"
     none = _edge_rows({"enabled": False, "detail": no_load_reason({"detail": "--scheduler none"})})
     assert len(none) == 1 and "no endpoint to send requests to" in str(none[0][1])

@@ -39,6 +39,16 @@ def test_summarize_splits_by_window_ends_included() -> None:
     assert (steady.total, steady.failed, steady.p50_s, steady.p99_s) == (2, 0, 0.010, 0.050)
     none, everything = summarize(rec, [])
     assert none.total == 0 and math.isnan(none.p99_s) and everything.total == 5
+    assert math.isnan(none.lag_p99_s) and everything.lag_p99_s == 0.0
+
+
+def test_summarize_from_the_send_takes_the_drivers_lag_off_and_reports_it() -> None:
+    rec = [RequestRecord(1.0, 0.050, True, "a", "", lag_s=0.040), RequestRecord(2.0, 0.020, True, "a", "", lag_s=0.0)]
+    (_, due) = summarize(rec, [])
+    (_, sent) = summarize(rec, [], from_send=True)
+    assert (due.p50_s, due.p99_s) == (0.020, 0.050)
+    assert sent.p50_s == pytest.approx(0.010) and sent.p99_s == pytest.approx(0.020)
+    assert due.lag_p99_s == sent.lag_p99_s == 0.040
 
 
 def _free_port() -> int:
