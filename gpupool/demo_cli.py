@@ -185,6 +185,8 @@ def _edge_rows(e: dict[str, object]) -> list[tuple[str, object]]:
     assert isinstance(failed_by, dict)
     why = f" ({', '.join(f'{k}={v}' for k, v in sorted(failed_by.items()))})" if failed_by else ""
     reclaims = e.get("reclaims")
+    losses = e.get("losses") or {}
+    assert isinstance(losses, dict)
     during = (f"{_lat(e.get('reclaim_p50_s'))} / {_lat(e.get('reclaim_p99_s'))} "
               f"({e.get('reclaim_sent')} requests, {e.get('reclaim_failed')} failed)") if reclaims else \
         "— (no lease of the site was reclaimed while the load ran)"
@@ -198,6 +200,8 @@ def _edge_rows(e: dict[str, object]) -> list[tuple[str, object]]:
          f"{e.get('steady_failed')} failed)"),
         ("  …latency p50 / p99 (sent → answered), during reclaims", during),
         ("  …the load driver's own lateness (due → sent), p99", _lat(e.get("driver_lag_p99_s"))),
+        ("  …leases lost without a hand-over",
+         ", ".join(f"{k}={v}" for k, v in sorted(losses.items())) if losses else "none"),
         ("  …reclaims survived (released early, no failed request)",
          f"{e.get('reclaims_survived')} / {reclaims} ({e.get('reclaims_with_deadline')} with a deadline)"),
     ]

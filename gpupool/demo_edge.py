@@ -16,7 +16,7 @@ import contextlib
 import json
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,8 @@ from broker.edge import EdgeClient
 from broker.kept_leases import Handover, KeptLeases
 from simulator.load import OpenLoopLoad, RequestRecord, probe, quantile, summarize
 
+LOSSES = ("expired", "revoked", "lost", "unhealthy", "start_failed")
+"""Counters of :class:`broker.kept_leases.KeptLeases` of leases that left without a hand-over."""
 UNANSWERED = "unanswered"
 """Error of a request sent and not finished when the load stopped (counted as failed)."""
 
@@ -58,6 +60,9 @@ class EdgeLoadSummary:
         released_early: hand-overs released before their deadline.
         driver_lag_p99_s: p99 of the load driver's own lateness (due → sent) over the served
             requests, seconds (the demo's process busy): not in the latencies above.
+        losses: leases that left without a hand-over, by why (the :attr:`KeptLeases.counts
+            <broker.kept_leases.KeptLeases>` ``expired``, ``revoked``, ``lost``, ``unhealthy``,
+            ``start_failed`` that are not 0): their endpoint may fail requests until it leaves.
     """
 
     site: str
@@ -82,6 +87,7 @@ class EdgeLoadSummary:
     reclaims_survived: int
     released_early: int
     driver_lag_p99_s: float | None = None
+    losses: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
         """JSON-friendly dict."""
@@ -102,10 +108,12 @@ def _window(h: Handover, end: float) -> tuple[float, float]:
 def load_summary(
     site: str, rate_per_s: float, target: int, gpus_per_lease: int, sent: int,
     records: Sequence[RequestRecord], handovers: Sequence[Handover], began: float, ended: float,
+    counts: Mapping[str, int] | None = None,
 ) -> EdgeLoadSummary:  # fmt: skip
     """The summary of a load that ran from ``began`` to ``ended`` (Unix s): ``sent`` requests of
-    which ``records`` finished, through ``handovers``. Raises ``ValueError`` when more records
-    than requests sent are given."""
+    which ``records`` finished, through ``handovers``; ``counts``: the kept leases' counters
+    (:attr:`broker.kept_leases.KeptLeases.counts`). Raises ``ValueError`` when more records than
+    requests sent are given."""
     if len(records) > sent:
         raise ValueError(f"{len(records)} requests finished but only {sent} were sent")
     during = [h for h in handovers if began <= h.noticed_at <= ended]
@@ -130,6 +138,7 @@ def load_summary(
         reclaims=len(during), reclaims_with_deadline=sum(1 for h in during if h.deadline is not None),
         reclaims_survived=survived, released_early=sum(1 for h in during if h.early),
         driver_lag_p99_s=_or_none(quantile([r.lag_s for r in records if r.ok], 0.99)),
+        losses={k: n for k in LOSSES if (n := (counts or {}).get(k, 0))},
     )  # fmt: skip
 
 
@@ -265,4 +274,5 @@ class ServingSite:
             self.kept.handovers,
             self._began,
             self._ended or time.time(),
+            self.kept.counts,
         )

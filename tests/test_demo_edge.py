@@ -43,7 +43,9 @@ def test_requests_split_into_steady_and_reclaim_windows_and_add_up() -> None:
         _ok(150.5, 20),
         _failed(159.0, "no_endpoint"),  # outside every window: steady
     ]
-    s = load_summary("edge-a", 50.0, 2, 1, 12, records, hs, 100.0, 160.0)
+    counts = {"reclaims": 2, "expired": 1, "lost": 1, "revoked": 0, "renewals": 9}
+    s = load_summary("edge-a", 50.0, 2, 1, 12, records, hs, 100.0, 160.0, counts)
+    assert s.losses == {"expired": 1, "lost": 1}
     assert (s.sent, s.served, s.failed) == (12, 8, 4)
     assert s.failed_by == {"ClientConnectorError": 1, "no_endpoint": 1, UNANSWERED: 2}
     assert sum(s.failed_by.values()) == s.failed and s.served + s.failed == s.sent
@@ -93,6 +95,9 @@ def test_summary_rows_show_the_load_or_say_why_none_ran() -> None:
     assert rows["  …latency p50 / p99 (sent → answered), during reclaims"] == "9.0 ms / 9.0 ms (1 requests, 0 failed)"
     assert rows["  …the load driver's own lateness (due → sent), p99"] == "0.0 ms"
     assert rows["  …reclaims survived (released early, no failed request)"] == "1 / 1 (1 with a deadline)"
+    assert rows["  …leases lost without a hand-over"] == "none"
+    lost = dict(_edge_rows({"enabled": True, **s.as_dict(), "losses": {"unhealthy": 2, "expired": 1}}))
+    assert lost["  …leases lost without a hand-over"] == "expired=1, unhealthy=2"
     none = _edge_rows({"enabled": False, "detail": no_load_reason({"detail": "--scheduler none"})})
     assert len(none) == 1 and "no endpoint to send requests to" in str(none[0][1])
     assert "--scheduler none" in str(none[0][1])

@@ -84,6 +84,7 @@ async def test_the_demo_lends_through_slurm_and_training_takes_the_gpus_back(slu
     assert 0 < e["steady_p50_s"] <= e["steady_p99_s"] < 2.0  # type: ignore[operator]
     assert 0 <= e["reclaims_survived"] <= e["released_early"] <= e["reclaims"]  # type: ignore[operator]
     assert e["reclaims_with_deadline"] <= e["reclaims"]  # type: ignore[operator]
+    assert isinstance(e["losses"], dict) and all(n > 0 for n in e["losses"].values())
     if e["reclaim_sent"]:
         assert e["reclaims"] >= 1 and e["reclaim_p50_s"] <= e["reclaim_p99_s"]  # type: ignore[operator]
     # the cluster as found: still running with every node up (a node a loaded machine kept from
