@@ -55,9 +55,9 @@ class EdgeLoadSummary:
             or → the end of the load).
         reclaims: hand-overs noticed while the load ran (reclaim notices and at-risk messages).
         reclaims_with_deadline: those that had a reclaim deadline (Slurm preempted the lease).
-        reclaims_survived: hand-overs released before their deadline with no failed request sent
-            in their window.
-        released_early: hand-overs released before their deadline.
+        reclaims_survived: hand-overs released before their deadline (or at risk, with none yet)
+            with no failed request sent in their window.
+        released_early: hand-overs released before their deadline (or with none yet).
         driver_lag_p99_s: p99 of the load driver's own lateness (due → sent) over the served
             requests, seconds (the demo's process busy): not in the latencies above.
         losses: leases that left without a hand-over, by why (the :attr:`KeptLeases.counts
@@ -125,7 +125,7 @@ def load_summary(
     served = sum(1 for r in records if r.ok)
     survived = 0
     for h, (a, b) in zip(during, windows, strict=True):
-        if h.early and h.deadline is not None and not any(a <= r.sent_at <= b and not r.ok for r in records):
+        if h.early and not any(a <= r.sent_at <= b and not r.ok for r in records):
             survived += 1
     return EdgeLoadSummary(
         site=site, rate_per_s=rate_per_s, target=target, gpus_per_lease=gpus_per_lease,
