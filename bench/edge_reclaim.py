@@ -253,8 +253,9 @@ async def _run(args: argparse.Namespace, tmp: Path) -> int:
     steady: list[tuple[float, float]] = []
     capacity = Capacity(bus, topics)
     loadavg: list[float] = []
-    cpu: list[tuple[float, float, float]] = []
-    sampler = asyncio.create_task(_sample_loadavg(loadavg, cpu))
+    cpu: list[tuple[float, ...]] = []
+    broker_pid: list[int] = []
+    sampler = asyncio.create_task(_sample_loadavg(loadavg, cpu, broker_pid))
     try:
         await create_all(kafka, topics, 1, replication_factor=1)
         await capacity.producer.start()
@@ -262,6 +263,7 @@ async def _run(args: argparse.Namespace, tmp: Path) -> int:
         cfg = tmp / "broker.toml"
         _broker_config(cfg, cluster, tmp / "lending", args.notice_s, args.latency_ms, args.port_min)
         broker = _start_broker(cfg, kafka, creds, topics, log_path)
+        broker_pid.append(broker.pid)
         users = creds["users"]
         async with EdgeClient(
             site=SITE, host=creds["host"], port=creds["port"], username=SITE, password=users[SITE],
@@ -327,29 +329,58 @@ def _runqueue_wait_s() -> float:
         return float("nan")
 
 
-async def _sample_loadavg(into: list[float], cpu: list[tuple[float, float, float]], every_s: float = 0.1) -> None:
-    """Every ``every_s`` seconds until cancelled: append (Unix s, CPU seconds this process has
-    used, seconds its event loop's thread waited for a CPU) to ``cpu``, and every tenth time the
-    machine's 1-minute load average to ``into``."""
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _proc_cpu_s(pid: int | None) -> float:
+    """CPU seconds (user + system) process ``pid`` has used (``/proc/<pid>/stat``); NaN when unknown."""
+    if pid is None:
+        return float("nan")
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / _TICK
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds all cores have spent busy (``/proc/stat``: all but idle and iowait)."""
+    try:
+        ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return (sum(ticks[:8]) - ticks[3] - ticks[4]) / _TICK
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+CPU_COUNTERS = ("this process's CPU", "its loop's wait for a CPU", "the broker's CPU", "all cores busy")
+"""What :func:`_sample_loadavg` samples besides the time, in that order (seconds so far)."""
+
+
+async def _sample_loadavg(into: list[float], cpu: list[tuple[float, ...]], broker_pid: list[int],
+                          every_s: float = 0.1) -> None:  # fmt: skip
+    """Every ``every_s`` seconds until cancelled: append (Unix s, *the :data:`CPU_COUNTERS`*) to
+    ``cpu`` (the broker's once ``broker_pid`` holds its pid), and every tenth time the machine's
+    1-minute load average to ``into``."""
     n = 0
     while True:
-        cpu.append((time.time(), time.process_time(), _runqueue_wait_s()))
+        pid = broker_pid[0] if broker_pid else None
+        cpu.append((time.time(), time.process_time(), _runqueue_wait_s(), _proc_cpu_s(pid), _machine_busy_s()))
         if n % 10 == 0:
             into.append(os.getloadavg()[0])
         n += 1
         await asyncio.sleep(every_s)
 
 
-def _cpu_share(cpu: list[tuple[float, float, float]], windows: list[tuple[float, float]]) -> tuple[float, float]:
-    """(CPU seconds this process used, seconds its loop's thread waited for a CPU) per wall second
-    inside ``windows`` (samples of :func:`_sample_loadavg`; NaN without samples there)."""
-    used = waited = wall = 0.0
-    for (t0, c0, w0), (t1, c1, w1) in itertools.pairwise(cpu):
-        if any(a <= t0 and t1 <= b for a, b in windows):
-            used += c1 - c0
-            waited += w1 - w0
-            wall += t1 - t0
-    return (used / wall, waited / wall) if wall else (float("nan"), float("nan"))
+def _cpu_share(cpu: list[tuple[float, ...]], windows: list[tuple[float, float]]) -> list[float]:
+    """Each of the :data:`CPU_COUNTERS` per wall second inside ``windows`` (samples of
+    :func:`_sample_loadavg`; NaN without samples there)."""
+    used = [0.0] * len(CPU_COUNTERS)
+    wall = 0.0
+    for a, b in itertools.pairwise(cpu):
+        if any(w0 <= a[0] and b[0] <= w1 for w0, w1 in windows):
+            wall += b[0] - a[0]
+            used = [u + (y - x) for u, x, y in zip(used, a[1:], b[1:], strict=True)]
+    return [u / wall if wall else float("nan") for u in used]
 
 
 def _ms(values: list[float], q: float) -> str:
@@ -390,7 +421,7 @@ def _breakdown(records: list[RequestRecord], hs: list[Handover], windows: list[t
 def _report(
     args: argparse.Namespace, kept: KeptLeases, load: OpenLoopLoad, submit_to_running: list[float],
     steady_windows: list[tuple[float, float]], began: float, ended: float, loadavg: list[float],
-    cpu: list[tuple[float, float, float]],
+    cpu: list[tuple[float, ...]],
 ) -> int:  # fmt: skip
     hs = kept.handovers
     windows = []
@@ -441,9 +472,10 @@ def _report(
               f"of each steady window: median {statistics.median(per_steady) * 1e3:.1f} ms, "
               f"worst {per_steady[-1] * 1e3:.1f} ms")  # fmt: skip
     _breakdown(records, hs, windows, steady_windows)
-    (cs, ws), (cd, wd) = _cpu_share(cpu, steady_windows), _cpu_share(cpu, windows)
-    print(f"this process (load driver, site SDK, harness) per wall second: CPU used {cs:.2f} s steady, {cd:.2f} s "
-          f"during reclaims; waiting for a CPU {ws:.2f} s steady, {wd:.2f} s during reclaims")  # fmt: skip
+    print(f"{'CPU seconds per wall second':38} {'steady':>9} {'reclaims':>9}   (this process: load driver, "
+          f"site SDK, harness)")  # fmt: skip
+    for name, st, du in zip(CPU_COUNTERS, _cpu_share(cpu, steady_windows), _cpu_share(cpu, windows), strict=True):
+        print(f"{name:38} {st:9.2f} {du:9.2f}")
     if loadavg:
         print(f"load average (1 min) during the run: min {min(loadavg):.2f}, median {statistics.median(loadavg):.2f}, "
               f"max {max(loadavg):.2f} ({os.cpu_count()} CPUs)")  # fmt: skip
