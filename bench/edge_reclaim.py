@@ -31,7 +31,19 @@ Printed: reclaims (hand-overs), early releases and GPUs returned before the dead
 in total and failed, during reclaims (sent between a notice and the early release, or the
 deadline) and in steady state (the quiet ``--steady-s`` before each reclaim); p50/p99 latency of both and the ratio of the p99s
 (target: 0 failed requests over >= 50 reclaims; p99 during reclaims <= 1.5 × steady state);
-notice → switch and notice → release; training submit → running. Exit 0 when the targets are met
+notice → switch and notice → release; training submit → running.
+
+Latency is taken from the moment the load driver sent each request: the driver runs in this
+process, on the cores every simulated node shares, and when it is starved of CPU it sends late;
+that lateness is the client's, not the endpoints' (:mod:`simulator.load`). The latency from each
+request's due time (which includes it), the ratio on it, and the driver's lag are printed too.
+Where the tail comes from: the served requests by endpoint (the leaving one, its replacement, the
+one the reclaim did not touch) and by phase, with the driver's lag and new connections; this
+process's CPU use and its time waiting for a CPU in each kind of window; the load average.
+``--steady-burst`` (a diagnostic) starts the workload's process in each steady window, as a
+replacement's start does in a reclaim, to see what that start alone costs the tail.
+
+Exit 0 when the targets are met
 (the count of reclaims only with ``--reclaims`` >= 50), 1 otherwise, 2 when a service did not start.
 
 Run: ``.venv/bin/python bench/edge_reclaim.py [--reclaims 50] [--rate 200] [--notice-s 10]``
@@ -43,8 +55,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import signal
@@ -75,7 +89,7 @@ from broker.kept_leases import Handover, KeptLeases  # noqa: E402
 from contracts import CapacityUpdate, GpuState, KafkaTopics, encode  # noqa: E402
 from gpupool.topics_cli import create_all  # noqa: E402
 from runtime.kafka import KafkaBus  # noqa: E402
-from simulator.load import OpenLoopLoad, probe, quantile, summarize  # noqa: E402
+from simulator.load import OpenLoopLoad, RequestRecord, probe, quantile, summarize  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SITE = "edge-a"
@@ -119,7 +133,8 @@ class Capacity:
             await asyncio.sleep(self.refresh_s)
 
 
-def _broker_config(path: Path, cluster: Cluster, control: Path, notice_s: int, latency_ms: float) -> None:
+def _broker_config(path: Path, cluster: Cluster, control: Path, notice_s: int, latency_ms: float,
+                   port_min: int) -> None:  # fmt: skip
     argv = [sys.executable, "-m", "simulator.inference_server", "--port", "{port}",
             "--latency-ms", str(latency_ms), "--drain-s", str(notice_s), "--quiet-s", str(notice_s)]  # fmt: skip
     broker = {
@@ -130,7 +145,7 @@ def _broker_config(path: Path, cluster: Cluster, control: Path, notice_s: int, l
         "lease_ttl_s": 30.0,
         "offer_ttl_s": 60.0,
         "workloads": [
-            {"name": WORKLOAD, "argv": argv, "port_min": 28300, "port_max": 28399, "health_timeout_s": 30.0}
+            {"name": WORKLOAD, "argv": argv, "port_min": port_min, "port_max": port_min + 99, "health_timeout_s": 30.0}
         ],
     }
     path.write_text(tomli_w.dumps({"broker": broker}))
@@ -185,8 +200,16 @@ async def _reclaims(
         )  # fmt: skip
         await asyncio.sleep(args.settle_s)  # the training node's placeholders come back meanwhile
         quiet = time.time()
+        if args.steady_burst:  # diagnostic: a workload process starting, as a replacement's does
+            burst = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "simulator.inference_server", "--port", "0", cwd=REPO,
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+            )  # fmt: skip
         await asyncio.sleep(args.steady_s)
         steady.append((quiet, time.time()))
+        if args.steady_burst:
+            burst.kill()
+            await burst.wait()
         serving = [lid for lid, ep in kept.leases.items() if ep in kept.endpoints.serving]
         host = _host(site, serving[n % len(serving)])
         n += 1
@@ -229,26 +252,39 @@ async def _run(args: argparse.Namespace, tmp: Path) -> int:
     submit_to_running: list[float] = []
     steady: list[tuple[float, float]] = []
     capacity = Capacity(bus, topics)
+    loadavg: list[float] = []
+    cpu: list[tuple[float, ...]] = []
+    broker_pid: list[int] = []
+    sampler = asyncio.create_task(_sample_loadavg(loadavg, cpu, broker_pid))
     try:
         await create_all(kafka, topics, 1, replication_factor=1)
         await capacity.producer.start()
         refresh = asyncio.create_task(capacity.refresh_forever())
         cfg = tmp / "broker.toml"
-        _broker_config(cfg, cluster, tmp / "lending", args.notice_s, args.latency_ms)
+        _broker_config(cfg, cluster, tmp / "lending", args.notice_s, args.latency_ms, args.port_min)
         broker = _start_broker(cfg, kafka, creds, topics, log_path)
+        broker_pid.append(broker.pid)
         users = creds["users"]
         async with EdgeClient(
             site=SITE, host=creds["host"], port=creds["port"], username=SITE, password=users[SITE],
             root=creds["root"], client_id=f"bench-{SITE}-{uuid.uuid4().hex[:6]}", connect_timeout_s=30,
         ) as site:  # fmt: skip
-            async with KeptLeases(
+            fast_s = args.fast_ms / 1000 if args.fast_ms is not None else None
+
+            async def warm(ep: str, lid: str) -> bool:
+                # over the load's own connection pool (--pooled-probe) or a session of the probe's own
+                how = load.probe if args.pooled_probe else probe
+                return await how(ep, lid, warmup=args.warmup, concurrency=args.warm_concurrency, fast_s=fast_s)
+
+            kept = KeptLeases(
                 site, target=args.target, workload=WORKLOAD, renew_every_s=5.0, ready_timeout_s=40.0,
                 drain_timeout_s=float(args.notice_s), duration_seconds=3600.0,
-                probe=(lambda ep, lid: probe(ep, lid, warmup=args.warmup)) if args.warmup >= 0 else None,
-                recheck=lambda ep, lid: probe(ep, lid, warmup=0), recheck_every_s=1.0,
-            ) as kept:  # fmt: skip
+                probe=warm if args.warmup >= 0 else None,
+                recheck=lambda ep, lid: probe(ep, lid, warmup=0), recheck_every_s=1.0, overlap_s=args.overlap_s,
+            )  # fmt: skip
+            load = OpenLoopLoad(kept.endpoints, rate_per_s=args.rate, timeout_s=2.0)
+            async with load, kept:
                 await kept.ready(180)
-                load = OpenLoopLoad(kept.endpoints, rate_per_s=args.rate, timeout_s=2.0)
                 load_task = asyncio.create_task(load.run(stop))
                 await asyncio.sleep(args.start_s)  # the broker puts a placeholder on every offered GPU
                 began = time.time()
@@ -262,7 +298,7 @@ async def _run(args: argparse.Namespace, tmp: Path) -> int:
         return 1
     finally:
         stop.set()
-        for t in (load_task, refresh):
+        for t in (load_task, refresh, sampler):
             if t is not None:
                 t.cancel()
                 with contextlib.suppress(BaseException):
@@ -281,12 +317,111 @@ async def _run(args: argparse.Namespace, tmp: Path) -> int:
         await stop_mosquitto(mq_state)
         if kafka_started:
             await stop_kafka()
-    return _report(args, kept, load, submit_to_running, steady, began, ended)
+    return _report(args, kept, load, submit_to_running, steady, began, ended, loadavg, cpu)
+
+
+def _runqueue_wait_s() -> float:
+    """Seconds the calling thread has waited on a run queue, runnable but not running
+    (``/proc/thread-self/schedstat``, second field, ns); NaN where the kernel does not say."""
+    try:
+        return int(Path("/proc/thread-self/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _proc_cpu_s(pid: int | None) -> float:
+    """CPU seconds (user + system) process ``pid`` has used (``/proc/<pid>/stat``); NaN when unknown."""
+    if pid is None:
+        return float("nan")
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / _TICK
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds all cores have spent busy (``/proc/stat``: all but idle and iowait)."""
+    try:
+        ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return (sum(ticks[:8]) - ticks[3] - ticks[4]) / _TICK
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+CPU_COUNTERS = ("this process's CPU", "its loop's wait for a CPU", "the broker's CPU", "all cores busy")
+"""What :func:`_sample_loadavg` samples besides the time, in that order (seconds so far)."""
+
+
+async def _sample_loadavg(into: list[float], cpu: list[tuple[float, ...]], broker_pid: list[int],
+                          every_s: float = 0.1) -> None:  # fmt: skip
+    """Every ``every_s`` seconds until cancelled: append (Unix s, *the :data:`CPU_COUNTERS`*) to
+    ``cpu`` (the broker's once ``broker_pid`` holds its pid), and every tenth time the machine's
+    1-minute load average to ``into``."""
+    n = 0
+    while True:
+        pid = broker_pid[0] if broker_pid else None
+        cpu.append((time.time(), time.process_time(), _runqueue_wait_s(), _proc_cpu_s(pid), _machine_busy_s()))
+        if n % 10 == 0:
+            into.append(os.getloadavg()[0])
+        n += 1
+        await asyncio.sleep(every_s)
+
+
+def _cpu_share(cpu: list[tuple[float, ...]], windows: list[tuple[float, float]]) -> list[float]:
+    """Each of the :data:`CPU_COUNTERS` per wall second inside ``windows`` (samples of
+    :func:`_sample_loadavg`; NaN without samples there)."""
+    used = [0.0] * len(CPU_COUNTERS)
+    wall = 0.0
+    for a, b in itertools.pairwise(cpu):
+        if any(w0 <= a[0] and b[0] <= w1 for w0, w1 in windows):
+            wall += b[0] - a[0]
+            used = [u + (y - x) for u, x, y in zip(used, a[1:], b[1:], strict=True)]
+    return [u / wall if wall else float("nan") for u in used]
+
+
+def _ms(values: list[float], q: float) -> str:
+    return f"{quantile(values, q) * 1e3:8.1f}" if values else f"{'—':>8}"
+
+
+def _breakdown(records: list[RequestRecord], hs: list[Handover], windows: list[tuple[float, float]],
+               steady_windows: list[tuple[float, float]]) -> None:  # fmt: skip
+    """Where the tail comes from: the served requests of each kind, by where they went (the leaving
+    endpoint, the replacement, the endpoint the reclaim did not touch) and by phase (notice →
+    switch → +1 s → release); for each, p99 of the latency, of the driver's own lag (due → sent:
+    its process late, part of the latency), of the latency less that lag, and the new connections."""
+    ok = sorted((r for r in records if r.ok), key=lambda r: r.sent_at)
+    times = [r.sent_at for r in ok]
+    rows: dict[str, list[RequestRecord]] = {k: [] for k in (
+        "steady state", "during: all", "  leaving endpoint", "  replacement endpoint", "  untouched endpoint",
+        "  notice -> switch", "  switch -> +1 s", "  +1 s -> release")}  # fmt: skip
+    for a, b in steady_windows:
+        rows["steady state"] += ok[bisect.bisect_left(times, a) : bisect.bisect_right(times, b)]
+    for i, (h, (a, b)) in enumerate(zip(hs, windows, strict=True)):
+        inside = ok[bisect.bisect_left(times, a) : bisect.bisect_right(times, b)]
+        before = {r.endpoint for r in ok[bisect.bisect_left(times, a - 1.0) : bisect.bisect_left(times, a)]}
+        switched = h.switched_at if h.switched_at is not None else b
+        rows["during: all"] += [r for r in inside if not any(a0 <= r.sent_at <= b0 for a0, b0 in windows[:i])]
+        for r in inside:
+            role = "leaving" if r.endpoint == h.endpoint else "untouched" if r.endpoint in before else "replacement"
+            rows[f"  {role} endpoint"].append(r)
+            phase = "notice -> switch" if r.sent_at < switched else "switch -> +1 s" if r.sent_at < switched + 1 else "+1 s -> release"
+            rows[f"  {phase}"].append(r)  # fmt: skip
+    print(f"{'where the tail comes from (served)':38} {'requests':>9} {'p99 ms':>8} {'lag p99':>8} "
+          f"{'p99-lag':>8} {'new conn':>8} {'conn p99':>8}")  # fmt: skip
+    for name, rs in rows.items():
+        conns = [r.connect_s for r in rs if r.connect_s is not None]
+        print(f"{name:38} {len(rs):9d} {_ms([r.latency_s for r in rs], 0.99)} {_ms([r.lag_s for r in rs], 0.99)} "
+              f"{_ms([r.latency_s - r.lag_s for r in rs], 0.99)} {len(conns):8d} {_ms(conns, 0.99)}")  # fmt: skip
 
 
 def _report(
     args: argparse.Namespace, kept: KeptLeases, load: OpenLoopLoad, submit_to_running: list[float],
-    steady_windows: list[tuple[float, float]], began: float, ended: float,
+    steady_windows: list[tuple[float, float]], began: float, ended: float, loadavg: list[float],
+    cpu: list[tuple[float, ...]],
 ) -> int:  # fmt: skip
     hs = kept.handovers
     windows = []
@@ -297,12 +432,16 @@ def _report(
     if args.records is not None:
         with args.records.open("w") as out:
             for r in records:
-                out.write(json.dumps({"request": [r.sent_at, r.latency_s, r.ok, r.endpoint, r.error]}) + "\n")
+                out.write(json.dumps({"request": r.row()}) + "\n")
             for h in hs:
                 out.write(json.dumps({"handover": dataclasses.asdict(h)}) + "\n")
             out.write(json.dumps({"steady": steady_windows}) + "\n")
-    during, _ = summarize(records, windows)
-    steady, _ = summarize(records, steady_windows)
+    # the target's latency: from the moment the driver sent each request (its own lateness, a
+    # starved client process, is not the endpoints' doing; simulator.load); from the due time too
+    during, _ = summarize(records, windows, from_send=True)
+    steady, _ = summarize(records, steady_windows, from_send=True)
+    during_due, _ = summarize(records, windows)
+    steady_due, _ = summarize(records, steady_windows)
     failed = sum(1 for r in records if not r.ok)
     early = sum(1 for h in hs if h.early)
     switch = [h.switched_at - h.noticed_at for h in hs if h.switched_at is not None]
@@ -310,11 +449,14 @@ def _report(
     before = [h.deadline - h.released_at for h in hs if h.released_at is not None and h.deadline is not None]
     errors = Counter(r.error for r in records if not r.ok)
     ratio = during.p99_s / steady.p99_s
+    ratio_due = during_due.p99_s / steady_due.p99_s
     print(f"\nedge site under load through {len(hs)} reclaims: {args.rate:g} requests/s over {args.target} kept leases, "
           f"notice {args.notice_s} s, {args.latency_ms:g} ms per request, {ended - began:.0f} s")  # fmt: skip
-    print(f"{'':38} {'requests':>9} {'failed':>7} {'p50 ms':>8} {'p99 ms':>8}")
-    for name, s in (("steady state (quiet before each)", steady), ("during reclaims", during)):
-        print(f"{name:38} {s.total:9d} {s.failed:7d} {s.p50_s * 1e3:8.2f} {s.p99_s * 1e3:8.2f}")
+    print(f"{'latency from the send':38} {'requests':>9} {'failed':>7} {'p50 ms':>8} {'p99 ms':>8} "
+          f"{'| from due: p50':>15} {'p99':>8} {'driver lag p99':>15}")  # fmt: skip
+    for name, s, d in (("steady state (quiet before each)", steady, steady_due), ("during reclaims", during, during_due)):
+        print(f"{name:38} {s.total:9d} {s.failed:7d} {s.p50_s * 1e3:8.2f} {s.p99_s * 1e3:8.2f} "
+              f"{d.p50_s * 1e3:15.2f} {d.p99_s * 1e3:8.2f} {s.lag_p99_s * 1e3:15.2f}")  # fmt: skip
     print(f"all requests of the run {len(records)}, failed {failed}: {dict(errors) or 'none'}")
     print(f"reclaims {len(hs)}; released early {early}; GPUs returned before the deadline {len(before)} "
           f"(by {statistics.median(before) if before else float('nan'):.2f} s, median); "
@@ -323,22 +465,35 @@ def _report(
                        ("training submit -> RUNNING", submit_to_running)):  # fmt: skip
         if vals:
             print(f"{name:38} p50 {statistics.median(vals):6.2f} s  p99 {quantile(vals, 0.99):6.2f} s  (n={len(vals)})")
-    per = sorted(p for w in windows if (p := summarize(records, [w])[0].p99_s) == p)  # NaN: none sent
-    per_steady = sorted(p for w in steady_windows if (p := summarize(records, [w])[0].p99_s) == p)
+    per = sorted(p for w in windows if (p := summarize(records, [w], from_send=True)[0].p99_s) == p)  # NaN: none
+    per_steady = sorted(p for w in steady_windows if (p := summarize(records, [w], from_send=True)[0].p99_s) == p)
     if per and per_steady:
         print(f"p99 of each reclaim: median {statistics.median(per) * 1e3:.1f} ms, worst {per[-1] * 1e3:.1f} ms; "
               f"of each steady window: median {statistics.median(per_steady) * 1e3:.1f} ms, "
               f"worst {per_steady[-1] * 1e3:.1f} ms")  # fmt: skip
+    _breakdown(records, hs, windows, steady_windows)
+    print(f"{'CPU seconds per wall second':38} {'steady':>9} {'reclaims':>9}   (this process: load driver, "
+          f"site SDK, harness)")  # fmt: skip
+    for name, st, du in zip(CPU_COUNTERS, _cpu_share(cpu, steady_windows), _cpu_share(cpu, windows), strict=True):
+        print(f"{name:38} {st:9.2f} {du:9.2f}")
+    if loadavg:
+        print(f"load average (1 min) during the run: min {min(loadavg):.2f}, median {statistics.median(loadavg):.2f}, "
+              f"max {max(loadavg):.2f} ({os.cpu_count()} CPUs)")  # fmt: skip
     failed_ok = failed == 0
     ratio_ok = ratio <= 1.5
     count_ok = len(hs) >= 50 or args.reclaims < 50
     print(f"failed edge requests {failed} (target 0): {'met' if failed_ok else 'MISSED'}; "
-          f"p99 during reclaims / steady state {ratio:.2f}x (target <= 1.5x): {'met' if ratio_ok else 'MISSED'}; "
+          f"p99 during reclaims / steady state {ratio:.2f}x (target <= 1.5x): {'met' if ratio_ok else 'MISSED'} "
+          f"({ratio_due:.2f}x from the due time); "
           f"reclaims {len(hs)} (target >= 50){'' if len(hs) >= 50 else ' (a shorter run)'}")  # fmt: skip
     print(json.dumps({"reclaims": len(hs), "released_early": early, "returned_before_deadline": len(before),
                       "requests_during": during.total, "failed_during": during.failed, "requests_steady": steady.total,
                       "failed_steady": steady.failed, "requests_all": len(records), "failed_all": failed, "p99_steady_ms": round(steady.p99_s * 1e3, 3),
-                      "p99_during_ms": round(during.p99_s * 1e3, 3), "p99_ratio": round(ratio, 3)}))  # fmt: skip
+                      "p99_during_ms": round(during.p99_s * 1e3, 3), "p99_ratio": round(ratio, 3),
+                      "p99_steady_due_ms": round(steady_due.p99_s * 1e3, 3), "p99_during_due_ms": round(during_due.p99_s * 1e3, 3),
+                      "p99_ratio_due": round(ratio_due, 3), "driver_lag_p99_steady_ms": round(steady.lag_p99_s * 1e3, 3),
+                      "driver_lag_p99_during_ms": round(during.lag_p99_s * 1e3, 3),
+                      "loadavg_median": round(statistics.median(loadavg), 2) if loadavg else None}))  # fmt: skip
     return 0 if failed_ok and ratio_ok and count_ok else 1
 
 
@@ -357,6 +512,20 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=20,
                    help="the site's readiness probe of a new endpoint: /health, then this many requests "
                         "(-1: no probe, the broker's health check alone)")  # fmt: skip
+    p.add_argument("--warm-concurrency", type=int, default=1,
+                   help="the readiness probe's warm-up requests sent this many at a time (>= 1)")
+    p.add_argument("--fast-ms", type=float, default=None,
+                   help="the readiness probe passes only when its last warm-up requests answered within this "
+                        "many ms (default: any answer)")
+    p.add_argument("--pooled-probe", action=argparse.BooleanOptionalAction, default=False,
+                   help="warm a new endpoint over the load's own connection pool, or (default) a session of its own")
+    p.add_argument("--overlap-s", type=float, default=0.0,
+                   help="a leaving endpoint keeps its share this long after its replacement serves (KeptLeases overlap_s)")
+    p.add_argument("--port-min", type=int, default=28300,
+                   help="the workload's ports: this one and the 99 above (another run on this machine must not share them)")
+    p.add_argument("--steady-burst", action="store_true",
+                   help="diagnostic: start the workload's process (simulator.inference_server) at the start of each "
+                        "steady window, as a replacement's start does during a reclaim; off by default")
     p.add_argument("--broker-log", type=Path, help="the broker's JSON log (default: a temporary file)")
     p.add_argument("--records", type=Path, help="write every request and hand-over here (JSON lines)")
     args = p.parse_args()

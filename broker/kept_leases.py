@@ -26,8 +26,9 @@ What a lease goes through (the broker lends through a training scheduler and run
    keeps serving (the simulated and the recommended workload drain on SIGTERM: answering, not
    accepting less);
 4. *switched*: as soon as the endpoints serving without it still reach the target (the
-   replacement is healthy), or ``handover_margin_s`` before the deadline if another endpoint
-   serves, it leaves the view: no new request goes there;
+   replacement is healthy) and the replacement has shared the traffic for ``overlap_s``, or
+   ``handover_margin_s`` before the deadline if another endpoint serves, it leaves the view: no
+   new request goes there;
 5. *drained*: the requests in flight on it finish (:meth:`Endpoints.drained`, at most until the
    deadline or ``drain_timeout_s``);
 6. *released* early: the pool gets the GPUs back before the deadline.
@@ -223,6 +224,7 @@ class _Kept:
     since: float
     endpoint: str | None = None
     serving: bool = False
+    serving_since: float = 0.0
     probing: bool = False
     handover: Handover | None = None
     retiring: bool = False
@@ -255,6 +257,10 @@ class KeptLeases:
             (never past the reclaim deadline).
         handover_margin_s: with no replacement serving yet, a leaving endpoint leaves the view
             this many seconds before its deadline if another endpoint serves (time to drain).
+        overlap_s: a leaving endpoint stays in the view this many seconds after its replacement
+            joined (never past ``handover_margin_s`` before its deadline), so the replacement
+            takes a share of the traffic before it takes the whole of it; 0: it leaves as soon as
+            the replacement serves.
         request_timeout_s: how long one claim, renewal or release waits for the broker, seconds.
         retry_min_s / retry_max_s: backoff bounds of claims and releases sent again, seconds.
         probe: the site's own readiness check of a new endpoint (``await probe("host:port",
@@ -278,7 +284,7 @@ class KeptLeases:
             ``expired``, ``lost``, ``start_failed``, ``renewals``, ``renewal_timeouts``,
             ``broker_restarts``.
 
-    Raises ``ValueError`` for ``target`` or ``gpus_per_lease`` below 1.
+    Raises ``ValueError`` for ``target`` or ``gpus_per_lease`` below 1, or a negative ``overlap_s``.
     """
 
     def __init__(
@@ -295,6 +301,7 @@ class KeptLeases:
         ready_timeout_s: float = 60.0,
         drain_timeout_s: float = 30.0,
         handover_margin_s: float = 1.0,
+        overlap_s: float = 0.0,
         request_timeout_s: float = 5.0,
         retry_min_s: float = 0.2,
         retry_max_s: float = 5.0,
@@ -311,6 +318,8 @@ class KeptLeases:
                 f"target ({target}), gpus_per_lease ({gpus_per_lease}) and recheck_failures "
                 f"({recheck_failures}) must be >= 1"
             )
+        if overlap_s < 0:
+            raise ValueError(f"overlap_s must be >= 0, got {overlap_s}")
         Backoff(retry_min_s, retry_max_s)  # the bounds are checked here, not at the first refusal
         self.client = client
         self.target = target
@@ -323,6 +332,7 @@ class KeptLeases:
         self.ready_timeout_s = ready_timeout_s
         self.drain_timeout_s = drain_timeout_s
         self.handover_margin_s = handover_margin_s
+        self.overlap_s = overlap_s
         self.request_timeout_s = request_timeout_s
         self.retry_min_s, self.retry_max_s = retry_min_s, retry_max_s
         self.probe = probe
@@ -428,7 +438,9 @@ class KeptLeases:
                 self._retire(k)  # nothing to hand over: give it back now
                 continue
             deadline = _deadline(k.handover)
-            replaced = len(serving) - 1 >= self.target
+            # replaced: the others serving reach the target, the newest of them for overlap_s
+            others = [x.serving_since for x in serving if x is not k]
+            replaced = len(others) >= self.target and now >= max(others) + self.overlap_s
             pressed = now >= deadline - self.handover_margin_s and len(serving) > 1
             if replaced or pressed:
                 serving.remove(k)
@@ -484,6 +496,7 @@ class KeptLeases:
         if k.serving or k.handover is not None or k.lease_id not in self._kept:
             return
         k.serving = True
+        k.serving_since = self._clock()
         self.counts["serving"] += 1
         log.info("kept_lease_serving", extra={"lease_id": k.lease_id, "endpoint": k.endpoint})
         self._publish()

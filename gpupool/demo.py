@@ -43,6 +43,7 @@ from gpupool.demo_fabric import (
     TimedOpenSmFabric,
     missing_tools,
 )
+from gpupool.demo_edge import ServingSite, no_load_reason
 from gpupool.demo_leases import LeaseRow, LeaseWatch, lease_rows, percentile, write_rows
 from gpupool.demo_slurm import DemoCluster, SchedulerMode, SlurmParts, SlurmUnavailable, missing_slurm_tools
 from runtime.bus import make_bus
@@ -146,6 +147,17 @@ class DemoConfig:
     lease back whole when it preempts any of its holds, so smaller leases lose fewer GPUs."""
     site_claim_every_s: float = 1.0
     """Mean time between two claim attempts of a site, seconds."""
+    serving_site: str | None = None
+    """With a training scheduler (the broker runs the workload on leased GPUs): the site of
+    ``sites`` that keeps ``serving_target`` leases of the workload and sends a steady request load
+    at their endpoints through the reclaims (:class:`gpupool.demo_edge.ServingSite`); ``None``:
+    none. ``gpupool demo`` sets the first site."""
+    serving_rate_per_s: float = 50.0
+    """Requests per second of the serving site's load (open loop)."""
+    serving_target: int = 2
+    """Leases the serving site keeps serving."""
+    serving_gpus_per_lease: int = 1
+    """GPUs of each lease of the serving site."""
     on_started: Callable[[FleetServer, SysfsTree], object] | None = None
     """Called once, when every stage has started, with the simulated nodes' dcgm-exporter endpoints
     (``FleetServer.urls()``, ``fail_mode``) and InfiniBand sysfs trees (``SysfsTree.roots()``): lets a
@@ -256,7 +268,15 @@ class DemoSummary:
     [first seen running, Unix s; node → GRES indices]) and ``locate`` (GPU key → [node, GRES
     index]), input of :func:`gpupool.harvest.lending_figures`."""
     sites: dict[str, dict[str, object]] = field(default_factory=dict)
-    """Each site's counters (:meth:`simulator.sites.SimulatedSite.stats`)."""
+    """Each site's counters (:meth:`simulator.sites.SimulatedSite.stats`,
+    :meth:`gpupool.demo_edge.ServingSite.stats`)."""
+    edge_load: dict[str, object] = field(default_factory=dict)
+    """The serving site's request load: ``enabled`` True and the fields of
+    :class:`gpupool.demo_edge.EdgeLoadSummary`, or ``enabled`` False and ``detail`` saying why no
+    load ran; empty without a serving site (``DemoConfig.serving_site``)."""
+    edge_requests_file: str | None = None
+    """The serving site's requests and hand-overs as JSON lines
+    (:meth:`gpupool.demo_edge.ServingSite.write_records`)."""
 
     def as_dict(self) -> dict[str, object]:
         """JSON-friendly dict."""
@@ -481,6 +501,14 @@ async def _run_pipeline(
                                                lent_share_percent=fabric.lent_share_percent if fabric else None,
                                                workloads=(parts.workload,) if parts else ()),
                            metrics=broker_metrics, lending=parts.lending if parts else None)
+    serving: ServingSite | None = None
+    if parts is not None and cfg.serving_site in cfg.sites:
+        serving = ServingSite(cfg.serving_site, parts.workload.name,
+                              {"host": mhost, "port": port, "username": creds(cfg.serving_site)[0],
+                               "password": creds(cfg.serving_site)[1], "root": root, "protocol": protocol},
+                              rate_per_s=cfg.serving_rate_per_s, target=cfg.serving_target,
+                              gpus_per_lease=cfg.serving_gpus_per_lease, notice_s=parts.notice_s,
+                              renew_every_s=cfg.lease_ttl_s / 3)
     sites = [SimulatedSite(name=s, host=mhost, port=port, username=creds(s)[0], password=creds(s)[1],
                            root=root, protocol=protocol, seed=cfg.seed + i,
                            renew_every_s=cfg.lease_ttl_s / 3, workload=parts.workload.name if parts else None,
@@ -490,7 +518,7 @@ async def _run_pipeline(
                            claim_every_s=cfg.site_claim_every_s,
                            demand=cfg.site_demand, release_on_at_risk=cfg.site_release_on_at_risk,
                            lease_kind=cfg.site_lease_kinds[i % len(cfg.site_lease_kinds)] if cfg.site_lease_kinds else None)
-             for i, s in enumerate(cfg.sites)]
+             for i, s in enumerate(cfg.sites) if serving is None or s != serving.name]
     demand = TrainingDemand(fleet, bus, topics)
     watch = LeaseWatch(bus, topics.leases_log)
     isolate_s: dict[str, float] = fabric.isolate_seconds if fabric is not None else {}
@@ -536,6 +564,7 @@ async def _run_pipeline(
                                     time.time())),
             ("leases", watch.run(stop)),
             *[(f"site-{s.name}", s.run(stop)) for s in sites],
+            *([(f"site-{serving.name}-serving", serving.run(stop))] if serving is not None else []),
         ]]
         t0, wall0 = time.monotonic(), time.time()
         while time.monotonic() - t0 < cfg.duration_s:
@@ -546,6 +575,8 @@ async def _run_pipeline(
                 progress(_snapshot(analytics, broker, audit, time.monotonic() - t0, status,
                                    watch.rows(isolate_s), isolate_s))
             await asyncio.sleep(0.5)
+        if serving is not None:  # the load stops while every endpoint still serves
+            await serving.finish()
     finally:
         if parts is not None:  # no scheduler reclaim may start once the broker's run task is gone
             try:
@@ -600,6 +631,13 @@ async def _run_pipeline(
     pairs = [(k, s) for k in keys for s in steps]
     window_idle = sum(1 for k, s in pairs if not fleet.is_busy_step(k, s)) / max(1, len(pairs))
     timed = [r.isolate_s for r in rows if r.isolate_s is not None]
+    every_site: list[SimulatedSite | ServingSite] = [*sites, *([serving] if serving is not None else [])]
+    requests_path = cfg.state_dir / f"edge-requests-{run_id}.jsonl"
+    if serving is not None and serving.load is not None:
+        try:
+            serving.write_records(requests_path)
+        except OSError:
+            log.exception("demo_edge_requests_not_written", extra={"path": str(requests_path)})
     return DemoSummary(
         duration_s=cfg.duration_s,
         gpus=len(fleet.gpu_keys()),
@@ -624,11 +662,29 @@ async def _run_pipeline(
         isolate_p99_s=percentile(timed, 0.99),
         leases_file=str(leases_path) if records is not None else None,
         lease_rows_file=str(rows_path) if rows_path.exists() else None,
-        scheduler={**(sched or {}), **(asdict(parts.summary(records or watch.records, sites, wall0, wall1))
+        scheduler={**(sched or {}), **(asdict(parts.summary(records or watch.records, every_site, wall0, wall1))
                                        if parts is not None else {})},
         training_starts_file=str(starts_path) if starts_path.exists() else None,
-        sites={s.name: s.stats() for s in sites},
+        sites={s.name: s.stats() for s in every_site},
+        edge_load=_edge_load(cfg, serving, sched),
+        edge_requests_file=str(requests_path) if requests_path.exists() else None,
     )
+
+
+def _edge_load(cfg: DemoConfig, serving: ServingSite | None, sched: dict[str, object] | None) -> dict[str, object]:
+    """``DemoSummary.edge_load``: the serving site's load, or why none ran (module
+    :mod:`gpupool.demo_edge`); empty without a serving site."""
+    if cfg.serving_site is None:
+        return {}
+    if serving is None:
+        if sched and sched.get("enabled"):
+            return {"enabled": False, "detail": f"not run: {cfg.serving_site!r} is not one of the sites {cfg.sites}"}
+        return {"enabled": False, "detail": no_load_reason(sched or {})}
+    got = serving.summary()
+    if got is None:
+        return {"enabled": False, "detail": f"not run: no endpoint of {serving.name}'s leases served during the run "
+                                            f"(kept-lease counts {serving.stats()})"}
+    return {"enabled": True, **got.as_dict()}
 
 
 def _snapshot(analytics, broker, audit: OfferAudit, elapsed: float, status: FabricStatus,

@@ -118,6 +118,7 @@ def summary_view(s: DemoSummary) -> RenderableType:
         ("  …and their QoS on every port of their paths", f"{s.leases_qos_verified} / {len(leases)}"),
         ("isolate→verified p50 / p99", f"{_ms(s.isolate_p50_s)} / {_ms(s.isolate_p99_s)}"),
         *_scheduler_rows(s.scheduler),
+        *_edge_rows(s.edge_load),
     ]
     for k, v in rows:
         t.add_row(k, str(v))
@@ -165,6 +166,44 @@ def _scheduler_rows(sc: dict[str, object]) -> list[tuple[str, object]]:
         ("  …notice at the site before its deadline",
          f"{sc.get('notices_before_deadline')} / {sc.get('notices_seen')} seen"
          f" (shortest lead {_s(sc.get('notice_lead_min_s'))})"),
+    ]
+
+
+def _lat(seconds: object) -> str:
+    return f"{1000 * seconds:.1f} ms" if isinstance(seconds, float | int) else "—"
+
+
+def _edge_rows(e: dict[str, object]) -> list[tuple[str, object]]:
+    """The summary's rows about the serving site's request load (``DemoSummary.edge_load``):
+    requests sent, served and failed; p50 / p99 latency in steady state and during reclaims;
+    reclaims survived. Without a load, one row saying why; none without a serving site."""
+    if not e:
+        return []
+    if not e.get("enabled"):
+        return [("edge requests across reclaims", e.get("detail"))]
+    failed_by = e.get("failed_by") or {}
+    assert isinstance(failed_by, dict)
+    why = f" ({', '.join(f'{k}={v}' for k, v in sorted(failed_by.items()))})" if failed_by else ""
+    reclaims = e.get("reclaims")
+    losses = e.get("losses") or {}
+    assert isinstance(losses, dict)
+    during = (f"{_lat(e.get('reclaim_p50_s'))} / {_lat(e.get('reclaim_p99_s'))} "
+              f"({e.get('reclaim_sent')} requests, {e.get('reclaim_failed')} failed)") if reclaims else \
+        "— (no lease of the site was reclaimed while the load ran)"
+    return [
+        ("edge requests across reclaims",
+         f"{e.get('site')}: {e.get('rate_per_s'):g} requests/s over {e.get('target')} kept leases "
+         f"of {e.get('gpus_per_lease')} GPUs, {e.get('load_s')} s"),
+        ("  …sent / served / failed", f"{e.get('sent')} / {e.get('served')} / {e.get('failed')}{why}"),
+        ("  …latency p50 / p99 (sent → answered), steady state",
+         f"{_lat(e.get('steady_p50_s'))} / {_lat(e.get('steady_p99_s'))} ({e.get('steady_sent')} requests, "
+         f"{e.get('steady_failed')} failed)"),
+        ("  …latency p50 / p99 (sent → answered), during reclaims", during),
+        ("  …the load driver's own lateness (due → sent), p99", _lat(e.get("driver_lag_p99_s"))),
+        ("  …leases lost without a hand-over",
+         ", ".join(f"{k}={v}" for k, v in sorted(losses.items())) if losses else "none"),
+        ("  …reclaims survived (released early, no failed request)",
+         f"{e.get('reclaims_survived')} / {reclaims} ({e.get('reclaims_with_deadline')} with a deadline)"),
     ]
 
 
@@ -216,6 +255,9 @@ def demo(
              "jobs cancelled at the end): training jobs arrive, idle GPUs are lent, Slurm preempts them for "
              "training. auto = when Slurm's tools are installed and the cluster starts, slurm = required "
              "(exit 2 if it cannot), none = training demand from the trace.")] = SchedulerMode.AUTO,
+    edge_rate: Annotated[float, typer.Option(
+        help="Lending through a training scheduler: requests/s the first site sends at the endpoints of "
+             "the leases it keeps (the simulated inference server) through reclaims; 0: no load.")] = 50.0,
     json_summary: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Run the simulator and every stage for DURATION seconds, show live progress, print a summary.
@@ -231,7 +273,9 @@ def demo(
     compressed) drive the telemetry, idle GPUs are held by placeholder jobs and lent, Slurm
     preempts leases for training with the lent partition's GraceTime as notice; the summary adds
     GPU-hours idle and lent, submit -> start of training jobs that needed lent GPUs, leases Slurm
-    reclaimed and whether each notice came before its deadline. Exit code 1 if an offer was made
+    reclaimed and whether each notice came before its deadline; the first site keeps two leases
+    of the workload and sends --edge-rate requests/s at them through the reclaims (requests
+    served and failed, p50/p99 latency steady and during reclaims, reclaims survived). Exit code 1 if an offer was made
     for a GPU the telemetry showed busy, 2 if --fabric on or --scheduler slurm cannot run.
     """
     from gpupool.demo import DemoConfig, default_state_dir, new_run_id, run_demo
@@ -240,6 +284,10 @@ def demo(
     cfg = DemoConfig(duration_s=duration, nodes=nodes, speedup=speedup, kafka=kafka, mqtt=mqtt,
                      mqtt_credentials=mqtt_credentials, state_dir=state_dir or default_state_dir(),
                      metrics_port=metrics_port, fabric=fabric, scheduler=scheduler, run_id=run_id)
+    if edge_rate < 0:
+        raise typer.BadParameter("must be >= 0", param_hint="--edge-rate")
+    if edge_rate > 0:
+        cfg.serving_site, cfg.serving_rate_per_s = cfg.sites[0], edge_rate
     log_path = cfg.state_dir / f"demo-{run_id}.log"
     console = Console(stderr=False)
     told = False
@@ -268,7 +316,7 @@ def demo(
         console.print(summary_view(summary))
         log_file = str(log_path) if log_path.exists() else None
         for what, path in (("lease log", summary.leases_file), ("per-lease rows", summary.lease_rows_file),
-                           ("log (JSON lines)", log_file)):
+                           ("edge requests and hand-overs", summary.edge_requests_file), ("log (JSON lines)", log_file)):
             if path:
                 console.print(f"{what}: {path}", markup=False, highlight=False)
     if summary.offer_violations:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import concurrent.futures
 import logging
 import os
 import re
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from contracts import KafkaTopics
     from contracts.bus import Bus
     from simulator.fleet import Fleet
+    from gpupool.demo_edge import ServingSite
     from simulator.sites import SimulatedSite
 
 log = logging.getLogger(__name__)
@@ -224,6 +226,12 @@ class TrainingStream:
         placeholder or a lease hold, held one of those GPUs at the read before), whoever
         submitted it."""
         self.submit_errors = 0
+        self._submitting: set[concurrent.futures.Future[str]] = set()
+        """``sbatch`` calls running in a thread: one still running when the stream's task is
+        cancelled (the demo stopping) submits a job no record holds (:meth:`cancel_all`)."""
+        self._names: list[str] = []
+        """Slurm job names of every job this stream tried to submit."""
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="demo-sbatch")
         self.t0: float | None = None
         self._gpupool: list[tuple[float, frozenset[str]]] = []
         """GPUs gpupool's jobs held, per read: (t, keys)."""
@@ -245,8 +253,12 @@ class TrainingStream:
                 pass
 
     async def _submit(self, job: TrainingJob) -> None:
+        self._names.append(f"train-{job.job_id}")  # the name SlurmClient.submit gives it
+        running = self._pool.submit(self.client.submit, job, self.compression, self.out_dir)
+        self._submitting.add(running)
+        running.add_done_callback(self._submitting.discard)
         try:
-            sid = await asyncio.to_thread(self.client.submit, job, self.compression, self.out_dir)
+            sid = await asyncio.wrap_future(running)
         except (ReplayError, subprocess.TimeoutExpired) as e:
             self.submit_errors += 1
             log.warning("demo_training_submit_failed", extra={"job": job.job_id, "error": str(e)[-300:]})
@@ -298,14 +310,18 @@ class TrainingStream:
         self.history.add(t, frozenset(held))
         self._gpupool.append((t, frozenset(lent)))
 
-    def cancel_all(self) -> None:
-        """``scancel`` every job this stream submitted and every gpupool hold
-        (:data:`contracts.scheduler.LENT_JOB_NAME`) submitted since the stream started: the
-        cluster is left as the demo found it. Blocking."""
-        done = self.client.run("squeue", "-h", "-n", LENT_JOB_NAME, "-o", "%i|%V")
+    def cancel_all(self, timeout_s: float = 30.0) -> None:
+        """``scancel`` every job this stream submitted — also one whose ``sbatch`` was still
+        running when the stream stopped (waited for, at most ``timeout_s``, then found by its
+        name) — and every gpupool hold (:data:`contracts.scheduler.LENT_JOB_NAME`) submitted
+        since the stream started: the cluster is left as the demo found it. Blocking."""
+        concurrent.futures.wait(list(self._submitting), timeout=timeout_s)
+        self._pool.shutdown(wait=False)
+        done = self.client.run("squeue", "-h", "-n", ",".join([LENT_JOB_NAME, *self._names]), "-o", "%i|%V")
         since = (self.t0 or time.time()) - 1.0
-        holds = [i for i, _, v in (ln.partition("|") for ln in done.stdout.split()) if v.isdigit() and int(v) >= since]
-        self.client.cancel(*self.records, *holds)
+        # by name, submitted since the stream started (a cluster shared with another run keeps its jobs)
+        found = [i for i, v, *_ in (ln.split("|") for ln in done.stdout.split()) if v.isdigit() and int(v) >= since]
+        self.client.cancel(*self.records, *found)
 
 
 @dataclass
@@ -450,7 +466,10 @@ class SlurmParts:
         profile = WorkloadProfile(
             name="infer",
             argv=(sys.executable, "-m", "simulator.inference_server", "--port", "{port}",
-                  "--drain-s", str(max(0.5, cluster.grace_s / 2)), "--quiet-s", "0.3"),
+                  # drains through the notice while a site still sends (it moves its traffic first,
+                  # then releases: the hold's end is the second SIGTERM); a pause in the requests (a
+                  # busy machine) must not end it while the endpoint still takes traffic
+                  "--drain-s", str(max(0.5, cluster.grace_s)), "--quiet-s", str(max(0.5, cluster.grace_s))),
             port_min=DEMO_WORKLOAD_PORTS[0], port_max=DEMO_WORKLOAD_PORTS[1], health_timeout_s=30,
         )  # fmt: skip
         lending = SlurmLending(
@@ -466,7 +485,7 @@ class SlurmParts:
         """Cancel the training jobs and gpupool holds of this run (the cluster as found)."""
         await asyncio.to_thread(self.stream.cancel_all)
 
-    def summary(self, records: Sequence[LeaseLogRecord], sites: Sequence[SimulatedSite], t0: float,
+    def summary(self, records: Sequence[LeaseLogRecord], sites: Sequence[SimulatedSite | ServingSite], t0: float,
                 t1: float) -> SchedulerSummary:
         """:func:`scheduler_summary` of the run from ``t0`` to ``t1`` (Unix s), notices from ``sites``."""
         notices = {lid: n for s in sites for lid, n in s.notices.items()}

@@ -258,6 +258,50 @@ async def test_reclaim_claims_first_switches_when_the_replacement_serves_drains_
         assert len(broker.claim_ids) == 3
 
 
+async def test_with_an_overlap_the_leaving_endpoint_shares_the_traffic_that_long_after_the_replacement_joined() -> (
+    None
+):
+    clock = Clock()
+    broker = FakeBroker(clock)
+    async with kept(broker, clock, overlap_s=2.0, handover_margin_s=1.0) as pool:
+        old, other = await serving_two(broker, pool)
+        old_ep = broker.leases[old].endpoint
+        broker.reclaim(old, in_s=10.0)
+        await until(lambda: len(broker.live()) == 3)
+        (new,) = set(broker.live()) - {old, other}
+        joined = clock.now
+        new_ep = broker.healthy(new)
+        await until(lambda: new_ep in pool.endpoints.serving)
+        clock.now = joined + 1.99
+        await settle()
+        assert set(pool.endpoints.serving) == {old_ep, broker.leases[other].endpoint, new_ep}
+        assert not broker.released
+        clock.now = joined + 2.0
+        await until(lambda: old_ep not in pool.endpoints.serving)
+        await until(lambda: bool(broker.released))
+        assert pool.handovers[0].switched_at == joined + 2.0 and pool.handovers[0].early
+
+
+async def test_an_overlap_never_keeps_the_leaving_endpoint_past_the_margin_before_its_deadline() -> None:
+    clock = Clock()
+    broker = FakeBroker(clock)
+    async with kept(broker, clock, overlap_s=30.0, handover_margin_s=1.0) as pool:
+        old, other = await serving_two(broker, pool)
+        old_ep = broker.leases[old].endpoint
+        deadline = broker.reclaim(old, in_s=10.0)
+        await until(lambda: len(broker.live()) == 3)
+        (new,) = set(broker.live()) - {old, other}
+        new_ep = broker.healthy(new)
+        await until(lambda: new_ep in pool.endpoints.serving)
+        clock.now = deadline - 1.01
+        await settle()
+        assert old_ep in pool.endpoints.serving
+        clock.now = deadline - 1.0
+        await until(lambda: old_ep not in pool.endpoints.serving)
+    with pytest.raises(ValueError, match="overlap_s"):
+        kept(broker, clock, overlap_s=-0.1)
+
+
 async def test_without_a_replacement_the_leaving_endpoint_serves_until_the_margin_before_the_deadline() -> (
     None
 ):

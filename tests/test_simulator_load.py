@@ -39,6 +39,16 @@ def test_summarize_splits_by_window_ends_included() -> None:
     assert (steady.total, steady.failed, steady.p50_s, steady.p99_s) == (2, 0, 0.010, 0.050)
     none, everything = summarize(rec, [])
     assert none.total == 0 and math.isnan(none.p99_s) and everything.total == 5
+    assert math.isnan(none.lag_p99_s) and everything.lag_p99_s == 0.0
+
+
+def test_summarize_from_the_send_takes_the_drivers_lag_off_and_reports_it() -> None:
+    rec = [RequestRecord(1.0, 0.050, True, "a", "", lag_s=0.040), RequestRecord(2.0, 0.020, True, "a", "", lag_s=0.0)]
+    (_, due) = summarize(rec, [])
+    (_, sent) = summarize(rec, [], from_send=True)
+    assert (due.p50_s, due.p99_s) == (0.020, 0.050)
+    assert sent.p50_s == pytest.approx(0.010) and sent.p99_s == pytest.approx(0.020)
+    assert due.lag_p99_s == sent.lag_p99_s == 0.040
 
 
 def _free_port() -> int:
@@ -97,3 +107,37 @@ async def test_probe_checks_the_leases_health_and_warms_it_up() -> None:
     finally:
         await runner.cleanup()
     assert not await probe(f"127.0.0.1:{_free_port()}", "L1")
+
+
+async def test_probe_warms_concurrently_over_the_loads_pool_and_can_require_fast_answers() -> None:
+    server = InferenceServer([0], "L1", 0.002)
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    port = _free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    ep = f"127.0.0.1:{port}"
+    endpoints = Endpoints()
+    try:
+        async with OpenLoopLoad(endpoints, rate_per_s=100) as load:
+            assert await load.probe(ep, "L1", warmup=8, concurrency=4)
+            assert server.served == 8
+            # the warm-up left its connections in the load's pool: the load's first requests reuse them
+            endpoints._set([ep])
+            stop = asyncio.Event()
+            driving = asyncio.create_task(load.run(stop))
+            await asyncio.sleep(0.1)
+            stop.set()
+            await driving
+            assert load.records and all(r.ok for r in load.records)
+            assert load.records[0].connect_s is None
+            assert not await load.probe(ep, "L2", warmup=1)  # another lease's process
+            assert server.served == 8 + len(load.records)  # refused at /health: no warm-up sent
+            # answers of 2 ms: a bound below fails, one above passes
+            assert not await load.probe(ep, "L1", warmup=2, fast_s=0.001)
+            assert await load.probe(ep, "L1", warmup=2, concurrency=2, fast_s=1.0)
+        with pytest.raises(ValueError, match="concurrency"):
+            await probe(ep, warmup=1, concurrency=0)
+        assert await probe(ep, "L1", warmup=0)  # a session of its own
+    finally:
+        await runner.cleanup()
+    assert not await probe(ep, warmup=0)  # nothing listens any more
