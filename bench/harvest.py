@@ -48,7 +48,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpupool.logs import setup_logging  # noqa: E402
-from simulator.slurm_replay import SlurmClient, account, quantile, replay, start_latency  # noqa: E402
+from simulator.replay import account, quantile, replay, start_latency  # noqa: E402
+from simulator.slurm_replay import SlurmClient  # noqa: E402
 from simulator.training_jobs import (  # noqa: E402
     GPUS_PER_NODE,
     TrainingWorkload,
@@ -267,10 +268,10 @@ def main(argv: list[str] | None = None) -> int:
         base = account(base_run, workload.idle_fraction)  # reads the jobs' output files
         late = sorted(base_run.late_submits_s)
         y50 = quantile(yardstick, 0.5) if yardstick else float("nan")
-        d50, d95, d99 = base.script_delay_s
+        d50, d95, d99 = base.began_delay_s
         print(f"\nwithout lending: final states {dict(sorted(base.final_states.items()))}; submit -> script start "
-              f"p50/p95/p99 {d50:.0f} / {d95:.0f} / {d99:.0f} s; wall p95 {base.script_delay_wall_s[1]:.3f} s = "
-              f"{base.script_delay_wall_s[1] / y50:.2f}x the idle-cluster yardstick (p50 {y50:.3f} s); polls "
+              f"p50/p95/p99 {d50:.0f} / {d95:.0f} / {d99:.0f} s; wall p95 {base.began_delay_wall_s[1]:.3f} s = "
+              f"{base.began_delay_wall_s[1] / y50:.2f}x the idle-cluster yardstick (p50 {y50:.3f} s); polls "
               f"{base_run.polls} ({base_run.poll_errors} failed); submit lateness max "
               f"{late[-1] if late else 0.0:.3f} s wall; load average {loads[0]:.1f}")
         report: dict[str, object] = {"fit": fit.describe(), "nodes": args.nodes, "hours": args.hours,
@@ -287,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             sites = {k: {c: v for c, v in st.items() if c in ("leases_granted", "at_risk_seen", "released_at_risk",
                                                               "reclaims_seen", "revoked")}
                      for k, st in summary.get("sites", {}).items()}  # fmt: skip
-            d50, d95, d99 = lent.script_delay_s
+            d50, d95, d99 = lent.began_delay_s
             print(f"with gpupool: final states {dict(sorted(lent.final_states.items()))}; submit -> script start "
                   f"p50/p95/p99 {d50:.0f} / {d95:.0f} / {d99:.0f} s; polls {run.polls} ({run.poll_errors} failed); "
                   f"submit lateness max {late[-1] if late else 0.0:.3f} s wall; load average {loads[-1]:.1f}; "

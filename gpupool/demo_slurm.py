@@ -34,7 +34,8 @@ from collectors.slurm_parse import JobInfo, parse_job, parse_records
 from contracts import LeaseLogRecord
 from contracts.scheduler import LENT_JOB_NAME
 from gpupool.demo_leases import percentile
-from simulator.slurm_replay import ReplayError, SlurmClient
+from simulator.replay import ReplayError
+from simulator.slurm_replay import SlurmClient
 from simulator.training_jobs import TrainingJob
 
 if TYPE_CHECKING:
