@@ -36,7 +36,9 @@ from simulator.training_jobs import TrainingJob
 
 log = logging.getLogger(__name__)
 
-ACTIVE_STATES = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING"})
+ACTIVE_STATES = frozenset(
+    {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING"}
+)
 """Job states (Slurm's ``squeue %T`` names) of a job that has not ended."""
 
 Listing = dict[str, tuple[str, float | None, float | None, float | None]]
@@ -182,8 +184,14 @@ def replay(
     out_dir.mkdir(parents=True, exist_ok=True)
     todo = [j for j in jobs if j.submit_s < horizon_s]
     t0 = time.time()
-    run = ReplayRun({}, [], (t0 + warmup_s / compression, t0 + horizon_s / compression), cluster_gpus, compression,
-                    out_dir)
+    run = ReplayRun(
+        {},
+        [],
+        (t0 + warmup_s / compression, t0 + horizon_s / compression),
+        cluster_gpus,
+        compression,
+        out_dir,
+    )
     end_wall = run.window_wall[1]
     nxt = 0
     last_poll = last_progress = 0.0
@@ -206,9 +214,17 @@ def replay(
             last_progress = now
             running = sum(1 for r in run.records.values() if r.state == "RUNNING")
             pending = sum(1 for r in run.records.values() if r.state == "PENDING")
-            log.info("replay progress", extra={"simulated_s": round((now - t0) * compression),
-                                               "horizon_s": horizon_s, "submitted": nxt, "running": running,
-                                               "pending": pending, "gpus_used": run.samples[-1][1] if run.samples else 0})
+            log.info(
+                "replay progress",
+                extra={
+                    "simulated_s": round((now - t0) * compression),
+                    "horizon_s": horizon_s,
+                    "submitted": nxt,
+                    "running": running,
+                    "pending": pending,
+                    "gpus_used": run.samples[-1][1] if run.samples else 0,
+                },
+            )
         wake = min(last_poll + poll_s, end_wall)
         if nxt < len(todo):
             wake = min(wake, t0 + todo[nxt].submit_s / compression)
@@ -248,7 +264,9 @@ def _poll(client: SchedulerClient, run: ReplayRun, observers: Sequence[Callable[
         observe(snapshot)
 
 
-def start_latency(client: SchedulerClient, out_dir: Path, rounds: int = 10, timeout_s: float = 30.0) -> list[float]:
+def start_latency(
+    client: SchedulerClient, out_dir: Path, rounds: int = 10, timeout_s: float = 30.0
+) -> list[float]:
     """The yardstick: wall seconds from the submit to the job's work beginning
     (:meth:`SchedulerClient.began`) for a 1-GPU, 0-second job on an idle cluster, ``rounds``
     times one after the other (the scheduler's own start latency, the floor under every queueing
@@ -343,8 +361,9 @@ class ReplayReport:
     final_states: dict[str, int]
 
 
-def account(run: ReplayRun, idle_fraction: Callable[[TrainingJob], float], time_resolution_s: float = 1.0
-            ) -> ReplayReport:
+def account(
+    run: ReplayRun, idle_fraction: Callable[[TrainingJob], float], time_resolution_s: float = 1.0
+) -> ReplayReport:
     """Simulated-time figures of ``run`` (see :class:`ReplayReport`); ``idle_fraction(job)`` is the
     share of a job's allocated GPU-time at 0 % utilisation; ``time_resolution_s`` the scheduler's
     (wall seconds).
@@ -387,11 +406,18 @@ def account(run: ReplayRun, idle_fraction: Callable[[TrainingJob], float], time_
 
     hours = c / 3600
     return ReplayReport(
-        jobs_submitted=started + pending, jobs_started=started, jobs_pending_at_end=pending,
-        queue_delay_s=pcts(delays, 1.0), queue_delay_resolution_s=time_resolution_s * c,
-        began_delay_s=pcts(began_delays, c), began_delay_wall_s=pcts(began_delays, 1.0),
-        window_gpu_hours=window_gpu_s * hours, allocated_gpu_hours=alloc_s * hours,
+        jobs_submitted=started + pending,
+        jobs_started=started,
+        jobs_pending_at_end=pending,
+        queue_delay_s=pcts(delays, 1.0),
+        queue_delay_resolution_s=time_resolution_s * c,
+        began_delay_s=pcts(began_delays, c),
+        began_delay_wall_s=pcts(began_delays, 1.0),
+        window_gpu_hours=window_gpu_s * hours,
+        allocated_gpu_hours=alloc_s * hours,
         idle_unallocated_gpu_hours=(window_gpu_s - alloc_s) * hours,
-        idle_unallocated_sampled_gpu_hours=(window_gpu_s - sampled_gpu_seconds(run.samples, (w0, w1))) * hours,
-        allocated_idle_gpu_hours=idle_s * hours, final_states=states,
+        idle_unallocated_sampled_gpu_hours=(window_gpu_s - sampled_gpu_seconds(run.samples, (w0, w1)))
+        * hours,
+        allocated_idle_gpu_hours=idle_s * hours,
+        final_states=states,
     )
