@@ -332,7 +332,7 @@ class KubernetesClient:
             log.warning("replay cancel failed", extra={"job": name, "error": str(e)[:300]})
         now = time.time()
         with self._lock:
-            if tracked.ended is None and not tracked.phases:  # no pod (still queued in Kueue): over now
+            if tracked.ended is None and not self._live(name):  # no pod (still queued in Kueue): over now
                 tracked.ended, tracked.state = now, "CANCELLED"
 
     def _cancel_loop(self) -> None:
@@ -438,23 +438,35 @@ class KubernetesClient:
         with self._lock:
             self._pods[uid] = _Pod(pod.get("spec", {}).get("nodeName"), _pod_gpus(pod), phase, job)
             tracked = self._jobs.get(job) if job is not None else None
-        if tracked is not None:
-            self._fold(tracked, meta.get("name", uid), phase, t)
+        if tracked is not None and self._fold(tracked, meta.get("name", uid), phase, t):
+            if not meta.get("deletionTimestamp"):
+                self._delete_pod(meta.get("name", uid))
 
-    def _fold(self, tr: _Tracked, pod: str | None, phase: str, t: float) -> None:
-        """One pod change of a tracked job at ``t``: ``pod`` None = one of its pods is gone."""
+    def _delete_pod(self, name: str) -> None:
+        try:
+            self.core.delete_namespaced_pod(
+                name, self.namespace, grace_period_seconds=0, _request_timeout=self.timeout_s
+            )
+        except ApiException as e:
+            if e.status != 404:
+                log.warning("replay pod delete failed", extra={"pod": name, "error": str(e)[:300]})
+        except (HTTPError, OSError) as e:
+            log.warning("replay pod delete failed", extra={"pod": name, "error": str(e)[:300]})
+
+    def _fold(self, tr: _Tracked, pod: str | None, phase: str, t: float) -> bool:
+        """One pod change of a tracked job at ``t`` (``pod`` None: one of its pods is gone); True
+        when ``pod`` belongs to a Job being deleted and holds its GPUs still (created in a race
+        with the deletion: the caller deletes it)."""
         with self._wake:
-            if pod is None:
-                if (
-                    tr.deleting
-                    and tr.ended is None
-                    and not any(p.job == tr.name for p in self._pods.values())
-                ):
+            if pod is None or (tr.deleting and phase in _TERMINAL):
+                if tr.deleting and tr.ended is None and not self._live(tr.name):
                     tr.ended, tr.state = t, "CANCELLED"
-                return
+                return False
             tr.phases[pod] = phase
+            if tr.deleting:
+                return True
             if tr.ended is not None:
-                return
+                return False
             if phase == "Running":
                 tr.running.add(pod)
             if tr.started is None and (len(tr.running) >= tr.pods_wanted or phase in _TERMINAL):
@@ -466,3 +478,8 @@ class KubernetesClient:
                 tr.ended, tr.state = t, "FAILED"
             elif phase == "Succeeded" and sum(p == "Succeeded" for p in tr.phases.values()) >= tr.pods_wanted:
                 tr.ended, tr.state = t, "COMPLETED"
+            return False
+
+    def _live(self, name: str) -> bool:
+        """Whether a pod of Job ``name`` exists and is neither Succeeded nor Failed (lock held)."""
+        return any(p.job == name and p.phase not in _TERMINAL for p in self._pods.values())
