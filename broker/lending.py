@@ -874,7 +874,8 @@ def lending_from(settings: BrokerSettings, config: BrokerConfig, state_dir: Path
     if settings.scheduler == "none":
         return NoLending()
     if settings.scheduler == "kubernetes":
-        from broker.lending_kubernetes import KubernetesLending, kubernetes_client
+        from broker.lending_kubernetes import KubernetesLending
+        from runtime.kube import kubernetes_client
 
         return KubernetesLending(
             kubernetes_client(settings.kubeconfig),

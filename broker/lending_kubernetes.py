@@ -63,10 +63,9 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
-from kubernetes import client, config, watch
+from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
@@ -94,20 +93,6 @@ _RELEASE_CHECK_S = 5.0
 """Seconds a lease's end waits for its pods to go before reading them (then again, each as long)."""
 _RELEASE_TRIES = 6
 """Server-side timeout of one watch request (the thread notices a stop at least this often)."""
-
-
-def kubernetes_client(kubeconfig: Path | None) -> client.ApiClient:
-    """A client of the cluster of ``kubeconfig`` (its current context), or of the pod's own
-    service account when ``None``. Raises ``OSError`` when neither can be read, ``ValueError``
-    when the kubeconfig is not valid."""
-    try:
-        if kubeconfig is not None:
-            return config.new_client_from_config(config_file=str(kubeconfig))
-        configuration = client.Configuration()
-        config.load_incluster_config(client_configuration=configuration)
-        return client.ApiClient(configuration)
-    except config.ConfigException as e:
-        raise ValueError(f"kubeconfig {kubeconfig or '(in-cluster)'}: {e}") from e
 
 
 class KubernetesError(Exception):

@@ -62,6 +62,8 @@ def run(settings: DeploymentSettings) -> None:
     produce GpuSample / NvSwitchSample / IbPortSample records to Kafka until SIGINT or SIGTERM.
     With --slurm-conf, also read that Slurm cluster every --slurm-interval and produce one
     SchedulerNode record per node to telemetry.scheduler (a failing scontrol fails that read only).
+    With --kubernetes, read the Kubernetes cluster of --kubeconfig (list + watch) into the same
+    records every --kubernetes-interval (an API server that fails fails that read only).
 
     Every option can also come from the deployment's settings (runtime/settings.py): a flag
     wins over its GPUPOOL_* variable (e.g. GPUPOOL_KAFKA, GPUPOOL_COLLECTORS__INTERVAL_S), which
@@ -92,11 +94,11 @@ def run(settings: DeploymentSettings) -> None:
     has_gpu_source = bool(
         cs.dcgm_targets or roots or commands or cs.nvml_host or cs.file_sd or cs.ufm_telemetry or cs.fabric
     )
-    if not has_gpu_source and cs.slurm_conf is None:
+    if not has_gpu_source and cs.slurm_conf is None and not cs.kubernetes:
         raise typer.BadParameter(
             "give at least one --dcgm-target, --file-sd, --sysfs-root, --nvidia-smi, --ufm-telemetry, "
-            "--nvml-host, --fabric or --slurm-conf (or [collectors] dcgm_targets, file_sd, sysfs_roots, "
-            "nvidia_smi, ufm_telemetry, nvml_host, fabric, slurm_conf in the settings)"
+            "--nvml-host, --fabric, --slurm-conf or --kubernetes (or [collectors] dcgm_targets, file_sd, "
+            "sysfs_roots, nvidia_smi, ufm_telemetry, nvml_host, fabric, slurm_conf, kubernetes in the settings)"
         )
 
     def build() -> tuple[_CollectorStage, Bus]:
@@ -104,7 +106,7 @@ def run(settings: DeploymentSettings) -> None:
 
         bus = make_bus(bootstrap, client_id="gpupool-collector")
         topics = KafkaTopics(prefix=settings.topic_prefix)
-        stage_metrics = CollectorMetrics()  # one registry: the service's, fabric's and Slurm's metrics
+        stage_metrics = CollectorMetrics()  # one registry: the service's, fabric's, the scheduler's
         service = CollectorService(
             bus=bus,
             topics=topics,
@@ -127,23 +129,24 @@ def run(settings: DeploymentSettings) -> None:
             forget_after_s=cs.forget_after_s,
             metrics=stage_metrics,
         )
-        slurm = _slurm_collector(bus, topics, cs.slurm_conf, stage_metrics.registry)
-        return _CollectorStage(service, slurm, settings, gpu_sources=has_gpu_source), bus
+        scheduler = _scheduler_source(bus, topics, cs, stage_metrics.registry)
+        return _CollectorStage(service, scheduler, settings, gpu_sources=has_gpu_source), bus
 
     metrics = settings.metrics
     run_stage("gpupool collect run", build, metrics_port=metrics.collectors, metrics_addr=metrics.addr)
 
 
 class _CollectorStage:
-    """The collector service with the Slurm source beside it, as one stage for
-    :func:`runtime.stage.run_stage`; ``gpu_sources=False`` (only Slurm): the service starts (its
-    metrics, the bus) but does not collect."""
+    """The collector service with the scheduler source (Slurm or Kubernetes) beside it, as one
+    stage for :func:`runtime.stage.run_stage`; ``gpu_sources=False`` (only the scheduler): the
+    service starts (its metrics, the bus) but does not collect."""
 
     def __init__(
-        self, service: CollectorService, slurm: Any, settings: DeploymentSettings, *, gpu_sources: bool
+        self, service: CollectorService, scheduler: Any, settings: DeploymentSettings, *, gpu_sources: bool
     ) -> None:
         """Keep the parts."""
-        self.service, self.slurm, self.settings, self.gpu_sources = service, slurm, settings, gpu_sources
+        self.service, self.scheduler, self.settings = service, scheduler, settings
+        self.gpu_sources = gpu_sources
 
     @property
     def registry(self) -> Any:
@@ -153,10 +156,10 @@ class _CollectorStage:
         return getattr(self.service, "registry", REGISTRY)
 
     async def start(self) -> None:
-        """Start the service, then the Slurm source; log ``collector_started``."""
+        """Start the service, then the scheduler source; log ``collector_started``."""
         await self.service.start()
-        if self.slurm is not None:
-            await self.slurm.start()
+        if self.scheduler is not None:
+            await self.scheduler.start()
         cs = self.settings.collectors
         log.info(
             "collector_started",
@@ -170,20 +173,18 @@ class _CollectorStage:
         )
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Collect (and read Slurm) until ``stop`` is set."""
+        """Collect (and read the scheduler) until ``stop`` is set."""
+        cs = self.settings.collectors
+        interval = cs.kubernetes_interval_s if cs.kubernetes else cs.slurm_interval_s
         await asyncio.gather(
             self.service.run(stop) if self.gpu_sources else stop.wait(),
-            *(
-                [self.slurm.run(self.settings.collectors.slurm_interval_s, stop)]
-                if self.slurm is not None
-                else []
-            ),
+            *([self.scheduler.run(interval, stop)] if self.scheduler is not None else []),
         )
 
     async def stop(self) -> None:
-        """Stop the Slurm source, then the service."""
-        if self.slurm is not None:
-            await self.slurm.stop()
+        """Stop the scheduler source, then the service."""
+        if self.scheduler is not None:
+            await self.scheduler.stop()
         await self.service.stop()
 
 
@@ -207,17 +208,34 @@ def _fabric_collector(
     )
 
 
-def _slurm_collector(
-    bus: Any, topics: KafkaTopics, slurm_conf: Path | None, registry: CollectorRegistry | None = None
+def _scheduler_source(
+    bus: Any, topics: KafkaTopics, cs: CollectorsSettings, registry: CollectorRegistry | None = None
 ) -> Any:
-    """The Slurm source (:class:`collectors.slurm_collector.SlurmCollector`) for ``slurm_conf``
-    (its metrics on ``registry``; ``None``: one of its own), ``None`` without one."""
-    if slurm_conf is None:
+    """The training scheduler's source the ``[collectors]`` settings ask for (its metrics on
+    ``registry``; ``None``: one of its own): :class:`collectors.slurm_collector.SlurmCollector`
+    for ``slurm_conf``, :class:`collectors.kube_collector.KubernetesCollector` for
+    ``kubernetes``, else ``None``. Raises ``ValueError`` or ``OSError`` for an unreadable
+    kubeconfig."""
+    if cs.kubernetes:
+        from collectors.kube_collector import KubernetesCollector
+        from collectors.metrics import KubernetesMetrics
+        from runtime.kube import kubernetes_client
+
+        return KubernetesCollector(
+            bus,
+            topics,
+            kubernetes_client(cs.kubeconfig),
+            lent_namespace=cs.k8s_lent_namespace,
+            resource=cs.k8s_gpu_resource,
+            kueue=cs.k8s_kueue,
+            metrics=KubernetesMetrics(registry),
+        )
+    if cs.slurm_conf is None:
         return None
     from collectors.metrics import SlurmMetrics
     from collectors.slurm_collector import SlurmCollector
 
-    return SlurmCollector(bus, topics, slurm_conf=slurm_conf, metrics=SlurmMetrics(registry))
+    return SlurmCollector(bus, topics, slurm_conf=cs.slurm_conf, metrics=SlurmMetrics(registry))
 
 
 @app.command("parse-dcgm")

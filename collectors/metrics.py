@@ -235,3 +235,49 @@ class SlurmMetrics(MetricSet):
             ["partition"],
             read,
         )
+
+
+class KubernetesMetrics(MetricSet):
+    """Metrics of the Kubernetes scheduler source (:class:`collectors.kube_collector.KubernetesCollector`);
+    its pending-GPU gauge is read from the source at scrape time once it calls :meth:`watch_pending`.
+
+    On the registry it is given (:class:`runtime.metrics.MetricSet`; a new one when ``None``).
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        super().__init__(registry)
+        self.errors = self.counter(
+            "gpupool_collector_kubernetes_errors_total",
+            "Failures of the Kubernetes source by resource (nodes, pods, workloads, localqueues, "
+            "clusterqueues; produce, loop) and reason: a list or watch that failed (unreachable, "
+            "http_<status>, stream_error, bad_list: the cache is not used until listed again), an "
+            "expired watch (expired: listed again), an object that did not parse (no_metadata, "
+            "bad_quantity, bad_time, bad_field: skipped), a pod that did not fit its node (over_allocated).",
+            ["resource", "reason"],
+        )
+        self.reads = self.counter(
+            "gpupool_collector_kubernetes_reads_total",
+            "Reads of the Kubernetes source by outcome: ok (records produced) or failed (a cache was "
+            "not synced with the API server: nothing produced).",
+            ["outcome"],
+        )
+        self.read_duration = self.histogram(
+            "gpupool_collector_kubernetes_read_duration_seconds",
+            "Wall time of one read of the Kubernetes source (records built from the caches and produced).",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+        )
+        self.records = self.counter(
+            "gpupool_collector_kubernetes_records_total",
+            "SchedulerNode records produced by the Kubernetes source.",
+        )
+
+    def watch_pending(self, read: Samples) -> StateGauge:
+        """Register ``gpupool_collector_kubernetes_pending_gpus{queue}``, read by ``read()`` at each
+        scrape (``{(queue,): GPUs}``). Raises ``ValueError`` when already registered."""
+        return self.state_gauge(
+            "gpupool_collector_kubernetes_pending_gpus",
+            "GPUs asked by pending Kueue workloads and pending pods at the latest read, by ClusterQueue "
+            '("" for pods of no queue).',
+            ["queue"],
+            read,
+        )

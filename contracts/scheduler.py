@@ -11,6 +11,13 @@ number DCGM and NVML report as the GPU index (:attr:`contracts.telemetry.GpuSamp
 Host + GRES index therefore names the same GPU as host + DCGM index. MIG instances are not
 scheduled as GPUs of their own here: a GRES index is a whole GPU.
 
+Kubernetes (``scheduler="kubernetes"``, :mod:`collectors.kube_records`) gives the same records in
+Slurm's terms: node states ``IDLE``/``MIXED``/``ALLOCATED``/``DOWN`` (+``DRAIN`` when cordoned),
+pods holding GPUs as jobs, pending pods and Kueue Workloads as pending jobs. A pod states a GPU
+count, not devices, so there the index is a slot on the node (the collector's deterministic
+mapping, the broker's ``<node>/gpu<slot>``), which is the device index only where the PodResources
+API's device ids are mapped to it.
+
 The Kafka key is the host (:func:`contracts.topics.telemetry_partition_key`), as on the other
 telemetry topics, and ``telemetry.scheduler`` has their partition count: a host's scheduler
 state lands on the partition number of its GPU samples, so the analytics instance that owns the
@@ -96,27 +103,28 @@ class SchedulerNode(Record):
     Attributes:
         ts: read time, Unix epoch seconds.
         host: the node name, which is the host name of its GPU telemetry.
-        scheduler: which scheduler (``slurm``).
+        scheduler: which scheduler (``slurm``, ``kubernetes``).
         state: base node state (``IDLE``, ``MIXED``, ``ALLOCATED``, ``DOWN``...).
         state_flags: the ``+FLAG`` parts (``DRAIN``, ``PLANNED``, ``NOT_RESPONDING``...).
         reason: the node's reason (why DOWN or DRAIN), ``None`` if none.
         partitions: partitions the node is in.
         gpus: every GPU of the node, by GRES index.
         pending: pending jobs planned onto, or pinned to, the node.
-        source: the command the state came from.
+        source: where the state came from (``scontrol``; ``kube-apiserver``: Nodes, Pods and Kueue
+            Workloads read from the API server).
         seq: per-producer sequence number.
     """
 
     ts: float
     host: str
-    scheduler: Literal["slurm"] = "slurm"
+    scheduler: Literal["slurm", "kubernetes"] = "slurm"
     state: str
     state_flags: list[str] = Field(default_factory=list)
     reason: str | None = None
     partitions: list[str] = Field(default_factory=list)
     gpus: list[SchedulerGpu] = Field(default_factory=list)
     pending: list[PendingJob] = Field(default_factory=list)
-    source: Literal["scontrol"] = "scontrol"
+    source: Literal["scontrol", "kube-apiserver"] = "scontrol"
     seq: int = 0
 
     @property

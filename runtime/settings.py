@@ -212,6 +212,29 @@ class CollectorsSettings(BaseModel):
     telemetry.scheduler; none: no Slurm source."""
     slurm_interval_s: Annotated[float, Flag("slurm_interval")] = Field(default=10.0, gt=0)
     """Seconds between the starts of two reads of Slurm."""
+    kubernetes: Annotated[bool, Flag()] = False
+    """Read the Kubernetes cluster (kubeconfig, else the pod's service account) every
+    kubernetes_interval_s: nodes, GPUs held by pods, gpupool's lent pods, pending pods and Kueue
+    workloads -> telemetry.scheduler, the records of the Slurm source (list + watch; read-only
+    RBAC of deploy/kubernetes/collector/collector.yaml); not with slurm_conf."""
+    kubeconfig: Annotated[Path | None, Flag()] = None
+    """kubeconfig of the Kubernetes cluster read by kubernetes; none: the in-cluster service account."""
+    kubernetes_interval_s: Annotated[float, Flag("kubernetes_interval")] = Field(default=10.0, gt=0)
+    """Seconds between the starts of two reads of Kubernetes (the state is watched in between)."""
+    k8s_kueue: bool = True
+    """Also read Kueue's Workloads, LocalQueues and ClusterQueues (kueue.x-k8s.io/v1beta2): pending
+    workloads are demand; false on a cluster without Kueue."""
+    k8s_lent_namespace: str = Field(default="gpupool-lent", pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+    """The broker's lent namespace ([broker] k8s_namespace): its gpupool pods are gpupool's holds,
+    reported as lendable."""
+    k8s_gpu_resource: str = Field(default="nvidia.com/gpu", pattern=r"^[A-Za-z0-9.-]+/[A-Za-z0-9_.-]+$")
+    """The GPUs' extended resource (the device plugin's)."""
+
+    @model_validator(mode="after")
+    def _one_scheduler(self) -> CollectorsSettings:
+        if self.kubernetes and self.slurm_conf is not None:
+            raise ValueError("read one training scheduler: kubernetes or slurm_conf, not both")
+        return self
 
 
 class AnalyticsSettings(BaseModel):
@@ -233,7 +256,7 @@ class AnalyticsSettings(BaseModel):
     sent, is the GpupoolIbXmitWaitHigh alert's threshold); 1: no check."""
     scheduler: Annotated[bool, Flag()] = False
     """Join the training scheduler's state (telemetry.scheduler, from gpupool collect run
-    --slurm-conf): offer a GPU only when the scheduler has it unallocated, never promise past a
+    --slurm-conf or --kubernetes): offer a GPU only when the scheduler has it unallocated, never promise past a
     pending job's planned start on its node."""
 
 

@@ -17,9 +17,11 @@ Usage: ``python kubernetes_setup.py COMMAND --kubeconfig PATH [options]``, comma
   preemption of lower-priority workloads within the queue), namespace ``training`` and its
   LocalQueue ``training``; namespace ``gpupool`` and what gpupool's broker needs to lend GPUs
   (``deploy/kubernetes/lending/lending.yaml``: namespace ``gpupool-lent``, PriorityClass
-  ``gpupool-lent``, the broker's ServiceAccount and Role); then wait until the ClusterQueue is
-  ``Active``; PriorityClass ``training`` (value :data:`TRAINING_PRIORITY`, preempts lower
-  priorities: the class the harvest replay's training pods run with).
+  ``gpupool-lent``, the broker's ServiceAccount and Role) and gpupool's collector needs to read
+  the cluster (``deploy/kubernetes/collector/collector.yaml``: its ServiceAccount and read-only
+  ClusterRole); PriorityClass ``training`` (value :data:`TRAINING_PRIORITY`, preempts lower
+  priorities: the class the harvest replay's training pods run with); then wait until the
+  ClusterQueue is ``Active``.
 * ``ready``: exit 0 at once if the API answers, every node is ``Ready`` with ``--gpus`` allocatable
   GPUs and Kueue's ``/readyz`` (``--kueue-health``) answers; used by ``status``.
 * ``nodes``: wait until every node is ``Ready`` with ``--gpus`` allocatable ``nvidia.com/gpu``.
@@ -73,6 +75,8 @@ TRAINING_PRIORITY = 1000
 """Value of PriorityClass ``training`` (training pods): above ``gpupool-lent`` (-100)."""
 LENDING_YAML = Path(__file__).resolve().parents[1] / "kubernetes" / "lending" / "lending.yaml"
 """What gpupool's broker needs to lend GPUs (the file an operator applies to a real cluster)."""
+COLLECTOR_YAML = Path(__file__).resolve().parents[1] / "kubernetes" / "collector" / "collector.yaml"
+"""What gpupool's collector needs to read training's GPUs and demand (read-only, cluster-wide)."""
 
 
 class NotReady(Exception):
@@ -298,7 +302,7 @@ def queue_objects(nodes: int, gpus: int, cpus: int, memory: str) -> list[dict[st
 def queues(api: client.ApiClient, args: argparse.Namespace) -> None:
     """The ``queues`` command (see the module docstring)."""
     dyn = dynamic.DynamicClient(api)
-    lending = [d for d in yaml.safe_load_all(LENDING_YAML.read_text()) if d]
+    lending = [d for f in (LENDING_YAML, COLLECTOR_YAML) for d in yaml.safe_load_all(f.read_text()) if d]
     gpupool_ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "gpupool"}}
     for obj in [*queue_objects(args.nodes, args.gpus, args.cpus, args.memory), gpupool_ns, *lending]:
         _wait(f"apply {obj['kind']} {obj['metadata']['name']}", lambda o=obj: _apply(dyn, o), args.timeout, args.pid)
