@@ -17,7 +17,10 @@ twice:
    training allocations, the Slurm collector feeds analytics (which holds back GPUs the
    scheduler's plan needs and warns leases at risk), the broker holds lendable GPUs with
    placeholder jobs in ``lent`` and Slurm's partition preemption takes them back with GraceTime
-   as the notice; three simulated edge sites claim with a diurnal inference demand
+   as the notice (on Kubernetes, :mod:`gpupool.demo_kubernetes`: telemetry follows the training
+   pods, the Kubernetes source reads pods and Kueue's pending workloads, the broker holds GPUs
+   with placeholder pods and kube-scheduler's priority preemption takes them back with the
+   notice as grace period); three simulated edge sites claim with a diurnal inference demand
    (:class:`simulator.sites.DiurnalDemand`, ``--demand-peak`` / ``--demand-trough`` of the
    cluster's GPUs in all, leases of up to ``--lease-gpus`` GPUs, the first site asking for window
    leases, the others for preemptible ones, every site releasing a lease as soon as it is at
@@ -25,15 +28,14 @@ twice:
 
 It prints, in simulated time unless marked wall, one table: idle GPU-hours (unallocated, and
 allocated-but-idle apart) and the share lent; training queueing delay p50/p95/p99 without and with
-lending and the difference; Slurm preemption of a lease → the training job running, p50/p99 (wall);
+lending and the difference; the scheduler's preemption of a lease → the training job running, p50/p99 (wall);
 GPUs taken back ÷ GPUs training used (disruption); window leases ended before their promised window;
 leases that outlived their notice; and the targets of issue 14 (met, or the gap).
 
 Run: ``.venv/bin/python bench/harvest.py [--scheduler slurm|kubernetes] [--nodes 16] [--hours 24] [--wall-minutes 20] [--load 0.8]
 [--notice 2] [--lease-gpus 1] [--demand-peak 0.5] [--demand-trough 0.25] [--start-hour 0] [--cluster Seren] [--seed 1] [--warmup-hours 0] [--without-only] [--json out.json]``;
 a small slice: ``--nodes 4 --hours 2 --wall-minutes 3``. Exit 0 when the replays ran, 2 when the
-cluster could not start, 3 when the pipeline failed (on Kubernetes the with-gpupool run is not
-wired yet: :data:`KUBERNETES_LENDING_MISSING`; ``--without-only`` runs the rest). The cluster is stopped at the end, also on an
+cluster could not start, 3 when the pipeline failed. The cluster is stopped at the end, also on an
 error or Ctrl-C.
 """
 
@@ -76,12 +78,12 @@ def _cluster(action: str, env: dict[str, str]) -> subprocess.CompletedProcess[st
                           capture_output=True, text=True, timeout=180, check=False)
 
 
-def _pipeline_config(args: argparse.Namespace, conf: Path, state: Path, compression: float, wall_s: float):
-    """The :class:`gpupool.demo.DemoConfig` of the "with gpupool" run."""
+def _pipeline_config(args: argparse.Namespace, attach: dict, state: Path, compression: float, wall_s: float):
+    """The :class:`gpupool.demo.DemoConfig` of the "with gpupool" run; ``attach``: the fields that
+    attach it to the replay's cluster."""
     from contracts import LeaseKind
     from gpupool.demo import DemoConfig
     from gpupool.demo_fabric import FabricMode
-    from gpupool.demo_slurm import SchedulerMode
     from simulator.sites import DiurnalDemand
 
     gpus = args.nodes * GPUS_PER_NODE
@@ -91,7 +93,7 @@ def _pipeline_config(args: argparse.Namespace, conf: Path, state: Path, compress
                            compression=compression, start_hour=args.start_hour)
     return DemoConfig(
         duration_s=wall_s, nodes=args.nodes, gpus_per_node=GPUS_PER_NODE, seed=args.seed, state_dir=state,
-        scheduler=SchedulerMode.SLURM, slurm_conf=conf, training_submit=False, training_compression=compression,
+        training_submit=False, training_compression=compression, **attach,
         fabric=FabricMode.OFF, sites=sites, site_demand=demand, site_release_on_at_risk=True,
         site_lease_gpus=args.lease_gpus, site_claim_every_s=0.5,
         site_lease_kinds=(LeaseKind.WINDOW, LeaseKind.PREEMPTIBLE, LeaseKind.PREEMPTIBLE),
@@ -99,13 +101,12 @@ def _pipeline_config(args: argparse.Namespace, conf: Path, state: Path, compress
     )
 
 
-def _with_gpupool(args, client: SlurmClient, conf: Path, jobs, tmp: Path, compression: float, horizon_s: float,
-                  gpus: int):
-    """Start Mosquitto, run the pipeline in its own process and the replay here; (run, pipeline
-    summary)."""
+def _with_gpupool(args, cluster, jobs, tmp: Path, compression: float, horizon_s: float, gpus: int):
+    """Start Mosquitto, run the pipeline (attached to ``cluster``: :class:`SlurmCluster` or
+    :class:`KubernetesCluster`) in its own process and the replay here; (run, pipeline summary)."""
     wall_s = horizon_s / compression
     out = tmp / "pipeline.json"
-    cfg = _pipeline_config(args, conf, tmp / "demo", compression, wall_s + 5.0)
+    cfg = _pipeline_config(args, cluster.attach(), tmp / "demo", compression, wall_s + 5.0)
     # Mosquitto in a process of its own (the embedded broker would share the pipeline's GIL)
     mqtt_env = {**os.environ, "GPUPOOL_STATE": str(tmp / "mqtt")}
     mqtt = subprocess.run(["bash", str(REPO / "deploy/local/mosquitto.sh"), "start"], env=mqtt_env,
@@ -117,13 +118,13 @@ def _with_gpupool(args, client: SlurmClient, conf: Path, jobs, tmp: Path, compre
     else:
         print(f"mosquitto did not start, the embedded MQTT broker is used: {mqtt.stderr[-300:]}", flush=True)
     try:
-        return _run_with(args, client, cfg, jobs, tmp, out, compression, horizon_s, gpus, wall_s)
+        return _run_with(args, cluster, cfg, jobs, tmp, out, compression, horizon_s, gpus, wall_s)
     finally:
         subprocess.run(["bash", str(REPO / "deploy/local/mosquitto.sh"), "stop"], env=mqtt_env,
                        capture_output=True, text=True, timeout=60, check=False)
 
 
-def _run_with(args, client: SlurmClient, cfg, jobs, tmp: Path, out: Path, compression: float, horizon_s: float,
+def _run_with(args, cluster, cfg, jobs, tmp: Path, out: Path, compression: float, horizon_s: float,
               gpus: int, wall_s: float):
     """The pipeline in its own process, the replay here; (run, pipeline summary)."""
     from gpupool.harvest import start_pipeline
@@ -137,8 +138,9 @@ def _run_with(args, client: SlurmClient, cfg, jobs, tmp: Path, out: Path, compre
         proc.join(30)
         raise RuntimeError(f"the gpupool pipeline did not start: {said}")
     try:
-        run = replay(client, jobs, compression=compression, horizon_s=horizon_s, cluster_gpus=gpus,
-                     out_dir=tmp / "out-lending", warmup_s=args.warmup_hours * 3600)
+        with cluster.client() as client:
+            run = replay(client, jobs, compression=compression, horizon_s=horizon_s, cluster_gpus=gpus,
+                         out_dir=tmp / "out-lending", warmup_s=args.warmup_hours * 3600)
     finally:
         proc.join(wall_s + 180)
         if proc.is_alive():
@@ -190,8 +192,8 @@ def _table(base, lent, fig, notice_s: float, compression: float) -> list[tuple[s
          f"{lent.jobs_submitted} / {lent.jobs_pending_at_end}", ""),
         ("training jobs that needed gpupool's GPUs", "-", f"{fig.needed_gpupool} ({fig.needed_leased} leased)",
          "started on GPUs a placeholder or lease held"),
-        ("leases granted / Slurm-preempted / at risk", "-", f"{fig.leases} / {fig.preempted} / {fig.at_risk}", ""),
-        ("Slurm preemption -> training RUNNING p50 / p99", "-", _pcts(fig.preempt_to_running_s),
+        ("leases granted / scheduler-preempted / at risk", "-", f"{fig.leases} / {fig.preempted} / {fig.at_risk}", ""),
+        ("scheduler preemption -> training RUNNING p50 / p99", "-", _pcts(fig.preempt_to_running_s),
          f"notice {notice_s:g} s" + (f"; p99 <= notice + 5 s: {met(run99 <= notice_s + 5)}" if run99 is not None
                                      else "")),
         ("GPUs taken back / GPUs training used", "-",
@@ -234,12 +236,11 @@ class SlurmCluster:
         assert self.conf is not None, "start() first"
         yield SlurmClient(self.conf)
 
-    def with_gpupool(self, jobs, compression: float, horizon_s: float, gpus: int):
-        """The replay with the whole pipeline lending through the cluster; (run, pipeline summary).
-        Raises ``RuntimeError`` when the pipeline failed."""
-        assert self.conf is not None, "start() first"
-        return _with_gpupool(self.args, SlurmClient(self.conf), self.conf, jobs, self.tmp, compression, horizon_s,
-                             gpus)
+    def attach(self) -> dict:
+        """The :class:`gpupool.demo.DemoConfig` fields that lend through this cluster."""
+        from gpupool.demo_slurm import SchedulerMode
+
+        return {"scheduler": SchedulerMode.SLURM, "slurm_conf": self.conf}
 
 
 class KubernetesCluster:
@@ -279,17 +280,10 @@ class KubernetesCluster:
         with KubernetesClient(self.kubeconfig) as c:
             yield c
 
-    def with_gpupool(self, jobs, compression: float, horizon_s: float, gpus: int):
-        """The replay with the whole pipeline lending through Kubernetes. Raises ``RuntimeError``:
-        not wired (see :data:`KUBERNETES_LENDING_MISSING`)."""
-        raise RuntimeError(KUBERNETES_LENDING_MISSING)
-
-
-KUBERNETES_LENDING_MISSING = (
-    "the with-gpupool run on Kubernetes is not wired: the pipeline (gpupool.demo) has no Kubernetes mode "
-    "(collectors reading Kubernetes allocations and Kueue's pending workloads, the broker lending through "
-    "KubernetesLending, DCGM telemetry following the pods); run with --without-only"
-)
+    def attach(self) -> dict:
+        """The :class:`gpupool.demo.DemoConfig` fields that lend through this cluster (the lent
+        pods' grace period = ``--notice``)."""
+        return {"kubeconfig": self.kubeconfig, "notice_s": float(self.args.notice)}
 
 CLUSTERS = {"slurm": SlurmCluster, "kubernetes": KubernetesCluster}
 """``--scheduler`` → the private cluster the replays run on."""
@@ -359,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             loads.append(os.getloadavg()[0])
             if not args.without_only:
                 try:
-                    lending = cluster.with_gpupool(jobs, compression, horizon_s, gpus)
+                    lending = _with_gpupool(args, cluster, jobs, tmp, compression, horizon_s, gpus)
                 except RuntimeError as e:
                     print(str(e), file=sys.stderr)
                     return 3

@@ -201,16 +201,20 @@ class TrainingStream:
     every job of the cluster.
 
     Args:
-        client: Slurm's CLI on the demo's cluster.
-        jobs: generated jobs (:meth:`simulator.training_jobs.TrainingWorkload.jobs`), submit order.
+        client: Slurm's CLI on the demo's cluster; ``None`` for a subclass that reads another
+            scheduler (:class:`gpupool.demo_kubernetes.PodStream`) and submits nothing.
+        jobs: generated jobs (:meth:`simulator.training_jobs.TrainingWorkload.jobs`), submit order
+            (none without a ``client``).
         compression: simulated seconds per wall second.
         out_dir: the jobs' output folder.
         gpu_keys: (node, GRES index) → the simulated GPU's key (nodes outside it are ignored).
         poll_s: seconds between two reads of ``scontrol show job -d -o``.
     """
 
-    def __init__(self, client: SlurmClient, jobs: Sequence[TrainingJob], compression: float, out_dir: Path,
+    def __init__(self, client: SlurmClient | None, jobs: Sequence[TrainingJob], compression: float, out_dir: Path,
                  gpu_keys: Mapping[tuple[str, int], str], poll_s: float = 0.5) -> None:
+        if client is None and jobs:
+            raise ValueError("jobs to submit need a Slurm client")
         self.client = client
         self.jobs = list(jobs)
         self.compression = compression
@@ -246,6 +250,7 @@ class TrainingStream:
                 pass
 
     async def _submit(self, job: TrainingJob) -> None:
+        assert self.client is not None  # __init__: no jobs without a client
         try:
             sid = await asyncio.to_thread(self.client.submit, job, self.compression, self.out_dir)
         except (ReplayError, subprocess.TimeoutExpired) as e:
@@ -256,6 +261,7 @@ class TrainingStream:
         log.info("demo_training_submitted", extra={"slurm_job_id": sid, "gpus": job.gpus})
 
     async def _poll(self) -> None:
+        assert self.client is not None  # a stream without a Slurm client overrides this read
         # scontrol's own time format: the parser reads it (SlurmClient's epoch format is for squeue)
         env = {k: v for k, v in self.client.env.items() if k != "SLURM_TIME_FORMAT"}
         try:
@@ -303,6 +309,7 @@ class TrainingStream:
         """``scancel`` every job this stream submitted and every gpupool hold
         (:data:`contracts.scheduler.LENT_JOB_NAME`) submitted since the stream started: the
         cluster is left as the demo found it. Blocking."""
+        assert self.client is not None  # a stream without a Slurm client overrides this
         done = self.client.run("squeue", "-h", "-n", LENT_JOB_NAME, "-o", "%i|%V")
         since = (self.t0 or time.time()) - 1.0
         holds = [i for i, _, v in (ln.partition("|") for ln in done.stdout.split()) if v.isdigit() and int(v) >= since]
