@@ -72,7 +72,7 @@ def pod_jobs(pods: Iterable[PodInfo], gpus_per_node: Mapping[str, int]) -> list[
     Pods not bound, ended, or on a node not listed are left out."""
     by_node: dict[str, list[PodInfo]] = {}
     for p in pods:
-        if p.node in gpus_per_node and p.gpus > 0 and p.phase not in _ENDED:
+        if p.node is not None and p.node in gpus_per_node and p.gpus > 0 and p.phase not in _ENDED:
             by_node.setdefault(p.node, []).append(p)
     held_by: dict[str, tuple[PodInfo, dict[str, tuple[int, ...]], list[bool]]] = {}
     for node, held in by_node.items():

@@ -44,7 +44,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
@@ -168,7 +168,9 @@ class KubernetesClient:
         except (ApiException, HTTPError, OSError) as e:
             raise ReplayError(f"list nodes: {e}") from e
         self._nodes = sorted(
-            n.metadata.name for n in nodes.items if GPU_RESOURCE in (n.status.allocatable or {})
+            str(n.metadata.name)
+            for n in nodes.items
+            if n.metadata is not None and n.status is not None and GPU_RESOURCE in (n.status.allocatable or {})
         )
         version = self._list()
         self._threads = [
@@ -268,7 +270,8 @@ class KubernetesClient:
         with self._lock:
             self._jobs[name] = _Tracked(name, job.nodes, time.time(), cancel_after)
         try:
-            self.batch.create_namespaced_job(self.namespace, body, _request_timeout=self.timeout_s)
+            # the client takes a plain dict body as it takes a V1Job (it serialises either)
+            self.batch.create_namespaced_job(self.namespace, cast(Any, body), _request_timeout=self.timeout_s)
         except (ApiException, HTTPError, OSError) as e:
             with self._lock:
                 self._jobs.pop(name, None)
@@ -358,7 +361,8 @@ class KubernetesClient:
         """List every pod, reconcile with what the watch knew (pods gone in between are deleted
         now); the list's resourceVersion."""
         try:
-            resp = self.core.list_pod_for_all_namespaces(
+            # _preload_content=False: the raw HTTP response (JSON), not a V1PodList
+            resp = cast(Any, self.core.list_pod_for_all_namespaces)(
                 _request_timeout=self.timeout_s, _preload_content=False
             )
             listed = json.loads(resp.data)
