@@ -102,8 +102,8 @@ def test_short_replay_on_slurm_adds_up(slurm_conf: Path, tmp_path: Path) -> None
         assert r.end_time is not None or r.pending_at_end, r
         if r.cancel_sent_wall is None:  # ran its whole compressed run time before the end of the replay
             assert r.state == r.job.final_state, r
-        else:  # cancelled by the end of the replay
-            assert r.state == "CANCELLED", r
+        elif r.state != "CANCELLED":  # cancelled at the end of the replay, as it ended by itself
+            assert r.state == r.job.final_state and r.end_time <= r.cancel_sent_wall + 1.0, r  # Slurm's whole seconds
     assert sum(r.cancel_sent_wall is None for r in run.records.values()) >= len(jobs) // 3
     report = account(run, w.idle_fraction)
     assert report.jobs_submitted == sum(1 for j in jobs if not j.carried_over)
