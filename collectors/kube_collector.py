@@ -43,7 +43,7 @@ from collectors.kube_parse import (
     parse_pod,
     parse_workload,
 )
-from collectors.kube_records import build_node_records, workload_cluster_queue
+from collectors.kube_records import build_node_records, pending_gpus
 from collectors.kube_watch import Informer
 from collectors.metrics import KubernetesMetrics
 from contracts.base import encode
@@ -199,15 +199,7 @@ class KubernetesCollector:
             nodes, pods, workloads, local_queues, quotas, ts=self._clock(), seq_start=self._seq
         )
         self._seq += len(records)
-        pending: dict[str, int] = {}
-        for w in workloads:
-            if w.pending and w.gpus:
-                q = workload_cluster_queue(w, local_queues) or ""
-                pending[q] = pending.get(q, 0) + w.gpus
-        for p in pods:
-            if p.pending and not p.lent:
-                q = (local_queues.get((p.namespace, p.queue)) if p.queue else None) or ""
-                pending[q] = pending.get(q, 0) + p.gpus
+        pending = pending_gpus(pods, workloads, local_queues)
         return records, len(overflow), pending
 
     async def collect(self) -> KubernetesRead:

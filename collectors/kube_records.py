@@ -18,8 +18,8 @@ Per node (Slurm terms, so analytics and the broker need no Kubernetes knowledge)
 * *Holders*: a GPU a lent pod holds has ``job_name`` :data:`contracts.scheduler.LENT_JOB_NAME`
   (lendable for analytics, as the Slurm source's placeholders); any other pod's has ``job_id``
   ``<namespace>/<Job name or pod name>``, ``user`` its namespace (Kubernetes has no job owner;
-  the namespace is the tenant) and ``partition`` its Kueue ClusterQueue (through its LocalQueue),
-  else ``None``.
+  the namespace is the tenant) and ``partition`` its Kueue ClusterQueue (through its LocalQueue
+  label, else its Job's Workload), else ``None``.
 * *Pending demand*, as :class:`contracts.scheduler.PendingJob`:
 
   - a pending pod (not bound, not gated) that kube-scheduler nominated to a node
@@ -39,7 +39,14 @@ from collections.abc import Mapping, Sequence
 from collectors.kube_parse import NodeInfo, PodInfo, WorkloadInfo
 from contracts.scheduler import LENT_JOB_NAME, PendingJob, SchedulerGpu, SchedulerNode
 
-__all__ = ["assign_slots", "build_node_records", "plan_workloads", "pod_job_id", "workload_cluster_queue"]
+__all__ = [
+    "assign_slots",
+    "build_node_records",
+    "pending_gpus",
+    "plan_workloads",
+    "pod_job_id",
+    "workload_cluster_queue",
+]
 
 
 def pod_job_id(pod: PodInfo) -> str:
@@ -142,8 +149,8 @@ def plan_workloads(
     return out
 
 
-def _gpu(index: int, pod: PodInfo | None, local_queues: Mapping[tuple[str, str], str]) -> SchedulerGpu:
-    """GPU ``index`` of a node, held by ``pod`` (``None``: free)."""
+def _gpu(index: int, pod: PodInfo | None, partition: str | None) -> SchedulerGpu:
+    """GPU ``index`` of a node, held by ``pod`` (``None``: free) of ClusterQueue ``partition``."""
     if pod is None:
         return SchedulerGpu(index=index)
     return SchedulerGpu(
@@ -152,8 +159,46 @@ def _gpu(index: int, pod: PodInfo | None, local_queues: Mapping[tuple[str, str],
         job_id=pod_job_id(pod),
         job_name=LENT_JOB_NAME if pod.lent else pod.job or pod.name,
         user=pod.namespace,
-        partition=local_queues.get((pod.namespace, pod.queue)) if pod.queue else None,
+        partition=partition,
     )
+
+
+class _Queues:
+    """A pod's ClusterQueue: through its own LocalQueue label, else through the Workload of its Job
+    (Kueue labels the Job, not its pods)."""
+
+    def __init__(
+        self, workloads: Sequence[WorkloadInfo], local_queues: Mapping[tuple[str, str], str]
+    ) -> None:
+        self.local_queues = local_queues
+        self.by_job = {
+            (w.namespace, w.job): cq
+            for w in workloads
+            if (cq := workload_cluster_queue(w, local_queues)) is not None
+        }
+
+    def of(self, pod: PodInfo) -> str | None:
+        if pod.queue:
+            return self.local_queues.get((pod.namespace, pod.queue))
+        return self.by_job.get((pod.namespace, pod.job)) if pod.job else None
+
+
+def pending_gpus(
+    pods: Sequence[PodInfo], workloads: Sequence[WorkloadInfo], local_queues: Mapping[tuple[str, str], str]
+) -> dict[str, int]:
+    """GPUs asked by pending Kueue workloads and pending pods (not gpupool's), by ClusterQueue
+    (``""``: none known); a queue without such demand is absent."""
+    queues = _Queues(workloads, local_queues)
+    out: dict[str, int] = {}
+    for w in workloads:
+        if w.pending and w.gpus:
+            q = workload_cluster_queue(w, local_queues) or ""
+            out[q] = out.get(q, 0) + w.gpus
+    for p in pods:
+        if p.pending and not p.lent:
+            q = queues.of(p) or ""
+            out[q] = out.get(q, 0) + p.gpus
+    return out
 
 
 def _node_state(node: NodeInfo, held: int) -> tuple[str, list[str]]:
@@ -187,6 +232,7 @@ def build_node_records(
     numbered from ``seq_start`` (module docstring for the rules); also the pods that did not fit
     their node (:func:`assign_slots`). ``local_queues``: ``(namespace, LocalQueue)`` →
     ClusterQueue; ``quotas``: ClusterQueue → nominal GPUs."""
+    queues = _Queues(workloads, local_queues)
     on_node: dict[str, list[PodInfo]] = {}
     pending_on: dict[str, list[PendingJob]] = {}
     for pod in pods:
@@ -198,7 +244,7 @@ def build_node_records(
                 job_id=pod_job_id(pod),
                 job_name=pod.job or pod.name,
                 user=pod.namespace,
-                partition=local_queues.get((pod.namespace, pod.queue)) if pod.queue else None,
+                partition=queues.of(pod),
                 gpus=pod.gpus,
                 reason="Nominated" if pod.nominated else "Unschedulable",
                 planned_start=ts if pod.nominated else None,
@@ -233,7 +279,7 @@ def build_node_records(
         for pod in holders:
             for i in slots.get(_pod_key(pod), ()):
                 by_slot[i] = pod
-        gpus = [_gpu(i, by_slot.get(i), local_queues) for i in range(node.gpus)]
+        gpus = [_gpu(i, p, queues.of(p) if p else None) for i in range(node.gpus) for p in [by_slot.get(i)]]
         state, flags = _node_state(node, len(by_slot))
         out.append(
             SchedulerNode(

@@ -186,7 +186,7 @@ class Informer(Generic[_T]):
                     backoff = min(5.0, backoff * 2)
                     continue
                 backoff = 0.1
-            w = watch.Watch()
+            w = watch.Watch(return_type="object")  # events as the API's JSON (dicts), not models
             try:
                 for event in w.stream(
                     self._list_call,
@@ -194,7 +194,6 @@ class Informer(Generic[_T]):
                     allow_watch_bookmarks=True,
                     timeout_seconds=WATCH_TIMEOUT_S,
                     _request_timeout=WATCH_TIMEOUT_S + 10,
-                    deserialize=False,
                 ):
                     kind, obj = event.get("type"), event.get("object")
                     if kind == "ERROR":

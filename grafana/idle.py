@@ -147,6 +147,27 @@ def dashboard() -> dashboard_b.Dashboard:
                 width=24,
             )
         )
+        .with_panel(
+            panels.timeseries(
+                "Kubernetes source errors by resource and reason",
+                [
+                    Query(
+                        "sum by (resource, reason) "
+                        "(rate(gpupool_collector_kubernetes_errors_total[$__rate_interval]))",
+                        "{{resource}} {{reason}}",
+                    ),
+                    Query(
+                        'sum(rate(gpupool_collector_kubernetes_reads_total{outcome="failed"}[$__rate_interval]))',
+                        "failed reads",
+                    ),
+                ],
+                description="Failed lists and watches of the API server (unreachable, http_403...: reads fail "
+                "until it is listed again and the node states go stale), expired watches (listed again), "
+                "objects that did not parse, and failed reads, per second.",
+                unit="ops",
+                width=24,
+            )
+        )
         .with_row(panels.row("Offers and leases (broker)"))
         .with_panel(
             panels.stat(

@@ -21,7 +21,7 @@ from collectors.kube_parse import (
     parse_workload,
     pod_gpus,
 )
-from collectors.kube_records import assign_slots, build_node_records, plan_workloads
+from collectors.kube_records import assign_slots, build_node_records, pending_gpus, plan_workloads
 from contracts.scheduler import LENT_JOB_NAME
 
 GPU = "nvidia.com/gpu"
@@ -382,3 +382,22 @@ def test_a_pinned_pending_workload_withholds_free_gpus_of_its_node_in_analytics(
     # without an estimate it is listed on its node, planning nothing
     [rec], _ = build_node_records(nodes, pods, ws, LQ, {"cq": 2}, ts=T0 + 60)
     assert rec.pending[0].planned_start is None and planned_gpus(rec) == {}
+
+
+def test_a_jobs_pods_take_their_clusterqueue_from_its_workload_and_pending_gpus_count_by_queue() -> None:
+    nodes = [parse_node(node_obj("n1"), GPU)]
+    pods = _pods(
+        pod(
+            "r-0", 2, labels={"batch.kubernetes.io/job-name": "job-run"}, namespace="team"
+        ),  # Kueue labels the Job only
+        pod("solo", 1, namespace="team"),
+        pod("wait", 2, node=None, labels={"job-name": "job-run"}, namespace="team"),
+        pod("stray", 5, node=None),
+        {**lent_pod("ph", 1), "spec": {"containers": [container(1)]}},
+    )
+    ws = _w(workload("run", 2, reserved_at=T0), workload("next", 3), workload("other", 2, finished=True))
+    [rec], _ = build_node_records(nodes, pods, ws, LQ, {"cq": 8}, ts=T0)
+    assert [(g.job_id, g.partition) for g in rec.gpus if g.allocated] == [("team/job-run", "cq")] * 2 + [
+        ("team/solo", None)
+    ]
+    assert pending_gpus(pods, ws, LQ) == {"cq": 3 + 2, "": 5}
