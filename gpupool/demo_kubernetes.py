@@ -11,14 +11,14 @@ runs (``DemoConfig.kubeconfig``; the harvest replay submits the training Jobs,
 * the broker's :class:`broker.lending_kubernetes.KubernetesLending` (one-GPU placeholder pods in
   ``gpupool-lent``, kube-scheduler's priority preemption with the notice as grace period), its
   slots keyed by the fleet's GPU UUIDs as DCGM reports them;
-* a :class:`gpupool.demo_slurm.TrainingStream` fed from the source's pod cache
-  (:func:`pod_jobs`) every ``poll_s``: the fleet's DCGM telemetry follows the GPUs training pods
-  hold, and the training starts are recorded for the harvest figures.
+* a :class:`gpupool.demo_slurm.TrainingStream` fed every ``poll_s`` with the node records the
+  source builds from its caches (:func:`record_jobs`): the fleet's DCGM telemetry follows the
+  GPUs training pods hold, and the training starts are recorded for the harvest figures.
 
-GPU identity: a pod states a GPU count, not devices; the slot of each pod's GPUs is
-:func:`collectors.kube_records.assign_slots`'s (lent pods their own slot, the others the lowest
-free slots in order of creation), the same rule the source's records use, so telemetry, records
-and the broker's keys agree. No site workload runs (kwok runs no containers; a claim naming one
+GPU identity: a pod states a GPU count, not devices; the slot of each pod's GPUs is the
+source's (:func:`collectors.kube_records.assign_slots`: lent pods their own slot, the others the
+lowest free slots in order of creation), so telemetry, the records analytics reads and the
+broker's keys agree. No site workload runs (kwok runs no containers; a claim naming one
 is refused), so the sites claim GPUs only.
 """
 
@@ -31,11 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from collectors.kube_parse import PodInfo
-from collectors.kube_records import assign_slots
+from collectors.kube_records import build_node_records
 from collectors.slurm_parse import JobInfo
 from contracts import LeaseLogRecord
-from contracts.scheduler import LENT_JOB_NAME
+from contracts.scheduler import SchedulerNode
 from gpupool.demo_slurm import SchedulerSummary, TrainingStream, scheduler_summary
 
 if TYPE_CHECKING:
@@ -47,8 +46,6 @@ if TYPE_CHECKING:
     from contracts.bus import Bus
     from simulator.fleet import Fleet
     from simulator.sites import SimulatedSite
-
-_ENDED = frozenset({"Succeeded", "Failed"})
 
 
 @dataclass(frozen=True)
@@ -63,45 +60,37 @@ class KubeCluster:
         """Nothing: whoever runs the cluster stops it."""
 
 
-def pod_jobs(pods: Iterable[PodInfo], gpus_per_node: Mapping[str, int]) -> list[JobInfo]:
-    """The pods holding GPUs, as the jobs :meth:`gpupool.demo_slurm.TrainingStream.observe`
-    folds: one per Job (``<namespace>/<Job name>``, else ``<namespace>/<pod name>``) with its
-    pods' GPU slots by node (:func:`collectors.kube_records.assign_slots` on each node of
-    ``gpus_per_node``), ``RUNNING`` when every pod of it holding GPUs is Running, else
-    ``PENDING``; gpupool's lent pods one each, named :data:`contracts.scheduler.LENT_JOB_NAME`.
-    Pods not bound, ended, or on a node not listed are left out."""
-    by_node: dict[str, list[PodInfo]] = {}
-    for p in pods:
-        if p.node is not None and p.node in gpus_per_node and p.gpus > 0 and p.phase not in _ENDED:
-            by_node.setdefault(p.node, []).append(p)
-    held_by: dict[str, tuple[PodInfo, dict[str, tuple[int, ...]], list[bool]]] = {}
-    for node, held in by_node.items():
-        slots, _ = assign_slots(gpus_per_node[node], held)
-        for p in held:
-            mine = slots.get(p.uid or f"{p.namespace}/{p.name}")
-            if not mine:
-                continue
-            job_id = p.uid if p.lent else f"{p.namespace}/{p.job or p.name}"
-            first, gpus, running = held_by.setdefault(job_id, (p, {}, []))
-            gpus[node] = tuple(sorted((*gpus.get(node, ()), *mine)))
-            running.append(p.phase == "Running")
+def record_jobs(records: Iterable[SchedulerNode]) -> list[JobInfo]:
+    """The jobs holding GPUs in the Kubernetes source's node records
+    (:func:`collectors.kube_records.build_node_records`), as
+    :meth:`gpupool.demo_slurm.TrainingStream.observe` folds them: one per ``job_id``
+    (``<namespace>/<Job name or pod name>``; each of gpupool's lent pods its own, named
+    :data:`contracts.scheduler.LENT_JOB_NAME`), ``RUNNING`` (a bound pod holds its GPUs), with its
+    GPU slots by node."""
+    held: dict[str, tuple[str | None, str | None, str | None, dict[str, list[int]]]] = {}
+    for r in records:
+        for g in r.gpus:
+            if g.allocated and g.job_id is not None:
+                *_, by_node = held.setdefault(g.job_id, (g.job_name, g.user, g.partition, {}))
+                by_node.setdefault(r.host, []).append(g.index)
     return [
         JobInfo(
             job_id,
-            LENT_JOB_NAME if p.lent else p.job or p.name,
-            p.namespace,
-            p.namespace,
-            "RUNNING" if all(running) else "PENDING",
+            name,
+            user,
+            partition,
+            "RUNNING",
             None,
-            gpus,
+            {h: tuple(sorted(ix)) for h, ix in by_node.items()},
         )
-        for job_id, (p, gpus, running) in held_by.items()
+        for job_id, (name, user, partition, by_node) in held.items()
     ]
 
 
 class PodStream(TrainingStream):
-    """A :class:`gpupool.demo_slurm.TrainingStream` that reads the pods of ``source``'s cache
-    (no API call) instead of Slurm, and submits nothing (the harvest replay does)."""
+    """A :class:`gpupool.demo_slurm.TrainingStream` that reads the node records the Kubernetes
+    ``source`` would send, built from its caches (no API call), instead of Slurm, and submits
+    nothing (the harvest replay does)."""
 
     def __init__(
         self,
@@ -109,17 +98,19 @@ class PodStream(TrainingStream):
         compression: float,
         out_dir: Path,
         gpu_keys: Mapping[tuple[str, int], str],
-        gpus_per_node: Mapping[str, int],
         poll_s: float,
     ) -> None:
         super().__init__(None, (), compression, out_dir, gpu_keys, poll_s)
         self.source = source
-        self.gpus_per_node = dict(gpus_per_node)
 
     async def _poll(self) -> None:
-        if not self.source.pods.synced:
+        if not (self.source.nodes.synced and self.source.pods.synced):
             return
-        self.observe(time.time(), pod_jobs(self.source.pods.snapshot(), self.gpus_per_node))
+        t = time.time()
+        records, _ = build_node_records(
+            self.source.nodes.snapshot(), self.source.pods.snapshot(), [], {}, {}, ts=t
+        )
+        self.observe(t, record_jobs(records))
 
     def cancel_all(self) -> None:
         """Nothing: the stream submitted nothing, and the lending deletes its own pods."""
@@ -178,7 +169,6 @@ class KubernetesParts:
             compression,
             out_dir / "training",
             keys,
-            dict.fromkeys(fleet.hosts(), fleet.gpus_per_node),
             poll_s,
         )
         fleet.follow_scheduler(stream.history)
