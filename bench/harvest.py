@@ -1,11 +1,15 @@
-"""Benchmark: harvest replay on the real Slurm cluster — the same training workload without
-lending, then with gpupool lending its idle GPUs (issue 14).
+"""Benchmark: harvest replay on a real scheduler (Slurm, or Kubernetes with Kueue) — the same
+training workload without lending, then with gpupool lending its idle GPUs (issues 14 and 16).
 
-Starts a private Slurm cluster with ``deploy/local/slurm.sh`` (``--nodes`` × 8 GPUs, its own state
-directory under a temporary folder, the ``lent`` partition's GraceTime = ``--notice``), generates a
-training workload calibrated to one AcmeTrace cluster's published job statistics
-(:mod:`simulator.training_jobs`) and replays it on the ``training`` partition time-compressed
-(:mod:`simulator.slurm_replay`) twice:
+``--scheduler slurm`` (the default) starts a private Slurm cluster with ``deploy/local/slurm.sh``
+(``--nodes`` × 8 GPUs, its own state directory under a temporary folder, the ``lent`` partition's
+GraceTime = ``--notice``); ``--scheduler kubernetes`` a private control plane with
+``deploy/local/kubernetes.sh`` (``--nodes`` kwok nodes × 8 ``nvidia.com/gpu``, Kueue's
+ClusterQueue and LocalQueue ``training``). It generates a training workload calibrated to one
+AcmeTrace cluster's published job statistics (:mod:`simulator.training_jobs`) and replays it
+time-compressed (:mod:`simulator.replay`: on Slurm's ``training`` partition through
+:mod:`simulator.slurm_replay`, as Kueue-admitted Jobs through :mod:`simulator.kubernetes_replay`)
+twice:
 
 1. without lending: the cluster holds only the training jobs;
 2. with gpupool: the whole pipeline (:mod:`gpupool.harvest`, :func:`gpupool.demo.run_demo` in a
@@ -13,7 +17,10 @@ training workload calibrated to one AcmeTrace cluster's published job statistics
    training allocations, the Slurm collector feeds analytics (which holds back GPUs the
    scheduler's plan needs and warns leases at risk), the broker holds lendable GPUs with
    placeholder jobs in ``lent`` and Slurm's partition preemption takes them back with GraceTime
-   as the notice; three simulated edge sites claim with a diurnal inference demand
+   as the notice (on Kubernetes, :mod:`gpupool.demo_kubernetes`: telemetry follows the training
+   pods, the Kubernetes source reads pods and Kueue's pending workloads, the broker holds GPUs
+   with placeholder pods and kube-scheduler's priority preemption takes them back with the
+   notice as grace period); three simulated edge sites claim with a diurnal inference demand
    (:class:`simulator.sites.DiurnalDemand`, ``--demand-peak`` / ``--demand-trough`` of the
    cluster's GPUs in all, leases of up to ``--lease-gpus`` GPUs, the first site asking for window
    leases, the others for preemptible ones, every site releasing a lease as soon as it is at
@@ -21,11 +28,11 @@ training workload calibrated to one AcmeTrace cluster's published job statistics
 
 It prints, in simulated time unless marked wall, one table: idle GPU-hours (unallocated, and
 allocated-but-idle apart) and the share lent; training queueing delay p50/p95/p99 without and with
-lending and the difference; Slurm preemption of a lease → the training job running, p50/p99 (wall);
+lending and the difference; the scheduler's preemption of a lease → the training job running, p50/p99 (wall);
 GPUs taken back ÷ GPUs training used (disruption); window leases ended before their promised window;
 leases that outlived their notice; and the targets of issue 14 (met, or the gap).
 
-Run: ``.venv/bin/python bench/harvest.py [--nodes 16] [--hours 24] [--wall-minutes 20] [--load 0.8]
+Run: ``.venv/bin/python bench/harvest.py [--scheduler slurm|kubernetes] [--nodes 16] [--hours 24] [--wall-minutes 20] [--load 0.8]
 [--notice 2] [--lease-gpus 1] [--demand-peak 0.5] [--demand-trough 0.25] [--start-hour 0] [--cluster Seren] [--seed 1] [--warmup-hours 0] [--without-only] [--json out.json]``;
 a small slice: ``--nodes 4 --hours 2 --wall-minutes 3``. Exit 0 when the replays ran, 2 when the
 cluster could not start, 3 when the pipeline failed. The cluster is stopped at the end, also on an
@@ -35,6 +42,7 @@ error or Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -43,12 +51,15 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpupool.logs import setup_logging  # noqa: E402
-from simulator.slurm_replay import SlurmClient, account, quantile, replay, start_latency  # noqa: E402
+from simulator.kubernetes_replay import KubernetesClient  # noqa: E402
+from simulator.replay import account, quantile, replay, start_latency  # noqa: E402
+from simulator.slurm_replay import SlurmClient  # noqa: E402
 from simulator.training_jobs import (  # noqa: E402
     GPUS_PER_NODE,
     TrainingWorkload,
@@ -67,12 +78,12 @@ def _cluster(action: str, env: dict[str, str]) -> subprocess.CompletedProcess[st
                           capture_output=True, text=True, timeout=180, check=False)
 
 
-def _pipeline_config(args: argparse.Namespace, conf: Path, state: Path, compression: float, wall_s: float):
-    """The :class:`gpupool.demo.DemoConfig` of the "with gpupool" run."""
+def _pipeline_config(args: argparse.Namespace, attach: dict, state: Path, compression: float, wall_s: float):
+    """The :class:`gpupool.demo.DemoConfig` of the "with gpupool" run; ``attach``: the fields that
+    attach it to the replay's cluster."""
     from contracts import LeaseKind
     from gpupool.demo import DemoConfig
     from gpupool.demo_fabric import FabricMode
-    from gpupool.demo_slurm import SchedulerMode
     from simulator.sites import DiurnalDemand
 
     gpus = args.nodes * GPUS_PER_NODE
@@ -82,7 +93,7 @@ def _pipeline_config(args: argparse.Namespace, conf: Path, state: Path, compress
                            compression=compression, start_hour=args.start_hour)
     return DemoConfig(
         duration_s=wall_s, nodes=args.nodes, gpus_per_node=GPUS_PER_NODE, seed=args.seed, state_dir=state,
-        scheduler=SchedulerMode.SLURM, slurm_conf=conf, training_submit=False, training_compression=compression,
+        training_submit=False, training_compression=compression, **attach,
         fabric=FabricMode.OFF, sites=sites, site_demand=demand, site_release_on_at_risk=True,
         site_lease_gpus=args.lease_gpus, site_claim_every_s=0.5,
         site_lease_kinds=(LeaseKind.WINDOW, LeaseKind.PREEMPTIBLE, LeaseKind.PREEMPTIBLE),
@@ -90,13 +101,12 @@ def _pipeline_config(args: argparse.Namespace, conf: Path, state: Path, compress
     )
 
 
-def _with_gpupool(args, client: SlurmClient, conf: Path, jobs, tmp: Path, compression: float, horizon_s: float,
-                  gpus: int):
-    """Start Mosquitto, run the pipeline in its own process and the replay here; (run, pipeline
-    summary)."""
+def _with_gpupool(args, cluster, jobs, tmp: Path, compression: float, horizon_s: float, gpus: int):
+    """Start Mosquitto, run the pipeline (attached to ``cluster``: :class:`SlurmCluster` or
+    :class:`KubernetesCluster`) in its own process and the replay here; (run, pipeline summary)."""
     wall_s = horizon_s / compression
     out = tmp / "pipeline.json"
-    cfg = _pipeline_config(args, conf, tmp / "demo", compression, wall_s + 5.0)
+    cfg = _pipeline_config(args, cluster.attach(), tmp / "demo", compression, wall_s + 5.0)
     # Mosquitto in a process of its own (the embedded broker would share the pipeline's GIL)
     mqtt_env = {**os.environ, "GPUPOOL_STATE": str(tmp / "mqtt")}
     mqtt = subprocess.run(["bash", str(REPO / "deploy/local/mosquitto.sh"), "start"], env=mqtt_env,
@@ -108,13 +118,13 @@ def _with_gpupool(args, client: SlurmClient, conf: Path, jobs, tmp: Path, compre
     else:
         print(f"mosquitto did not start, the embedded MQTT broker is used: {mqtt.stderr[-300:]}", flush=True)
     try:
-        return _run_with(args, client, cfg, jobs, tmp, out, compression, horizon_s, gpus, wall_s)
+        return _run_with(args, cluster, cfg, jobs, tmp, out, compression, horizon_s, gpus, wall_s)
     finally:
         subprocess.run(["bash", str(REPO / "deploy/local/mosquitto.sh"), "stop"], env=mqtt_env,
                        capture_output=True, text=True, timeout=60, check=False)
 
 
-def _run_with(args, client: SlurmClient, cfg, jobs, tmp: Path, out: Path, compression: float, horizon_s: float,
+def _run_with(args, cluster, cfg, jobs, tmp: Path, out: Path, compression: float, horizon_s: float,
               gpus: int, wall_s: float):
     """The pipeline in its own process, the replay here; (run, pipeline summary)."""
     from gpupool.harvest import start_pipeline
@@ -128,8 +138,9 @@ def _run_with(args, client: SlurmClient, cfg, jobs, tmp: Path, out: Path, compre
         proc.join(30)
         raise RuntimeError(f"the gpupool pipeline did not start: {said}")
     try:
-        run = replay(client, jobs, compression=compression, horizon_s=horizon_s, cluster_gpus=gpus,
-                     out_dir=tmp / "out-lending", warmup_s=args.warmup_hours * 3600)
+        with cluster.client() as client:
+            run = replay(client, jobs, compression=compression, horizon_s=horizon_s, cluster_gpus=gpus,
+                         out_dir=tmp / "out-lending", warmup_s=args.warmup_hours * 3600)
     finally:
         proc.join(wall_s + 180)
         if proc.is_alive():
@@ -181,8 +192,8 @@ def _table(base, lent, fig, notice_s: float, compression: float) -> list[tuple[s
          f"{lent.jobs_submitted} / {lent.jobs_pending_at_end}", ""),
         ("training jobs that needed gpupool's GPUs", "-", f"{fig.needed_gpupool} ({fig.needed_leased} leased)",
          "started on GPUs a placeholder or lease held"),
-        ("leases granted / Slurm-preempted / at risk", "-", f"{fig.leases} / {fig.preempted} / {fig.at_risk}", ""),
-        ("Slurm preemption -> training RUNNING p50 / p99", "-", _pcts(fig.preempt_to_running_s),
+        ("leases granted / scheduler-preempted / at risk", "-", f"{fig.leases} / {fig.preempted} / {fig.at_risk}", ""),
+        ("scheduler preemption -> training RUNNING p50 / p99", "-", _pcts(fig.preempt_to_running_s),
          f"notice {notice_s:g} s" + (f"; p99 <= notice + 5 s: {met(run99 <= notice_s + 5)}" if run99 is not None
                                      else "")),
         ("GPUs taken back / GPUs training used", "-",
@@ -194,11 +205,96 @@ def _table(base, lent, fig, notice_s: float, compression: float) -> list[tuple[s
     ]
 
 
+class SlurmCluster:
+    """A private Slurm cluster (``deploy/local/slurm.sh``, state under ``tmp``) of ``args.nodes``
+    nodes; the ``lent`` partition's GraceTime is ``args.notice``."""
+
+    resolution_s = 1.0
+    """Slurm's times are whole seconds."""
+
+    def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
+        self.args, self.tmp = args, tmp
+        self.env = {**os.environ, "GPUPOOL_SLURM_DIR": str(tmp / "slurm"), "GPUPOOL_SLURM_NODES": str(args.nodes),
+                    "GPUPOOL_SLURM_GRACE": str(args.notice)}
+        self.conf: Path | None = None
+
+    def start(self) -> str | None:
+        """Start it; None, or what went wrong."""
+        started = _cluster("start", self.env)
+        if started.returncode != 0:
+            return started.stderr[-2000:]
+        self.conf = Path(started.stdout.strip().splitlines()[-1])
+        return None
+
+    def stop(self) -> None:
+        """Stop it (also after a failed start)."""
+        _cluster("stop", self.env)
+
+    @contextlib.contextmanager
+    def client(self) -> Iterator[SlurmClient]:
+        """A :class:`simulator.slurm_replay.SlurmClient` of the cluster."""
+        assert self.conf is not None, "start() first"
+        yield SlurmClient(self.conf)
+
+    def attach(self) -> dict:
+        """The :class:`gpupool.demo.DemoConfig` fields that lend through this cluster."""
+        from gpupool.demo_slurm import SchedulerMode
+
+        return {"scheduler": SchedulerMode.SLURM, "slurm_conf": self.conf}
+
+
+class KubernetesCluster:
+    """A private Kubernetes control plane (``deploy/local/kubernetes.sh``, state under ``tmp``)
+    of ``args.nodes`` kwok nodes × 8 GPUs, Kueue's ClusterQueue ``training`` holding them all."""
+
+    resolution_s = 0.001
+    """Starts and ends are the pod watch's arrival times."""
+
+    def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
+        self.args, self.tmp = args, tmp
+        self.env = {**os.environ, "GPUPOOL_K8S_DIR": str(tmp / "kubernetes"), "GPUPOOL_K8S_NODES": str(args.nodes),
+                    "GPUPOOL_K8S_GPUS": str(GPUS_PER_NODE)}
+        self.kubeconfig: Path | None = None
+
+    def _script(self, action: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["bash", str(REPO / "deploy/local/kubernetes.sh"), action], env=self.env,
+                              capture_output=True, text=True, timeout=1800, check=False)
+
+    def start(self) -> str | None:
+        """Start it (building the binaries first when they are not cached); None, or what went wrong."""
+        started = self._script("start")
+        if started.returncode != 0:
+            return started.stderr[-2000:]
+        self.kubeconfig = Path(started.stdout.strip().splitlines()[-1])
+        return None
+
+    def stop(self) -> None:
+        """Stop it (also after a failed start)."""
+        self._script("stop")
+
+    @contextlib.contextmanager
+    def client(self) -> Iterator[KubernetesClient]:
+        """A started :class:`simulator.kubernetes_replay.KubernetesClient` of the cluster (its own
+        run tag: two replays never share a Job name), closed after."""
+        assert self.kubeconfig is not None, "start() first"
+        with KubernetesClient(self.kubeconfig) as c:
+            yield c
+
+    def attach(self) -> dict:
+        """The :class:`gpupool.demo.DemoConfig` fields that lend through this cluster (the lent
+        pods' grace period = ``--notice``)."""
+        return {"kubeconfig": self.kubeconfig, "notice_s": float(self.args.notice)}
+
+CLUSTERS = {"slurm": SlurmCluster, "kubernetes": KubernetesCluster}
+"""``--scheduler`` → the private cluster the replays run on."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, run the replays, print the table; the exit status."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cluster", default="Seren", help="AcmeTrace cluster row to calibrate to")
-    ap.add_argument("--nodes", type=int, default=16, help="Slurm nodes, 8 GPUs each")
+    ap.add_argument("--scheduler", choices=sorted(CLUSTERS), default="slurm", help="the training pool's scheduler")
+    ap.add_argument("--nodes", type=int, default=16, help="nodes, 8 GPUs each")
     ap.add_argument("--hours", type=float, default=24.0, help="simulated hours replayed (warm-up included)")
     ap.add_argument("--wall-minutes", type=float, default=20.0, help="wall-clock minutes each replay takes")
     ap.add_argument("--warmup-hours", type=float, default=0.0, help="simulated hours replayed, not measured")
@@ -206,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="start with the jobs an earlier span of this length leaves running (0: empty cluster)")
     ap.add_argument("--load", type=float, default=0.8, help="offered load: GPU-seconds asked per second / GPUs")
     ap.add_argument("--p-single", type=float, default=0.6, help="share of single-GPU jobs (>= 0.5)")
-    ap.add_argument("--notice", type=int, default=2, help="GraceTime of the lent partition = a lease's notice, wall s")
+    ap.add_argument("--notice", type=int, default=2,
+                    help="a lease's notice, wall s (Slurm: the lent partition's GraceTime; Kubernetes: the lent "
+                         "pods' termination grace period)")
     ap.add_argument("--demand-peak", type=float, default=0.5, help="edge demand at its peak, share of the GPUs")
     ap.add_argument("--demand-trough", type=float, default=0.25, help="edge demand at its trough, share of the GPUs")
     ap.add_argument("--lease-gpus", type=int, default=1,
@@ -237,58 +335,57 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="gpupool-harvest-") as tmp_name:
         tmp = Path(tmp_name)
-        env = {**os.environ, "GPUPOOL_SLURM_DIR": str(tmp / "slurm"), "GPUPOOL_SLURM_NODES": str(args.nodes),
-               "GPUPOOL_SLURM_GRACE": str(args.notice)}
+        cluster = CLUSTERS[args.scheduler](args, tmp)
         t = time.monotonic()
-        started = _cluster("start", env)
-        if started.returncode != 0:
-            print(f"slurm did not start: {started.stderr[-2000:]}", file=sys.stderr)
-            _cluster("stop", env)
+        failed = cluster.start()
+        if failed is not None:
+            print(f"{args.scheduler} did not start: {failed}", file=sys.stderr)
+            cluster.stop()
             return 2
-        print(f"slurm: {args.nodes} nodes up in {time.monotonic() - t:.1f} s", flush=True)
-        conf = Path(started.stdout.strip().splitlines()[-1])
+        print(f"{args.scheduler}: {args.nodes} nodes up in {time.monotonic() - t:.1f} s", flush=True)
         loads: list[float] = []
         lending = None
         try:
-            client = SlurmClient(conf)
-            yardstick = start_latency(client, tmp / "yardstick")
-            base_run = replay(client, jobs, compression=compression, horizon_s=horizon_s, cluster_gpus=gpus,
-                              out_dir=tmp / "out", warmup_s=args.warmup_hours * 3600)
+            with cluster.client() as client:
+                yardstick = start_latency(client, tmp / "yardstick")
+                base_run = replay(client, jobs, compression=compression, horizon_s=horizon_s, cluster_gpus=gpus,
+                                  out_dir=tmp / "out", warmup_s=args.warmup_hours * 3600)
             loads.append(os.getloadavg()[0])
             if not args.without_only:
                 try:
-                    lending = _with_gpupool(args, client, conf, jobs, tmp, compression, horizon_s, gpus)
+                    lending = _with_gpupool(args, cluster, jobs, tmp, compression, horizon_s, gpus)
                 except RuntimeError as e:
                     print(str(e), file=sys.stderr)
                     return 3
                 loads.append(os.getloadavg()[0])
         finally:
-            _cluster("stop", env)
-        base = account(base_run, workload.idle_fraction)  # reads the jobs' output files
+            cluster.stop()
+        base = account(base_run, workload.idle_fraction, cluster.resolution_s)
         late = sorted(base_run.late_submits_s)
         y50 = quantile(yardstick, 0.5) if yardstick else float("nan")
-        d50, d95, d99 = base.script_delay_s
-        print(f"\nwithout lending: final states {dict(sorted(base.final_states.items()))}; submit -> script start "
-              f"p50/p95/p99 {d50:.0f} / {d95:.0f} / {d99:.0f} s; wall p95 {base.script_delay_wall_s[1]:.3f} s = "
-              f"{base.script_delay_wall_s[1] / y50:.2f}x the idle-cluster yardstick (p50 {y50:.3f} s); polls "
+        d50, d95, d99 = base.began_delay_s
+        print(f"\nwithout lending: final states {dict(sorted(base.final_states.items()))}; submit -> work began "
+              f"p50/p95/p99 {d50:.0f} / {d95:.0f} / {d99:.0f} s; wall p95 {base.began_delay_wall_s[1]:.3f} s = "
+              f"{base.began_delay_wall_s[1] / y50:.2f}x the idle-cluster yardstick (p50 {y50:.3f} s); polls "
               f"{base_run.polls} ({base_run.poll_errors} failed); submit lateness max "
               f"{late[-1] if late else 0.0:.3f} s wall; load average {loads[0]:.1f}")
-        report: dict[str, object] = {"fit": fit.describe(), "nodes": args.nodes, "hours": args.hours,
+        report: dict[str, object] = {"fit": fit.describe(), "scheduler": args.scheduler, "nodes": args.nodes,
+                                     "hours": args.hours, "load_average": loads,
                                      "compression": compression, "notice_s": args.notice, "yardstick_s": yardstick,
                                      "without": asdict(base)}
         if lending is not None:
             from gpupool.harvest import figures_dict, lending_figures, read_run
 
             run, summary = lending
-            lent = account(run, workload.idle_fraction)
+            lent = account(run, workload.idle_fraction, cluster.resolution_s)
             records, starts, locate = read_run(summary)
             fig = lending_figures(records, starts, locate, run.window_wall, compression)
             late = sorted(run.late_submits_s)
             sites = {k: {c: v for c, v in st.items() if c in ("leases_granted", "at_risk_seen", "released_at_risk",
                                                               "reclaims_seen", "revoked")}
                      for k, st in summary.get("sites", {}).items()}  # fmt: skip
-            d50, d95, d99 = lent.script_delay_s
-            print(f"with gpupool: final states {dict(sorted(lent.final_states.items()))}; submit -> script start "
+            d50, d95, d99 = lent.began_delay_s
+            print(f"with gpupool: final states {dict(sorted(lent.final_states.items()))}; submit -> work began "
                   f"p50/p95/p99 {d50:.0f} / {d95:.0f} / {d99:.0f} s; polls {run.polls} ({run.poll_errors} failed); "
                   f"submit lateness max {late[-1] if late else 0.0:.3f} s wall; load average {loads[-1]:.1f}; "
                   f"offers {summary.get('offers')} ({summary.get('offer_violations')} for a busy GPU); sites {sites}")

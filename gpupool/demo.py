@@ -45,6 +45,7 @@ from gpupool.demo_fabric import (
 )
 from gpupool.demo_edge import ServingSite, no_load_reason
 from gpupool.demo_leases import LeaseRow, LeaseWatch, lease_rows, percentile, write_rows
+from gpupool.demo_kubernetes import KubeCluster, KubernetesParts
 from gpupool.demo_slurm import DemoCluster, SchedulerMode, SlurmParts, SlurmUnavailable, missing_slurm_tools
 from runtime.bus import make_bus
 
@@ -135,6 +136,11 @@ class DemoConfig:
     training_submit: bool = True
     """With Slurm: submit the demo's own training jobs; ``False``: only follow the cluster's jobs
     (someone else submits them, e.g. the harvest replay, ``bench/harvest.py``)."""
+    kubeconfig: Path | None = None
+    """Lend through the Kubernetes cluster of this kubeconfig, run by someone else who also submits
+    the training Jobs (:mod:`gpupool.demo_kubernetes`; ``bench/harvest.py --scheduler kubernetes``),
+    the leases' notice ``notice_s`` as the lent pods' grace period; overrides ``scheduler``
+    (``training_submit`` must be False)."""
     site_demand: DiurnalDemand | None = None
     """GPUs each site wants over the simulated day (:class:`simulator.sites.DiurnalDemand`);
     ``None``: sites claim now and then, a few leases each."""
@@ -355,9 +361,14 @@ async def _private_mosquitto(cfg: DemoConfig, root: str, run_id: str) -> Private
     return server
 
 
-async def _open_cluster(cfg: DemoConfig) -> tuple[dict[str, object], DemoCluster | None]:
-    """Decide on lending through Slurm and start (or reuse) the local cluster when wanted and
-    possible: (the summary's ``scheduler`` status, the cluster or ``None``)."""
+async def _open_cluster(cfg: DemoConfig) -> tuple[dict[str, object], DemoCluster | KubeCluster | None]:
+    """Decide on lending through Slurm (or the caller's Kubernetes cluster) and start (or reuse)
+    the local cluster when wanted and possible: (the summary's ``scheduler`` status, the cluster
+    or ``None``)."""
+    if cfg.kubeconfig is not None:
+        return {"mode": "kubernetes", "enabled": True, "grace_s": cfg.notice_s, "start_s": 0.0,
+                "detail": f"Kubernetes cluster run by the caller: {cfg.kubeconfig}, lent pods' grace period "
+                          f"{cfg.notice_s:g} s"}, KubeCluster(cfg.kubeconfig, cfg.notice_s)  # fmt: skip
     mode = cfg.scheduler
     if mode is SchedulerMode.NONE:
         return {"mode": "none", "enabled": False, "detail": "--scheduler none"}, None
@@ -410,7 +421,7 @@ async def _open_fabric(cfg: DemoConfig, run_id: str) -> tuple[FabricStatus, Demo
 
 async def _run_pipeline(
     cfg: DemoConfig, progress: Progress | None, run_id: str, status: FabricStatus, own: DemoFabric | None,
-    sched: dict[str, object] | None = None, cluster: DemoCluster | None = None,
+    sched: dict[str, object] | None = None, cluster: DemoCluster | KubeCluster | None = None,
 ) -> DemoSummary:
     """The demo proper (see :func:`run_demo`), with fabric isolation as ``status`` says."""
     from prometheus_client import CollectorRegistry
@@ -457,8 +468,13 @@ async def _run_pipeline(
     topics = KafkaTopics(prefix=prefix)
     await bus.create_topics(topics.all(), partitions=4 if cfg.kafka else 1,
                             compacted=[topics.leases_log, topics.fabric_topology])
-    parts = None  # lending through Slurm: training jobs, the Slurm source, the broker's lending
-    if cluster is not None:
+    # lending through a scheduler: training jobs, the scheduler source, the broker's lending
+    parts: SlurmParts | KubernetesParts | None = None
+    if isinstance(cluster, KubeCluster):
+        parts = KubernetesParts.build(cluster, fleet, bus, topics, registry, cfg.state_dir / f"kubernetes-{run_id}",
+                                      load=cfg.training_load, compression=cfg.training_compression,
+                                      seed=cfg.seed, horizon_s=cfg.duration_s, submit=cfg.training_submit)
+    elif cluster is not None:
         parts = SlurmParts.build(cluster, fleet, bus, topics, registry, cfg.state_dir / f"slurm-{run_id}",
                                  load=cfg.training_load, compression=cfg.training_compression,
                                  seed=cfg.seed, horizon_s=cfg.duration_s, submit=cfg.training_submit)
@@ -499,10 +515,10 @@ async def _run_pipeline(
                                                notice_s=parts.notice_s if parts else cfg.notice_s,
                                                lease_ttl_s=cfg.lease_ttl_s,
                                                lent_share_percent=fabric.lent_share_percent if fabric else None,
-                                               workloads=(parts.workload,) if parts else ()),
+                                               workloads=(parts.workload,) if parts and parts.workload else ()),
                            metrics=broker_metrics, lending=parts.lending if parts else None)
     serving: ServingSite | None = None
-    if parts is not None and cfg.serving_site in cfg.sites:
+    if parts is not None and parts.workload is not None and cfg.serving_site in cfg.sites:
         serving = ServingSite(cfg.serving_site, parts.workload.name,
                               {"host": mhost, "port": port, "username": creds(cfg.serving_site)[0],
                                "password": creds(cfg.serving_site)[1], "root": root, "protocol": protocol},
@@ -511,7 +527,7 @@ async def _run_pipeline(
                               renew_every_s=cfg.lease_ttl_s / 3)
     sites = [SimulatedSite(name=s, host=mhost, port=port, username=creds(s)[0], password=creds(s)[1],
                            root=root, protocol=protocol, seed=cfg.seed + i,
-                           renew_every_s=cfg.lease_ttl_s / 3, workload=parts.workload.name if parts else None,
+                           renew_every_s=cfg.lease_ttl_s / 3, workload=parts.workload.name if parts and parts.workload else None,
                            # through Slurm the sites take more (up to 3 leases of 4 GPUs): training needs them back
                            max_live_leases=3 if parts else 2,
                            max_gpus_per_claim=(cfg.site_lease_gpus or 8) if cfg.site_demand else 4 if parts else 2,
@@ -677,8 +693,10 @@ def _edge_load(cfg: DemoConfig, serving: ServingSite | None, sched: dict[str, ob
     if cfg.serving_site is None:
         return {}
     if serving is None:
-        if sched and sched.get("enabled"):
+        if sched and sched.get("enabled") and cfg.serving_site not in cfg.sites:
             return {"enabled": False, "detail": f"not run: {cfg.serving_site!r} is not one of the sites {cfg.sites}"}
+        if sched and sched.get("enabled"):
+            return {"enabled": False, "detail": "not run: this scheduler runs no site workload (kwok runs no containers)"}
         return {"enabled": False, "detail": no_load_reason(sched or {})}
     got = serving.summary()
     if got is None:

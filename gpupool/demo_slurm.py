@@ -35,7 +35,8 @@ from collectors.slurm_parse import JobInfo, parse_job, parse_records
 from contracts import LeaseLogRecord
 from contracts.scheduler import LENT_JOB_NAME
 from gpupool.demo_leases import percentile
-from simulator.slurm_replay import ReplayError, SlurmClient
+from simulator.replay import ReplayError
+from simulator.slurm_replay import SlurmClient
 from simulator.training_jobs import TrainingJob
 
 if TYPE_CHECKING:
@@ -202,16 +203,20 @@ class TrainingStream:
     every job of the cluster.
 
     Args:
-        client: Slurm's CLI on the demo's cluster.
-        jobs: generated jobs (:meth:`simulator.training_jobs.TrainingWorkload.jobs`), submit order.
+        client: Slurm's CLI on the demo's cluster; ``None`` for a subclass that reads another
+            scheduler (:class:`gpupool.demo_kubernetes.PodStream`) and submits nothing.
+        jobs: generated jobs (:meth:`simulator.training_jobs.TrainingWorkload.jobs`), submit order
+            (none without a ``client``).
         compression: simulated seconds per wall second.
         out_dir: the jobs' output folder.
         gpu_keys: (node, GRES index) → the simulated GPU's key (nodes outside it are ignored).
         poll_s: seconds between two reads of ``scontrol show job -d -o``.
     """
 
-    def __init__(self, client: SlurmClient, jobs: Sequence[TrainingJob], compression: float, out_dir: Path,
+    def __init__(self, client: SlurmClient | None, jobs: Sequence[TrainingJob], compression: float, out_dir: Path,
                  gpu_keys: Mapping[tuple[str, int], str], poll_s: float = 0.5) -> None:
+        if client is None and jobs:
+            raise ValueError("jobs to submit need a Slurm client")
         self.client = client
         self.jobs = list(jobs)
         self.compression = compression
@@ -253,6 +258,7 @@ class TrainingStream:
                 pass
 
     async def _submit(self, job: TrainingJob) -> None:
+        assert self.client is not None  # __init__: no jobs without a client
         self._names.append(f"train-{job.job_id}")  # the name SlurmClient.submit gives it
         running = self._pool.submit(self.client.submit, job, self.compression, self.out_dir)
         self._submitting.add(running)
@@ -267,6 +273,7 @@ class TrainingStream:
         log.info("demo_training_submitted", extra={"slurm_job_id": sid, "gpus": job.gpus})
 
     async def _poll(self) -> None:
+        assert self.client is not None  # a stream without a Slurm client overrides this read
         # scontrol's own time format: the parser reads it (SlurmClient's epoch format is for squeue)
         env = {k: v for k, v in self.client.env.items() if k != "SLURM_TIME_FORMAT"}
         try:
@@ -315,6 +322,7 @@ class TrainingStream:
         running when the stream stopped (waited for, at most ``timeout_s``, then found by its
         name) — and every gpupool hold (:data:`contracts.scheduler.LENT_JOB_NAME`) submitted
         since the stream started: the cluster is left as the demo found it. Blocking."""
+        assert self.client is not None  # a stream without a Slurm client overrides this
         concurrent.futures.wait(list(self._submitting), timeout=timeout_s)
         self._pool.shutdown(wait=False)
         done = self.client.run("squeue", "-h", "-n", ",".join([LENT_JOB_NAME, *self._names]), "-o", "%i|%V")

@@ -7,7 +7,8 @@
 * :mod:`simulator.demand` — training demand: idle→busy edges of the trace → ``pool.demand``;
 * :mod:`simulator.sites` — simulated edge sites (claim, renew, release over MQTT).
 * :mod:`simulator.training_jobs` — training jobs fitted to AcmeTrace's published job statistics;
-* :mod:`simulator.slurm_replay` — those jobs replayed on a real Slurm cluster, time-compressed, and measured.
+* :mod:`simulator.replay` — those jobs replayed on a real scheduler, time-compressed, and measured;
+* :mod:`simulator.slurm_replay`, :mod:`simulator.kubernetes_replay` — its Slurm and Kubernetes clients.
 """
 
 from simulator.dcgm_http import FAIL_MODES, FailMode, FleetServer, render_metrics

@@ -19,7 +19,9 @@ Usage: ``python kubernetes_setup.py COMMAND --kubeconfig PATH [options]``, comma
   (``deploy/kubernetes/lending/lending.yaml``: namespace ``gpupool-lent``, PriorityClass
   ``gpupool-lent``, the broker's ServiceAccount and Role) and gpupool's collector needs to read
   the cluster (``deploy/kubernetes/collector/collector.yaml``: its ServiceAccount and read-only
-  ClusterRole); then wait until the ClusterQueue is ``Active``.
+  ClusterRole); PriorityClass ``training`` (value :data:`TRAINING_PRIORITY`, preempts lower
+  priorities: the class the harvest replay's training pods run with); then wait until the
+  ClusterQueue is ``Active``.
 * ``ready``: exit 0 at once if the API answers, every node is ``Ready`` with ``--gpus`` allocatable
   GPUs and Kueue's ``/readyz`` (``--kueue-health``) answers; used by ``status``.
 * ``nodes``: wait until every node is ``Ready`` with ``--gpus`` allocatable ``nvidia.com/gpu``.
@@ -69,6 +71,8 @@ KUEUE_WEBHOOK_PATHS = ("-kueue-x-k8s-io-", "-batch-v1-job")
 GPU = "nvidia.com/gpu"
 TRAINING = "training"
 FLAVOR = "gpu"
+TRAINING_PRIORITY = 1000
+"""Value of PriorityClass ``training`` (training pods): above ``gpupool-lent`` (-100)."""
 LENDING_YAML = Path(__file__).resolve().parents[1] / "kubernetes" / "lending" / "lending.yaml"
 """What gpupool's broker needs to lend GPUs (the file an operator applies to a real cluster)."""
 COLLECTOR_YAML = Path(__file__).resolve().parents[1] / "kubernetes" / "collector" / "collector.yaml"
@@ -243,8 +247,8 @@ def bootstrap(api: client.ApiClient, args: argparse.Namespace) -> None:
 
 
 def queue_objects(nodes: int, gpus: int, cpus: int, memory: str) -> list[dict[str, Any]]:
-    """ResourceFlavor, ClusterQueue, Namespace and LocalQueue of the training pool (see the module
-    docstring); quotas are the sum over ``nodes`` nodes of ``gpus`` GPUs, ``cpus`` CPUs and
+    """ResourceFlavor, ClusterQueue, Namespace, LocalQueue and PriorityClass of the training pool
+    (see the module docstring); quotas are the sum over ``nodes`` nodes of ``gpus`` GPUs, ``cpus`` CPUs and
     ``memory`` (a quantity such as ``64Gi``; multiplied keeping its unit)."""
     number = memory.rstrip("KMGTPEikmgtpe")
     unit = memory[len(number) :]
@@ -282,6 +286,15 @@ def queue_objects(nodes: int, gpus: int, cpus: int, memory: str) -> list[dict[st
             "kind": "LocalQueue",
             "metadata": {"name": TRAINING, "namespace": TRAINING},
             "spec": {"clusterQueue": TRAINING},
+        },
+        {
+            "apiVersion": "scheduling.k8s.io/v1",
+            "kind": "PriorityClass",
+            "metadata": {"name": TRAINING},
+            "value": TRAINING_PRIORITY,
+            "preemptionPolicy": "PreemptLowerPriority",
+            "globalDefault": False,
+            "description": "Training pods: kube-scheduler preempts lower-priority pods (gpupool's lent ones) for them.",
         },
     ]
 
