@@ -26,7 +26,7 @@ import msgspec
 from contracts import GpuSample, gpu_key
 from contracts.topics import gpu_id
 
-__all__ = ["GpuIdentities"]
+__all__ = ["GpuIdentities", "with_uuid"]
 
 _Slot = tuple[str, int, int | None]
 
@@ -76,10 +76,10 @@ class GpuIdentities:
         if learned is None:
             self._stand_in_seen.add(slot)
             learned = gpu_id(None, sample.gpu_index)
-        return _with_uuid(sample, learned), None
+        return with_uuid(sample, learned), None
 
 
-def _with_uuid(sample: GpuSample, gpu_uuid: str) -> GpuSample:
+def with_uuid(sample: GpuSample, gpu_uuid: str) -> GpuSample:
     """``sample`` with ``gpu_uuid`` set (a new object; the model or its twin alike)."""
     if isinstance(sample, msgspec.Struct):
         return msgspec.structs.replace(sample, gpu_uuid=gpu_uuid)
