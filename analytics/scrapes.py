@@ -30,6 +30,7 @@ from analytics.structs import struct_for
 from contracts import SCHEMA_VERSION, GpuScrape
 from contracts.bus import BusMessage
 from contracts.telemetry import GPU_MAP_COLUMNS, map_columns
+from contracts.topics import gpu_id, gpu_key
 
 SCALAR_COLUMNS: tuple[str, ...] = (
     "gpu_uuid",
@@ -73,6 +74,32 @@ def decode_scrape(value: bytes) -> Any | None:
     if rec.schema_version != SCHEMA_VERSION or not all(map(math.isfinite, rec.gpus.ts)):
         return None
     return rec
+
+
+class GpuObservation(msgspec.Struct, frozen=True, gc=False):
+    """What the idle classifier reads of one GPU of a scrape record
+    (:class:`analytics.classify.SampleLike`), made by :meth:`ScrapeColumns.observations`.
+
+    Attributes:
+        ts, host, gpu_uuid, gpu_index, gpu_instance_id, model_name: as in
+            :class:`contracts.GpuSample`.
+        fields, invalid: the GPU's entries of the fields asked for (valid values by DCGM field
+            name; rejected field → reason), as in :class:`contracts.GpuSample`.
+    """
+
+    ts: float
+    host: str
+    gpu_uuid: str | None
+    gpu_index: int | None
+    gpu_instance_id: int | None
+    model_name: str | None
+    fields: dict[str, float | int]
+    invalid: dict[str, str]
+
+    @property
+    def key(self) -> str:
+        """GPU identity, as :attr:`contracts.GpuSample.key`."""
+        return gpu_key(self.host, gpu_id(self.gpu_uuid, self.gpu_index), self.gpu_instance_id)
 
 
 @dataclass(slots=True)
@@ -125,15 +152,26 @@ class ScrapeColumns:
         maps, in order. The ``seq`` of GPU ``i`` of a record is the record's ``seq + i``."""
         return self._expanded(sample_type, _maps(self.fields), _maps(self.invalid), _maps(self.attributes))
 
-    def observations(self, sample_type: type[Any], field_names: Iterable[str]) -> list[Any]:
-        """Every GPU as a ``sample_type``, like :meth:`samples`, but with only the ``fields``
-        and ``invalid`` entries named in ``field_names`` and no ``attributes`` or
-        ``field_series``: what a reader of those fields only (the idle classifier) needs, at a
-        fraction of the cost of whole maps."""
+    def observations(self, field_names: Iterable[str]) -> list[GpuObservation]:
+        """Every GPU as a :class:`GpuObservation`, in order, with only the ``fields`` and
+        ``invalid`` entries named in ``field_names``: what a reader of those fields only (the
+        idle classifier, :data:`analytics.classify.CLASSIFIER_FIELDS`) needs, at a fraction of
+        the cost of whole samples."""
         wanted = list(field_names)
-        fields = _maps({k: self.fields[k] for k in wanted if k in self.fields})
-        invalid = _maps({k: self.invalid[k] for k in wanted if k in self.invalid})
-        return self._expanded(sample_type, fields, invalid, None, series=False)
+        hosts, _, _, _ = self._shared()
+        return list(
+            map(
+                GpuObservation,
+                self.ts,
+                hosts,
+                self.gpu_uuid,
+                self.gpu_index,
+                self.gpu_instance_id,
+                self.model_name,
+                _some_maps({k: self.fields[k] for k in wanted if k in self.fields}, len(self)),
+                _some_maps({k: self.invalid[k] for k in wanted if k in self.invalid}, len(self)),
+            )
+        )
 
     def _expanded(
         self,
@@ -141,7 +179,6 @@ class ScrapeColumns:
         fields: Iterable[dict[str, Any]] | None,
         invalid: Iterable[dict[str, Any]] | None,
         attributes: Iterable[dict[str, Any]] | None,
-        series: bool = True,
     ) -> list[Any]:
         n = len(self)
 
@@ -175,7 +212,7 @@ class ScrapeColumns:
                 self.gpu_instance_profile,
                 self.model_name,
                 empty() if fields is None else fields,
-                self.field_series if series else empty(),
+                self.field_series,
                 empty() if invalid is None else invalid,
                 empty() if attributes is None else attributes,
                 sources,
@@ -184,6 +221,16 @@ class ScrapeColumns:
                 strict=True,
             )  # fmt: skip
         ]
+
+
+def _some_maps(columns: dict[str, list[Any]], n: int) -> Iterable[dict[str, Any]]:
+    """Per GPU (``n``) the map of ``columns`` (name → per GPU value or ``None``): built by
+    ``dict(zip(...))`` in C when no column has a ``None``, else as :func:`_maps` builds it."""
+    if not columns:
+        return itertools.repeat({}, n)  # one shared map, never written to
+    if any(None in c for c in columns.values()):
+        return _maps(columns) or ()
+    return map(dict, map(zip, itertools.repeat(list(columns)), zip(*columns.values(), strict=True)))
 
 
 def _maps(columns: dict[str, list[Any]]) -> Iterable[dict[str, Any]] | None:

@@ -116,7 +116,7 @@ from analytics.rows import (
     ib_port_samples_table,
     idle_runs_table,
 )
-from analytics.scrapes import ScrapeColumns
+from analytics.scrapes import GpuObservation, ScrapeColumns
 from analytics.scheduler import DEFAULT_STALE_AFTER_S, SchedulerJoin, scheduler_gpus_table
 from analytics.store import AnalyticsStore, StoreBatch
 from analytics.views import HEADROOM_WINDOW_S
@@ -143,7 +143,8 @@ _T = TypeVar("_T")
 
 @dataclass(slots=True)
 class _Decoded:
-    gpu: list[GpuRecord] = field(default_factory=list)  # every GPU sample, in offset order (classifier)
+    # every GPU sample, in offset order (classifier): scrape records' GPUs as observations
+    gpu: list[GpuRecord | GpuObservation] = field(default_factory=list)
     gpu_rows: list[GpuRecord] = field(default_factory=list)  # those of per-sample records (and salvaged)
     gpu_pos: list[tuple[int, int]] = field(default_factory=list)  # (partition, offset) of gpu_rows
     scrapes: ScrapeColumns = field(default_factory=ScrapeColumns)  # scrape records, in columns
@@ -870,7 +871,7 @@ class AnalyticsService:
                 },
             )
         scrapes = out.scrapes = batch.scrapes
-        found: list[tuple[GpuRecord, BusMessage, bool]] = [
+        found: list[tuple[GpuRecord | GpuObservation, BusMessage, bool]] = [
             (r, m, False) for r, m in zip(batch.gpu, batch.gpu_msgs, strict=True)
         ]
         if scrapes.records:
@@ -878,8 +879,10 @@ class AnalyticsService:
                 itertools.repeat(m, n) for m, n in zip(scrapes.msgs, scrapes.counts, strict=True)
             )
             # what the classifier reads of each GPU (its fields only), not whole samples
-            observed = scrapes.observations(GpuRecord, CLASSIFIER_FIELDS)
-            from_scrapes = [(r, m, True) for r, m in zip(observed, per_gpu, strict=True)]
+            observed = scrapes.observations(CLASSIFIER_FIELDS)
+            from_scrapes: list[tuple[GpuRecord | GpuObservation, BusMessage, bool]] = [
+                (r, m, True) for r, m in zip(observed, per_gpu, strict=True)
+            ]
             if found:  # both kinds in one batch: in the batch's order
                 index = {id(m): i for i, m in enumerate(fresh)}
                 found = sorted([*found, *from_scrapes], key=lambda rm: index[id(rm[1])])
@@ -892,7 +895,7 @@ class AnalyticsService:
             out.gpu.append(record)
             if in_scrape:
                 out.scrape_uuid.append(record.gpu_uuid)
-            else:
+            elif not isinstance(record, GpuObservation):
                 out.gpu_rows.append(record)
                 out.gpu_pos.append((msg.partition, msg.offset))
             tp = TopicPartition(msg.topic, msg.partition)
