@@ -54,10 +54,6 @@ FB_RESERVED = "DCGM_FI_DEV_FB_RESERVED"
 PROFILING_FIELDS: tuple[str, ...] = (GR_ENGINE_ACTIVE, SM_ACTIVE)
 """Activity fields preferred over :data:`GPU_UTIL`, in order of preference."""
 
-CLASSIFIER_FIELDS: tuple[str, ...] = (*PROFILING_FIELDS, GPU_UTIL, FB_USED, FB_FREE, FB_TOTAL, FB_RESERVED)
-"""Every field :class:`IdleClassifier` reads from a sample's ``fields`` and ``invalid``: samples
-that agree on these entries (whatever else their maps hold) get the same statuses."""
-
 _RATIO_TOLERANCE = 1e-3
 """DCGM profiling ratios may overshoot 1.0 by rounding; more than this is out of range."""
 

@@ -37,7 +37,6 @@ from analytics.structs import struct_for
 from contracts import SCHEMA_VERSION, GpuColumns, GpuSample, GpuScrape, IbPortSample, KafkaTopics, decode
 from contracts.bus import BusMessage
 from contracts.scheduler import SchedulerNode
-from contracts.telemetry import GPU_MAP_COLUMNS
 
 if TYPE_CHECKING:  # a twin has its model's attributes, properties and methods (analytics.structs)
     GpuRecord = GpuSample
@@ -113,9 +112,8 @@ def salvage_scrape(msg: BusMessage) -> tuple[list[GpuSample], list[RejectedRecor
     """The GPUs of a :class:`GpuScrape` record the reference rejected whole, one by one: the
     valid ones as :class:`GpuSample` (GPU ``i`` with ``seq + i``), and one
     ``invalid_sample`` rejection per GPU that is not a valid sample. ``None`` when the record
-    cannot be split so (not a JSON object with a ``gpus`` object of lists of one length and
-    maps of such lists, a map given both per GPU and by name, a member the model does not know,
-    or an envelope — ``host``, ``source``, ``target``, ``seq``,
+    cannot be split so (not a JSON object with a ``gpus`` object of lists of one length, a
+    member the model does not know, or an envelope — ``host``, ``source``, ``target``, ``seq``,
     ``schema_version`` — that is itself invalid): then the whole record is rejected.
     """
     if msg.value is None:
@@ -132,15 +130,8 @@ def salvage_scrape(msg: BusMessage) -> tuple[list[GpuSample], list[RejectedRecor
     known = GpuScrape.model_fields.keys()
     if set(obj) - known or set(gpus) - GpuColumns.model_fields.keys():
         return None
-    by_name = {m: gpus.pop(m) for m in GPU_MAP_COLUMNS.values() if m in gpus}
     if any(not isinstance(c, list) or len(c) not in (0, n) for c in gpus.values()):
         return None
-    for per_gpu, member in GPU_MAP_COLUMNS.items():
-        columns = by_name.get(member, {})
-        if not isinstance(columns, dict) or (columns and gpus.get(per_gpu)):
-            return None
-        if any(not isinstance(c, list) or len(c) != n for c in columns.values()):
-            return None
     envelope = {k: v for k, v in obj.items() if k != "gpus"}
     try:
         head = GpuScrape.model_validate({**envelope, "gpus": {"ts": [0.0], "gpu_index": [0]}})
@@ -153,9 +144,6 @@ def salvage_scrape(msg: BusMessage) -> tuple[list[GpuSample], list[RejectedRecor
     rejected: list[RejectedRecord] = []
     for i in range(n):
         sample = {**shared, "seq": head.seq + i, **{k: c[i] for k, c in gpus.items() if c}}
-        for per_gpu, member in GPU_MAP_COLUMNS.items():
-            if by_name.get(member):
-                sample[per_gpu] = {k: c[i] for k, c in by_name[member].items() if c[i] is not None}
         try:
             got = GpuSample.model_validate(sample)
         except ValidationError as exc:
@@ -293,7 +281,11 @@ def _decode_batch(msgs: Sequence[BusMessage], topics: KafkaTopics) -> DecodedBat
         else:
             ib_ok(rec)
             ib_msgs(msg)
-    out.scrapes = scrape_columns(scrapes, scrape_msgs)
+    out.scrapes, refused = scrape_columns(scrapes, scrape_msgs)
+    if refused:
+        slow.extend(refused)
+        index = {id(m): i for i, m in enumerate(msgs)}
+        slow.sort(key=lambda m: index[id(m)])
     if slow:
         _decode_slow(slow, topics, out, msgs)
     return out

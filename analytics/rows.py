@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from array import array
 import re
 import struct
 from collections.abc import Iterable, Mapping, Sequence
@@ -269,8 +268,8 @@ def gpu_scrapes_table(
 
     Columns are built a whole column at a time: what each record holds once (``host``,
     ``source``, ``target``, ``seq``, the Kafka position) is repeated by Arrow, the JSON columns are
-    joined by Arrow from the maps' columns (:func:`map_texts`), ``gpu_key`` is joined by Arrow.
-    Values that do not fit their column become NULL as in :func:`gpu_samples_table`. Raises
+    the maps' texts as sent (:mod:`analytics.scrapes`), ``gpu_key`` is joined by Arrow. Values
+    that do not fit their column become NULL as in :func:`gpu_samples_table`. Raises
     ``ValueError`` if the lengths differ or a timestamp is not finite.
     """
     n_records = len(scrapes.records)
@@ -296,7 +295,6 @@ def gpu_scrapes_table(
     index = _int_array(scrapes.gpu_index, 32)
     instance = _int_array(scrapes.gpu_instance_id, 32)
     fields = scrapes.fields
-    n = len(scrapes)
     cols: dict[str, pa.Array | list[Any]] = {
         "ts": _micros_array(scrapes.ts),
         "gpu_key": _gpu_keys(host, uuids, uuid_array, scrapes.gpu_index, scrapes.gpu_instance_id),
@@ -306,9 +304,9 @@ def gpu_scrapes_table(
         "gpu_instance_id": instance,
         "gpu_instance_profile": scrapes.gpu_instance_profile,
         "model_name": scrapes.model_name,
-        "fields": map_texts(fields, n),
-        "invalid": map_texts(scrapes.invalid, n, strings=True),
-        "attributes": map_texts(scrapes.attributes, n, strings=True),
+        "fields": scrapes.texts["fields"],
+        "invalid": scrapes.texts["invalid"],
+        "attributes": scrapes.texts["attributes"],
         "source": per_record([r.source for r in records], pa.string()),
         "target": per_record([r.target for r in records], pa.string()),
         "seq": seq,
@@ -316,71 +314,10 @@ def gpu_scrapes_table(
         "kafka_offset": per_record(list(offsets), pa.int64()),
     }
     for col, name in _GPU_FLOAT_FIELDS.items():
-        column = fields.get(name)
-        cols[col] = pa.nulls(n, pa.float64()) if column is None else _float_array(column)
+        cols[col] = _float_array([f.get(name) for f in fields])
     for col, name in _GPU_INT_FIELDS.items():
-        column = fields.get(name)
-        cols[col] = pa.nulls(n, pa.int64()) if column is None else _whole_array(column)
+        cols[col] = _whole_array([f.get(name) for f in fields])
     return _table(GPU_SAMPLE_COLUMNS, cols)
-
-
-def map_texts(columns: Mapping[str, list[Any]], n: int, strings: bool = False) -> pa.Array:
-    """Per GPU the compact JSON text of its map, as an Arrow ``string`` array of ``n`` elements,
-    from the map's columns (name → per GPU the value, ``None`` for no entry; every list of
-    ``n``): ``{"name":value,...}``, ``{}`` for a GPU with no entry. The values are numbers
-    (``int`` or ``float``), or with ``strings`` strings. The names are in the columns' order,
-    except that a column with a value for every GPU comes first. Built by Arrow a name at a
-    time, each value's text written by msgspec (strings with JSON's escapes, integers exact,
-    floats as the shortest text that reads back the same); a non-finite float is written
-    ``null`` as by :func:`_json`."""
-    if not columns:
-        return _empty_maps(n)
-    texts = _string_texts if strings else _number_texts
-    items = list(columns.items())
-    full = next((k for k, (_, values) in enumerate(items) if None not in values), None)
-    if full is not None:  # its entries open every object: '{"name":value', then ',"name":value'
-        items.insert(0, items.pop(full))
-        entries = [texts(items[0][1], "{" + _ENCODER.encode(items[0][0]).decode() + ":")]
-        entries += [texts(values, "," + _ENCODER.encode(name).decode() + ":") for name, values in items[1:]]
-        return pc.binary_join_element_wise(*entries, "}", "")
-    # No such column: each entry ',"name":value', joined, the first comma cut. (Not Arrow's
-    # null_handling="skip", which loses the rows where every input is null.)
-    entries = [texts(values, "," + _ENCODER.encode(name).decode() + ":") for name, values in items]
-    body = entries[0] if len(entries) == 1 else pc.binary_join_element_wise(*entries, "")
-    return pc.binary_join_element_wise("{", pc.utf8_slice_codeunits(body, 1), "}", "")
-
-
-def _number_texts(values: list[float | int | None], prefix: str) -> pa.Array:
-    """``prefix`` + the JSON text of each number (``""`` for ``None``) as a ``string`` array:
-    msgspec writes the list as one text, whose commas (a number's text has none) become the
-    element boundaries, each element starting with ``prefix``."""
-    head = prefix.encode()
-    text = head + _ENCODER.encode(values)[1:-1].replace(b",", b"\x00" + head)
-    whole = pa.StringArray.from_buffers(1, pa.py_buffer(struct.pack("<ii", 0, len(text))), pa.py_buffer(text))
-    pieces = pc.split_pattern(whole, "\x00").flatten()
-    nulls = values.count(None)
-    if not nulls and b"null" not in text:
-        return pieces
-    is_null = pc.equal(pieces, prefix + "null")
-    if (pc.sum(is_null).as_py() or 0) == nulls:  # every "null" is a None (no non-finite float)
-        return pc.if_else(is_null, "", pieces)
-    return pa.array(["" if v is None else prefix + _ENCODER.encode(v).decode() for v in values], pa.string())
-
-
-def _string_texts(values: list[str | None], prefix: str) -> pa.Array:
-    """``prefix`` + the JSON text of each string (``""`` for ``None``) as a ``string`` array:
-    quoted by Arrow when no string needs an escape (msgspec's text of the whole list has no
-    backslash), else written by msgspec one at a time."""
-    if b"\\" not in _ENCODER.encode(values):
-        quoted = pc.binary_join_element_wise(prefix + '"', pa.array(values, pa.string()), '"', "")
-        return pc.fill_null(quoted, "") if None in values else quoted
-    return pa.array(["" if v is None else prefix + _ENCODER.encode(v).decode() for v in values], pa.string())
-
-
-def _empty_maps(n: int) -> pa.Array:
-    """An Arrow ``string`` array of ``n`` empty JSON objects (``{}``)."""
-    offsets = array("i", range(0, 2 * n + 1, 2))
-    return pa.StringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(b"{}" * n))
 
 
 def _gpu_keys(

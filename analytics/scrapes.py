@@ -1,59 +1,62 @@
 """Decoding of :class:`contracts.GpuScrape` records (one Kafka record per read of a host's GPUs)
 straight to columns.
 
-A batch's scrape records are decoded by the msgspec twin of the model (:mod:`analytics.structs`),
-which validates every value as the model does, the GPUs' maps included: the collectors write them
-by name (:attr:`contracts.GpuColumns.field_columns` ...: name → one value per GPU), so a record
-decodes into a few lists and no object per GPU. A record that still holds one map per GPU (written
-before the columns) is turned into the same columns (:func:`contracts.telemetry.map_columns`).
-The columns of the batch's records are then joined, name by name, into :class:`ScrapeColumns`:
-the input of :func:`analytics.rows.gpu_scrapes_table` (the ``gpu_samples`` rows) and of the idle
-classifier (:meth:`ScrapeColumns.observations`).
+A batch's scrape records are decoded by a msgspec twin of the model (:mod:`analytics.structs`)
+that keeps each GPU's maps (``fields``, ``field_series``, ``invalid``, ``attributes``) as their
+raw JSON text (``msgspec.Raw``). The maps of the whole batch are then validated in one decoder
+call per map column (the texts joined into one JSON array, decoded with the twin's types), and
+their texts become the ``fields`` / ``invalid`` / ``attributes`` JSON columns as they are: the
+producer's own JSON of the map (:func:`contracts.encode` writes it compactly; any other valid
+spelling is kept as sent). Nothing is written per GPU in Python but the list elements msgspec
+makes.
 
 Like the per-sample twins, this path accepts a subset of what :class:`contracts.GpuScrape`
-accepts, with the same values; a record it refuses is left to the caller, which has the reference
-decide (:func:`analytics.decode.decode_telemetry`), and a record the reference refuses whole loses
-only its bad GPUs (:func:`analytics.decode.salvage_scrape`).
+accepts, with the same values; a record it refuses (at decode, or because one of its maps does
+not validate) is left to the caller, which has the reference decide
+(:func:`analytics.decode.decode_telemetry`).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
+import pyarrow as pa
 
-from analytics.structs import struct_for
-from contracts import SCHEMA_VERSION, GpuScrape
+from analytics.structs import struct_for, translate
+from contracts import SCHEMA_VERSION, GpuColumns, GpuScrape
 from contracts.bus import BusMessage
-from contracts.telemetry import GPU_MAP_COLUMNS, map_columns
+from contracts.telemetry import GPU_COLUMNS_OPTIONAL
 from contracts.topics import gpu_id, gpu_key
 
-SCALAR_COLUMNS: tuple[str, ...] = (
-    "gpu_uuid",
-    "gpu_index",
-    "gpu_instance_id",
-    "gpu_instance_profile",
-    "model_name",
-)
-"""The per-GPU members of :class:`contracts.GpuColumns` decoded to Python values, ``None`` where
-a record leaves the list empty."""
+MAP_COLUMNS: tuple[str, ...] = ("fields", "field_series", "invalid", "attributes")
+"""The map-valued members of :class:`contracts.GpuColumns`: kept as raw JSON by the twin."""
+SCALAR_COLUMNS: tuple[str, ...] = tuple(n for n in GPU_COLUMNS_OPTIONAL if n not in MAP_COLUMNS)
+"""The other optional members (``gpu_uuid`` ... ``model_name``): decoded to Python values."""
 
-_SCRAPE = struct_for(GpuScrape)
-if _SCRAPE is None:  # pragma: no cover - a contract change the twins do not cover
+_COLUMNS_RAW = struct_for(GpuColumns, tuple((n, list[msgspec.Raw]) for n in MAP_COLUMNS))
+_SCRAPE_RAW = struct_for(GpuScrape, (("gpus", _COLUMNS_RAW),)) if _COLUMNS_RAW is not None else None
+if _SCRAPE_RAW is None:  # pragma: no cover - a contract change the twins do not cover
     raise ImportError("contracts.GpuScrape has no msgspec twin: extend analytics.structs")
 if TYPE_CHECKING:
     ScrapeStruct = GpuScrape
 else:
-    ScrapeStruct = _SCRAPE
-    """A :class:`contracts.GpuScrape` as this path decodes it (the model's msgspec twin)."""
+    ScrapeStruct = _SCRAPE_RAW
+    """A :class:`contracts.GpuScrape` as this path decodes it (maps as raw JSON)."""
 
-SCRAPE_DECODER: msgspec.json.Decoder[Any] = msgspec.json.Decoder(_SCRAPE)
+SCRAPE_DECODER: msgspec.json.Decoder[Any] = msgspec.json.Decoder(_SCRAPE_RAW)
 """Decodes one scrape record's JSON; raises ``msgspec.ValidationError`` / ``DecodeError`` for a
 record it refuses."""
+_MAP_DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
+    name: msgspec.json.Decoder(list[translate(GpuColumns.model_fields[name].annotation.__args__[0])])  # type: ignore[misc,union-attr]
+    for name in MAP_COLUMNS
+}
+_EMPTY_MAP = b"{}"
 _REFUSED = (msgspec.ValidationError, msgspec.DecodeError)
 
 
@@ -76,15 +79,120 @@ def decode_scrape(value: bytes) -> Any | None:
     return rec
 
 
+@dataclass(slots=True)
+class ScrapeColumns:
+    """The GPUs of a batch's scrape records, one element per GPU (records in batch order, GPUs
+    in column order) unless said otherwise.
+
+    Attributes:
+        records: the records (:data:`ScrapeStruct`); ``msgs[k]`` is the message of ``records[k]``.
+        counts: GPUs per record.
+        ts, gpu_uuid, gpu_index, gpu_instance_id, gpu_instance_profile, model_name: per GPU, as
+            in :class:`contracts.GpuSample` (``None`` where the record left the column empty).
+        fields, field_series, invalid, attributes: per GPU, the decoded maps (typed as the
+            model's; a ``field_series`` entry's series are twins of
+            :class:`contracts.SeriesValue`).
+        texts: ``fields`` / ``invalid`` / ``attributes`` → per GPU the map's JSON text, as an
+            Arrow ``string`` array.
+    """
+
+    records: list[Any] = field(default_factory=list)
+    msgs: list[BusMessage] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    ts: list[float] = field(default_factory=list)
+    gpu_uuid: list[str | None] = field(default_factory=list)
+    gpu_index: list[int | None] = field(default_factory=list)
+    gpu_instance_id: list[int | None] = field(default_factory=list)
+    gpu_instance_profile: list[str | None] = field(default_factory=list)
+    model_name: list[str | None] = field(default_factory=list)
+    fields: list[dict[str, float | int]] = field(default_factory=list)
+    field_series: list[dict[str, list[Any]]] = field(default_factory=list)
+    invalid: list[dict[str, str]] = field(default_factory=list)
+    attributes: list[dict[str, str]] = field(default_factory=list)
+    texts: dict[str, pa.Array] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        """Number of GPUs."""
+        return len(self.ts)
+
+    def samples(self, sample_type: type[Any]) -> list[Any]:
+        """Every GPU as a ``sample_type`` (:class:`contracts.GpuSample` or its twin), in order:
+        what a per-sample consumer (the idle classifier) reads. The ``seq`` of GPU ``i`` of a
+        record is the record's ``seq + i``."""
+        chain = itertools.chain.from_iterable
+        hosts = chain(itertools.repeat(r.host, n) for r, n in zip(self.records, self.counts, strict=True))
+        sources = chain(itertools.repeat(r.source, n) for r, n in zip(self.records, self.counts, strict=True))
+        targets = chain(itertools.repeat(r.target, n) for r, n in zip(self.records, self.counts, strict=True))
+        seqs = chain(range(r.seq, r.seq + n) for r, n in zip(self.records, self.counts, strict=True))
+        return [
+            sample_type(
+                ts=ts,
+                host=host,
+                gpu_uuid=uuid,
+                gpu_index=index,
+                gpu_instance_id=gi,
+                gpu_instance_profile=profile,
+                model_name=model,
+                fields=fields,
+                field_series=series,
+                invalid=invalid,
+                attributes=attributes,
+                source=source,
+                target=target,
+                seq=seq,
+            )  # fmt: skip
+            for ts, host, uuid, index, gi, profile, model, fields, series, invalid, attributes, source, target, seq in zip(
+                self.ts,
+                hosts,
+                self.gpu_uuid,
+                self.gpu_index,
+                self.gpu_instance_id,
+                self.gpu_instance_profile,
+                self.model_name,
+                self.fields,
+                self.field_series,
+                self.invalid,
+                self.attributes,
+                sources,
+                targets,
+                seqs,
+                strict=True,
+            )  # fmt: skip
+        ]
+
+
+    def observations(self) -> list[GpuObservation]:
+        """Every GPU as a :class:`GpuObservation` (what the idle classifier reads), in order:
+        the decoded maps shared, no other object per GPU than the observation itself."""
+        return list(
+            map(
+                GpuObservation,
+                self.ts,
+                _per_gpu(self.records, self.counts, "host"),
+                self.gpu_uuid,
+                self.gpu_index,
+                self.gpu_instance_id,
+                self.model_name,
+                self.fields,
+                self.invalid,
+            )
+        )
+
+
+def _per_gpu(records: list[Any], counts: list[int], name: str) -> Iterable[Any]:
+    """Per GPU the member ``name`` of its record (record ``k`` has ``counts[k]`` GPUs)."""
+    return itertools.chain.from_iterable(
+        itertools.repeat(getattr(r, name), n) for r, n in zip(records, counts, strict=True)
+    )
+
+
 class GpuObservation(msgspec.Struct, frozen=True, gc=False):
     """What the idle classifier reads of one GPU of a scrape record
     (:class:`analytics.classify.SampleLike`), made by :meth:`ScrapeColumns.observations`.
 
     Attributes:
-        ts, host, gpu_uuid, gpu_index, gpu_instance_id, model_name: as in
-            :class:`contracts.GpuSample`.
-        fields, invalid: the GPU's entries of the fields asked for (valid values by DCGM field
-            name; rejected field → reason), as in :class:`contracts.GpuSample`.
+        ts, host, gpu_uuid, gpu_index, gpu_instance_id, model_name, fields, invalid: as in
+            :class:`contracts.GpuSample` (the maps are the decoded ones of the columns, shared).
     """
 
     ts: float
@@ -102,184 +210,146 @@ class GpuObservation(msgspec.Struct, frozen=True, gc=False):
         return gpu_key(self.host, gpu_id(self.gpu_uuid, self.gpu_index), self.gpu_instance_id)
 
 
-@dataclass(slots=True)
-class ScrapeColumns:
-    """The GPUs of a batch's scrape records, one element per GPU (records in batch order, GPUs
-    in column order) unless said otherwise.
-
-    Attributes:
-        records: the records (:data:`ScrapeStruct`); ``msgs[k]`` is the message of ``records[k]``.
-        counts: GPUs per record.
-        ts, gpu_uuid, gpu_index, gpu_instance_id, gpu_instance_profile, model_name: per GPU, as
-            in :class:`contracts.GpuSample` (``None`` where the record left the column empty).
-        field_series: per GPU its ``field_series`` map (empty where the record has none; series
-            are twins of :class:`contracts.SeriesValue`).
-        fields, invalid, attributes: the GPUs' maps by name: name → per GPU the value, ``None``
-            where that GPU's map has no entry (names in the order first seen in the batch).
-    """
-
-    records: list[Any] = field(default_factory=list)
-    msgs: list[BusMessage] = field(default_factory=list)
-    counts: list[int] = field(default_factory=list)
-    ts: list[float] = field(default_factory=list)
-    gpu_uuid: list[str | None] = field(default_factory=list)
-    gpu_index: list[int | None] = field(default_factory=list)
-    gpu_instance_id: list[int | None] = field(default_factory=list)
-    gpu_instance_profile: list[str | None] = field(default_factory=list)
-    model_name: list[str | None] = field(default_factory=list)
-    field_series: list[dict[str, list[Any]]] = field(default_factory=list)
-    fields: dict[str, list[float | int | None]] = field(default_factory=dict)
-    invalid: dict[str, list[str | None]] = field(default_factory=dict)
-    attributes: dict[str, list[str | None]] = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        """Number of GPUs."""
-        return len(self.ts)
-
-    def _shared(self) -> tuple[Iterable[str], Iterable[str], Iterable[str], Iterable[int]]:
-        """Per GPU its record's ``host``, ``source``, ``target`` and its own ``seq``."""
-        chain = itertools.chain.from_iterable
-        pairs = list(zip(self.records, self.counts, strict=True))
-        return (
-            chain(itertools.repeat(r.host, n) for r, n in pairs),
-            chain(itertools.repeat(r.source, n) for r, n in pairs),
-            chain(itertools.repeat(r.target, n) for r, n in pairs),
-            chain(range(r.seq, r.seq + n) for r, n in pairs),
-        )
-
-    def samples(self, sample_type: type[Any]) -> list[Any]:
-        """Every GPU as a ``sample_type`` (:class:`contracts.GpuSample` or its twin) with all its
-        maps, in order. The ``seq`` of GPU ``i`` of a record is the record's ``seq + i``."""
-        return self._expanded(sample_type, _maps(self.fields), _maps(self.invalid), _maps(self.attributes))
-
-    def observations(self, field_names: Iterable[str]) -> list[GpuObservation]:
-        """Every GPU as a :class:`GpuObservation`, in order, with only the ``fields`` and
-        ``invalid`` entries named in ``field_names``: what a reader of those fields only (the
-        idle classifier, :data:`analytics.classify.CLASSIFIER_FIELDS`) needs, at a fraction of
-        the cost of whole samples."""
-        wanted = list(field_names)
-        hosts, _, _, _ = self._shared()
-        return list(
-            map(
-                GpuObservation,
-                self.ts,
-                hosts,
-                self.gpu_uuid,
-                self.gpu_index,
-                self.gpu_instance_id,
-                self.model_name,
-                _some_maps({k: self.fields[k] for k in wanted if k in self.fields}, len(self)),
-                _some_maps({k: self.invalid[k] for k in wanted if k in self.invalid}, len(self)),
-            )
-        )
-
-    def _expanded(
-        self,
-        sample_type: type[Any],
-        fields: Iterable[dict[str, Any]] | None,
-        invalid: Iterable[dict[str, Any]] | None,
-        attributes: Iterable[dict[str, Any]] | None,
-    ) -> list[Any]:
-        n = len(self)
-
-        def empty() -> Iterable[dict[str, Any]]:
-            return itertools.repeat({}, n)  # one shared map, never written to
-
-        hosts, sources, targets, seqs = self._shared()
-        return [
-            sample_type(
-                ts=ts,
-                host=host,
-                gpu_uuid=uuid,
-                gpu_index=index,
-                gpu_instance_id=gi,
-                gpu_instance_profile=profile,
-                model_name=model,
-                fields=f,
-                field_series=fs,
-                invalid=inv,
-                attributes=attrs,
-                source=source,
-                target=target,
-                seq=seq,
-            )  # fmt: skip
-            for ts, host, uuid, index, gi, profile, model, f, fs, inv, attrs, source, target, seq in zip(
-                self.ts,
-                hosts,
-                self.gpu_uuid,
-                self.gpu_index,
-                self.gpu_instance_id,
-                self.gpu_instance_profile,
-                self.model_name,
-                empty() if fields is None else fields,
-                self.field_series,
-                empty() if invalid is None else invalid,
-                empty() if attributes is None else attributes,
-                sources,
-                targets,
-                seqs,
-                strict=True,
-            )  # fmt: skip
-        ]
+CHUNK_GPUS = 4096
+"""GPUs whose maps are validated in one decoder call: larger batches are cut into chunks of
+whole records of about this many GPUs (a chunk's buffers stay in the CPU caches)."""
 
 
-def _some_maps(columns: dict[str, list[Any]], n: int) -> Iterable[dict[str, Any]]:
-    """Per GPU (``n``) the map of ``columns`` (name → per GPU value or ``None``): built by
-    ``dict(zip(...))`` in C when no column has a ``None``, else as :func:`_maps` builds it."""
-    if not columns:
-        return itertools.repeat({}, n)  # one shared map, never written to
-    if any(None in c for c in columns.values()):
-        return _maps(columns) or ()
-    return map(dict, map(zip, itertools.repeat(list(columns)), zip(*columns.values(), strict=True)))
-
-
-def _maps(columns: dict[str, list[Any]]) -> Iterable[dict[str, Any]] | None:
-    """Per GPU the map of ``columns`` (name → per GPU value or ``None``); ``None`` if there are
-    no columns (every map empty)."""
-    if not columns:
-        return None
-    names = list(columns)
-    return (
-        {k: v for k, v in zip(names, row, strict=True) if v is not None}
-        for row in zip(*columns.values(), strict=True)
-    )
-
-
-def scrape_columns(records: Sequence[Any], msgs: Sequence[BusMessage]) -> ScrapeColumns:
+def scrape_columns(
+    records: Sequence[Any], msgs: Sequence[BusMessage]
+) -> tuple[ScrapeColumns, list[BusMessage]]:
     """The columns of ``records`` (decoded by :func:`decode_scrape`; ``msgs[k]`` is the message
-    of ``records[k]``): every per-GPU list joined over the records, and every map column by name
-    (``None`` for the GPUs of a record without that name)."""
+    of ``records[k]``), with their maps validated, and the messages of the records whose maps do
+    not validate (left out of the columns, in batch order: the reference decides them).
+
+    The maps are validated a whole column of a chunk of records (:data:`CHUNK_GPUS`) at a time;
+    only when one fails are that chunk's records validated one by one to find the bad ones.
+    """
+    out = ScrapeColumns()
+    refused: list[BusMessage] = []
+    texts: dict[str, list[pa.Array]] = {}
+    start = gpus = 0
+    for k, rec in enumerate(records):
+        gpus += len(rec.gpus.ts)
+        if gpus >= CHUNK_GPUS or k == len(records) - 1:
+            columns, bad = _chunk_columns(records[start : k + 1], msgs[start : k + 1])
+            _extend(out, columns)
+            for name, text in columns.texts.items():
+                texts.setdefault(name, []).append(text)
+            refused += bad
+            start, gpus = k + 1, 0
+    out.texts = {
+        name: parts[0] if len(parts) == 1 else pa.concat_arrays(parts) for name, parts in texts.items()
+    }
+    return out, refused
+
+
+def _chunk_columns(
+    records: Sequence[Any], msgs: Sequence[BusMessage]
+) -> tuple[ScrapeColumns, list[BusMessage]]:
+    """:func:`scrape_columns` of one chunk."""
     out = ScrapeColumns(records=list(records), msgs=list(msgs))
     if not records:
-        return out
+        return out, []
+    decoded = _validate_maps(out.records)
+    refused: list[BusMessage] = []
+    if decoded is None:
+        good: list[Any] = []
+        good_msgs: list[BusMessage] = []
+        for rec, msg in zip(records, msgs, strict=True):
+            if _validate_maps([rec]) is None:
+                refused.append(msg)
+            else:
+                good.append(rec)
+                good_msgs.append(msg)
+        columns, _ = _chunk_columns(good, good_msgs)
+        return columns, refused
+    _fill(out, decoded)
+    return out, refused
+
+
+_LISTS: tuple[str, ...] = ("records", "msgs", "counts", "ts", *SCALAR_COLUMNS, *MAP_COLUMNS)
+
+
+def _extend(out: ScrapeColumns, more: ScrapeColumns) -> None:
+    """Append ``more``'s GPUs to ``out``'s (all but the texts)."""
+    if not out.records:
+        for name in _LISTS:
+            setattr(out, name, getattr(more, name))
+        return
+    for name in _LISTS:
+        getattr(out, name).extend(getattr(more, name))
+
+
+def _map_pieces(records: Iterable[Any], name: str) -> list[Any]:
+    """Per GPU the raw JSON of map column ``name`` (``{}`` where a record left it empty)."""
+    pieces: list[Any] = []
+    extend = pieces.extend
+    for rec in records:
+        cols = rec.gpus
+        column = getattr(cols, name)
+        extend(column if column else itertools.repeat(_EMPTY_MAP, len(cols.ts)))
+    return pieces
+
+
+_Maps = dict[str, tuple[list[Any] | None, list[Any]]]
+"""Map column name → (per GPU its raw JSON, ``None`` when every record left the column empty;
+per GPU the decoded map)."""
+
+
+def _validate_maps(records: Sequence[Any]) -> _Maps | None:
+    """The maps of ``records`` (:data:`_Maps`); ``None`` if one does not decode as the model's
+    type."""
+    out: _Maps = {}
+    gpus = sum(len(r.gpus.ts) for r in records)
+    for name in MAP_COLUMNS:
+        if all(not getattr(r.gpus, name) for r in records):
+            out[name] = (None, [{} for _ in range(gpus)])
+            continue
+        pieces = _map_pieces(records, name)
+        try:
+            maps = _MAP_DECODERS[name].decode(b"[" + b",".join(pieces) + b"]")
+        except _REFUSED:
+            return None
+        out[name] = (pieces, maps)
+    return out
+
+
+def _fill(out: ScrapeColumns, maps: _Maps) -> None:
     chain = itertools.chain.from_iterable
-    repeat = itertools.repeat
-    cols = [r.gpus for r in records]
+    cols = [r.gpus for r in out.records]
     out.counts = counts = [len(c.ts) for c in cols]
     gpus = sum(counts)
     out.ts = list(chain(c.ts for c in cols))
-    pairs = list(zip(cols, counts, strict=True))
     for name in SCALAR_COLUMNS:
         if all(not getattr(c, name) for c in cols):
             values: list[Any] = [None] * gpus
         else:
             values = list(
-                chain(column if (column := getattr(c, name)) else repeat(None, n) for c, n in pairs)
+                chain(
+                    column if (column := getattr(c, name)) else itertools.repeat(None, n)
+                    for c, n in zip(cols, counts, strict=True)
+                )
             )
         setattr(out, name, values)
-    if any(c.field_series for c in cols):
-        out.field_series = list(chain(c.field_series or repeat({}, n) for c, n in pairs))
-    else:
-        out.field_series = [{}] * gpus  # shared empty maps, never written to
-    for per_gpu, by_name in GPU_MAP_COLUMNS.items():
-        named = [getattr(c, by_name) or map_columns(getattr(c, per_gpu)) for c in cols]
-        names = dict.fromkeys(k for m in named for k in m)
-        setattr(
-            out,
-            per_gpu,
-            {
-                k: list(chain(m.get(k) or repeat(None, n) for m, n in zip(named, counts, strict=True)))
-                for k in names
-            },
-        )
-    return out
+    for name in MAP_COLUMNS:
+        pieces, decoded = maps[name]
+        setattr(out, name, decoded)
+        if name != "field_series":
+            out.texts[name] = _empty_maps(gpus) if pieces is None else _text_array(pieces)
+
+
+def _empty_maps(n: int) -> pa.Array:
+    """An Arrow ``string`` array of ``n`` empty JSON objects (``{}``)."""
+    offsets = array("i", range(0, 2 * n + 1, 2))
+    return cast(pa.Array, pa.StringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(_EMPTY_MAP * n)))
+
+
+def _text_array(pieces: list[Any]) -> pa.Array:
+    """An Arrow ``string`` array of the JSON texts ``pieces`` (bytes or ``msgspec.Raw``, UTF-8:
+    msgspec has checked them), built from their concatenation without a Python string each."""
+    data = b"".join(pieces)
+    if len(data) >= 2**31:  # past int32 offsets: one string at a time
+        return pa.array([bytes(p).decode() for p in pieces], pa.string())
+    offsets = array("i", itertools.accumulate(map(len, pieces), initial=0))
+    return cast(pa.Array, pa.StringArray.from_buffers(len(pieces), pa.py_buffer(offsets), pa.py_buffer(data)))

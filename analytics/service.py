@@ -95,7 +95,7 @@ from opentelemetry.context import Context
 from prometheus_client import CollectorRegistry
 
 from analytics.metrics import AnalyticsMetrics, CapacitySnapshot
-from analytics.classify import CLASSIFIER_FIELDS, GpuStatus, IdleClassifier, IdleConfig, IdleRun
+from analytics.classify import GpuStatus, IdleClassifier, IdleConfig, IdleRun
 from analytics.decode import (
     GpuRecord,
     IbPortRecord,
@@ -878,8 +878,8 @@ class AnalyticsService:
             per_gpu = itertools.chain.from_iterable(
                 itertools.repeat(m, n) for m, n in zip(scrapes.msgs, scrapes.counts, strict=True)
             )
-            # what the classifier reads of each GPU (its fields only), not whole samples
-            observed = scrapes.observations(CLASSIFIER_FIELDS)
+            # what the classifier reads of each GPU, not whole samples
+            observed = scrapes.observations()
             from_scrapes: list[tuple[GpuRecord | GpuObservation, BusMessage, bool]] = [
                 (r, m, True) for r, m in zip(observed, per_gpu, strict=True)
             ]

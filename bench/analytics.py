@@ -56,14 +56,7 @@ from pydantic_core import to_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from analytics.classify import (
-    CLASSIFIER_FIELDS,
-    FB_USED,
-    GPU_UTIL,
-    GR_ENGINE_ACTIVE,
-    SM_ACTIVE,
-    IdleClassifier,
-)
+from analytics.classify import FB_USED, GPU_UTIL, GR_ENGINE_ACTIVE, SM_ACTIVE, IdleClassifier
 from analytics.decode import DecodedBatch, decode_batch, decode_telemetry, paused_gc
 from analytics.retention import RetentionConfig
 from analytics.rows import gpu_samples_table, gpu_scrapes_table
@@ -129,7 +122,7 @@ def _ingest(store: AnalyticsStore, chunk: list[BusMessage], times: list[float]) 
     with paused_gc():
         table = _rows(batch)
         t2 = time.perf_counter()
-        observed = batch.scrapes.observations(CLASSIFIER_FIELDS)
+        observed = batch.scrapes.observations()
     t3 = time.perf_counter()
     store.write(StoreBatch(gpu_samples=table, offsets={tp: chunk[-1].offset + 1}))
     t4 = time.perf_counter()

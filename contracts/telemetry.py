@@ -129,20 +129,10 @@ class GpuColumns(BaseModel):
     (``None``, or an empty map). Each GPU needs its ``gpu_uuid`` or its ``gpu_index`` (as a
     :class:`GpuSample` does).
 
-    A GPU's ``fields``, ``invalid`` and ``attributes`` maps come either as one map per GPU (the
-    lists ``fields`` / ``invalid`` / ``attributes``) or by name, one column per name (the maps
-    ``field_columns`` / ``invalid_columns`` / ``attribute_columns``: name → ``n`` values, ``None``
-    where that GPU's map has no entry for the name); never both for one map. The collectors write
-    the columns (:func:`gpu_scrapes`); the per-GPU lists are read for records written before.
-
     Attributes:
         ts: sample time of each GPU, Unix epoch seconds.
         gpu_uuid / gpu_index / gpu_instance_id / gpu_instance_profile / model_name: each GPU's.
         fields / field_series / invalid / attributes: each GPU's maps, as in :class:`GpuSample`.
-        field_columns: DCGM field name → each GPU's valid value (``None``: not in that GPU's
-            ``fields``), e.g. ``{"DCGM_FI_DEV_GPU_UTIL": [0, 97, null]}``.
-        invalid_columns: field name → each GPU's rejection reason (``None``: not in ``invalid``).
-        attribute_columns: label name → each GPU's value (``None``: not in ``attributes``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -157,9 +147,6 @@ class GpuColumns(BaseModel):
     field_series: list[dict[str, list[SeriesValue]]] = Field(default_factory=list)
     invalid: list[dict[str, str]] = Field(default_factory=list)
     attributes: list[dict[str, str]] = Field(default_factory=list)
-    field_columns: dict[str, list[float | int | None]] = Field(default_factory=dict)
-    invalid_columns: dict[str, list[str | None]] = Field(default_factory=dict)
-    attribute_columns: dict[str, list[str | None]] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _aligned(self) -> Self:
@@ -170,13 +157,6 @@ class GpuColumns(BaseModel):
             got = len(getattr(self, name))
             if got not in (0, n):
                 raise ValueError(f"gpus.{name} has {got} elements, gpus.ts {n} (a column has n or none)")
-        for per_gpu, by_name in GPU_MAP_COLUMNS.items():
-            columns = getattr(self, by_name)
-            if columns and getattr(self, per_gpu):
-                raise ValueError(f"gpus.{per_gpu} and gpus.{by_name} both given (one or the other)")
-            for key, column in columns.items():
-                if len(column) != n:
-                    raise ValueError(f"gpus.{by_name}[{key!r}] has {len(column)} elements, gpus.ts {n}")
         uuids, indexes = self.gpu_uuid, self.gpu_index
         if (uuids and all(uuids)) or (indexes and None not in indexes):
             return self  # every GPU has a UUID, or every GPU an index
@@ -197,15 +177,7 @@ GPU_COLUMNS_OPTIONAL: tuple[str, ...] = (
     "invalid",
     "attributes",
 )
-"""The per-GPU lists of :class:`GpuColumns` that may be empty (= the default for every GPU)."""
-
-GPU_MAP_COLUMNS: dict[str, str] = {
-    "fields": "field_columns",
-    "invalid": "invalid_columns",
-    "attributes": "attribute_columns",
-}
-"""The :class:`GpuSample` maps a :class:`GpuColumns` may hold by name: map → its member of
-columns (name → one value per GPU, ``None`` for no entry)."""
+"""The members of :class:`GpuColumns` that may be empty (= the default for every GPU)."""
 
 GPU_SCRAPE_SHARED: tuple[str, ...] = ("host", "source", "target")
 """The :class:`GpuSample` fields a :class:`GpuScrape` holds once for all its GPUs."""
@@ -265,10 +237,6 @@ class GpuScrape(Record):
                 column = getattr(cols, name)
                 if column:
                     sample[name] = column[i]
-            for name, by_name in GPU_MAP_COLUMNS.items():
-                columns = getattr(cols, by_name)
-                if columns:
-                    sample[name] = {k: c[i] for k, c in columns.items() if c[i] is not None}
             out.append(GpuSample.model_validate(sample))
         return out
 
@@ -276,11 +244,9 @@ class GpuScrape(Record):
 def gpu_scrapes(samples: Sequence[GpuSample]) -> list[GpuScrape]:
     """``samples`` as :class:`GpuScrape` records: consecutive samples with the same ``host``,
     ``source``, ``target`` and ``schema_version`` and consecutive ``seq`` numbers share a record,
-    in order, so that ``[s for r in gpu_scrapes(x) for s in r.samples()] == list(x)``. The
-    ``fields``, ``invalid`` and ``attributes`` maps are written by name
-    (:attr:`GpuColumns.field_columns` ..., names in the order first seen); a column whose every
-    element is the default is left empty. The records are built from the samples' values
-    without validating them again (valid samples make a valid record).
+    in order, so that ``[s for r in gpu_scrapes(x) for s in r.samples()] == list(x)``. A column
+    whose every element is the default is left empty. The records are built from the samples'
+    values without validating them again (valid samples make a valid record).
     """
     out: list[GpuScrape] = []
     run: list[GpuSample] = []
@@ -291,10 +257,6 @@ def gpu_scrapes(samples: Sequence[GpuSample]) -> list[GpuScrape]:
         first = run[0]
         columns: dict[str, Any] = {"ts": [s.ts for s in run]}
         for name in GPU_COLUMNS_OPTIONAL:
-            if name in GPU_MAP_COLUMNS:
-                columns[GPU_MAP_COLUMNS[name]] = map_columns([getattr(s, name) for s in run])
-                columns[name] = []
-                continue
             values = [getattr(s, name) for s in run]
             columns[name] = values if any(v is not None and v != {} for v in values) else []
         # Valid samples make a valid record (columns of one length, every GPU identified):
@@ -325,13 +287,6 @@ def gpu_scrapes(samples: Sequence[GpuSample]) -> list[GpuScrape]:
         run.append(s)
     flush()
     return out
-
-
-def map_columns(maps: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
-    """One map per GPU → the same maps by name (:attr:`GpuColumns.field_columns`): name → each
-    GPU's value, ``None`` where its map has no entry; names in the order first seen."""
-    names = dict.fromkeys(k for m in maps for k in m)
-    return {k: [m.get(k) for m in maps] for k in names}
 
 
 def decode_gpu_samples(payload: bytes | str) -> list[GpuSample]:

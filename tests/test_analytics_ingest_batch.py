@@ -100,16 +100,13 @@ def outcome(m: BusMessage) -> str:
 
 
 def values(s: GpuSample) -> str:
-    """Every member of ``s`` with its type, the maps' entries (and the types of the field values)
-    by name: a map's order carries no meaning (scrape records write maps by name, in the
-    batch's order)."""
     members = (
         s.ts, s.host, s.gpu_uuid, s.gpu_index, s.gpu_instance_id, s.gpu_instance_profile, s.model_name,
-        sorted(s.fields.items()), sorted(s.invalid.items()), sorted(s.attributes.items()),
+        list(s.fields.items()), list(s.invalid.items()), list(s.attributes.items()),
         s.source, s.target, s.seq, s.key,
     )  # fmt: skip
     return repr([(type(v).__name__, v) for v in members]) + repr(
-        [type(v).__name__ for _, v in sorted(s.fields.items())]
+        [type(v).__name__ for v in s.fields.values()]
     )
 
 

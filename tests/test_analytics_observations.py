@@ -1,8 +1,7 @@
-"""The idle classifier fed from scrape records' columns (:meth:`ScrapeColumns.observations`,
-only :data:`analytics.classify.CLASSIFIER_FIELDS`) decides exactly what it decides from the whole
-samples: the same statuses after every batch and the same idle runs, on random fleets (GPUs with
-and without profiling fields, MIG instances, invalid and out-of-range values, extra fields,
-gaps)."""
+"""The idle classifier fed from scrape records' columns (:meth:`ScrapeColumns.observations`)
+decides exactly what it decides from the whole samples: the same statuses after every batch and
+the same idle runs, on random fleets (GPUs with and without profiling fields, MIG instances,
+invalid and out-of-range values, extra fields, gaps)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from analytics.classify import (
-    CLASSIFIER_FIELDS,
     FB_FREE,
     FB_RESERVED,
     FB_TOTAL,
@@ -41,7 +39,7 @@ _REASONS = st.sampled_from(["sentinel", "out_of_range", "not_a_number", ""])
 _fields = st.dictionaries(st.sampled_from(sorted(_VALUES)), st.just(0)).flatmap(
     lambda keys: st.fixed_dictionaries({k: _VALUES[k] for k in keys})
 )
-_invalid = st.dictionaries(st.sampled_from([*CLASSIFIER_FIELDS, "DCGM_FI_DEV_GPU_TEMP"]), _REASONS, max_size=2)
+_invalid = st.dictionaries(st.sampled_from(sorted(_VALUES)), _REASONS, max_size=2)
 # per step: for each of 4 GPUs on one host whether it is read, its maps, and the time step
 _gpu_read = st.tuples(st.booleans(), _fields, _invalid)
 _steps = st.lists(st.tuples(st.sampled_from([5.0, 10.0, 10.0, 45.0]), st.lists(_gpu_read, min_size=4, max_size=4)),
@@ -82,7 +80,7 @@ def test_observations_classify_as_the_whole_samples(steps: list, config: IdleCon
         offset += len(msgs)
         decoded = decode_batch(msgs, TOPICS)
         assert not decoded.rejected and not decoded.gpu  # every record the columnar way
-        observed = decoded.scrapes.observations(CLASSIFIER_FIELDS)
+        observed = decoded.scrapes.observations()
         assert [o.key for o in observed] == [s.key for s in scrape]
         for sample, seen in zip(scrape, observed, strict=True):
             assert columns.observe(seen) == whole.observe(sample)
@@ -91,14 +89,16 @@ def test_observations_classify_as_the_whole_samples(steps: list, config: IdleCon
     assert columns.tick(2e9) == whole.tick(2e9)
 
 
-def test_observations_hold_only_the_fields_asked_for() -> None:
+def test_observations_are_the_gpus_of_the_records() -> None:
     sample = GpuSample(
         ts=1.0, host="h", gpu_uuid="GPU-0", gpu_index=0, fields={GPU_UTIL: 5, "DCGM_FI_DEV_GPU_TEMP": 40},
-        invalid={SM_ACTIVE: "sentinel", "X": "out_of_range"}, attributes={"pod": "p"}, seq=3,
+        invalid={SM_ACTIVE: "sentinel"}, attributes={"pod": "p"}, seq=3,
     )  # fmt: skip
-    other = GpuSample(ts=1.0, host="h", gpu_uuid=None, gpu_index=1, fields={FB_USED: 7}, seq=4)
+    other = GpuSample(ts=2.0, host="h", gpu_uuid=None, gpu_index=1, gpu_instance_id=2, fields={FB_USED: 7}, seq=4)
     scrapes = decode_batch([msg(encode(r), 0) for r in gpu_scrapes([sample, other])], TOPICS).scrapes
-    first, second = scrapes.observations(CLASSIFIER_FIELDS)
-    assert (first.fields, first.invalid, first.key) == ({GPU_UTIL: 5}, {SM_ACTIVE: "sentinel"}, "h/GPU-0")
-    assert (second.fields, second.invalid, second.key) == ({FB_USED: 7}, {}, "h/gpu1")
-    assert [o.fields for o in scrapes.observations([])] == [{}, {}]
+    first, second = scrapes.observations()
+    assert (first.ts, first.host, first.gpu_uuid, first.gpu_index, first.gpu_instance_id, first.key) == (
+        1.0, "h", "GPU-0", 0, None, "h/GPU-0"
+    )  # fmt: skip
+    assert (first.fields, first.invalid, first.model_name) == (sample.fields, sample.invalid, None)
+    assert (second.fields, second.invalid, second.key) == ({FB_USED: 7}, {}, "h/gpu1/2")
