@@ -292,6 +292,10 @@ def _map_pieces(records: Iterable[Any], name: str) -> list[Any]:
     return pieces
 
 
+_NO_ENTRIES: dict[str, Any] = {}
+"""The map of every GPU of a column that every record of a chunk left empty: one shared object
+(samples and observations only read their maps)."""
+
 _Maps = dict[str, tuple[list[Any] | None, list[Any]]]
 """Map column name → (per GPU its raw JSON, ``None`` when every record left the column empty;
 per GPU the decoded map)."""
@@ -304,7 +308,7 @@ def _validate_maps(records: Sequence[Any]) -> _Maps | None:
     gpus = sum(len(r.gpus.ts) for r in records)
     for name in MAP_COLUMNS:
         if all(not getattr(r.gpus, name) for r in records):
-            out[name] = (None, [{} for _ in range(gpus)])
+            out[name] = (None, [_NO_ENTRIES] * gpus)
             continue
         pieces = _map_pieces(records, name)
         try:
