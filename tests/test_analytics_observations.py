@@ -1,7 +1,8 @@
 """The idle classifier fed from scrape records' columns (:meth:`ScrapeColumns.observations`)
 decides exactly what it decides from the whole samples: the same statuses after every batch and
 the same idle runs, on random fleets (GPUs with and without profiling fields, MIG instances,
-invalid and out-of-range values, extra fields, gaps)."""
+invalid and out-of-range values, extra fields, gaps). And the service, which feeds the classifier
+observations, still stores a scrape record's rows GPU by GPU when they cannot be built whole."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ from analytics.classify import (
     IdleConfig,
 )
 from analytics.decode import decode_batch
+from analytics.service import AnalyticsService
 from contracts import GpuSample, encode, gpu_scrapes
-from tests.test_analytics_ingest_batch import TOPICS, msg
+from contracts.bus import MemoryBus, TopicPartition
+from tests.test_analytics_ingest_batch import T0, TOPICS, metric, msg
 
 _VALUES = {
     GR_ENGINE_ACTIVE: st.sampled_from([0.0, 0.01, 0.05, 0.07, 0.1, 0.5, 1.0, 1.0005, 1.5, -0.1]),
@@ -102,3 +105,32 @@ def test_observations_are_the_gpus_of_the_records() -> None:
     )  # fmt: skip
     assert (first.fields, first.invalid, first.model_name) == (sample.fields, sample.invalid, None)
     assert (second.fields, second.invalid, second.key) == ({FB_USED: 7}, {}, "h/gpu1/2")
+
+
+async def test_scrape_rows_that_cannot_be_built_whole_are_built_gpu_by_gpu() -> None:
+    """A record whose rows cannot be built a column at a time (GPU ``i``'s ``seq + i`` past
+    int64) is stored GPU by GPU from its samples, as per-sample records are: the value that does
+    not fit is NULL, a GPU without a UUID is stored under the id the stage resolved for it, and
+    the classifier saw every GPU."""
+    bus = MemoryBus()
+    svc = AnalyticsService(bus=bus, topics=TOPICS, db_path=":memory:", clock=lambda: T0 + 100)
+    await svc.start()
+    try:
+        first = 2**63 - 2
+        samples = [
+            GpuSample(ts=T0, host="h", gpu_uuid="GPU-0", gpu_index=0, fields={GPU_UTIL: 5}, seq=first),
+            GpuSample(ts=T0, host="h", gpu_index=1, fields={GPU_UTIL: 7}, seq=first + 1),
+            GpuSample(ts=T0, host="h", gpu_uuid="GPU-2", gpu_index=2, seq=first + 2),
+        ]
+        [record] = gpu_scrapes(samples)
+        await bus.producer().send(TOPICS.telemetry_gpu, encode(record), key=record.partition_key)
+        assert await svc.step(timeout_s=0.01) == 1
+        _, rows = svc.store.sql("SELECT gpu_key, gpu_uuid, gpu_util, seq FROM gpu_samples ORDER BY gpu_index")
+        assert rows == [
+            ("h/GPU-0", "GPU-0", 5.0, first), ("h/gpu1", "gpu1", 7.0, first + 1), ("h/GPU-2", "GPU-2", None, None),
+        ]  # fmt: skip
+        assert metric(svc, "gpupool_analytics_rejected_records_total", reason="unstorable") == 0
+        assert svc.store.stored_offsets() == {TopicPartition(TOPICS.telemetry_gpu, 0): 1}
+        assert set(svc.current_states()) == {"h/GPU-0", "h/gpu1", "h/GPU-2"}
+    finally:
+        await svc.stop()
