@@ -19,7 +19,6 @@ not validate) is left to the caller, which has the reference decide
 from __future__ import annotations
 
 import itertools
-import math
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ import msgspec
 import pyarrow as pa
 
 from analytics.structs import struct_for, translate
+from analytics.timestamps import storable_ts
 from contracts import SCHEMA_VERSION, GpuColumns, GpuScrape
 from contracts.bus import BusMessage
 from contracts.telemetry import GPU_COLUMNS_OPTIONAL
@@ -69,12 +69,13 @@ def is_scrape(value: bytes) -> bool:
 
 def decode_scrape(value: bytes) -> Any | None:
     """One record as :data:`ScrapeStruct`, or ``None`` if this path refuses it (malformed,
-    invalid, another ``schema_version``, a non-finite ``ts``): the reference decides those."""
+    invalid, another ``schema_version``, a ``ts`` that is not a storable time): the reference
+    decides those."""
     try:
         rec = SCRAPE_DECODER.decode(value)
     except _REFUSED:
         return None
-    if rec.schema_version != SCHEMA_VERSION or not all(map(math.isfinite, rec.gpus.ts)):
+    if rec.schema_version != SCHEMA_VERSION or not all(map(storable_ts, rec.gpus.ts)):
         return None
     return rec
 
