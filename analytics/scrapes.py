@@ -19,6 +19,7 @@ not validate) is left to the caller, which has the reference decide
 from __future__ import annotations
 
 import itertools
+import math
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -75,7 +76,11 @@ def decode_scrape(value: bytes) -> Any | None:
         rec = SCRAPE_DECODER.decode(value)
     except _REFUSED:
         return None
-    if rec.schema_version != SCHEMA_VERSION or not all(map(storable_ts, rec.gpus.ts)):
+    ts = rec.gpus.ts
+    # storable_ts of every element, in C: finite (no NaN for min/max to skip), then the bounds
+    if rec.schema_version != SCHEMA_VERSION or not (
+        all(map(math.isfinite, ts)) and storable_ts(min(ts)) and storable_ts(max(ts))
+    ):
         return None
     return rec
 
