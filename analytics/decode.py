@@ -5,7 +5,7 @@ reference, which decides what is accepted and why a record is rejected. :func:`d
 decodes a batch: each record first with the JSON decoder of its model's msgspec twin
 (:mod:`analytics.structs`), which accepts a subset of what the model accepts with the same
 values; every record it refuses (malformed, invalid, lax spellings such as a number in a string,
-an unknown field, another ``schema_version``, a non-finite ``ts``) goes to
+an unknown field, another ``schema_version``, a ``ts`` that is not a storable time, :func:`analytics.timestamps.storable_ts`) goes to
 :func:`decode_telemetry`, so the verdict and the reason are the reference's. Accepted records come
 out as twins (same attributes, properties and methods as the model).
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from pydantic_core import ErrorDetails
 
 from analytics.scrapes import ScrapeColumns, decode_scrape, is_scrape, scrape_columns
 from analytics.structs import struct_for
+from analytics.timestamps import storable_ts
 from contracts import SCHEMA_VERSION, GpuColumns, GpuSample, GpuScrape, IbPortSample, KafkaTopics, decode
 from contracts.bus import BusMessage
 from contracts.scheduler import SchedulerNode
@@ -93,7 +93,7 @@ def decode_telemetry(
     except ValueError as exc:  # contracts.decode: schema_version != SCHEMA_VERSION
         raise RejectedRecord("unsupported_version", f"expected {SCHEMA_VERSION}") from exc
     stamps = record.gpus.ts if isinstance(record, GpuScrape) else [record.ts]
-    bad = next((t for t in stamps if not math.isfinite(t)), None)
+    bad = next((t for t in stamps if not storable_ts(t)), None)
     if bad is not None:
         raise RejectedRecord("bad_timestamp", repr(bad))
     return record
@@ -151,7 +151,7 @@ def salvage_scrape(msg: BusMessage) -> tuple[list[GpuSample], list[RejectedRecor
                 RejectedRecord("invalid_sample", f"GPU {i}: {_summary(exc.errors(include_url=False))}")
             )
             continue
-        if not math.isfinite(got.ts):
+        if not storable_ts(got.ts):
             rejected.append(RejectedRecord("invalid_sample", f"GPU {i}: ts {got.ts!r}"))
             continue
         samples.append(got)
@@ -244,7 +244,7 @@ def _decode_batch(msgs: Sequence[BusMessage], topics: KafkaTopics) -> DecodedBat
     gpu_topic, ib_topic = topics.telemetry_gpu, topics.telemetry_ib_port
     gpu_dec, ib_dec = _GPU_DECODER, _IB_DECODER
     gpu_ok, gpu_msgs, ib_ok, ib_msgs = out.gpu.append, out.gpu_msgs.append, out.ib.append, out.ib_msgs.append
-    isfinite = math.isfinite
+    storable = storable_ts
     slow: list[BusMessage] = []
     scrapes: list[Any] = []
     scrape_msgs: list[BusMessage] = []
@@ -272,7 +272,7 @@ def _decode_batch(msgs: Sequence[BusMessage], topics: KafkaTopics) -> DecodedBat
         except _REFUSED:
             slow.append(msg)
             continue
-        if rec.schema_version != SCHEMA_VERSION or not isfinite(rec.ts):
+        if rec.schema_version != SCHEMA_VERSION or not storable(rec.ts):
             slow.append(msg)
             continue
         if dec is gpu_dec:
@@ -305,7 +305,7 @@ def _decode_slow(
         except RejectedRecord as exc:
             salvaged = (
                 salvage_scrape(msg)
-                if exc.reason == "invalid_record" and msg.topic == topics.telemetry_gpu
+                if exc.reason in ("invalid_record", "bad_timestamp") and msg.topic == topics.telemetry_gpu
                 else None
             )
             if salvaged is None:

@@ -21,14 +21,33 @@ their history. UUIDs are learned again from the next sample that carries one.
 
 from __future__ import annotations
 
+from typing import Protocol, TypeVar, cast
+
 import msgspec
 
 from contracts import GpuSample, gpu_key
 from contracts.topics import gpu_id
 
-__all__ = ["GpuIdentities"]
+__all__ = ["GpuIdentities", "with_uuid"]
 
 _Slot = tuple[str, int, int | None]
+
+
+class Identified(Protocol):
+    """What :class:`GpuIdentities` reads of a GPU sample: :class:`contracts.GpuSample`, its
+    msgspec twin and :class:`analytics.scrapes.GpuObservation` have it (same meanings)."""
+
+    @property
+    def host(self) -> str: ...
+    @property
+    def gpu_uuid(self) -> str | None: ...
+    @property
+    def gpu_index(self) -> int | None: ...
+    @property
+    def gpu_instance_id(self) -> int | None: ...
+
+
+_S = TypeVar("_S", bound=Identified)
 
 
 class GpuIdentities:
@@ -52,9 +71,10 @@ class GpuIdentities:
         self._stand_in_seen.add((host, int(digits), gpu_instance_id))
         return True
 
-    def resolve(self, sample: GpuSample) -> tuple[GpuSample, str | None]:
-        """``(sample to use, stand-in key it replaces or None)``; ``sample`` is the model or its
-        msgspec twin (:data:`analytics.decode.GpuRecord`), and so is the sample returned.
+    def resolve(self, sample: _S) -> tuple[_S, str | None]:
+        """``(sample to use, stand-in key it replaces or None)``; ``sample`` is the model, its
+        msgspec twin (:data:`analytics.decode.GpuRecord`) or a
+        :class:`analytics.scrapes.GpuObservation`, and so is the sample returned.
 
         The sample is returned unchanged when it has a UUID, else with ``gpu_uuid`` set to the
         learned UUID or to the stand-in id ``gpu<index>``. The second item is the stand-in key
@@ -76,11 +96,14 @@ class GpuIdentities:
         if learned is None:
             self._stand_in_seen.add(slot)
             learned = gpu_id(None, sample.gpu_index)
-        return _with_uuid(sample, learned), None
+        return with_uuid(sample, learned), None
 
 
-def _with_uuid(sample: GpuSample, gpu_uuid: str) -> GpuSample:
-    """``sample`` with ``gpu_uuid`` set (a new object; the model or its twin alike)."""
+def with_uuid(sample: _S, gpu_uuid: str) -> _S:
+    """``sample`` with ``gpu_uuid`` set (a new object; a pydantic model or a msgspec struct
+    alike)."""
     if isinstance(sample, msgspec.Struct):
         return msgspec.structs.replace(sample, gpu_uuid=gpu_uuid)
-    return sample.model_copy(update={"gpu_uuid": gpu_uuid})
+    if isinstance(sample, GpuSample):
+        return cast(_S, sample.model_copy(update={"gpu_uuid": gpu_uuid}))
+    raise TypeError(f"cannot set gpu_uuid on {type(sample).__name__}")

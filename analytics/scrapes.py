@@ -29,9 +29,11 @@ import msgspec
 import pyarrow as pa
 
 from analytics.structs import struct_for, translate
+from analytics.timestamps import storable_ts
 from contracts import SCHEMA_VERSION, GpuColumns, GpuScrape
 from contracts.bus import BusMessage
 from contracts.telemetry import GPU_COLUMNS_OPTIONAL
+from contracts.topics import gpu_id, gpu_key
 
 MAP_COLUMNS: tuple[str, ...] = ("fields", "field_series", "invalid", "attributes")
 """The map-valued members of :class:`contracts.GpuColumns`: kept as raw JSON by the twin."""
@@ -68,12 +70,17 @@ def is_scrape(value: bytes) -> bool:
 
 def decode_scrape(value: bytes) -> Any | None:
     """One record as :data:`ScrapeStruct`, or ``None`` if this path refuses it (malformed,
-    invalid, another ``schema_version``, a non-finite ``ts``): the reference decides those."""
+    invalid, another ``schema_version``, a ``ts`` that is not a storable time): the reference
+    decides those."""
     try:
         rec = SCRAPE_DECODER.decode(value)
     except _REFUSED:
         return None
-    if rec.schema_version != SCHEMA_VERSION or not all(map(math.isfinite, rec.gpus.ts)):
+    ts = rec.gpus.ts
+    # storable_ts of every element, in C: finite (no NaN for min/max to skip), then the bounds
+    if rec.schema_version != SCHEMA_VERSION or not (
+        all(map(math.isfinite, ts)) and storable_ts(min(ts)) and storable_ts(max(ts))
+    ):
         return None
     return rec
 
@@ -160,6 +167,55 @@ class ScrapeColumns:
         ]
 
 
+    def observations(self) -> list[GpuObservation]:
+        """Every GPU as a :class:`GpuObservation` (what the idle classifier reads), in order:
+        the decoded maps shared, no other object per GPU than the observation itself."""
+        return list(
+            map(
+                GpuObservation,
+                self.ts,
+                _per_gpu(self.records, self.counts, "host"),
+                self.gpu_uuid,
+                self.gpu_index,
+                self.gpu_instance_id,
+                self.model_name,
+                self.fields,
+                self.invalid,
+            )
+        )
+
+
+def _per_gpu(records: list[Any], counts: list[int], name: str) -> Iterable[Any]:
+    """Per GPU the member ``name`` of its record (record ``k`` has ``counts[k]`` GPUs)."""
+    return itertools.chain.from_iterable(
+        itertools.repeat(getattr(r, name), n) for r, n in zip(records, counts, strict=True)
+    )
+
+
+class GpuObservation(msgspec.Struct, frozen=True, gc=False):
+    """What the idle classifier reads of one GPU of a scrape record
+    (:class:`analytics.classify.SampleLike`), made by :meth:`ScrapeColumns.observations`.
+
+    Attributes:
+        ts, host, gpu_uuid, gpu_index, gpu_instance_id, model_name, fields, invalid: as in
+            :class:`contracts.GpuSample` (the maps are the decoded ones of the columns, shared).
+    """
+
+    ts: float
+    host: str
+    gpu_uuid: str | None
+    gpu_index: int | None
+    gpu_instance_id: int | None
+    model_name: str | None
+    fields: dict[str, float | int]
+    invalid: dict[str, str]
+
+    @property
+    def key(self) -> str:
+        """GPU identity, as :attr:`contracts.GpuSample.key`."""
+        return gpu_key(self.host, gpu_id(self.gpu_uuid, self.gpu_index), self.gpu_instance_id)
+
+
 CHUNK_GPUS = 4096
 """GPUs whose maps are validated in one decoder call: larger batches are cut into chunks of
 whole records of about this many GPUs (a chunk's buffers stay in the CPU caches)."""
@@ -242,6 +298,10 @@ def _map_pieces(records: Iterable[Any], name: str) -> list[Any]:
     return pieces
 
 
+_NO_ENTRIES: dict[str, Any] = {}
+"""The map of every GPU of a column that every record of a chunk left empty: one shared object
+(samples and observations only read their maps)."""
+
 _Maps = dict[str, tuple[list[Any] | None, list[Any]]]
 """Map column name → (per GPU its raw JSON, ``None`` when every record left the column empty;
 per GPU the decoded map)."""
@@ -254,7 +314,7 @@ def _validate_maps(records: Sequence[Any]) -> _Maps | None:
     gpus = sum(len(r.gpus.ts) for r in records)
     for name in MAP_COLUMNS:
         if all(not getattr(r.gpus, name) for r in records):
-            out[name] = (None, [{} for _ in range(gpus)])
+            out[name] = (None, [_NO_ENTRIES] * gpus)
             continue
         pieces = _map_pieces(records, name)
         try:

@@ -105,7 +105,7 @@ from analytics.decode import (
     paused_gc,
 )
 from analytics.fabric_leaf import LeafHeadroom, LeafMap, leaf_headroom, leaf_map, uplink_block_reason
-from analytics.identity import GpuIdentities
+from analytics.identity import GpuIdentities, with_uuid
 from analytics.predict import IdlePredictor, PredictorConfig
 from analytics.retention import RetentionConfig
 from analytics.rows import (
@@ -116,7 +116,7 @@ from analytics.rows import (
     ib_port_samples_table,
     idle_runs_table,
 )
-from analytics.scrapes import ScrapeColumns
+from analytics.scrapes import GpuObservation, ScrapeColumns
 from analytics.scheduler import DEFAULT_STALE_AFTER_S, SchedulerJoin, scheduler_gpus_table
 from analytics.store import AnalyticsStore, StoreBatch
 from analytics.views import HEADROOM_WINDOW_S
@@ -143,12 +143,12 @@ _T = TypeVar("_T")
 
 @dataclass(slots=True)
 class _Decoded:
-    gpu: list[GpuRecord] = field(default_factory=list)  # every GPU sample, in offset order (classifier)
+    # every GPU sample, in offset order (classifier): scrape records' GPUs as observations
+    gpu: list[GpuRecord | GpuObservation] = field(default_factory=list)
     gpu_rows: list[GpuRecord] = field(default_factory=list)  # those of per-sample records (and salvaged)
     gpu_pos: list[tuple[int, int]] = field(default_factory=list)  # (partition, offset) of gpu_rows
     scrapes: ScrapeColumns = field(default_factory=ScrapeColumns)  # scrape records, in columns
     scrape_uuid: list[str | None] = field(default_factory=list)  # their GPUs' resolved UUIDs
-    scrape_samples: list[GpuRecord] = field(default_factory=list)  # their GPUs, resolved
     ib: list[IbPortRecord] = field(default_factory=list)
     ib_pos: list[tuple[int, int]] = field(default_factory=list)
     offsets: dict[TopicPartition, int] = field(default_factory=dict)
@@ -871,14 +871,18 @@ class AnalyticsService:
                 },
             )
         scrapes = out.scrapes = batch.scrapes
-        found: list[tuple[GpuRecord, BusMessage, bool]] = [
+        found: list[tuple[GpuRecord | GpuObservation, BusMessage, bool]] = [
             (r, m, False) for r, m in zip(batch.gpu, batch.gpu_msgs, strict=True)
         ]
         if scrapes.records:
             per_gpu = itertools.chain.from_iterable(
                 itertools.repeat(m, n) for m, n in zip(scrapes.msgs, scrapes.counts, strict=True)
             )
-            from_scrapes = [(r, m, True) for r, m in zip(scrapes.samples(GpuRecord), per_gpu, strict=True)]
+            # what the classifier reads of each GPU, not whole samples
+            observed = scrapes.observations()
+            from_scrapes: list[tuple[GpuRecord | GpuObservation, BusMessage, bool]] = [
+                (r, m, True) for r, m in zip(observed, per_gpu, strict=True)
+            ]
             if found:  # both kinds in one batch: in the batch's order
                 index = {id(m): i for i, m in enumerate(fresh)}
                 found = sorted([*found, *from_scrapes], key=lambda rm: index[id(rm[1])])
@@ -891,8 +895,7 @@ class AnalyticsService:
             out.gpu.append(record)
             if in_scrape:
                 out.scrape_uuid.append(record.gpu_uuid)
-                out.scrape_samples.append(record)
-            else:
+            elif not isinstance(record, GpuObservation):
                 out.gpu_rows.append(record)
                 out.gpu_pos.append((msg.partition, msg.offset))
             tp = TopicPartition(msg.topic, msg.partition)
@@ -1135,7 +1138,11 @@ def _gpu_table(decoded: _Decoded, metrics: AnalyticsMetrics) -> pa.Table | None:
             positions = [
                 (m.partition, m.offset) for m, n in zip(msgs, scrapes.counts, strict=True) for _ in range(n)
             ]
-            table = _safe_table(gpu_samples_table, decoded.scrape_samples, positions, metrics)
+            resolved = [
+                with_uuid(s, u) if u else s
+                for s, u in zip(scrapes.samples(GpuRecord), decoded.scrape_uuid, strict=True)
+            ]
+            table = _safe_table(gpu_samples_table, resolved, positions, metrics)
             if table is not None:
                 tables.append(table)
     legacy = _safe_table(gpu_samples_table, decoded.gpu_rows, decoded.gpu_pos, metrics)

@@ -147,15 +147,26 @@ class StoreBatch:
 
 
 def _upsert_offsets(con: duckdb.DuckDBPyConnection, offsets: Mapping[TopicPartition, int]) -> None:
-    """Set ``consumer_offsets`` to ``offsets`` (one statement with the values as parameters:
-    cheaper per batch than a registered Arrow table). Raises ``duckdb.ConstraintException`` for a
-    negative offset."""
+    """Set ``consumer_offsets`` to ``offsets``: one ``UPDATE`` of the partitions' rows (the values
+    as parameters), and only when some partition has no row yet (its first batch) an ``INSERT ...
+    ON CONFLICT DO UPDATE`` of them all — DuckDB's upsert costs several times the update, which
+    every batch after the first needs alone. Raises ``duckdb.ConstraintException`` for a negative
+    offset."""
     items = sorted(offsets.items())
     rows = ", ".join(["(?, ?, ?)"] * len(items))
+    params = [v for tp, off in items for v in (tp.topic, tp.partition, off)]
+    updated = con.execute(
+        f"UPDATE consumer_offsets AS o SET next_offset = v.next_offset"
+        f" FROM (VALUES {rows}) v(topic, partition, next_offset)"
+        " WHERE o.topic = v.topic AND o.partition = v.partition",
+        params,
+    ).fetchone()
+    if updated is not None and updated[0] == len(items):
+        return
     con.execute(
         f"INSERT INTO consumer_offsets VALUES {rows}"
         " ON CONFLICT (topic, partition) DO UPDATE SET next_offset = excluded.next_offset",
-        [v for tp, off in items for v in (tp.topic, tp.partition, off)],
+        params,
     )
 
 

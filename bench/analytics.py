@@ -4,8 +4,8 @@
    produce them — one :class:`contracts.GpuScrape` record per read of a host's GPUs — through
    the stage's own ingest path: :func:`analytics.decode.decode_batch` (the record's JSON → the
    batch's columns), :func:`analytics.rows.gpu_scrapes_table` (→ the ``gpu_samples`` Arrow
-   table) and :meth:`analytics.store.AnalyticsStore.write` (rows and offsets in one
-   transaction), as :meth:`analytics.service.AnalyticsService.step` calls them, timed from the
+   table), the classifier's input and :meth:`analytics.store.AnalyticsStore.write` (rows and
+   offsets in one transaction), as :meth:`analytics.service.AnalyticsService.step` calls them, timed from the
    records' bytes to the commit. Yardstick: DuckDB's own bulk path on the same rows,
    ``INSERT INTO gpu_samples SELECT * FROM <arrow table>`` of the very tables the stage's path
    writes (built beforehand, not timed), one insert per transaction of the stage's path. Both
@@ -15,10 +15,11 @@
    the same records ``--batch`` records per transaction (the stage's ``max_records``: 8 rows a
    record here), and the previous record format, one :class:`contracts.GpuSample` per GPU
    (older producers, replay files; :func:`analytics.rows.gpu_samples_table`), ``--batch``
-   records per transaction. Then: the cost of each step per row (of the best run), the pydantic
-   reference decode of per-sample records, the cost of decoding scrape records *and* expanding
-   them to per-GPU samples for the idle classifier (outside the ingest: the service does it
-   after the decode), and the classifier's throughput on the same samples.
+   records per transaction. Each path's time includes the per-GPU input the stage makes of
+   scrape records for the idle classifier (:meth:`analytics.scrapes.ScrapeColumns.observations`;
+   per-sample records are decoded into such objects anyway). Then: the cost of each step per row
+   (of the best run), the pydantic reference decode of per-sample records, and the classifier's
+   throughput on the same samples.
 2. Queries over ``--gpus`` GPUs × 24 h at 10 s (default 1,000 → 8.64 M rows, generated inside
    DuckDB, with the ``gpu_states`` / ``idle_runs`` rows the stage stores for them):
    ``gpu_state_now`` and the ``idle_windows`` view. Target: <= 1 s each. The gaps-and-islands
@@ -31,9 +32,10 @@
    :data:`analytics.store.DUCKDB_MEMORY_SHARE` of it); its peak RSS (``VmHWM``) is printed
    against the limit. Target: under it.
 
-Usage: ``python bench/analytics.py [--records 100000] [--repeat 3] [--gpus 1000]
-[--memory-rows 8640000] [--memory-limit 2GB]`` (``--memory-rows 0`` skips phase 3, ``--gpus 0``
-phase 2).
+Usage: ``python bench/analytics.py [--records 100000] [--repeat 3] [--clock wall|thread]
+[--gpus 1000] [--memory-rows 8640000] [--memory-limit 2GB]`` (``--memory-rows 0`` skips phase 3,
+``--gpus 0`` phase 2). ``--clock thread`` times phase 1 by CPU time with DuckDB on one thread
+on both sides (see :class:`_Clock`): the figure to compare on a shared, loaded machine.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from pydantic_core import to_json
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from analytics.classify import FB_USED, GPU_UTIL, GR_ENGINE_ACTIVE, SM_ACTIVE, IdleClassifier
-from analytics.decode import DecodedBatch, GpuRecord, decode_batch, decode_telemetry, paused_gc
+from analytics.decode import DecodedBatch, decode_batch, decode_telemetry, paused_gc
 from analytics.retention import RetentionConfig
 from analytics.rows import gpu_samples_table, gpu_scrapes_table
 from analytics.store import DUCKDB_MEMORY_SHARE, AnalyticsStore, StoreBatch, parse_bytes
@@ -65,6 +67,28 @@ from contracts.bus import BusMessage, TopicPartition
 
 TOPICS = KafkaTopics()
 T0 = 1_700_000_000.0
+
+
+class _Clock:
+    """What the ingest comparison times (``--clock``): ``wall`` — elapsed time
+    (``time.perf_counter``), DuckDB with its default threads, as the stage runs; ``thread`` — CPU
+    time of the benchmark's thread (``time.thread_time``) with DuckDB on one thread (which then
+    runs every query on the calling thread), so both sides count all their work and none of
+    the time other processes of a shared machine take."""
+
+    def __init__(self) -> None:
+        self.now = time.perf_counter
+        self.threads: int | None = None
+
+    def use(self, kind: str) -> None:
+        """Switch to ``wall`` or ``thread`` (raises ``ValueError`` for another)."""
+        if kind not in ("wall", "thread"):
+            raise ValueError(f"clock {kind!r}: wall or thread")
+        self.now = time.perf_counter if kind == "wall" else time.thread_time
+        self.threads = None if kind == "wall" else 1
+
+
+_CLOCK = _Clock()
 
 
 def _fields(rng: random.Random) -> dict[str, float | int]:
@@ -108,20 +132,26 @@ def _gpu(msg: BusMessage) -> GpuSample:
 
 def _ingest(store: AnalyticsStore, chunk: list[BusMessage], times: list[float]) -> int:
     """The stage's ingest path for one batch, as :meth:`analytics.service.AnalyticsService.step`
-    runs it; adds the seconds of decode, rows and write to ``times``; returns the rows written.
-    Scrape records become rows with :func:`analytics.rows.gpu_scrapes_table`, per-sample records
-    with :func:`analytics.rows.gpu_samples_table`."""
+    runs it; adds the seconds of decode, rows, classifier input and write to ``times``; returns
+    the rows written. Scrape records become rows with :func:`analytics.rows.gpu_scrapes_table`,
+    per-sample records with :func:`analytics.rows.gpu_samples_table`. The classifier input is
+    what the stage makes of scrape records for the idle classifier
+    (:meth:`analytics.scrapes.ScrapeColumns.observations`: the per-GPU objects that the decode
+    of per-sample records makes anyway), so both formats are timed for the same work."""
     tp = TopicPartition(TOPICS.telemetry_gpu, 0)
-    t0 = time.perf_counter()
+    t0 = _CLOCK.now()
     batch = decode_batch(chunk, TOPICS)
-    t1 = time.perf_counter()
+    t1 = _CLOCK.now()
     with paused_gc():
         table = _rows(batch)
-    t2 = time.perf_counter()
+        t2 = _CLOCK.now()
+        observed = batch.scrapes.observations()
+    t3 = _CLOCK.now()
     store.write(StoreBatch(gpu_samples=table, offsets={tp: chunk[-1].offset + 1}))
-    t3 = time.perf_counter()
-    for k, dt in enumerate((t1 - t0, t2 - t1, t3 - t2)):
+    t4 = _CLOCK.now()
+    for k, dt in enumerate((t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
         times[k] += dt
+    assert len(observed) + len(batch.gpu) == table.num_rows
     return table.num_rows
 
 
@@ -156,22 +186,22 @@ def _compare(
     e2e_runs: list[tuple[float, list[float]]] = []
     for _ in range(max(1, repeat)):
         # in-memory databases, as the issue's measurement (phase 3 writes a file)
-        yard = AnalyticsStore(":memory:", memory_limit=memory_limit)
+        yard = AnalyticsStore(":memory:", memory_limit=memory_limit, threads=_CLOCK.threads)
         con = yard.cursor()
-        t = time.perf_counter()
+        t = _CLOCK.now()
         for tbl in tables:
             con.register("b", tbl)
             con.execute("INSERT INTO gpu_samples SELECT * FROM b")
             con.unregister("b")
-        yard_runs.append(time.perf_counter() - t)
+        yard_runs.append(_CLOCK.now() - t)
         con.close()
         yard.close()
         # the stage's path: decode → Arrow → one transaction with offsets
-        store = AnalyticsStore(":memory:", memory_limit=memory_limit)
-        steps = [0.0, 0.0, 0.0]
-        t = time.perf_counter()
+        store = AnalyticsStore(":memory:", memory_limit=memory_limit, threads=_CLOCK.threads)
+        steps = [0.0, 0.0, 0.0, 0.0]
+        t = _CLOCK.now()
         rows = sum(_ingest(store, c, steps) for c in chunks)
-        e2e_runs.append((time.perf_counter() - t, steps))
+        e2e_runs.append((_CLOCK.now() - t, steps))
         store.close()
         assert rows == n
         gc.collect()
@@ -186,7 +216,8 @@ def _compare(
     )
     print(
         f"      per row: decode_batch {steps[0] * us:.2f} us, rows {steps[1] * us:.2f} us,"
-        f" store.write {steps[2] * us:.2f} us; all runs, us/row: yardstick"
+        f" classifier input {steps[2] * us:.2f} us, store.write {steps[3] * us:.2f} us;"
+        f" all runs, us/row: yardstick"
         f" {' '.join(f'{y * us:.2f}' for y in yard_runs)}; gpupool {' '.join(f'{e * us:.2f}' for e, _ in e2e_runs)}"
     )
     return yard_s, e2e_s, steps, n
@@ -244,19 +275,12 @@ def bench_ingest(n: int, batch: int, memory_limit: str, repeat: int = 3) -> None
     for c in _chunks(msgs, batch):  # a batch's samples live until the next, as in the stage
         kept: list[object] = [decode_telemetry(m, TOPICS) for m in c]
     per_record_s = time.perf_counter() - t
-    t = time.perf_counter()
-    fallbacks = 0
-    for c in _chunks(scrape_msgs, batch):
-        got = decode_batch(c, TOPICS)
-        fallbacks += got.fallbacks
-        kept = got.scrapes.samples(GpuRecord)
-    samples_s = time.perf_counter() - t
     del kept
+    fallbacks = sum(decode_batch(c, TOPICS).fallbacks for c in _chunks(scrape_msgs, batch))
     us = 1e6 / n
     print(
         f"  the pydantic reference decode_telemetry of per-sample records {per_record_s * us:.2f} us/row;"
-        f" scrape records decoded and expanded to samples for the classifier"
-        f" (ScrapeColumns.samples) {samples_s * us:.2f} us/row ({fallbacks} records decided by the reference)"
+        f" scrape records decided by the reference: {fallbacks}"
     )
     print(f"  classifier observe()              {n / clf_s:12,.0f} samples/s")
 
@@ -301,7 +325,7 @@ def memory_phase(rows: int, batch: int, memory_limit: str) -> None:
     ``RESULT rows seconds peak_rss_bytes`` line."""
     with tempfile.TemporaryDirectory(prefix="gpupool-bench-") as tmp:
         store = AnalyticsStore(str(Path(tmp) / "memory.duckdb"), memory_limit=memory_limit)
-        steps = [0.0, 0.0, 0.0]
+        steps = [0.0, 0.0, 0.0, 0.0]
         t = time.perf_counter()
         done = sum(_ingest(store, chunk, steps) for chunk in _memory_messages(rows, 1000, batch))
         elapsed = time.perf_counter() - t
@@ -475,6 +499,13 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=100_000, help="GPU samples for the ingest benchmark")
     ap.add_argument("--batch", type=int, default=5000, help="records per transaction")
     ap.add_argument("--repeat", type=int, default=3, help="ingest runs of each path (the best is compared)")
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "thread"),
+        default="wall",
+        help="ingest timed by elapsed time (DuckDB's default threads) or by this thread's CPU time"
+        " (DuckDB on one thread: steady on a loaded machine)",
+    )
     ap.add_argument("--gpus", type=int, default=1000, help="GPUs for the query benchmark (x 8,640 rows)")
     ap.add_argument(
         "--memory-rows", type=int, default=8_640_000, help="GPU samples of the memory phase (0: skip)"
@@ -487,6 +518,8 @@ def main() -> None:
     if args.memory_phase:
         memory_phase(args.memory_rows, args.batch, args.memory_limit)
         return
+    _CLOCK.use(args.clock)
+    print(f"clock: {args.clock}")
     bench_ingest(args.records, args.batch, args.memory_limit, args.repeat)
     if args.gpus:
         bench_queries(args.gpus, args.memory_limit)

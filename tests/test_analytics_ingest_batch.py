@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import random
 import re
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ import pytest
 from analytics.classify import FB_USED, GR_ENGINE_ACTIVE
 from analytics.decode import RejectedRecord, decode_batch, decode_telemetry, paused_gc
 from analytics.rows import gpu_samples_table
+from analytics.timestamps import TS_MAX_S, TS_MIN_S, storable_ts
 from analytics.service import AnalyticsService
 from contracts import GpuSample, IbPortSample, KafkaTopics, encode
 from contracts.bus import BusMessage, MemoryBus, TopicPartition
@@ -287,6 +290,9 @@ def metric(svc: AnalyticsService, name: str, **labels: str) -> float:
         (b'{"ts": 1, "host": "h", "gpu_uuid": 5}', "invalid_record"),
         (b'{"schema_version": 2, "ts": 1, "host": "h", "gpu_uuid": "u"}', "unsupported_version"),
         (b'{"ts": NaN, "host": "h", "gpu_uuid": "u"}', "bad_timestamp"),
+        # finite, but past what DuckDB's TIMESTAMP and datetime hold: it used to fail every step
+        (b'{"ts": 1e300, "host": "h", "gpu_uuid": "u"}', "bad_timestamp"),
+        (b'{"ts": 253402300800.0, "host": "h", "gpu_uuid": "u"}', "bad_timestamp"),
     ],
 )
 async def test_a_bad_record_inside_a_batch_is_rejected_alone(bad: bytes | None, reason: str) -> None:
@@ -331,3 +337,12 @@ def _as_stored(svc: AnalyticsService, table: object) -> list[dict[str, object]]:
     rel = con.execute("SELECT * EXCLUDE (kafka_partition, kafka_offset) FROM _ref_rows")
     names = [d[0] for d in rel.description or []]
     return [dict(zip(names, row, strict=True)) for row in rel.fetchall()]
+
+
+def test_storable_times_are_the_years_1_to_9999() -> None:
+    epoch = datetime(1970, 1, 1, tzinfo=UTC)
+    assert epoch + timedelta(seconds=TS_MIN_S) == datetime(1, 1, 1, tzinfo=UTC)
+    assert epoch + timedelta(seconds=TS_MAX_S - 1) == datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC)
+    assert storable_ts(TS_MIN_S) and storable_ts(math.nextafter(TS_MAX_S, 0)) and storable_ts(0.0)
+    for ts in (math.nextafter(TS_MIN_S, -math.inf), TS_MAX_S, 1e300, math.inf, -math.inf, math.nan):
+        assert not storable_ts(ts)

@@ -134,6 +134,7 @@ def test_a_record_the_fast_path_refuses_gets_the_references_samples(record: dict
         (_record(**{"gpus.fields": [{"DCGM_FI_DEV_GPU_UTIL": 1}, {"x": "bad"}, {}]}), [0, 2]),
         (_record(**{"gpus.gpu_uuid": ["GPU-0", None, "GPU-2"], "gpus.gpu_index": [0, None, 2]}), [0, 2]),
         (_record(**{"gpus.ts": [T0, "never", float("inf")]}), [0]),
+        (_record(**{"gpus.ts": [T0, 1e300, T0]}), [0, 2]),  # finite, but past the years 1-9999
         (_record(**{"gpus.attributes": [{}, {}, {"pod": 1}]}), [0, 1]),
     ],
 )

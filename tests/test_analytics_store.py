@@ -136,6 +136,23 @@ def test_failure_mid_batch_leaves_neither_rows_nor_offsets() -> None:
     assert count(store, "gpu_samples") == 6 and store.stored_offsets() == {GPU_TP: 6}
 
 
+def test_offsets_of_known_and_new_partitions_in_one_batch() -> None:
+    """A batch's offsets update the partitions that have a row and insert the others; a
+    negative offset for a partition that has a row fails the batch like one for a new one."""
+    store = AnalyticsStore(":memory:")
+    tp1, tp2 = TopicPartition("telemetry.gpu", 1), TopicPartition("telemetry.gpu", 2)
+    store.write(StoreBatch(offsets={GPU_TP: 4}))
+    store.write(StoreBatch(offsets={GPU_TP: 5, tp1: 7}))  # one known, one new
+    assert store.stored_offsets() == {GPU_TP: 5, tp1: 7}
+    store.write(StoreBatch(offsets={GPU_TP: 6, tp1: 8}))  # both known
+    store.write(StoreBatch(offsets={tp2: 0}))  # a new one alone, at offset 0
+    assert store.stored_offsets() == {GPU_TP: 6, tp1: 8, tp2: 0}
+    for bad in ({GPU_TP: -1}, {GPU_TP: 9, tp1: -1}):
+        with pytest.raises(duckdb.ConstraintException):
+            store.write(StoreBatch(gpu_samples=gpu_batch(samples(1), 0), offsets=bad))
+    assert store.stored_offsets() == {GPU_TP: 6, tp1: 8, tp2: 0} and count(store, "gpu_samples") == 0
+
+
 def test_offsets_and_history_survive_reopening(tmp_path: Path) -> None:
     db = str(tmp_path / "a.duckdb")
     store = AnalyticsStore(db)

@@ -251,8 +251,8 @@ def test_a_record_on_another_topic_is_rejected_as_unknown_topic() -> None:
         ({"gpu_index": -(2**63)}, True),
         ({"gpu_index": -(2**63) - 1}, True),
         ({"seq": 2**70}, True),
-        ({"ts": 1.7976931348623157e308}, True),  # largest float: decoded (the row build drops it)
-        ({"ts": 2**64}, True),  # an integer ts is a float
+        ({"ts": 253402300799.99997}, True),  # the last float before the year 10000
+        ({"ts": 2**32}, True),  # an integer ts is a float
         ({"ts": -0.0}, True),
         ({"ts": "1700000000.5"}, False),  # lax spelling: the reference accepts it
         ({"gpu_index": 3.0}, False),  # the reference takes an integral float as an int
@@ -270,6 +270,14 @@ def test_boundaries_decode_to_the_reference_values(changes: dict[str, object], t
     assert not got.rejected and got.fallbacks == (0 if through_twin else 1)
     assert batch_verdicts([m]) == [verdict(m)]
     assert isinstance(got.gpu[0], GpuRecord)
+
+
+@pytest.mark.parametrize("ts", [1.7976931348623157e308, 2**64, 253402300800.0, -62135596800.00001])
+def test_times_past_the_years_1_to_9999_are_rejected_by_both_paths(ts: float) -> None:
+    m = gpu_msg(_with(ts=ts))
+    got = decode_batch([m], TOPICS)
+    assert [e.reason for _, e in got.rejected] == ["bad_timestamp"] and got.fallbacks == 1
+    assert batch_verdicts([m]) == [verdict(m)]
 
 
 def test_the_batch_keeps_its_order_across_topics_partitions_and_fallbacks() -> None:
