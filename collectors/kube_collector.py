@@ -23,7 +23,6 @@ It needs read access only (``deploy/kubernetes/collector/collector.yaml``): ``ge
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -45,8 +44,8 @@ from collectors.kube_parse import (
 )
 from collectors.kube_records import build_node_records, pending_gpus
 from collectors.kube_watch import Informer
+from collectors.scheduler_source import produce_records, run_every
 from collectors.metrics import KubernetesMetrics
-from contracts.base import encode
 from contracts.bus import Bus, Producer, require_topics
 from contracts.scheduler import SchedulerNode
 from contracts.topics import KafkaTopics
@@ -231,19 +230,7 @@ class KubernetesCollector:
             self.metrics.errors.labels(resource="pods", reason="over_allocated").inc(overflow)
         result.ok, result.records, result.overflow = True, records, overflow
         self._pending = pending
-        topic = self._topics.telemetry_scheduler
-        for rec in records:
-            try:
-                await self._producer.send(topic, encode(rec), key=rec.partition_key)
-                result.produced += 1
-            except Exception as exc:  # noqa: BLE001 — one refused record must not stop the read
-                self.metrics.errors.labels(resource="produce", reason=type(exc).__name__).inc()
-                log.warning("kubernetes_produce_failed", extra={"host": rec.host, "error": repr(exc)})
-        try:
-            await self._producer.flush()
-        except Exception as exc:  # noqa: BLE001 — counted; the next read sends a fresh state
-            self.metrics.errors.labels(resource="produce", reason=type(exc).__name__).inc()
-            log.warning("kubernetes_flush_failed", extra={"error": repr(exc)})
+        result.produced = await produce_records(self._producer, self._topics.telemetry_scheduler, records, self._failed)
         self.metrics.reads.labels(outcome="ok").inc()
         self.metrics.records.inc(result.produced)
         result.duration_s = time.monotonic() - t0
@@ -253,14 +240,9 @@ class KubernetesCollector:
     async def run(self, interval_s: float, stop: asyncio.Event) -> None:
         """:meth:`collect` every ``interval_s`` seconds (start to start) until ``stop`` is set; an
         unexpected exception of a read is logged and counted (``resource="loop"``), never raised."""
-        while not stop.is_set():
-            started = time.monotonic()
-            try:
-                await self.collect()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self.metrics.errors.labels(resource="loop", reason=type(exc).__name__).inc()
-                log.exception("kubernetes_collect_failed")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), max(0.0, interval_s - (time.monotonic() - started)))
+        await run_every(self.collect, interval_s, stop, self._failed)
+
+    def _failed(self, where: str, exc: BaseException) -> None:
+        """Count a failure reported by :mod:`collectors.scheduler_source` (``where``: ``produce``
+        or ``loop``)."""
+        self.metrics.errors.labels(resource=where, reason=type(exc).__name__).inc()

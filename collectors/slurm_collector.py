@@ -35,10 +35,10 @@ from datetime import tzinfo
 from functools import partial
 from pathlib import Path
 
+from collectors.scheduler_source import produce_records, run_every
 from collectors.metrics import SlurmMetrics
 from collectors.slurm_parse import JobInfo, NodeInfo, ParseProblem, parse_job, parse_node, parse_records, pending_gpus
 from collectors.slurm_records import build_node_records
-from contracts.base import encode
 from contracts.bus import Bus, Producer, require_topics
 from contracts.scheduler import SchedulerNode
 from contracts.topics import KafkaTopics
@@ -243,19 +243,7 @@ class SlurmCollector:
         result.records = records
         result.ok = True
         self._pending = pending_gpus(jobs)
-        topic = self._topics.telemetry_scheduler
-        for rec in records:
-            try:
-                await self._producer.send(topic, encode(rec), key=rec.partition_key)
-                result.produced += 1
-            except Exception as exc:  # noqa: BLE001 — one refused record must not stop the read
-                self.metrics.errors.labels(command="produce", reason=type(exc).__name__).inc()
-                log.warning("slurm_produce_failed", extra={"host": rec.host, "error": repr(exc)})
-        try:
-            await self._producer.flush()
-        except Exception as exc:  # noqa: BLE001 — counted; the next read sends a fresh state
-            self.metrics.errors.labels(command="produce", reason=type(exc).__name__).inc()
-            log.warning("slurm_flush_failed", extra={"error": repr(exc)})
+        result.produced = await produce_records(self._producer, self._topics.telemetry_scheduler, records, self._failed)
         self.metrics.records.inc(result.produced)
         result.duration_s = time.monotonic() - t0
         self.metrics.read_duration.observe(result.duration_s)
@@ -264,14 +252,9 @@ class SlurmCollector:
     async def run(self, interval_s: float, stop: asyncio.Event) -> None:
         """:meth:`collect` every ``interval_s`` seconds (start to start) until ``stop`` is set; an
         unexpected exception of a read is logged and counted (``command="loop"``), never raised."""
-        while not stop.is_set():
-            started = time.monotonic()
-            try:
-                await self.collect()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self.metrics.errors.labels(command="loop", reason=type(exc).__name__).inc()
-                log.exception("slurm_collect_failed")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), max(0.0, interval_s - (time.monotonic() - started)))
+        await run_every(self.collect, interval_s, stop, self._failed)
+
+    def _failed(self, where: str, exc: BaseException) -> None:
+        """Count a failure reported by :mod:`collectors.scheduler_source` (``where``: ``produce``
+        or ``loop``)."""
+        self.metrics.errors.labels(command=where, reason=type(exc).__name__).inc()
