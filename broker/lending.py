@@ -104,6 +104,7 @@ class LendingHooks:
 async def _nothing_lendable(_: frozenset[str]) -> None:
     return None
 
+
 _RETAG_DELAY_S = 0.2
 """Seconds between a carving and the Slurm commands that name its jobs."""
 
@@ -577,7 +578,12 @@ class SlurmLending:
                 minutes = max(1, math.ceil((record.ends_at - started) / 60.0))
             groups.setdefault(minutes, []).append(h.job_id)
         for minutes, job_ids in groups.items():
-            argv = ["scontrol", "update", f"JobId={','.join(job_ids)}", f"Comment={COMMENT_PREFIX}{record.lease_id}"]
+            argv = [
+                "scontrol",
+                "update",
+                f"JobId={','.join(job_ids)}",
+                f"Comment={COMMENT_PREFIX}{record.lease_id}",
+            ]
             if minutes is not None:
                 argv.append(f"TimeLimit={minutes}")
             if record.lease_id not in self._leases:
@@ -587,6 +593,19 @@ class SlurmLending:
             except SchedulerError as e:
                 if record.lease_id not in self._leases or record.lease_id in self._noticed:
                     return  # ended, or Slurm is taking it back: a leaving job takes no update
+                # Slurm refuses a new time limit for a job it has chosen for preemption ("Job has
+                # already finished"): a claim carved a placeholder in the instant between
+                # Slurm's choice and the script's leaving; that is a reclaim, not a failure
+                with contextlib.suppress(SchedulerError):
+                    read = await asyncio.gather(*(self.scheduler.jobs(j) for j in job_ids))
+                    if await self._judge(record.lease_id, job_ids, [h for listed in read for h in listed]):
+                        log.info(
+                            "hold_retag_taken_back",
+                            extra={"lease_id": record.lease_id, "job_ids": job_ids, "error": str(e)},
+                        )
+                        return
+                if record.lease_id not in self._leases or record.lease_id in self._noticed:
+                    return
                 self._metrics.scheduler_errors.labels(operation="retag").inc()
                 log.error(
                     "hold_retag_failed",
@@ -766,19 +785,32 @@ class SlurmLending:
             return
         read = await asyncio.gather(*(self.scheduler.jobs(h.job_id) for h in signalled.values()))
         for (lease_id, h), listed in zip(signalled.items(), read, strict=True):
-            found = [j for j in listed if j.state is not HoldState.ENDED]
-            if lease_id in self._noticed or lease_id not in self._leases:
-                continue  # noticed by a read of every job meanwhile, or ended
-            if not found:
-                self._noticed.add(lease_id)
-                await self._notify(lease_id, self._clock(), f"{LeaseReason.HOLD_LOST}:{h.job_id}")
-            elif found[0].state is HoldState.PREEMPTED:
-                self._noticed.add(lease_id)
-                chosen = found[0]
-                deadline = chosen.deadline if chosen.deadline is not None else self._clock() + self.notice_s
-                await self._notify(lease_id, deadline, f"{LeaseReason.SCHEDULER_PREEMPTED}:{chosen.job_id}")
-                self._observe_notice(chosen)
-                self._background(self._confirm(list(self._leases.get(lease_id, ()))), "hold-confirm-notice")
+            await self._judge(lease_id, [h.job_id], listed)
+
+    async def _judge(self, lease_id: str, job_ids: Sequence[str], listed: Sequence[Hold]) -> bool:
+        """After a read of some of a lease's jobs (``job_ids``; ``listed``: what Slurm showed of
+        them): one Slurm chose for preemption → reclaimed with Slurm's deadline (the jobs get
+        their notice signal); one gone → ``hold_lost``. True when the lease was noticed so now;
+        False when it had been noticed or had ended already, or when its jobs run unchosen."""
+        if lease_id in self._noticed or lease_id not in self._leases:
+            return False  # noticed by a read of every job meanwhile, or ended
+        found = {j.job_id: j for j in listed if j.state is not HoldState.ENDED}
+        chosen = next(
+            (found[j] for j in job_ids if j in found and found[j].state is HoldState.PREEMPTED), None
+        )
+        if chosen is not None:
+            self._noticed.add(lease_id)
+            deadline = chosen.deadline if chosen.deadline is not None else self._clock() + self.notice_s
+            await self._notify(lease_id, deadline, f"{LeaseReason.SCHEDULER_PREEMPTED}:{chosen.job_id}")
+            self._observe_notice(chosen)
+            self._background(self._confirm(list(self._leases.get(lease_id, ()))), "hold-confirm-notice")
+            return True
+        gone = next((j for j in job_ids if j not in found), None)
+        if gone is not None:
+            self._noticed.add(lease_id)
+            await self._notify(lease_id, self._clock(), f"{LeaseReason.HOLD_LOST}:{gone}")
+            return True
+        return False
 
     def _observe_notice(self, chosen: Hold) -> None:
         """``gpupool_broker_preemption_notice_seconds``: from the SIGTERM Slurm sent ``chosen``
