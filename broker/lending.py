@@ -204,6 +204,11 @@ class SlurmLending:
         placeholder_minutes: time limit of an idle placeholder, minutes.
         unwanted_grace_s: an idle placeholder on a GPU no longer offered is cancelled after
             this many seconds; a placeholder pending this long is cancelled too.
+        retake_cooldown_s: a GPU Slurm took back (a placeholder it preempted, idle or carved, or
+            a lease's hold that went) gets no new placeholder for this many seconds (``None``:
+            the notice + 5 s): the training job it was taken for starts on it only once every
+            GPU it preempts is free, and a placeholder held again meanwhile is one more it must
+            preempt, with one more notice to wait.
         clock: Unix time source.
     """
 
@@ -222,6 +227,7 @@ class SlurmLending:
         term_poll_s: float = 0.05,
         placeholder_minutes: int = 60,
         unwanted_grace_s: float = 5.0,
+        retake_cooldown_s: float | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.scheduler = scheduler
@@ -236,7 +242,10 @@ class SlurmLending:
         self.term_poll_s = term_poll_s
         self.placeholder_minutes = placeholder_minutes
         self.unwanted_grace_s = unwanted_grace_s
+        self.retake_cooldown_s = notice_s + 5.0 if retake_cooldown_s is None else retake_cooldown_s
         self._clock = clock
+        self._cooling: dict[tuple[str, int], float] = {}
+        """GPUs Slurm took back: (node, GRES index) → until when (clock) no placeholder holds them."""
         self._reclaim: Reclaim | None = None
         self._metrics = BrokerMetrics()  # replaced by the service's in bind()
         self._to_hold: ToHold = lambda: ()
@@ -772,6 +781,7 @@ class SlurmLending:
         if left:  # preempted while idle (its script renamed the idle file away): not lendable now
             for host, i in left:
                 del self._idle[host][i]
+            self._cool(left)
             await self._tell()
         signalled: dict[str, Hold] = {}
         for lease_id, holds in self._leases.items():
@@ -825,8 +835,26 @@ class SlurmLending:
             self._metrics.preemption_notice.observe(max(0.0, self._clock() - since))
 
     def _wanted(self) -> dict[str, set[int]]:
-        """GRES indices per node of the GPUs to hold for lending (what placeholders should hold)."""
-        return self.gpu_map.by_node(self._to_hold())
+        """GRES indices per node of the GPUs to hold for lending (what placeholders should hold):
+        those to hold (:attr:`LendingHooks.to_hold`) but the ones cooling down after Slurm took
+        them back (:attr:`retake_cooldown_s`)."""
+        wanted = self.gpu_map.by_node(self._to_hold())
+        if self._cooling:
+            now = self._clock()
+            for where, until in list(self._cooling.items()):
+                if until <= now:
+                    del self._cooling[where]
+                elif where[1] in wanted.get(where[0], ()):
+                    wanted[where[0]].discard(where[1])
+        return wanted
+
+    def _cool(self, gpus: Iterable[tuple[str, int]]) -> None:
+        """Slurm took ``gpus`` (node, GRES index) back: no placeholder for them for
+        :attr:`retake_cooldown_s`."""
+        until = self._clock() + self.retake_cooldown_s
+        for where in gpus:
+            self._cooling[where] = max(until, self._cooling.get(where, until))
+            log.debug("gpu_cooling", extra={"host": where[0], "gpu_index": where[1], "until": until})
 
     async def _tell(self) -> None:
         """Report the GPUs idle placeholders hold (:attr:`LendingHooks.lendable`) if they changed
@@ -884,6 +912,7 @@ class SlurmLending:
                 log.error("notice_signal_failed", extra={"job_id": h.job_id, "error": str(r)})
 
     async def _notify(self, lease_id: str, deadline: float, reason: str) -> None:
+        self._cool((h.host, i) for h in self._leases.get(lease_id, ()) for i in h.gpu_indices)
         log.info(
             "scheduler_reclaim", extra={"lease_id": lease_id, "reclaim_deadline": deadline, "reason": reason}
         )
