@@ -34,7 +34,11 @@ a preemption is noticed when Slurm signals it rather than at the next full read:
 * a lease hold that ended while the lease is live (an operator's ``scancel``, a node failure)
   → the lease is reclaimed with the deadline ``now`` (revoked at the next tick), ``hold_lost``;
 * placeholders are submitted for GPUs to hold not yet held, and idle placeholders on GPUs no
-  longer to hold are cancelled after ``unwanted_grace_s``.
+  longer to hold are cancelled after ``unwanted_grace_s``; a GPU Slurm took back (either case
+  above, or an idle placeholder it preempted) gets no new placeholder for ``retake_cooldown_s``
+  (the job it was taken for may still wait for other GPUs it preempted);
+* a time limit Slurm refuses for a carved placeholder it has just chosen for preemption ("Job has
+  already finished") is that preemption, seen early, not a failure.
 
 Slurm needs nothing from gpupool: holds are ordinary jobs with time limits (a lease's end), and
 partition preemption takes them back with the grace time whether or not the broker runs.
