@@ -130,10 +130,11 @@ def planned_gpus(node: SchedulerNode) -> dict[int, float]:
     and takes them from the GPUs no training job holds (free ones first, then those gpupool's
     own jobs, :data:`contracts.scheduler.LENT_JOB_NAME`, hold: the scheduler preempts those),
     lowest index first; the rest it needs come from training jobs that end by then. Jobs are
-    served earliest planned start first (then by job id); jobs without a planned start, or not
-    planned onto this node, need none of its GPUs."""
+    served earliest planned start first (then by job id); jobs without a planned start, not
+    planned onto this node, or gpupool's own placeholders waiting to start
+    (:meth:`contracts.scheduler.SchedulerNode.planned_training`) need none of its GPUs."""
     jobs = sorted(
-        ((p.planned_start, p) for p in node.pending if p.planned_start is not None and node.host in p.planned_nodes),
+        ((p.planned_start, p) for p in node.planned_training() if p.planned_start is not None),
         key=lambda sp: (sp[0], sp[1].job_id),
     )
     if not jobs:

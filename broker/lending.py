@@ -34,7 +34,11 @@ a preemption is noticed when Slurm signals it rather than at the next full read:
 * a lease hold that ended while the lease is live (an operator's ``scancel``, a node failure)
   → the lease is reclaimed with the deadline ``now`` (revoked at the next tick), ``hold_lost``;
 * placeholders are submitted for GPUs to hold not yet held, and idle placeholders on GPUs no
-  longer to hold are cancelled after ``unwanted_grace_s``.
+  longer to hold are cancelled after ``unwanted_grace_s``; a GPU Slurm took back (either case
+  above, or an idle placeholder it preempted) gets no new placeholder for ``retake_cooldown_s``
+  (the job it was taken for may still wait for other GPUs it preempted);
+* a time limit Slurm refuses for a carved placeholder it has just chosen for preemption ("Job has
+  already finished") is that preemption, seen early, not a failure.
 
 Slurm needs nothing from gpupool: holds are ordinary jobs with time limits (a lease's end), and
 partition preemption takes them back with the grace time whether or not the broker runs.
@@ -103,6 +107,7 @@ class LendingHooks:
 
 async def _nothing_lendable(_: frozenset[str]) -> None:
     return None
+
 
 _RETAG_DELAY_S = 0.2
 """Seconds between a carving and the Slurm commands that name its jobs."""
@@ -203,6 +208,11 @@ class SlurmLending:
         placeholder_minutes: time limit of an idle placeholder, minutes.
         unwanted_grace_s: an idle placeholder on a GPU no longer offered is cancelled after
             this many seconds; a placeholder pending this long is cancelled too.
+        retake_cooldown_s: a GPU Slurm took back (a placeholder it preempted, idle or carved, or
+            a lease's hold that went) gets no new placeholder for this many seconds (``None``:
+            the notice + 5 s): the training job it was taken for starts on it only once every
+            GPU it preempts is free, and a placeholder held again meanwhile is one more it must
+            preempt, with one more notice to wait.
         clock: Unix time source.
     """
 
@@ -221,6 +231,7 @@ class SlurmLending:
         term_poll_s: float = 0.05,
         placeholder_minutes: int = 60,
         unwanted_grace_s: float = 5.0,
+        retake_cooldown_s: float | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.scheduler = scheduler
@@ -235,7 +246,10 @@ class SlurmLending:
         self.term_poll_s = term_poll_s
         self.placeholder_minutes = placeholder_minutes
         self.unwanted_grace_s = unwanted_grace_s
+        self.retake_cooldown_s = notice_s + 5.0 if retake_cooldown_s is None else retake_cooldown_s
         self._clock = clock
+        self._cooling: dict[tuple[str, int], float] = {}
+        """GPUs Slurm took back: (node, GRES index) → until when (clock) no placeholder holds them."""
         self._reclaim: Reclaim | None = None
         self._metrics = BrokerMetrics()  # replaced by the service's in bind()
         self._to_hold: ToHold = lambda: ()
@@ -577,7 +591,12 @@ class SlurmLending:
                 minutes = max(1, math.ceil((record.ends_at - started) / 60.0))
             groups.setdefault(minutes, []).append(h.job_id)
         for minutes, job_ids in groups.items():
-            argv = ["scontrol", "update", f"JobId={','.join(job_ids)}", f"Comment={COMMENT_PREFIX}{record.lease_id}"]
+            argv = [
+                "scontrol",
+                "update",
+                f"JobId={','.join(job_ids)}",
+                f"Comment={COMMENT_PREFIX}{record.lease_id}",
+            ]
             if minutes is not None:
                 argv.append(f"TimeLimit={minutes}")
             if record.lease_id not in self._leases:
@@ -587,6 +606,19 @@ class SlurmLending:
             except SchedulerError as e:
                 if record.lease_id not in self._leases or record.lease_id in self._noticed:
                     return  # ended, or Slurm is taking it back: a leaving job takes no update
+                # Slurm refuses a new time limit for a job it has chosen for preemption ("Job has
+                # already finished"): a claim carved a placeholder in the instant between
+                # Slurm's choice and the script's leaving; that is a reclaim, not a failure
+                with contextlib.suppress(SchedulerError):
+                    read = await asyncio.gather(*(self.scheduler.jobs(j) for j in job_ids))
+                    if await self._judge(record.lease_id, job_ids, [h for listed in read for h in listed]):
+                        log.info(
+                            "hold_retag_taken_back",
+                            extra={"lease_id": record.lease_id, "job_ids": job_ids, "error": str(e)},
+                        )
+                        return
+                if record.lease_id not in self._leases or record.lease_id in self._noticed:
+                    return
                 self._metrics.scheduler_errors.labels(operation="retag").inc()
                 log.error(
                     "hold_retag_failed",
@@ -753,6 +785,7 @@ class SlurmLending:
         if left:  # preempted while idle (its script renamed the idle file away): not lendable now
             for host, i in left:
                 del self._idle[host][i]
+            self._cool(left)
             await self._tell()
         signalled: dict[str, Hold] = {}
         for lease_id, holds in self._leases.items():
@@ -766,19 +799,32 @@ class SlurmLending:
             return
         read = await asyncio.gather(*(self.scheduler.jobs(h.job_id) for h in signalled.values()))
         for (lease_id, h), listed in zip(signalled.items(), read, strict=True):
-            found = [j for j in listed if j.state is not HoldState.ENDED]
-            if lease_id in self._noticed or lease_id not in self._leases:
-                continue  # noticed by a read of every job meanwhile, or ended
-            if not found:
-                self._noticed.add(lease_id)
-                await self._notify(lease_id, self._clock(), f"{LeaseReason.HOLD_LOST}:{h.job_id}")
-            elif found[0].state is HoldState.PREEMPTED:
-                self._noticed.add(lease_id)
-                chosen = found[0]
-                deadline = chosen.deadline if chosen.deadline is not None else self._clock() + self.notice_s
-                await self._notify(lease_id, deadline, f"{LeaseReason.SCHEDULER_PREEMPTED}:{chosen.job_id}")
-                self._observe_notice(chosen)
-                self._background(self._confirm(list(self._leases.get(lease_id, ()))), "hold-confirm-notice")
+            await self._judge(lease_id, [h.job_id], listed)
+
+    async def _judge(self, lease_id: str, job_ids: Sequence[str], listed: Sequence[Hold]) -> bool:
+        """After a read of some of a lease's jobs (``job_ids``; ``listed``: what Slurm showed of
+        them): one Slurm chose for preemption → reclaimed with Slurm's deadline (the jobs get
+        their notice signal); one gone → ``hold_lost``. True when the lease was noticed so now;
+        False when it had been noticed or had ended already, or when its jobs run unchosen."""
+        if lease_id in self._noticed or lease_id not in self._leases:
+            return False  # noticed by a read of every job meanwhile, or ended
+        found = {j.job_id: j for j in listed if j.state is not HoldState.ENDED}
+        chosen = next(
+            (found[j] for j in job_ids if j in found and found[j].state is HoldState.PREEMPTED), None
+        )
+        if chosen is not None:
+            self._noticed.add(lease_id)
+            deadline = chosen.deadline if chosen.deadline is not None else self._clock() + self.notice_s
+            await self._notify(lease_id, deadline, f"{LeaseReason.SCHEDULER_PREEMPTED}:{chosen.job_id}")
+            self._observe_notice(chosen)
+            self._background(self._confirm(list(self._leases.get(lease_id, ()))), "hold-confirm-notice")
+            return True
+        gone = next((j for j in job_ids if j not in found), None)
+        if gone is not None:
+            self._noticed.add(lease_id)
+            await self._notify(lease_id, self._clock(), f"{LeaseReason.HOLD_LOST}:{gone}")
+            return True
+        return False
 
     def _observe_notice(self, chosen: Hold) -> None:
         """``gpupool_broker_preemption_notice_seconds``: from the SIGTERM Slurm sent ``chosen``
@@ -793,8 +839,26 @@ class SlurmLending:
             self._metrics.preemption_notice.observe(max(0.0, self._clock() - since))
 
     def _wanted(self) -> dict[str, set[int]]:
-        """GRES indices per node of the GPUs to hold for lending (what placeholders should hold)."""
-        return self.gpu_map.by_node(self._to_hold())
+        """GRES indices per node of the GPUs to hold for lending (what placeholders should hold):
+        those to hold (:attr:`LendingHooks.to_hold`) but the ones cooling down after Slurm took
+        them back (:attr:`retake_cooldown_s`)."""
+        wanted = self.gpu_map.by_node(self._to_hold())
+        if self._cooling:
+            now = self._clock()
+            for where, until in list(self._cooling.items()):
+                if until <= now:
+                    del self._cooling[where]
+                elif where[1] in wanted.get(where[0], ()):
+                    wanted[where[0]].discard(where[1])
+        return wanted
+
+    def _cool(self, gpus: Iterable[tuple[str, int]]) -> None:
+        """Slurm took ``gpus`` (node, GRES index) back: no placeholder for them for
+        :attr:`retake_cooldown_s`."""
+        until = self._clock() + self.retake_cooldown_s
+        for where in gpus:
+            self._cooling[where] = max(until, self._cooling.get(where, until))
+            log.debug("gpu_cooling", extra={"host": where[0], "gpu_index": where[1], "until": until})
 
     async def _tell(self) -> None:
         """Report the GPUs idle placeholders hold (:attr:`LendingHooks.lendable`) if they changed
@@ -852,6 +916,7 @@ class SlurmLending:
                 log.error("notice_signal_failed", extra={"job_id": h.job_id, "error": str(r)})
 
     async def _notify(self, lease_id: str, deadline: float, reason: str) -> None:
+        self._cool((h.host, i) for h in self._leases.get(lease_id, ()) for i in h.gpu_indices)
         log.info(
             "scheduler_reclaim", extra={"lease_id": lease_id, "reclaim_deadline": deadline, "reason": reason}
         )

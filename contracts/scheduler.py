@@ -142,12 +142,18 @@ class SchedulerNode(Record):
         """False when the state or a flag is in :data:`UNSCHEDULABLE_NODE_STATES`."""
         return not ({self.state, *self.state_flags} & UNSCHEDULABLE_NODE_STATES)
 
-    def next_planned_start(self) -> float | None:
-        """The earliest ``planned_start`` of the pending jobs planned onto this node (Unix s),
-        ``None`` when none has an estimate."""
-        starts = [
-            p.planned_start
+    def planned_training(self) -> list[PendingJob]:
+        """The pending jobs the scheduler plans onto this node with an expected start, except
+        gpupool's own (:data:`LENT_JOB_NAME`: a placeholder waiting to hold a GPU for lending is
+        no demand on it; the scheduler plans it like any other job)."""
+        return [
+            p
             for p in self.pending
-            if p.planned_start is not None and self.host in p.planned_nodes
+            if p.planned_start is not None and self.host in p.planned_nodes and p.job_name != LENT_JOB_NAME
         ]
+
+    def next_planned_start(self) -> float | None:
+        """The earliest ``planned_start`` of the pending jobs planned onto this node (Unix s;
+        :meth:`planned_training`), ``None`` when none has an estimate."""
+        starts = [p.planned_start for p in self.planned_training() if p.planned_start is not None]
         return min(starts) if starts else None

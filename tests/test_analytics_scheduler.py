@@ -305,3 +305,29 @@ def test_a_gpu_the_plan_needs_is_not_lent_and_carries_its_planned_start() -> Non
     assert join.block_reason(_status("k3"), T0 + 100) == "scheduler_planned_start"
     join.forget_hosts([HOST])
     assert join.planned_start(_status("k1")) is None
+
+
+def test_gpupools_own_pending_placeholders_are_no_demand() -> None:
+    """Slurm plans a pending placeholder (``SchedNodeList``, ``StartTime``) like any job; it waits
+    to hold a GPU for lending, so it withholds nothing, starts no window's end and puts no lease
+    at risk; a training job planned alongside it still does."""
+    from analytics.scheduler import planned_gpus
+    from contracts.scheduler import LENT_JOB_NAME
+
+    own = PendingJob(
+        job_id="44", job_name=LENT_JOB_NAME, gpus_per_node=1, planned_start=T0, planned_nodes=[HOST]
+    )
+    rec = _planned_node(need=2, start=None, more=(own,))
+    assert planned_gpus(rec) == {}
+    assert rec.next_planned_start() is None
+    join = SchedulerJoin(stale_after_s=600.0)
+    for i in range(8):
+        join.note_gpu(f"k{i}", i)
+    join.observe(rec)
+    assert [join.block_reason(_status(f"k{i}"), T0) for i in range(8)] == [None] * 8
+    assert join.window_end(HOST) is None
+    # the same job under a training name is demand: one GPU withheld, the node's window ends at T0
+    theirs = own.model_copy(update={"job_name": "train-7"})
+    rec = _planned_node(need=2, start=None, more=(theirs,))
+    assert planned_gpus(rec) == {0: T0}
+    assert rec.next_planned_start() == T0

@@ -279,3 +279,29 @@ async def test_a_lease_on_two_nodes_runs_its_workload_on_each_and_a_restarted_br
         assert [again.endpoint(lease.lease_id)[h] for h in hosts] == urls
         assert again.held_gpus()[lease.lease_id] == tuple(sorted(i for v in held.values() for i in v))
         await site2.release(lease.lease_id)
+
+
+async def test_gpus_slurm_preempted_get_no_placeholder_until_the_cooldown_ends(
+    kafka_bus: Bus, kafka_stage_topics: KafkaTopics, mosquitto: dict[str, Any], slurm: SlurmUnderTest
+) -> None:
+    """A training job preempts 2 idle placeholders; once it has left again (the GPUs are free and
+    still idle by capacity), the broker holds the other 6 only until the cool-down (notice + 5 s)
+    has passed since Slurm took the 2 back, then all 8 again."""
+    host = "gpu-node-004"
+    async with _lent_node(kafka_bus, kafka_stage_topics, mosquitto, slurm, host) as (lending, _, _):
+        assert lending.retake_cooldown_s == SLURM_GRACE_S + 5
+        train = slurm.submit_training(host, 2)
+        await until(lambda: slurm.training_state(train) == "running", 15)
+        taken = dict(lending._cooling)
+        assert len(taken) == 2 and {h for h, _ in taken} == {host}
+        slurm.cancel(train)
+        await until(lambda: slurm.training_state(train) == "GONE", 15)
+        await idle_capacity(kafka_bus, kafka_stage_topics, host)
+        ends = min(taken.values())
+        while time.time() < ends - 0.5:
+            assert slurm.idle_held(lending, host) <= 6
+            assert len(slurm.lent_holding(host)) <= 6
+            await asyncio.sleep(0.2)
+        await idle_capacity(kafka_bus, kafka_stage_topics, host)
+        await until(lambda: slurm.idle_held(lending, host) == 8, 20)
+        assert lending._cooling == {}

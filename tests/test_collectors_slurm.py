@@ -247,3 +247,45 @@ async def test_collect_run_with_slurm_conf_streams_node_records(
     hosts = [decode(SchedulerNode, m.value or b"").host for m in msgs]
     assert {m.key for m in msgs} == set(hosts) == {f"gpu-node-00{i}" for i in range(1, 5)}
     assert all(len(decode(SchedulerNode, m.value or b"").gpus) == 8 for m in msgs)
+
+
+async def test_a_pending_placeholder_slurm_plans_is_no_demand(slurm_conf: Path) -> None:
+    """Slurm's backfill plans gpupool's own pending placeholder (``SchedNodeList``, ``StartTime``)
+    as it plans training jobs; analytics must not take it for a training job: it withholds no
+    GPU (``planned_gpus``), cuts no window and puts no lease at risk."""
+    from analytics.scheduler import planned_gpus
+    from contracts.scheduler import LENT_JOB_NAME
+
+    train = _slurm(
+        slurm_conf, "sbatch", "--parsable", "-p", "training", "-w", HOST, "--gres=gpu:h100:8", "-c", "1",
+        "-t", "5", "-J", "train-8", "-o", "/dev/null", "--wrap", "sleep 120",
+    ).strip()  # fmt: skip
+    held = ""
+    try:
+        state = ("squeue", "-h", "-j", train, "-o", "%T")
+        _wait(lambda: _slurm(slurm_conf, *state).strip() == "RUNNING", 20, "RUNNING")
+        held = _slurm(
+            slurm_conf, "sbatch", "--parsable", "-p", "lent", "-w", HOST, "--gres=gpu:h100:1", "-c", "1",
+            "-t", "5", "-J", LENT_JOB_NAME, "-o", "/dev/null", "--wrap", "sleep 120",
+        ).strip()  # fmt: skip
+
+        def planned() -> bool:
+            out = _slurm(slurm_conf, "squeue", "--start", "-h", "-j", held, "-o", "%S|%Y")
+            return bool(re.match(r"\d{4}-", out)) and HOST in out
+
+        _wait(planned, 20, "backfill estimate for the pending placeholder")
+        bus, topics = MemoryBus(), KafkaTopics()
+        collector = SlurmCollector(bus, topics, slurm_conf=slurm_conf)
+        await collector.start()
+        try:
+            read = await collector.collect()
+        finally:
+            await collector.stop()
+        node = next(r for r in read.records if r.host == HOST)
+        [pending] = [p for p in node.pending if p.job_id == held]
+        assert pending.job_name == LENT_JOB_NAME and pending.planned_start is not None
+        assert HOST in pending.planned_nodes
+        assert node.planned_training() == [] and node.next_planned_start() is None
+        assert planned_gpus(node) == {}
+    finally:
+        _slurm(slurm_conf, "scancel", train, *([held] if held else []))

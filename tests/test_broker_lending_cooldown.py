@@ -1,0 +1,102 @@
+"""broker.lending.SlurmLending: a GPU Slurm took back gets no new placeholder for
+``retake_cooldown_s`` (default: the notice + 5 s). The training job Slurm preempted for starts
+only once every GPU it preempts is free; a placeholder held again on one of them meanwhile is one
+more it must preempt, with one more notice to wait (and one more GPU taken back for nothing)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from broker.lending import LendingHooks, SlurmLending
+from broker.metrics import BrokerMetrics
+from broker.scheduler import Hold, HoldState
+from contracts import LeaseLogRecord, LeaseState
+from contracts.leases import LeaseReason
+
+
+class _Slurm:
+    partition, gres_type, cpus_per_gpu = "lent", "h100", 1
+
+    def __init__(self) -> None:
+        self.listed: list[Hold] = []
+
+    async def command(self, *argv: str, stdin: str | None = None) -> str:
+        if argv[0] in ("scancel", "scontrol"):
+            return ""
+        raise AssertionError(f"unexpected command {argv}")
+
+    async def jobs(self, job_id: str | None = None) -> list[Hold]:
+        return [h for h in self.listed if job_id is None or h.job_id == job_id]
+
+
+WANTED = ("n1/gpu0", "n1/gpu1", "n1/gpu2")
+
+
+def _lending(tmp_path: Path, now: list[float], **kw: float) -> tuple[SlurmLending, _Slurm, list[str]]:
+    slurm = _Slurm()
+    lending = SlurmLending(slurm, control_dir=tmp_path, notice_s=2.0, clock=lambda: now[0], **kw)  # type: ignore[arg-type]
+    reclaims: list[str] = []
+
+    async def reclaim(lease_id: str, deadline: float, reason: str) -> None:
+        reclaims.append(reason)
+
+    async def lendable(_: frozenset[str]) -> None:
+        return None
+
+    hooks = LendingHooks(reclaim=reclaim, to_hold=lambda: WANTED, lendable=lendable, republish=lambda _: None)
+    lending.bind(hooks, BrokerMetrics())
+    return lending, slurm, reclaims
+
+
+def _idle(lending: SlurmLending, tmp_path: Path, index: int, job: str) -> Hold:
+    h = Hold("", job, "n1", (index,), HoldState.RUNNING, started_at=0.0)
+    lending._idle.setdefault("n1", {})[index] = h
+    (tmp_path / f"{job}.idle").write_text("")
+    return h
+
+
+async def test_an_idle_placeholder_slurm_preempted_is_not_held_again_until_the_cooldown_ends(
+    tmp_path: Path,
+) -> None:
+    now = [1000.0]
+    lending, _, _ = _lending(tmp_path, now)
+    assert lending.retake_cooldown_s == 7.0  # notice 2 s + 5 s
+    _idle(lending, tmp_path, 0, "10")
+    _idle(lending, tmp_path, 1, "11")
+    (tmp_path / "10.idle").unlink()  # its script left on Slurm's SIGTERM
+    await lending._terms()
+    assert lending._idle["n1"].keys() == {1}
+    assert lending._wanted() == {"n1": {1, 2}}
+    now[0] = 1006.999
+    assert lending._wanted() == {"n1": {1, 2}}
+    now[0] = 1007.0  # the cooldown's end: wanted again
+    assert lending._wanted() == {"n1": {0, 1, 2}}
+    assert lending._cooling == {}
+
+
+async def test_a_lease_slurm_took_back_cools_its_gpus(tmp_path: Path) -> None:
+    now = [1000.0]
+    lending, slurm, reclaims = _lending(tmp_path, now, retake_cooldown_s=30.0)
+    h1, h2 = _idle(lending, tmp_path, 1, "11"), _idle(lending, tmp_path, 2, "12")
+    record = LeaseLogRecord(
+        lease_id="L1", site="edge-a", claim_id="c1", offer_id="o", gpus=["n1/gpu1", "n1/gpu2"],
+        state=LeaseState.GRANTED, ts=now[0], granted_at=now[0], expires_at=now[0] + 600, notice_seconds=2.0,
+    )  # fmt: skip
+    assert await lending.hold(record) == ""
+    slurm.listed = [
+        Hold("", "11", "n1", (1,), HoldState.PREEMPTED, deadline=now[0] + 2, preempted_at=now[0]),
+        Hold("", "12", "n1", (2,), HoldState.RUNNING),
+    ]
+    (tmp_path / "11.term").write_text(f"{now[0]}\n")
+    try:
+        await lending._terms()
+        assert reclaims == [f"{LeaseReason.SCHEDULER_PREEMPTED}:11"]
+        lending.ended(record)
+        assert lending._wanted() == {"n1": {0}}  # both of the lease's GPUs, not only the one chosen
+        now[0] += 29.9
+        assert lending._wanted() == {"n1": {0}}
+        now[0] += 0.1
+        assert lending._wanted() == {"n1": {0, 1, 2}}
+    finally:
+        await lending.stop()
+    assert (h1.job_id, h2.job_id) == ("11", "12")
