@@ -1,5 +1,5 @@
 """Simulated DCGM telemetry follows training pods on the local Kubernetes control plane
-(gpupool.kube_follow): a Job's pod on gpu-node-003 makes the simulated GPUs of its slots busy, the
+(gpupool.demo_kubernetes.PodStream, fed by the Kubernetes source's caches): a Job's pod on gpu-node-003 makes the simulated GPUs of its slots busy, the
 same slots the Kubernetes source reports allocated; gpupool's lent pod leaves its GPU at 0 %; when
 the Job ends its GPUs go back to 0 %."""
 
@@ -14,7 +14,7 @@ import pytest
 from collectors.kube_collector import KubernetesCollector
 from contracts import KafkaTopics
 from contracts.bus import MemoryBus
-from gpupool.kube_follow import PodFollower
+from gpupool.demo_kubernetes import PodStream
 from simulator.fleet import Fleet
 from simulator.trace import Trace
 from tests.kube_support import HOST, Team, as_collector
@@ -32,18 +32,16 @@ async def _until(cond: object, timeout_s: float, what: str) -> None:
 
 
 async def test_simulated_gpus_follow_the_pods_on_the_slots_the_source_reports(
-    kubeconfig: Path, team: Team, trace: Trace
+    kubeconfig: Path, team: Team, trace: Trace, tmp_path: Path
 ) -> None:
     fleet = Fleet(trace, nodes=4, gpus_per_node=8, seed=3)
-    follower = PodFollower(
-        as_collector(kubeconfig), {(g.host, g.index): g.key for g in fleet.gpus()}, poll_s=0.1
-    )
-    fleet.follow_scheduler(follower.history)
     source = KubernetesCollector(MemoryBus(), KafkaTopics(), as_collector(kubeconfig), kueue=False)
+    stream = PodStream(source, 1.0, tmp_path, {(g.host, g.index): g.key for g in fleet.gpus()}, poll_s=0.1)
+    fleet.follow_scheduler(stream.history)
     for informer in source.informers:
         informer.start()
     stop = asyncio.Event()
-    task = asyncio.create_task(follower.run(stop))
+    task = asyncio.create_task(stream.run(stop))
     key = {i: fleet.gpu(HOST, i).key for i in range(8)}
     try:
         team.pod("train", 3)
@@ -61,7 +59,7 @@ async def test_simulated_gpus_follow_the_pods_on_the_slots_the_source_reports(
         for i in range(8):
             util = fleet.fields(HOST, i, now)["DCGM_FI_PROF_GR_ENGINE_ACTIVE"]
             assert (util > 0) if i < 3 else util == 0, (i, util)
-        assert not follower.errors
+        assert source.synced()  # no list or watch failed since
 
         team.core.delete_namespaced_pod("train", team.ns, grace_period_seconds=0)
         await _until(lambda: busy() == set(), 30, "the GPUs idle again")
