@@ -44,7 +44,7 @@ from collectors.kube_parse import (
 )
 from collectors.kube_records import build_node_records, pending_gpus
 from collectors.kube_watch import Informer
-from collectors.scheduler_source import produce_records, run_every
+from collectors.scheduler_source import ReadFailures, produce_records, run_every
 from collectors.metrics import KubernetesMetrics
 from contracts.bus import Bus, Producer, require_topics
 from contracts.scheduler import SchedulerNode
@@ -117,7 +117,7 @@ class KubernetesCollector:
         self._clock = clock
         self._producer: Producer | None = None
         self._seq = 0
-        self._failing: str | None = None
+        self._failures = ReadFailures("kubernetes")
         self._pending: dict[str, int] = {}
         self.metrics = metrics if metrics is not None else KubernetesMetrics()
         self.metrics.watch_pending(lambda: {(q,): n for q, n in self._pending.items()})
@@ -217,15 +217,11 @@ class KubernetesCollector:
         except RuntimeError as exc:
             result.failure = str(exc)
             self.metrics.reads.labels(outcome="failed").inc()
-            if self._failing != result.failure:
-                log.warning("kubernetes_read_failed", extra={"failure": result.failure})
-            self._failing = result.failure
+            self._failures.failed(result.failure)
             result.duration_s = time.monotonic() - t0
             self.metrics.read_duration.observe(result.duration_s)
             return result
-        if self._failing is not None:
-            log.info("kubernetes_read_recovered", extra={"was": self._failing})
-            self._failing = None
+        self._failures.ok()
         if overflow:
             self.metrics.errors.labels(resource="pods", reason="over_allocated").inc(overflow)
         result.ok, result.records, result.overflow = True, records, overflow

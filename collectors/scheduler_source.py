@@ -1,6 +1,6 @@
 """What the training scheduler's sources (:mod:`collectors.slurm_collector`,
-:mod:`collectors.kube_collector`) share: producing one read's node records, and reading on an
-interval.
+:mod:`collectors.kube_collector`) share: producing one read's node records, reading on an
+interval, and logging a failing read once per failure (:class:`ReadFailures`).
 
 Both report every failure through a callback ``failed(where, exc)``, where ``where`` is
 ``"produce"`` (a record or the flush refused by Kafka) or ``"loop"`` (an unexpected exception
@@ -22,6 +22,35 @@ from contracts.scheduler import SchedulerNode
 log = logging.getLogger(__name__)
 
 Failed = Callable[[str, BaseException], None]
+
+
+class ReadFailures:
+    """A source's read failures, logged when they change rather than on every read.
+
+    ``failed`` logs ``<source>_read_failed`` (warning) when the failure differs from the last
+    read's, ``ok`` logs ``<source>_read_recovered`` (info, ``was``: the last failure) once after a
+    failure. Counting the failure in a metric stays with the source (its labels differ).
+
+    Attributes:
+        source: the event prefix, for example ``"slurm"`` or ``"kubernetes"``.
+        failing: the current failure (a short reason string), or None while reads succeed.
+    """
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.failing: str | None = None
+
+    def failed(self, failure: str, **extra: object) -> None:
+        """Record that this read failed with ``failure``; ``extra`` is logged with the first one."""
+        if self.failing != failure:
+            log.warning(f"{self.source}_read_failed", extra={"failure": failure, **extra})
+        self.failing = failure
+
+    def ok(self) -> None:
+        """Record that this read succeeded."""
+        if self.failing is not None:
+            log.info(f"{self.source}_read_recovered", extra={"was": self.failing})
+            self.failing = None
 
 
 async def produce_records(producer: Producer, topic: str, records: Sequence[SchedulerNode], failed: Failed) -> int:

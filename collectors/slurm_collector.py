@@ -35,7 +35,7 @@ from datetime import tzinfo
 from functools import partial
 from pathlib import Path
 
-from collectors.scheduler_source import produce_records, run_every
+from collectors.scheduler_source import ReadFailures, produce_records, run_every
 from collectors.metrics import SlurmMetrics
 from collectors.slurm_parse import JobInfo, NodeInfo, ParseProblem, parse_job, parse_node, parse_records, pending_gpus
 from collectors.slurm_records import build_node_records
@@ -131,7 +131,7 @@ class SlurmCollector:
         self._tz = tz
         self._producer: Producer | None = None
         self._seq = 0
-        self._failing: str | None = None
+        self._failures = ReadFailures("slurm")
         self._pending: dict[str, int] = {}
         """GPUs asked by pending jobs at the latest read, by partition (replaced whole)."""
         self.metrics = metrics if metrics is not None else SlurmMetrics()
@@ -220,18 +220,11 @@ class SlurmCollector:
         except _CommandFailed as exc:
             self.metrics.errors.labels(command=exc.command, reason=exc.reason).inc()
             result.failure = f"{exc.command}:{exc.reason}"
-            if self._failing != result.failure:
-                log.warning(
-                    "slurm_read_failed",
-                    extra={"command": exc.command, "reason": exc.reason, "detail": exc.detail},
-                )
-            self._failing = result.failure
+            self._failures.failed(result.failure, command=exc.command, reason=exc.reason, detail=exc.detail)
             result.duration_s = time.monotonic() - t0
             self.metrics.read_duration.observe(result.duration_s)
             return result
-        if self._failing is not None:
-            log.info("slurm_read_recovered", extra={"was": self._failing})
-            self._failing = None
+        self._failures.ok()
         for p in problems:
             result.problems[p.reason] += 1
             self.metrics.errors.labels(command="parse", reason=p.reason).inc()

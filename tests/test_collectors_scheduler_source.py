@@ -5,8 +5,11 @@ failing read reported, the loop going on until stopped)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
-from collectors.scheduler_source import produce_records, run_every
+import pytest
+
+from collectors.scheduler_source import ReadFailures, produce_records, run_every
 from contracts.base import encode
 from contracts.scheduler import SchedulerNode
 
@@ -74,3 +77,20 @@ def test_run_every_reports_a_failing_read_and_goes_on_until_stopped() -> None:
     asyncio.run(main())
     assert calls == [0, 1, 2]
     assert failures == [("loop", "ValueError")]
+
+
+def test_read_failures_log_a_failure_once_per_change_and_the_recovery_once(caplog: pytest.LogCaptureFixture) -> None:
+    failures = ReadFailures("slurm")
+    with caplog.at_level(logging.INFO, logger="collectors.scheduler_source"):
+        failures.ok()  # nothing failed: no recovery to log
+        failures.failed("sinfo:timeout", command="sinfo")
+        failures.failed("sinfo:timeout", command="sinfo")
+        failures.failed("squeue:exit_1", command="squeue")
+        assert failures.failing == "squeue:exit_1"
+        failures.ok()
+        failures.ok()
+    events = [(r.getMessage(), getattr(r, "failure", None) or getattr(r, "was", None)) for r in caplog.records]
+    assert events == [("slurm_read_failed", "sinfo:timeout"), ("slurm_read_failed", "squeue:exit_1"),
+                      ("slurm_read_recovered", "squeue:exit_1")]
+    assert caplog.records[0].command == "sinfo"  # type: ignore[attr-defined]
+    assert failures.failing is None
