@@ -46,7 +46,7 @@ from gpupool.demo_fabric import (
 from gpupool.demo_edge import ServingSite, no_load_reason
 from gpupool.demo_leases import LeaseRow, LeaseWatch, lease_rows, percentile, write_rows
 from gpupool.demo_kubernetes import KubeCluster, KubernetesParts
-from gpupool.demo_slurm import DemoCluster, SchedulerMode, SlurmParts, SlurmUnavailable, missing_slurm_tools
+from gpupool.demo_slurm import DemoCluster, SchedulerMode, SlurmParts, SlurmUnavailable, missing_slurm_tools, scheduler_summary
 from runtime.bus import make_bus
 
 if TYPE_CHECKING:
@@ -678,8 +678,9 @@ async def _run_pipeline(
         isolate_p99_s=percentile(timed, 0.99),
         leases_file=str(leases_path) if records is not None else None,
         lease_rows_file=str(rows_path) if rows_path.exists() else None,
-        scheduler={**(sched or {}), **(asdict(parts.summary(records or watch.records, every_site, wall0, wall1))
-                                       if parts is not None else {})},
+        scheduler={**(sched or {}), **(asdict(scheduler_summary(
+            parts.stream, records or watch.records, {lid: n for s in every_site for lid, n in s.notices.items()},
+            parts.locate, wall0, wall1, parts.notice_s)) if parts is not None else {})},
         training_starts_file=str(starts_path) if starts_path.exists() else None,
         sites={s.name: s.stats() for s in every_site},
         edge_load=_edge_load(cfg, serving, sched),

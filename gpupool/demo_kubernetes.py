@@ -26,16 +26,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from collectors.kube_records import build_node_records
 from collectors.slurm_parse import JobInfo
-from contracts import LeaseLogRecord
 from contracts.scheduler import SchedulerNode
-from gpupool.demo_slurm import SchedulerSummary, TrainingStream, scheduler_summary
+from gpupool.demo_slurm import TrainingStream
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -44,9 +43,7 @@ if TYPE_CHECKING:
     from collectors.kube_collector import KubernetesCollector
     from contracts import KafkaTopics
     from contracts.bus import Bus
-    from gpupool.demo_edge import ServingSite
     from simulator.fleet import Fleet
-    from simulator.sites import SimulatedSite
 
 
 @dataclass(frozen=True)
@@ -193,10 +190,3 @@ class KubernetesParts:
     async def close(self) -> None:
         """Nothing to cancel (see :meth:`PodStream.cancel_all`)."""
         await asyncio.to_thread(self.stream.cancel_all)
-
-    def summary(
-        self, records: Sequence[LeaseLogRecord], sites: Sequence[SimulatedSite | ServingSite], t0: float, t1: float
-    ) -> SchedulerSummary:
-        """:func:`gpupool.demo_slurm.scheduler_summary` of the run from ``t0`` to ``t1`` (Unix s)."""
-        notices = {lid: n for s in sites for lid, n in s.notices.items()}
-        return scheduler_summary(self.stream, records, notices, self.locate, t0, t1, self.notice_s)

@@ -48,8 +48,6 @@ if TYPE_CHECKING:
     from contracts import KafkaTopics
     from contracts.bus import Bus
     from simulator.fleet import Fleet
-    from gpupool.demo_edge import ServingSite
-    from simulator.sites import SimulatedSite
 
 log = logging.getLogger(__name__)
 
@@ -492,9 +490,3 @@ class SlurmParts:
     async def close(self) -> None:
         """Cancel the training jobs and gpupool holds of this run (the cluster as found)."""
         await asyncio.to_thread(self.stream.cancel_all)
-
-    def summary(self, records: Sequence[LeaseLogRecord], sites: Sequence[SimulatedSite | ServingSite], t0: float,
-                t1: float) -> SchedulerSummary:
-        """:func:`scheduler_summary` of the run from ``t0`` to ``t1`` (Unix s), notices from ``sites``."""
-        notices = {lid: n for s in sites for lid, n in s.notices.items()}
-        return scheduler_summary(self.stream, records, notices, self.locate, t0, t1, self.notice_s)
