@@ -56,9 +56,9 @@ import pyarrow as pa
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from analytics.classify import FB_FREE, FB_RESERVED, FB_TOTAL, FB_USED, GPU_UTIL, GR_ENGINE_ACTIVE, SM_ACTIVE
+from analytics.decode import decode_batch
 from analytics.rows import POWER_USAGE
 from analytics.store import AnalyticsStore, _upsert_offsets  # the offsets as the stage stores them
-from analytics.decode import decode_batch
 from bench.analytics import TOPICS, _gpu, _messages, _rows, _scrape_messages
 from contracts.bus import BusMessage, TopicPartition
 
@@ -90,10 +90,12 @@ _INT = r"-?(?:0|[1-9][0-9]{0,17})"
 
 
 def _list(item: str) -> str:
+    """RE2: a compact JSON list of ``item`` (maybe empty)."""
     return rf"\[(?:{item}(?:,{item})*)?\]"
 
 
 def _map(value: str) -> str:
+    """RE2: a compact JSON object of string keys to ``value`` (maybe empty)."""
     return rf"\{{(?:{_STR}:{value}(?:,{_STR}:{value})*)?\}}"
 
 
@@ -122,6 +124,8 @@ _READ = (
 
 
 def _micros(seconds: str) -> str:
+    """SQL: Unix ``seconds`` as a ``TIMESTAMP`` rounded half to even to the microsecond, as
+    :func:`analytics.rows.gpu_scrapes_table` stores it."""
     return f"make_timestamp(CAST(round_even({seconds} * 1000000.0, 0) AS BIGINT))"
 
 
