@@ -19,7 +19,8 @@
    scrape records for the idle classifier (:meth:`analytics.scrapes.ScrapeColumns.observations`;
    per-sample records are decoded into such objects anyway). Then: the cost of each step per row
    (of the best run), the pydantic reference decode of per-sample records, and the classifier's
-   throughput on the same samples.
+   throughput on the same samples. Each comparison prints the 1-minute load average before and after
+   it.
 2. Queries over ``--gpus`` GPUs × 24 h at 10 s (default 1,000 → 8.64 M rows, generated inside
    DuckDB, with the ``gpu_states`` / ``idle_runs`` rows the stage stores for them):
    ``gpu_state_now`` and the ``idle_windows`` view. Target: <= 1 s each. The gaps-and-islands
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
 import resource
 import subprocess
@@ -182,6 +184,7 @@ def _compare(
         tables = [_rows(decode_batch(c, TOPICS)) for c in chunks]
     n = sum(t.num_rows for t in tables)
     gc.collect()
+    load = os.getloadavg()[0]
     yard_runs: list[float] = []
     e2e_runs: list[tuple[float, list[float]]] = []
     for _ in range(max(1, repeat)):
@@ -208,7 +211,10 @@ def _compare(
     yard_s = min(yard_runs)
     e2e_s, steps = min(e2e_runs)
     us = 1e6 / n
-    print(f"  {label}: {n:,} rows in {len(chunks)} transactions of {n // len(chunks):,} rows")
+    print(
+        f"  {label}: {n:,} rows in {len(chunks)} transactions of {n // len(chunks):,} rows"
+        f" (load average {load:.2f} -> {os.getloadavg()[0]:.2f})"
+    )
     print(f"    yardstick  INSERT FROM arrow    {n / yard_s:12,.0f} rows/s   {yard_s * us:5.2f} us/row")
     print(
         f"    gpupool    decode→arrow→duckdb  {n / e2e_s:12,.0f} rows/s   {e2e_s * us:5.2f} us/row"
