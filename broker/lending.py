@@ -534,15 +534,15 @@ class SlurmLending:
         (logged and counted; the lease keeps no endpoint on that node)."""
         addr = await self._node_addr(host)
         url = f"http://{addr}:{port}{profile.health_path}"
-        if await wait_healthy(url, profile.health_timeout_s, lambda: lease_id in self._leases):
+        if await wait_healthy(url, profile.health_timeout_s, lambda: True):  # ended(): cancelled
+            if lease_id not in self._leases:
+                return  # ended meanwhile
             self._endpoints.setdefault(lease_id, {})[host] = f"{addr}:{port}"
             log.info(
                 "workload_healthy", extra={"lease_id": lease_id, "host": host, "endpoint": f"{addr}:{port}"}
             )
             self._republish(lease_id)
             return
-        if lease_id not in self._leases:
-            return  # ended meanwhile
         self._metrics.scheduler_errors.labels(operation="start").inc()
         log.warning(
             "workload_unhealthy",
