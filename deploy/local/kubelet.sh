@@ -146,6 +146,8 @@ state = "$state/containerd/state"
   # No OOM score below containerd's own: lowering one needs CAP_SYS_RESOURCE, which a container
   # or VM running these services may lack (runc then fails "failed to update /proc/self/oom_score_adj").
   restrict_oom_score_adj = true
+  # Pods' network namespaces under the state dir (not /run/netns): the stop unmounts what is left.
+  netns_mounts_under_state_dir = true
   disable_tcp_service = true
   stream_server_address = "127.0.0.1"
   stream_server_port = "0"
@@ -241,6 +243,7 @@ cmd_start() {
         return 0
     fi
     cmd_stop_locked >/dev/null 2>&1 || true
+    rm -rf "$state/cni/ipam"  # every pod is gone: no address is taken
     mkdir -p "$state/log" "$state/pid"
     : >"$state/log/containerd.log"
     : >"$state/log/kubelet.log"
