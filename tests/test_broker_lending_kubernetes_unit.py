@@ -158,6 +158,7 @@ class _Core:
 
     def __init__(self) -> None:
         self.created: list[dict[str, Any]] = []
+        self.refuse_create = False
         self.deleted: list[tuple[str, int]] = []
         self.patched: dict[str, dict[str, Any]] = {}
         self.missing: set[str] = set()
@@ -177,6 +178,8 @@ class _Core:
         self.deleted.append((name, grace_period_seconds))
 
     def create_namespaced_pod(self, namespace: str, body: dict[str, Any], **_: Any) -> None:
+        if self.refuse_create:
+            raise ApiException(status=403, reason="Forbidden")
         self.created.append(body)
 
 
@@ -432,3 +435,55 @@ async def test_a_pod_deleted_while_its_carving_is_being_named_does_not_come_back
     core.hold_patch.set()
     await next(t for t in lending._tasks if t.get_name() == "hold-annotate-L1")
     assert "ph0" not in lending._pods  # a slot with no pod gets a placeholder again
+
+
+async def _started(lending: KubernetesLending) -> None:
+    for t in [t for t in lending._tasks if t.get_name().startswith("workload-start")]:
+        await t
+
+
+async def test_a_lease_pod_refused_by_the_api_reclaims_the_lease_at_once() -> None:
+    hooks, now = _Hooks(), time.time()
+    lending, core = _lending(hooks, now, runtime=True)
+    core.refuse_create = True
+    assert await lending.hold(_record("L1", 1, 2, workload="infer")) == ""
+    await _started(lending)
+    ((lease_id, deadline, reason),) = hooks.reclaims
+    assert lease_id == "L1" and deadline == now and reason.startswith("hold_lost:gpupool-lease-")
+    assert core.deleted == []  # the placeholders still hold the GPUs until the lease ends
+    await _settled(lending)
+
+
+async def test_a_lease_pod_that_never_runs_reclaims_the_lease_after_the_health_timeout() -> None:
+    hooks, now = _Hooks(), time.time()
+    lending, core = _lending(hooks, now, runtime=True)
+    assert await lending.hold(_record("L1", 1, workload="infer")) == ""
+    await _started(lending)
+    (body,) = core.created
+    pending = client.ApiClient()._ApiClient__deserialize(body, "V1Pod")  # type: ignore[attr-defined]
+    pending.status = client.V1PodStatus(phase="Pending")  # training took the GPUs first: not bound
+    await lending._on_event("ADDED", parse_pod(pending))
+    for t in [t for t in lending._tasks if t.get_name().startswith("workload-health")]:
+        await asyncio.wait_for(t, 5)  # PROFILE.health_timeout_s = 1
+    ((lease_id, _, reason),) = hooks.reclaims
+    assert lease_id == "L1" and reason == f"hold_lost:{body['metadata']['name']}"
+    assert lending.endpoint("L1") == {}
+    await _settled(lending)
+
+
+async def test_a_restarted_broker_adopts_a_lease_pod_with_its_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    hooks, now, republished = _Hooks(), time.time(), []
+    lending, _ = _lending(hooks, now, runtime=True, republished=republished)
+    monkeypatch.setattr(broker.lending_kubernetes, "wait_healthy", _healthy)
+    pod = LentPod(
+        name="w1", node=HOST, slot=1, lease_id="L1", phase="Running", bound=True, slots=(1, 2),
+        pod_ip="10.244.250.3", port=28101, runs_containers=True,
+    )  # fmt: skip
+    lending._pods[pod.name] = pod
+    lending._leases["L1"] = [pod.name]
+    lending._adopt_workload(_record("L1", 1, 2, workload="infer"), [pod])
+    for t in [t for t in lending._tasks if t.get_name().startswith("workload-health")]:
+        await asyncio.wait_for(t, 5)
+    assert lending.endpoint("L1") == {HOST: "10.244.250.3:28101"} and republished == ["L1"]
+    assert lending._ports_on(HOST) == [28101]  # a new lease on the node takes another port
+    await _settled(lending)
