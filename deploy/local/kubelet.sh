@@ -113,15 +113,17 @@ _check_tools() {
 }
 
 _cgroups() {
-    # The kubelet's cgroup root in every cgroup v1 hierarchy (the kubelet wants it to exist).
+    # The kubelet's cgroup root must exist: in the unified hierarchy (cgroup v2), or in every
+    # cgroup v1 hierarchy (a hybrid host's cgroup2 at /sys/fs/cgroup/unified is not the kubelet's).
     local d
+    if [ -f /sys/fs/cgroup/cgroup.controllers ]; then
+        mkdir -p "/sys/fs/cgroup${cgroup_root}"
+        return
+    fi
     for d in /sys/fs/cgroup/*/; do
         case "$d" in */unified/) continue ;; esac
-        [ -w "$d" ] && mkdir -p "$d${cgroup_root#/}"
+        [ -f "${d}cgroup.procs" ] && mkdir -p "$d${cgroup_root#/}"
     done
-    if [ -f /sys/fs/cgroup/cgroup.controllers ]; then  # a pure cgroup v2 host
-        mkdir -p "/sys/fs/cgroup${cgroup_root}"
-    fi
 }
 
 _write_configs() {
