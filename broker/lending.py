@@ -63,14 +63,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-import httpx
 
 from broker.config import BrokerConfig
 from broker.metrics import BrokerMetrics
 from broker.placeholders import GpuMap, placeholder_script, read_term, start_script
 from broker.scheduler import Hold, HoldState, SchedulerError
 from broker.scheduler_slurm import COMMENT_PREFIX, IDLE_COMMENT, JOB_NAME, SlurmScheduler, job_gone
-from broker.workloads import WorkloadError, WorkloadProfile, allowed, pick_port, placeholder_cpus, render
+from broker.workloads import (
+    WorkloadError,
+    WorkloadProfile,
+    allowed,
+    pick_port,
+    placeholder_cpus,
+    render,
+    wait_healthy,
+)
 from contracts import LeaseLogRecord, LeaseState
 from contracts.leases import LeaseReason
 from runtime.settings import BrokerSettings
@@ -527,21 +534,15 @@ class SlurmLending:
         (logged and counted; the lease keeps no endpoint on that node)."""
         addr = await self._node_addr(host)
         url = f"http://{addr}:{port}{profile.health_path}"
-        deadline = time.monotonic() + profile.health_timeout_s
-        async with httpx.AsyncClient(timeout=1.0) as client:
-            while time.monotonic() < deadline:
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get(url)).status_code == 200:
-                        if lease_id not in self._leases:
-                            return  # ended meanwhile
-                        self._endpoints.setdefault(lease_id, {})[host] = f"{addr}:{port}"
-                        log.info(
-                            "workload_healthy",
-                            extra={"lease_id": lease_id, "host": host, "endpoint": f"{addr}:{port}"},
-                        )
-                        self._republish(lease_id)
-                        return
-                await asyncio.sleep(0.1)
+        if await wait_healthy(url, profile.health_timeout_s, lambda: True):  # ended(): cancelled
+            if lease_id not in self._leases:
+                return  # ended meanwhile
+            self._endpoints.setdefault(lease_id, {})[host] = f"{addr}:{port}"
+            log.info(
+                "workload_healthy", extra={"lease_id": lease_id, "host": host, "endpoint": f"{addr}:{port}"}
+            )
+            self._republish(lease_id)
+            return
         self._metrics.scheduler_errors.labels(operation="start").inc()
         log.warning(
             "workload_unhealthy",
@@ -949,6 +950,7 @@ def lending_from(settings: BrokerSettings, config: BrokerConfig, state_dir: Path
             image=settings.k8s_image,
             resource=settings.k8s_gpu_resource,
             notice_s=config.notice_s,
+            workloads=config.workloads,
             poll_s=settings.k8s_poll_s,
         )
     scheduler = SlurmScheduler(

@@ -43,9 +43,26 @@ takes them back with the lease's notice as the termination grace period.
 * *Minimum guaranteed duration.* Kubernetes has none for priority preemption (a
   PodDisruptionBudget is only best effort there): gpupool keeps a claim's guarantee against its
   own demands, not when the scheduler preempts.
-* *Workloads.* A lease made of one-GPU pods cannot give one process several GPUs (the device
-  plugin exposes a pod's own devices only), and kwok runs no containers: a claim naming a
-  workload is refused (``isolation_failed``) rather than run without its GPUs.
+* *Workloads.* A claim naming a workload profile (:mod:`broker.workloads`) gets one *lease pod*
+  per node of the lease: the profile's argv (:func:`broker.workloads.render`) as the command of
+  a container in the profile's ``image`` (its ``host_paths`` mounted read-only), asking for the
+  lease's GPUs of that node at once (``limits: {nvidia.com/gpu: N}``: the device plugin gives one
+  process all of them, which one-GPU placeholders cannot), with the placeholders' PriorityClass,
+  grace period (= the notice: the workload gets SIGTERM and drains within it) and
+  ``activeDeadlineSeconds``. The lease's placeholders hold the GPUs until the lease pod exists;
+  then they are deleted with no grace and kube-scheduler binds the lease pod to the GPUs they
+  freed (a training pod pending for that node in that moment wins them: the lease pod stays
+  pending, and after the profile's ``health_timeout_s`` the lease is reclaimed, ``hold_lost``).
+  The endpoint is ``<pod IP>:<port>`` (the pod network; the port from the profile's range),
+  published once the health path answers 200, as on Slurm. A node whose pods report no
+  container ID (kwok's nodes, which run no containers) cannot run a workload: such a claim is
+  refused (``isolation_failed``) before anything is carved. Env: ``GPUPOOL_LEASE_ID``,
+  ``GPUPOOL_CPUS``/``OMP_NUM_THREADS`` (the profile's ``cpus_per_gpu`` × GPUs: a budget told,
+  not reserved: a lease pod requests 10m CPU, as placeholders do) and ``GPUPOOL_GPU_SLOTS`` (the
+  lease's slots on the node; the devices themselves are the device plugin's). InfiniBand
+  partition knobs are not set on Kubernetes. At a restart the lease pods of live leases are
+  adopted with their endpoints (port annotation ``gpupool.io/port``); a workload lease whose
+  placeholders were carved but whose lease pod was not created yet is not started again.
 
 The API is reached with the official ``kubernetes`` client, every call in a worker thread
 (:func:`asyncio.to_thread`, at most :data:`_API_CONCURRENCY` at once); the watch runs in a
@@ -60,7 +77,7 @@ import math
 import secrets
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -69,9 +86,10 @@ from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
-from broker.lending import Lendable, LendingHooks, Reclaim, ToHold
+from broker.lending import Lendable, LendingHooks, Reclaim, Republish, ToHold
 from broker.metrics import BrokerMetrics
 from broker.placeholders import GpuMap
+from broker.workloads import WorkloadError, WorkloadProfile, allowed, pick_port, render, wait_healthy
 from contracts import LeaseLogRecord, LeaseState
 from contracts.leases import LeaseReason
 
@@ -86,6 +104,11 @@ STATE_LABEL = "gpupool.io/state"
 """``idle`` (a placeholder) or ``lease`` (carved into a lease)."""
 LEASE_ANNOTATION = "gpupool.io/lease"
 """The lease id of a carved pod (an annotation: lease ids may be longer than a label value)."""
+SLOTS_LABEL = "gpupool.io/slots"
+"""Every GPU slot of a lease pod, ``-``-joined (``3-4``); its ``gpupool.io/slot`` is the first."""
+PORT_ANNOTATION = "gpupool.io/port"
+"""The port a lease pod's workload listens on (on its pod IP)."""
+WORKLOAD_CONTAINER = "workload"
 GPU_RESOURCE = "nvidia.com/gpu"
 _API_CONCURRENCY = 4
 _WATCH_TIMEOUT_S = 5
@@ -116,6 +139,12 @@ class LentPod:
             condition, Unix s, whole seconds), else ``None``.
         disrupted_by: that condition's reason (``PreemptionByScheduler``...), else ``""``.
         created_at: ``metadata.creationTimestamp`` (Unix s).
+        slots: every GPU slot of a lease pod (label ``gpupool.io/slots``); ``()`` for a
+            placeholder (its one slot is ``slot``).
+        pod_ip: ``status.podIP`` (``""`` until the pod has one).
+        port: a lease pod's workload port (annotation ``gpupool.io/port``), else ``None``.
+        runs_containers: a container of it has a container ID (``status.containerStatuses``): a
+            real container runtime runs it (kwok's nodes report none).
     """
 
     name: str
@@ -128,6 +157,15 @@ class LentPod:
     disrupted_at: float | None = None
     disrupted_by: str = ""
     created_at: float = 0.0
+    slots: tuple[int, ...] = ()
+    pod_ip: str = ""
+    port: int | None = None
+    runs_containers: bool = False
+
+    @property
+    def all_slots(self) -> tuple[int, ...]:
+        """The GPU slots it holds on its node."""
+        return self.slots or (self.slot,)
 
     @property
     def holding(self) -> bool:
@@ -164,17 +202,28 @@ def parse_pod(pod: client.V1Pod) -> LentPod | None:
     for c in (status.conditions if status is not None else None) or []:
         if c.type == "DisruptionTarget" and c.status == "True":
             disrupted_at, disrupted_by = _ts(c.last_transition_time), c.reason or ""
+    annotations = meta.annotations or {}
+    try:
+        slots = tuple(int(v) for v in labels[SLOTS_LABEL].split("-")) if SLOTS_LABEL in labels else ()
+        port = int(annotations[PORT_ANNOTATION]) if PORT_ANNOTATION in annotations else None
+    except ValueError:
+        return None
+    statuses = (status.container_statuses if status is not None else None) or []
     return LentPod(
         name=meta.name,
         node=node,
         slot=slot,
-        lease_id=(meta.annotations or {}).get(LEASE_ANNOTATION, ""),
+        lease_id=annotations.get(LEASE_ANNOTATION, ""),
         phase=(status.phase if status is not None else None) or "Pending",
         bound=bool(pod.spec is not None and pod.spec.node_name),
         deleting_at=_ts(meta.deletion_timestamp),
         disrupted_at=disrupted_at,
         disrupted_by=disrupted_by,
         created_at=_ts(meta.creation_timestamp) or 0.0,
+        slots=slots,
+        pod_ip=(status.pod_ip if status is not None else None) or "",
+        port=port,
+        runs_containers=any(cs.container_id for cs in statuses),
     )
 
 
@@ -208,6 +257,75 @@ def placeholder_pod(
     }
 
 
+def lease_pod(
+    name: str, node: str, slots: Sequence[int], lease_id: str, argv: Sequence[str], *, port: int,
+    profile: WorkloadProfile, cpus: int, notice_s: float, active_deadline_s: int | None,
+    priority_class: str, resource: str,
+) -> dict[str, Any]:  # fmt: skip
+    """The manifest of a lease pod (module docstring): ``argv`` in ``profile.image`` on ``node``
+    with ``len(slots)`` of ``resource``, listening on ``port``, grace period ``ceil(notice_s)`` s,
+    ``activeDeadlineSeconds`` = ``active_deadline_s`` (``None``: none). Raises
+    :class:`broker.workloads.WorkloadError` when the profile has no image."""
+    if profile.image is None:
+        raise WorkloadError(f"workload profile {profile.name!r} has no image (required on Kubernetes)")
+    env = {
+        "GPUPOOL_LEASE_ID": lease_id,
+        "GPUPOOL_CPUS": str(cpus),
+        "OMP_NUM_THREADS": str(cpus),
+        "GPUPOOL_GPU_SLOTS": ",".join(str(s) for s in sorted(slots)),
+    }
+    volumes = [{"name": f"host-{i}", "hostPath": {"path": p}} for i, p in enumerate(profile.host_paths)]
+    mounts = [
+        {"name": f"host-{i}", "mountPath": p, "readOnly": True} for i, p in enumerate(profile.host_paths)
+    ]
+    spec: dict[str, Any] = {
+        "nodeSelector": {"kubernetes.io/hostname": node},
+        "priorityClassName": priority_class,
+        "terminationGracePeriodSeconds": max(0, math.ceil(notice_s)),
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "containers": [
+            {
+                "name": WORKLOAD_CONTAINER,
+                "image": profile.image,
+                "imagePullPolicy": "IfNotPresent",
+                "command": list(argv),
+                "env": [{"name": k, "value": v} for k, v in env.items()],
+                "ports": [{"containerPort": port, "protocol": "TCP"}],
+                "readinessProbe": {
+                    "httpGet": {"path": profile.health_path, "port": port},
+                    "periodSeconds": 2,
+                },
+                "resources": {
+                    "requests": {"cpu": "10m", "memory": "16Mi"},
+                    "limits": {resource: str(len(slots))},
+                },
+                "volumeMounts": mounts,
+            }
+        ],
+        "volumes": volumes,
+    }
+    if active_deadline_s is not None:
+        spec["activeDeadlineSeconds"] = max(1, active_deadline_s)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "labels": {
+                MANAGED_BY: MANAGER,
+                NODE_LABEL: node,
+                SLOT_LABEL: str(min(slots)),
+                SLOTS_LABEL: "-".join(str(s) for s in sorted(slots)),
+                STATE_LABEL: "lease",
+            },  # fmt: skip
+            "annotations": {LEASE_ANNOTATION: lease_id, PORT_ANNOTATION: str(port)},
+        },
+        "spec": spec,
+    }
+
+
 class KubernetesLending:
     """Leases carved from placeholder pods in the lent namespace (module docstring).
 
@@ -219,6 +337,7 @@ class KubernetesLending:
         image: the placeholders' image.
         resource: the GPU extended resource.
         notice_s: the leases' notice = the pods' termination grace period, seconds.
+        workloads: the operator's workload profiles (``BrokerConfig.workloads``).
         poll_s: seconds between two passes that keep placeholders on the GPUs to hold (in
             memory; API calls only for pods to create or delete).
         unwanted_grace_s: a placeholder (holding or still pending) on a GPU no longer to hold is
@@ -239,6 +358,7 @@ class KubernetesLending:
         image: str = "registry.k8s.io/pause:3.10",
         resource: str = GPU_RESOURCE,
         notice_s: float = 30.0,
+        workloads: Collection[WorkloadProfile] = (),
         poll_s: float = 0.25,
         unwanted_grace_s: float = 5.0,
         clock: Callable[[], float] = time.time,
@@ -252,12 +372,18 @@ class KubernetesLending:
         self.gpu_map = GpuMap()
         """Slot ↔ GPU key ``<node>/gpu<slot>`` (module docstring)."""
         self.notice_s = notice_s
+        self.workloads = tuple(workloads)
         self.poll_s = poll_s
         self.unwanted_grace_s = unwanted_grace_s
         self._clock = clock
         self._reclaim: Reclaim | None = None
         self._to_hold: ToHold = lambda: ()
         self._lendable: Lendable = _nothing_lendable
+        self._republish: Republish = lambda _: None
+        self._endpoints: dict[str, dict[str, str]] = {}
+        """Healthy workload instances: lease id → node → ``<pod IP>:<port>``."""
+        self._ports: dict[str, dict[str, int]] = {}
+        """Workload ports of each live lease: lease id → node → port."""
         self._metrics = BrokerMetrics()  # replaced by the service's in bind()
         self._told: frozenset[str] | None = None
         self._pods: dict[str, LentPod] = {}
@@ -286,6 +412,7 @@ class KubernetesLending:
     def bind(self, hooks: LendingHooks, metrics: BrokerMetrics) -> None:
         """See :meth:`broker.lending.Lending.bind`."""
         self._reclaim, self._to_hold, self._lendable = hooks.reclaim, hooks.to_hold, hooks.lendable
+        self._republish = hooks.republish
         self._metrics = metrics
 
     async def start(self, live: Sequence[LeaseLogRecord]) -> None:
@@ -326,6 +453,8 @@ class KubernetesLending:
                 await self._seen(self._pods[name])
         for lease_id, names in unnamed.items():
             self._background(self._annotate(live_ids[lease_id], names), f"hold-annotate-{lease_id}")
+        for lease_id, names in self._leases.items():
+            self._adopt_workload(live_ids[lease_id], [self._pods[n] for n in names])
         self._rebuild_idle()
         self._stop_watch = stop = threading.Event()  # this start's: a thread of an earlier one stays stopped
         self._events = asyncio.Queue()
@@ -381,13 +510,29 @@ class KubernetesLending:
     # leases ----------------------------------------------------------------------------------------
     async def hold(self, record: LeaseLogRecord) -> str:
         """See :meth:`broker.lending.Lending.hold`: carve the placeholders of ``record.gpus`` in
-        memory; annotations follow in the background. A claim naming a workload is refused
-        (module docstring)."""
+        memory; annotations follow in the background. A claim naming a workload starts its lease
+        pods in the background (module docstring); it is refused (nothing carved) for a profile
+        unknown or not allowed to the site, without an image, a node whose pods run no
+        containers, or no free port."""
+        profile: WorkloadProfile | None = None
+        ports: dict[str, int] = {}
         if record.workload is not None:
-            return (
-                f"workload {record.workload!r}: the Kubernetes lending holds GPUs only (a workload on "
-                "several one-GPU placeholder pods cannot see their GPUs together)"
-            )
+            try:
+                profile = allowed(self.workloads, record.site, record.workload)
+                if profile.image is None:
+                    raise WorkloadError(
+                        f"workload profile {profile.name!r} has no image (required on Kubernetes)"
+                    )
+                for node in sorted(self.gpu_map.by_node(record.gpus)):
+                    if not self._runs_containers(node):
+                        raise WorkloadError(
+                            f"workload {record.workload!r}: node {node} runs no containers (its pods in "
+                            f"{self.namespace} report no container ID, as on a kwok node); claim its GPUs "
+                            "without a workload"
+                        )
+                    ports[node] = pick_port(profile, self._ports_on(node))
+            except WorkloadError as e:
+                return str(e)
         taken: list[tuple[str, int, str]] = []
         for key in record.gpus:
             where = self.gpu_map.locate(key)
@@ -404,7 +549,19 @@ class KubernetesLending:
         self._leases[record.lease_id] = names
         self._metrics.placeholder_gpus.set(self._held())
         self._background(self._tell(), f"lendable-{record.lease_id}")
-        self._background(self._annotate(record, names), f"hold-annotate-{record.lease_id}")
+        if profile is None:
+            self._background(self._annotate(record, names), f"hold-annotate-{record.lease_id}")
+            return ""
+        self._ports[record.lease_id] = ports
+        slots: dict[str, list[int]] = {}
+        for node, slot, _ in taken:
+            slots.setdefault(node, []).append(slot)
+        for node, on_node in sorted(slots.items()):
+            placeholders = [n for nd, _, n in taken if nd == node]
+            self._background(
+                self._start_workload(record, profile, node, on_node, ports[node], placeholders),
+                f"workload-start-{record.lease_id}/{node}",
+            )
         return ""
 
     def reclaiming(self, record: LeaseLogRecord) -> None:
@@ -428,22 +585,145 @@ class KubernetesLending:
         """See :meth:`broker.lending.Lending.ended`: the lease's pods are deleted with no grace."""
         names = self._leases.pop(record.lease_id, None)
         self._noticed.discard(record.lease_id)
+        self._endpoints.pop(record.lease_id, None)
+        self._ports.pop(record.lease_id, None)
+        for t in list(self._tasks):
+            if t.get_name().startswith(f"workload-health-{record.lease_id}/"):
+                t.cancel()
         if not names:
             return
         self._background(self._tell(), f"lendable-{record.lease_id}")
         self._background(self._release(record.lease_id, names), f"hold-release-{record.lease_id}")
 
     def endpoint(self, lease_id: str) -> Mapping[str, str]:
-        """See :meth:`broker.lending.Lending.endpoint`: no workload runs: empty."""
-        return {}
+        """See :meth:`broker.lending.Lending.endpoint`: node → ``<pod IP>:<port>`` of each lease
+        pod whose workload answered its health path."""
+        return dict(self._endpoints.get(lease_id, {}))
 
     def held_gpus(self) -> dict[str, tuple[str, ...]]:
         """The pods of each live lease (for tests and summaries)."""
         return {lid: tuple(names) for lid, names in self._leases.items()}
 
+    def lease_slots(self, lease_id: str) -> tuple[int, ...]:
+        """The GPU slots the pods of a live lease hold (as the watch last saw them), sorted."""
+        pods = [self._pods.get(n) for n in self._leases.get(lease_id, ())]
+        return tuple(sorted(s for p in pods if p is not None for s in p.all_slots))
+
     def idle_slots(self, node: str) -> frozenset[int]:
         """Slots of ``node`` held by idle placeholders now."""
         return frozenset(self._idle.get(node, {}))
+
+    # workloads -----------------------------------------------------------------------------------
+    def _runs_containers(self, node: str) -> bool:
+        """Whether a pod of the lent namespace on ``node`` has a container ID (a runtime runs it)."""
+        return any(p.node == node and p.runs_containers for p in self._pods.values())
+
+    def _ports_on(self, node: str) -> list[int]:
+        """Workload ports of the live leases on ``node``."""
+        return [by_node[node] for by_node in self._ports.values() if node in by_node]
+
+    async def _start_workload(
+        self, record: LeaseLogRecord, profile: WorkloadProfile, node: str, slots: list[int], port: int,
+        placeholders: list[str],
+    ) -> None:  # fmt: skip
+        """Create the lease pod of ``record`` on ``node`` (``slots``), then hand it the GPUs: it
+        replaces ``placeholders`` in the lease, which are deleted with no grace; then wait for its
+        health. A failed creation reclaims the lease (``hold_lost``)."""
+        lease_id = record.lease_id
+        name = f"gpupool-lease-{node}-{secrets.token_hex(4)}"[:63]
+        argv = render(profile, port=port, lease_id=lease_id, site=record.site, gpus=len(slots))
+        deadline = None if record.ends_at is None else math.ceil(record.ends_at - self._clock())
+        body: Any = lease_pod(
+            name, node, slots, lease_id, argv, port=port, profile=profile,
+            cpus=profile.cpus_per_gpu * len(slots), notice_s=self.notice_s, active_deadline_s=deadline,
+            priority_class=self.priority_class, resource=self.resource,
+        )  # fmt: skip
+        try:
+            async with self._gate:
+                await asyncio.to_thread(
+                    self.core.create_namespaced_pod, self.namespace, body, _request_timeout=10
+                )
+        except (ApiException, HTTPError, OSError) as e:
+            self._metrics.scheduler_errors.labels(operation="start").inc()
+            log.error(
+                "workload_create_failed", extra={"lease_id": lease_id, "host": node, "error": str(e)[:500]}
+            )
+            if lease_id in self._leases and lease_id not in self._noticed:
+                self._noticed.add(lease_id)
+                await self._notify(lease_id, self._clock(), f"{LeaseReason.HOLD_LOST}:{name}")
+            return
+        pods = self._leases.get(lease_id)
+        if pods is None:  # ended meanwhile: its placeholders are being released
+            await self._delete([name], 0, "release")
+            return
+        self._carved[name] = lease_id
+        for p in placeholders:
+            self._carved.pop(p, None)
+        self._leases[lease_id] = [n for n in pods if n not in placeholders] + [name]
+        if lease_id in self._noticed:  # reclaimed meanwhile: the new pod leaves with the others
+            left = (
+                self.notice_s if record.reclaim_deadline is None else record.reclaim_deadline - self._clock()
+            )
+            await self._delete([*placeholders, name], max(1, math.floor(left)), "signal")
+            return
+        await self._delete(placeholders, 0, "release")
+        log.info("workload_started", extra={"lease_id": lease_id, "host": node, "pod": name, "port": port})
+        self._watch_workload(lease_id, profile, node, name)
+
+    def _watch_workload(self, lease_id: str, profile: WorkloadProfile, node: str, pod: str) -> None:
+        self._background(self._health(lease_id, profile, node, pod), f"workload-health-{lease_id}/{node}")
+
+    def _adopt_workload(self, record: LeaseLogRecord, pods: Sequence[LentPod]) -> None:
+        """After a restart: the ports of a live lease's pods (annotation) and their health again."""
+        lease_pods = [p for p in pods if p.port is not None]
+        if record.workload is None or not lease_pods:
+            return
+        try:
+            profile = allowed(self.workloads, record.site, record.workload)
+        except WorkloadError as e:
+            log.warning("workload_not_adopted", extra={"lease_id": record.lease_id, "error": str(e)})
+            return
+        for p in lease_pods:
+            assert p.port is not None
+            self._ports.setdefault(record.lease_id, {})[p.node] = p.port
+            self._watch_workload(record.lease_id, profile, p.node, p.name)
+
+    async def _health(self, lease_id: str, profile: WorkloadProfile, node: str, name: str) -> None:
+        """Wait (``profile.health_timeout_s`` in all) until the lease pod ``name`` holds its GPUs
+        with a pod IP and its health path answers 200: then publish the lease again with its
+        endpoint. A pod never bound and running by then: the lease is reclaimed (``hold_lost``);
+        one running but not healthy is logged and counted (the lease keeps no endpoint there)."""
+        t0 = time.monotonic()
+        port = self._ports.get(lease_id, {}).get(node)
+        pod = self._pods.get(name)
+        while (
+            pod is None or not pod.holding or not pod.pod_ip
+        ) and time.monotonic() - t0 < profile.health_timeout_s:
+            await asyncio.sleep(0.05)
+            pod = self._pods.get(name)
+        if lease_id not in self._leases or port is None:
+            return
+        if pod is None or not pod.holding or not pod.pod_ip:
+            self._metrics.scheduler_errors.labels(operation="start").inc()
+            log.warning("workload_not_running", extra={"lease_id": lease_id, "host": node, "pod": name})
+            if lease_id not in self._noticed:
+                self._noticed.add(lease_id)
+                await self._notify(lease_id, self._clock(), f"{LeaseReason.HOLD_LOST}:{name}")
+            return
+        endpoint = f"{pod.pod_ip}:{port}"
+        left = profile.health_timeout_s - (time.monotonic() - t0)
+        if await wait_healthy(
+            f"http://{endpoint}{profile.health_path}", left, lambda: lease_id in self._leases
+        ):
+            self._endpoints.setdefault(lease_id, {})[node] = endpoint
+            log.info("workload_healthy", extra={"lease_id": lease_id, "host": node, "endpoint": endpoint})
+            self._republish(lease_id)
+            return
+        if lease_id in self._leases:
+            self._metrics.scheduler_errors.labels(operation="start").inc()
+            log.warning(
+                "workload_unhealthy", extra={"lease_id": lease_id, "host": node, "endpoint": endpoint}
+            )
 
     # events --------------------------------------------------------------------------------------
     def _watch_thread(
@@ -589,7 +869,7 @@ class KubernetesLending:
         GPUs no longer to hold deleted after ``unwanted_grace_s``."""
         now = self._clock()
         wanted = self._wanted()
-        occupied = {(p.node, p.slot) for p in self._pods.values()} | self._creating
+        occupied = {(p.node, s) for p in self._pods.values() for s in p.all_slots} | self._creating
         remove: list[str] = []
         for p in self._pods.values():
             if p.name in self._carved or p.lease_id or p.name in self._deleting or p.deleting_at is not None:

@@ -10,6 +10,10 @@ Template fields (Python ``str.format`` names, each replaced by a value the broke
 ``{port}`` (the port chosen for the lease from the profile's range), ``{lease_id}``, ``{site}``,
 ``{gpus}`` (GPU count). Anything else in braces is an error when the profile is loaded.
 
+Where it runs: on Slurm, in the lease's placeholder job on the host (the argv names programs of
+the node); on Kubernetes, as the container of the lease's pod (:mod:`broker.lending_kubernetes`),
+in the profile's ``image`` with its ``host_paths`` mounted read-only.
+
 CPUs: Slurm reserves CPUs with the placeholder jobs that hold the GPUs, before any claim names a
 profile, so every placeholder asks for :func:`placeholder_cpus` (the largest ``cpus_per_gpu`` of
 the declared profiles, at least the scheduler's default); a lease's workload is told its own
@@ -18,8 +22,13 @@ budget, ``cpus_per_gpu`` × its GPUs on the node (:func:`broker.placeholders.sta
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import string
-from collections.abc import Collection
+import time
+from collections.abc import Callable, Collection
+
+import httpx
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -47,6 +56,12 @@ class WorkloadProfile(BaseModel):
             held GPU (:func:`placeholder_cpus`), and the workload is told
             ``cpus_per_gpu`` × its GPUs on the node (``GPUPOOL_CPUS``, ``OMP_NUM_THREADS``).
         sites: the sites allowed to use it; empty: every site.
+        image: the container image the workload runs in on Kubernetes (the site's serving image;
+            pulled by the kubelet as any pod's image, ``IfNotPresent``). Required there, unused
+            on Slurm.
+        host_paths: absolute paths of the node mounted read-only at the same path in the
+            workload's container on Kubernetes (``hostPath`` volumes): for an image that brings
+            no program of its own (the local node's, deploy/local/kubelet.sh). Unused on Slurm.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -59,6 +74,16 @@ class WorkloadProfile(BaseModel):
     health_timeout_s: float = Field(default=60.0, gt=0, le=3600)
     cpus_per_gpu: int = Field(default=1, ge=1, le=256)
     sites: tuple[str, ...] = ()
+    image: str | None = Field(default=None, min_length=1)
+    host_paths: tuple[str, ...] = ()
+
+    @field_validator("host_paths")
+    @classmethod
+    def _absolute_paths(cls, paths: tuple[str, ...]) -> tuple[str, ...]:
+        for path in paths:
+            if not path.startswith("/") or "\x00" in path or ".." in path.split("/"):
+                raise ValueError(f"host path {path!r}: an absolute path without '..'")
+        return paths
 
     @field_validator("argv")
     @classmethod
@@ -70,7 +95,9 @@ class WorkloadProfile(BaseModel):
                 raise ValueError(f"argument {arg!r}: {e}") from e
             unknown = names - TEMPLATE_FIELDS
             if unknown:
-                raise ValueError(f"argument {arg!r} uses {sorted(unknown)}; allowed: {sorted(TEMPLATE_FIELDS)}")
+                raise ValueError(
+                    f"argument {arg!r} uses {sorted(unknown)}; allowed: {sorted(TEMPLATE_FIELDS)}"
+                )
         return argv
 
     @model_validator(mode="after")
@@ -114,3 +141,17 @@ def placeholder_cpus(profiles: Collection[WorkloadProfile], default: int) -> int
     ``cpus_per_gpu`` of ``profiles``, at least ``default`` (the scheduler's own CPUs per GPU), so
     the CPUs any profile may need on a GPU are reserved before a claim names one."""
     return max([default, *(p.cpus_per_gpu for p in profiles)])
+
+
+async def wait_healthy(url: str, timeout_s: float, wanted: Callable[[], bool], step_s: float = 0.1) -> bool:
+    """Poll ``url`` (a workload's health path) with GET until it answers 200: True then; False
+    after ``timeout_s`` seconds, or as soon as ``wanted()`` is false (the lease ended). Each try
+    may take 1 s; a refused or failed connection is a try that failed."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=1.0) as client:
+        while time.monotonic() < deadline and wanted():
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get(url)).status_code == 200:
+                    return wanted()
+            await asyncio.sleep(step_s)
+    return False

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from aiohttp import web
 
 REPORTED_ENV = (
+    "GPUPOOL_GPU_SLOTS",
     "GPUPOOL_CPUS",
     "OMP_NUM_THREADS",
     "GPUPOOL_IB_PKEY",
@@ -41,8 +42,9 @@ REPORTED_ENV = (
     "UCX_IB_PKEY",
     "UCX_IB_SL",
 )
-"""Environment variables the server reports (``env`` in its answers): what a real workload
-would use for its CPU threads and its InfiniBand traffic."""
+"""Environment variables the server reports (``env`` in its answers): the lease's GPU slots on
+Kubernetes (broker/lending_kubernetes.py), and what a real workload would use for its CPU threads
+and its InfiniBand traffic."""
 
 
 def reported_env(environ: Mapping[str, str]) -> dict[str, str]:

@@ -31,14 +31,22 @@ from contracts.bus import Bus
 from tests.mqtt_support import running
 
 
+LOCAL_WORKLOAD_IMAGE = "gpupool.local/workload:1"
+"""The local node's workload image (deploy/local/kubelet.sh): an empty root, the host's ``/usr``
+and the repository mounted read-only."""
+REPO = Path(__file__).resolve().parents[1]
+
+
 class SchedulerUnderTest(Protocol):
     """One training scheduler as the shared lending tests see it.
 
     Attributes:
         notice_s: the leases' notice (the scheduler's grace time for lent GPUs), seconds.
+        workloads: the workload profiles its broker declares.
     """
 
     notice_s: float
+    workloads: tuple[WorkloadProfile, ...]
 
     def lending(self) -> Lending:
         """A fresh lending through this scheduler (not started)."""
@@ -64,23 +72,51 @@ class SchedulerUnderTest(Protocol):
         """``pending`` (waiting for GPUs), ``running``, or the scheduler's own word otherwise."""
         ...
 
+    def lease_gpus(self, lending: Lending, lease_id: str) -> list[int]:
+        """The GPU indices (Slurm's GRES indices, Kubernetes' slots) the lease holds, sorted."""
+        ...
+
+    def served_gpus(self, answer: dict[str, Any]) -> list[int]:
+        """The GPU indices the lease's workload says it was given (its ``/v1/infer`` answer),
+        sorted: ``CUDA_VISIBLE_DEVICES`` on Slurm, ``GPUPOOL_GPU_SLOTS`` on Kubernetes."""
+        ...
+
 
 def inference_profile(
-    name: str, port_min: int, drain_s: float, quiet_s: float, health_timeout_s: float
+    name: str,
+    port_min: int,
+    drain_s: float,
+    quiet_s: float,
+    health_timeout_s: float,
+    *,
+    container: bool = False,
 ) -> WorkloadProfile:
     """The simulated inference server (``simulator.inference_server``) as a workload profile on
     ports ``port_min``..``port_min + 99``, draining ``drain_s`` seconds at most on SIGTERM and
-    leaving once no request came for ``quiet_s`` seconds."""
+    leaving once no request came for ``quiet_s`` seconds. With ``container`` (Kubernetes), in
+    :data:`LOCAL_WORKLOAD_IMAGE` with the host's ``/usr``, this Python's installation
+    (``sys.base_prefix``) and this repository (its venv) mounted, listening on every address of
+    its pod."""
+    argv = (sys.executable, "-m", "simulator.inference_server", "--port", "{port}",
+            "--drain-s", f"{drain_s:g}", "--quiet-s", f"{quiet_s:g}")  # fmt: skip
+    if not container:
+        return WorkloadProfile(
+            name=name, argv=argv, port_min=port_min, port_max=port_min + 99, health_timeout_s=health_timeout_s
+        )
     return WorkloadProfile(
-        name=name,
-        argv=(sys.executable, "-m", "simulator.inference_server", "--port", "{port}",
-              "--drain-s", f"{drain_s:g}", "--quiet-s", f"{quiet_s:g}"),
-        port_min=port_min, port_max=port_min + 99, health_timeout_s=health_timeout_s,
+        name=name, argv=(*argv, "--bind", "0.0.0.0"), port_min=port_min, port_max=port_min + 99,
+        health_timeout_s=health_timeout_s, image=LOCAL_WORKLOAD_IMAGE,
+        host_paths=tuple(sorted({"/usr", sys.base_prefix, str(REPO)})),
     )  # fmt: skip
 
 
 async def idle_capacity(
-    bus: Bus, topics: KafkaTopics, host: str, gpus: int = 8, leaf: str | None = None, state: GpuState = GpuState.IDLE
+    bus: Bus,
+    topics: KafkaTopics,
+    host: str,
+    gpus: int = 8,
+    leaf: str | None = None,
+    state: GpuState = GpuState.IDLE,
 ) -> None:
     """Capacity: every GPU of ``host`` idle (keys ``<host>/gpu<index>``, as the GPU maps read
     them), under leaf switch ``leaf``, or in ``state`` (busy: what analytics sees while training
@@ -193,6 +229,13 @@ class SlurmUnderTest:
         state = self._run("squeue", "-h", "-j", job, "-o", "%T", check=False).strip() or "GONE"
         return {"PENDING": "pending", "RUNNING": "running"}.get(state, state)
 
+    def lease_gpus(self, lending: Lending, lease_id: str) -> list[int]:
+        assert isinstance(lending, SlurmLending)
+        return sorted(lending.held_gpus()[lease_id])
+
+    def served_gpus(self, answer: dict[str, Any]) -> list[int]:
+        return sorted(answer["gpus"])
+
     def cancel(self, *jobs: str) -> None:
         """``scancel`` of ``jobs``."""
         self._run("scancel", *jobs)
@@ -223,16 +266,26 @@ class KubernetesUnderTest:
     a node (LocalQueue ``training``), lending through
     :class:`broker.lending_kubernetes.KubernetesLending` as the broker's ServiceAccount."""
 
-    def __init__(self, kubeconfig: Path, notice_s: float) -> None:
+    def __init__(self, kubeconfig: Path, notice_s: float, workloads: Sequence[WorkloadProfile] = ()) -> None:
         self.admin = config.new_client_from_config(config_file=str(kubeconfig))
         self.broker_api = as_broker(kubeconfig)
         self.core = client.CoreV1Api(self.admin)
         self.batch = client.BatchV1Api(self.admin)
         self.notice_s = notice_s
+        self.workloads = tuple(workloads)
         self.jobs: list[str] = []
 
     def lending(self) -> KubernetesLending:
-        return KubernetesLending(self.broker_api, namespace=KUBE_LENT, notice_s=self.notice_s, poll_s=0.2)
+        return KubernetesLending(
+            self.broker_api, namespace=KUBE_LENT, notice_s=self.notice_s, workloads=self.workloads, poll_s=0.2
+        )
+
+    def lease_gpus(self, lending: Lending, lease_id: str) -> list[int]:
+        assert isinstance(lending, KubernetesLending)
+        return sorted(lending.lease_slots(lease_id))
+
+    def served_gpus(self, answer: dict[str, Any]) -> list[int]:
+        return sorted(int(s) for s in answer["env"]["GPUPOOL_GPU_SLOTS"].split(","))
 
     def idle_held(self, lending: Lending, host: str) -> int:
         assert isinstance(lending, KubernetesLending)

@@ -23,6 +23,10 @@ Fixtures:
   × 8 allocatable ``nvidia.com/gpu``; Kueue with ClusterQueue ``training`` and LocalQueue
   ``training/training``); a cluster-admin token. The first start from an empty cache builds the
   binaries (minutes).
+* ``kube_node`` (module): the name of the one node of that control plane that runs containers
+  (``deploy/local/kubelet.sh start``: a kubelet with containerd and runc, 8 ``nvidia.com/gpu``
+  advertised, label ``gpupool.io/workloads=true``), stopped and deleted after the module so that
+  no other test sees it.
 
 A service is stopped at the end of the session only if this session started it (one already
 running, e.g. from ``make services-up``, is left running). A service that does not start fails
@@ -50,7 +54,9 @@ from runtime.kafka import KafkaBus
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy" / "local"
-_SERVICE_FIXTURES = {"kafka_bootstrap", "kafka_bus", "kafka_stage_topics", "mosquitto", "slurm_conf", "kubeconfig"}
+_SERVICE_FIXTURES = {
+    "kafka_bootstrap", "kafka_bus", "kafka_stage_topics", "mosquitto", "slurm_conf", "kubeconfig", "kube_node",
+}  # fmt: skip
 
 
 def state_dir() -> Path:
@@ -70,6 +76,7 @@ K8S_GPUS = 8
 _SERVICE_ENV = {
     "slurm.sh": {"GPUPOOL_SLURM_GRACE": str(SLURM_GRACE_S)},
     "kubernetes.sh": {"GPUPOOL_K8S_NODES": str(K8S_NODES), "GPUPOOL_K8S_GPUS": str(K8S_GPUS)},
+    "kubelet.sh": {"GPUPOOL_K8S_GPUS": str(K8S_GPUS)},
 }
 """Environment each script gets in tests, on top of this process's."""
 
@@ -169,6 +176,15 @@ def kubeconfig() -> Iterator[Path]:
     yield Path(path)
     if started:
         run_service("kubernetes.sh", "stop")
+
+
+@pytest.fixture(scope="module")
+def kube_node(kubeconfig: Path) -> Iterator[str]:
+    """The name of the local control plane's node with a kubelet and a container runtime
+    (started if needed; stopped, and its Node deleted, after the module)."""
+    node, _ = _start("kubelet.sh")
+    yield node
+    run_service("kubelet.sh", "stop")
 
 
 @pytest.fixture

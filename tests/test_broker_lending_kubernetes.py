@@ -11,8 +11,9 @@ lease's notice as the grace period. Every pod of the lent namespace and every tr
 deleted when a test ends. Fencing and gpupool-down run for every scheduler in
 tests/test_broker_lending_schedulers.py.
 
-Not here: the workload-endpoint test of the Slurm lending. kwok runs no containers, and the
-Kubernetes lending refuses claims naming a workload (:mod:`broker.lending_kubernetes`)."""
+The workload-endpoint test runs for every scheduler in tests/test_broker_lending_schedulers.py,
+on the one node with a kubelet (deploy/local/kubelet.sh). kwok's nodes run no containers: a claim
+naming a workload there is refused (below)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from contracts.bus import Bus
 from tests.lending_support import (
     KUBE_LENT,
     KUBE_TRAINING,
+    LOCAL_WORKLOAD_IMAGE,
     KubernetesUnderTest,
     as_broker,
     edge_site,
@@ -58,7 +60,7 @@ LENT, TRAINING = KUBE_LENT, KUBE_TRAINING
 def kube(kubeconfig: Path) -> Iterator[KubernetesUnderTest]:
     """The local control plane as the shared lending tests drive it; every training Job and lent
     pod deleted before and after the test."""
-    sched = KubernetesUnderTest(kubeconfig, NOTICE_S)
+    sched = KubernetesUnderTest(kubeconfig, NOTICE_S, workloads=(PROFILE,))
     sched.clean()
     yield sched
     sched.clean()
@@ -116,7 +118,9 @@ class LentWatch:
         return [n for n, s in self.pods.items() if s.disrupted_by == "PreemptionByScheduler"]
 
 
-PROFILE = WorkloadProfile(name="infer", argv=("true", "{port}"), port_min=28200, port_max=28299)
+PROFILE = WorkloadProfile(
+    name="infer", argv=("true", "{port}"), port_min=28200, port_max=28299, image=LOCAL_WORKLOAD_IMAGE
+)
 
 
 @contextlib.asynccontextmanager
@@ -219,7 +223,7 @@ async def test_evicts_only_the_gpus_training_needs(
             assert len(kube.lent_holding(host)) == 8 - needed  # the other leases keep their GPUs
 
 
-async def test_a_claim_naming_a_workload_is_refused(
+async def test_a_claim_naming_a_workload_on_a_node_that_runs_no_containers_is_refused(
     kafka_bus: Bus, kafka_stage_topics: KafkaTopics, mosquitto: dict[str, Any],
     kube: KubernetesUnderTest,
 ) -> None:  # fmt: skip
@@ -231,7 +235,7 @@ async def test_a_claim_naming_a_workload_is_refused(
         with pytest.raises(ClaimRejected) as refused:
             await site.claim(offer, count=1, workload="infer")
         assert refused.value.reply.code is ReasonCode.ISOLATION_FAILED
-        assert "holds GPUs only" in refused.value.reply.text
+        assert "node gpu-node-001 runs no containers" in refused.value.reply.text
         assert not lending.held_gpus()
         assert len(lending.idle_slots("gpu-node-001")) == 8  # nothing was carved
 

@@ -21,13 +21,17 @@ import broker.lending_kubernetes
 from broker.lending_kubernetes import (
     LEASE_ANNOTATION,
     NODE_LABEL,
+    PORT_ANNOTATION,
     SLOT_LABEL,
+    SLOTS_LABEL,
     KubernetesLending,
     LentPod,
+    lease_pod,
     parse_pod,
     placeholder_pod,
 )
 from broker.metrics import BrokerMetrics
+from broker.workloads import WorkloadError, WorkloadProfile
 from contracts import LeaseLogRecord, LeaseState
 from runtime.settings import BrokerSettings
 
@@ -37,8 +41,14 @@ HOST = "gpu-node-001"
 def _pod(
     name: str = "p", labels: dict[str, str] | None = None, annotations: dict[str, str] | None = None,
     phase: str = "Running", node: str | None = HOST, deleting: datetime | None = None,
-    conditions: list[client.V1PodCondition] | None = None,
+    conditions: list[client.V1PodCondition] | None = None, container_id: str | None = None,
+    pod_ip: str | None = None,
 ) -> client.V1Pod:  # fmt: skip
+    statuses = None
+    if container_id is not None:
+        statuses = [client.V1ContainerStatus(
+            name="c", image="i", image_id="", ready=True, restart_count=0, container_id=container_id,
+        )]  # fmt: skip
     return client.V1Pod(
         metadata=client.V1ObjectMeta(
             name=name, labels=labels if labels is not None else {NODE_LABEL: HOST, SLOT_LABEL: "3"},
@@ -46,7 +56,7 @@ def _pod(
             creation_timestamp=datetime(2026, 1, 1, tzinfo=UTC),
         ),
         spec=client.V1PodSpec(containers=[], node_name=node),
-        status=client.V1PodStatus(phase=phase, conditions=conditions),
+        status=client.V1PodStatus(phase=phase, conditions=conditions, container_statuses=statuses, pod_ip=pod_ip),
     )  # fmt: skip
 
 
@@ -67,6 +77,22 @@ def test_parse_pod_reads_node_slot_lease_deletion_and_the_disruption() -> None:
     assert not parse_pod(_pod(node=None)).holding  # type: ignore[union-attr]  # not bound
     assert not parse_pod(_pod(phase="Pending")).holding  # type: ignore[union-attr]
     assert parse_pod(_pod(phase="Failed")).finished  # type: ignore[union-attr]
+
+
+def test_parse_pod_reads_a_lease_pods_slots_port_ip_and_whether_a_runtime_runs_it() -> None:
+    labels = {NODE_LABEL: HOST, SLOT_LABEL: "3", SLOTS_LABEL: "3-4"}
+    pod = parse_pod(
+        _pod(labels=labels, annotations={LEASE_ANNOTATION: "L1", PORT_ANNOTATION: "28100"},
+             container_id="containerd://abc", pod_ip="10.244.250.7")
+    )  # fmt: skip
+    assert pod is not None
+    assert (
+        pod.all_slots == (3, 4) and pod.port == 28100 and pod.pod_ip == "10.244.250.7" and pod.runs_containers
+    )
+    kwok = parse_pod(_pod(container_id=""))  # kwok reports its containers with no container ID
+    assert kwok is not None and kwok.all_slots == (3,) and kwok.port is None and not kwok.runs_containers
+    assert parse_pod(_pod(labels={**labels, SLOTS_LABEL: "3-x"})) is None
+    assert parse_pod(_pod(annotations={PORT_ANNOTATION: "http"})) is None
 
 
 @pytest.mark.parametrize(
@@ -90,10 +116,49 @@ def test_placeholder_pod_holds_one_gpu_on_its_node_with_the_notice_as_grace() ->
     assert body["metadata"]["labels"][NODE_LABEL] == HOST and body["metadata"]["labels"][SLOT_LABEL] == "5"
 
 
+PROFILE = WorkloadProfile(
+    name="infer", argv=("serve", "--port", "{port}", "--gpus", "{gpus}"), port_min=28100, port_max=28101,
+    cpus_per_gpu=2, image="site/serve:1", host_paths=("/usr", "/opt/model"), health_timeout_s=1,
+)  # fmt: skip
+
+
+def test_lease_pod_runs_the_profile_on_all_its_gpus_with_the_notice_as_grace() -> None:
+    body = lease_pod(
+        "w", HOST, [4, 3], "L1", ("serve", "--port", "28100"), port=28100, profile=PROFILE, cpus=4,
+        notice_s=2.1, active_deadline_s=600, priority_class="low", resource="nvidia.com/gpu",
+    )  # fmt: skip
+    spec, meta = body["spec"], body["metadata"]
+    assert spec["terminationGracePeriodSeconds"] == 3 and spec["activeDeadlineSeconds"] == 600
+    assert spec["priorityClassName"] == "low" and spec["nodeSelector"] == {"kubernetes.io/hostname": HOST}
+    (container,) = spec["containers"]
+    assert container["image"] == "site/serve:1" and container["command"] == ["serve", "--port", "28100"]
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "2"}  # one pod, every GPU of the node
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env == {
+        "GPUPOOL_LEASE_ID": "L1",
+        "GPUPOOL_CPUS": "4",
+        "OMP_NUM_THREADS": "4",
+        "GPUPOOL_GPU_SLOTS": "3,4",
+    }
+    assert [m["readOnly"] for m in container["volumeMounts"]] == [True, True]
+    assert [v["hostPath"]["path"] for v in spec["volumes"]] == ["/usr", "/opt/model"]
+    assert meta["labels"][SLOT_LABEL] == "3" and meta["labels"][SLOTS_LABEL] == "3-4"
+    assert meta["annotations"] == {LEASE_ANNOTATION: "L1", PORT_ANNOTATION: "28100"}
+    parsed = parse_pod(client.ApiClient()._ApiClient__deserialize(body, "V1Pod"))  # type: ignore[attr-defined]
+    assert parsed is not None and parsed.all_slots == (3, 4) and parsed.port == 28100
+    with pytest.raises(WorkloadError, match="no image"):
+        lease_pod(
+            "w", HOST, [3], "L1", ("serve",), port=28100, profile=PROFILE.model_copy(update={"image": None}),
+            cpus=1, notice_s=5, active_deadline_s=None, priority_class="low", resource="nvidia.com/gpu",
+        )  # fmt: skip
+
+
 class _Core:
     """Records the API calls the lending makes (none may reach a server here)."""
 
     def __init__(self) -> None:
+        self.created: list[dict[str, Any]] = []
+        self.refuse_create = False
         self.deleted: list[tuple[str, int]] = []
         self.patched: dict[str, dict[str, Any]] = {}
         self.missing: set[str] = set()
@@ -112,6 +177,11 @@ class _Core:
     def delete_namespaced_pod(self, name: str, namespace: str, grace_period_seconds: int, **_: Any) -> None:
         self.deleted.append((name, grace_period_seconds))
 
+    def create_namespaced_pod(self, namespace: str, body: dict[str, Any], **_: Any) -> None:
+        if self.refuse_create:
+            raise ApiException(status=403, reason="Forbidden")
+        self.created.append(body)
+
 
 class _Hooks:
     def __init__(self) -> None:
@@ -124,15 +194,19 @@ class _Hooks:
         return None
 
 
-def _lending(hooks: _Hooks, now: float) -> tuple[KubernetesLending, _Core]:
-    lending = KubernetesLending(client.ApiClient(), notice_s=5, clock=lambda: now)
+def _lending(
+    hooks: _Hooks, now: float, runtime: bool = False, republished: list[str] | None = None
+) -> tuple[KubernetesLending, _Core]:
+    lending = KubernetesLending(client.ApiClient(), notice_s=5, workloads=(PROFILE,), clock=lambda: now)
     core = _Core()
     lending.core = core  # type: ignore[assignment]
-    lending.bind(LendingHooks(hooks.reclaim, lambda: (), hooks.lendable, lambda _: None), BrokerMetrics())
+    told = republished if republished is not None else []
+    lending.bind(LendingHooks(hooks.reclaim, lambda: (), hooks.lendable, told.append), BrokerMetrics())
     for slot in range(4):
         pod = LentPod(
-            name=f"ph{slot}", node=HOST, slot=slot, phase="Running", bound=True, created_at=now - 60
-        )
+            name=f"ph{slot}", node=HOST, slot=slot, phase="Running", bound=True, created_at=now - 60,
+            runs_containers=runtime,
+        )  # fmt: skip
         lending._pods[pod.name] = pod
     lending._rebuild_idle()
     return lending, core
@@ -158,8 +232,79 @@ async def test_hold_carves_idle_placeholders_and_undoes_a_partial_carve() -> Non
     assert lending.idle_slots(HOST) == {2, 3} and "L2" not in lending.held_gpus()
     # a carved GPU is not carved twice
     assert await lending.hold(_record("L3", 1)) != ""
-    assert "workload" in await lending.hold(_record("L4", 2, workload="infer"))
+    assert "unknown workload profile" in await lending.hold(_record("L4", 2, workload="bitcoin-miner"))
+    # the node's pods report no container ID (kwok): a workload cannot run there; nothing carved
+    problem = await lending.hold(_record("L5", 2, workload="infer"))
+    assert f"node {HOST} runs no containers" in problem
     assert lending.idle_slots(HOST) == {2, 3}
+
+
+async def _settled(lending: KubernetesLending) -> None:
+    """Cancel what the lending left running (releases wait for deletions no fake API reports)."""
+    await asyncio.sleep(0.05)  # every task started (one cancelled before its first step warns)
+    tasks = list(lending._tasks)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_workload_lease_pod_replaces_its_placeholders_and_takes_no_more_gpus() -> None:
+    hooks, now = _Hooks(), time.time()
+    lending, core = _lending(hooks, now, runtime=True)
+    assert await lending.hold(_record("L1", 1, 2, workload="infer")) == ""
+    assert lending.idle_slots(HOST) == {0, 3}
+    for t in [t for t in lending._tasks if t.get_name().startswith("workload-start")]:
+        await t
+    (body,) = core.created
+    name = body["metadata"]["name"]
+    assert body["spec"]["containers"][0]["command"] == ["serve", "--port", "28100", "--gpus", "2"]
+    assert body["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+    # the placeholders go at once (their GPUs are the lease pod's), and their going is no hold lost
+    assert sorted(core.deleted) == [("ph1", 0), ("ph2", 0)]
+    assert lending.held_gpus() == {"L1": (name,)}
+    for ph in ("ph1", "ph2"):
+        await lending._on_event("DELETED", lending._pods[ph])
+    assert hooks.reclaims == []
+    # a second lease on the node gets the next port; a third finds none free
+    assert await lending.hold(_record("L2", 0, workload="infer")) == ""
+    assert "every port 28100-28101 is in use" in await lending.hold(_record("L3", 3, workload="infer"))
+    # the lease pod holds slots 1 and 2: no placeholder is made for them
+    await lending._on_event("ADDED", parse_pod(client.ApiClient()._ApiClient__deserialize(body, "V1Pod")))  # type: ignore[attr-defined]
+    lending._to_hold = lambda: [f"{HOST}/gpu{s}" for s in range(4)]
+    created = len(core.created)
+    await lending._keep()
+    assert len(core.created) == created
+    lending.ended(_record("L1", 1, 2, workload="infer"))
+    lending.ended(_record("L2", 0, workload="infer"))
+    await _settled(lending)
+
+
+async def _healthy(url: str, timeout_s: float, wanted: Any, step_s: float = 0.1) -> bool:
+    return True
+
+
+async def test_a_workload_lease_publishes_its_endpoint_once_its_pod_runs_and_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hooks, now, republished = _Hooks(), time.time(), []
+    lending, core = _lending(hooks, now, runtime=True, republished=republished)
+    monkeypatch.setattr(broker.lending_kubernetes, "wait_healthy", _healthy)
+    assert await lending.hold(_record("L1", 1, 2, workload="infer")) == ""
+    for t in [t for t in lending._tasks if t.get_name().startswith("workload-start")]:
+        await t
+    (body,) = core.created
+    assert lending.endpoint("L1") == {}
+    body["spec"]["nodeName"] = HOST
+    pod = client.ApiClient()._ApiClient__deserialize(body, "V1Pod")  # type: ignore[attr-defined]
+    pod.status = client.V1PodStatus(phase="Running", pod_ip="10.244.250.9")
+    await lending._on_event("MODIFIED", parse_pod(pod))
+    for t in [t for t in lending._tasks if t.get_name().startswith("workload-health")]:
+        await asyncio.wait_for(t, 5)
+    assert lending.endpoint("L1") == {HOST: "10.244.250.9:28100"} and republished == ["L1"]
+    assert lending.lease_slots("L1") == (1, 2)
+    lending.ended(_record("L1", 1, 2, workload="infer"))
+    assert lending.endpoint("L1") == {}
+    await _settled(lending)
 
 
 async def test_events_preempted_lease_pod_gives_its_deletion_timestamp_lost_pod_reclaims_at_once() -> None:
@@ -290,3 +435,55 @@ async def test_a_pod_deleted_while_its_carving_is_being_named_does_not_come_back
     core.hold_patch.set()
     await next(t for t in lending._tasks if t.get_name() == "hold-annotate-L1")
     assert "ph0" not in lending._pods  # a slot with no pod gets a placeholder again
+
+
+async def _started(lending: KubernetesLending) -> None:
+    for t in [t for t in lending._tasks if t.get_name().startswith("workload-start")]:
+        await t
+
+
+async def test_a_lease_pod_refused_by_the_api_reclaims_the_lease_at_once() -> None:
+    hooks, now = _Hooks(), time.time()
+    lending, core = _lending(hooks, now, runtime=True)
+    core.refuse_create = True
+    assert await lending.hold(_record("L1", 1, 2, workload="infer")) == ""
+    await _started(lending)
+    ((lease_id, deadline, reason),) = hooks.reclaims
+    assert lease_id == "L1" and deadline == now and reason.startswith("hold_lost:gpupool-lease-")
+    assert core.deleted == []  # the placeholders still hold the GPUs until the lease ends
+    await _settled(lending)
+
+
+async def test_a_lease_pod_that_never_runs_reclaims_the_lease_after_the_health_timeout() -> None:
+    hooks, now = _Hooks(), time.time()
+    lending, core = _lending(hooks, now, runtime=True)
+    assert await lending.hold(_record("L1", 1, workload="infer")) == ""
+    await _started(lending)
+    (body,) = core.created
+    pending = client.ApiClient()._ApiClient__deserialize(body, "V1Pod")  # type: ignore[attr-defined]
+    pending.status = client.V1PodStatus(phase="Pending")  # training took the GPUs first: not bound
+    await lending._on_event("ADDED", parse_pod(pending))
+    for t in [t for t in lending._tasks if t.get_name().startswith("workload-health")]:
+        await asyncio.wait_for(t, 5)  # PROFILE.health_timeout_s = 1
+    ((lease_id, _, reason),) = hooks.reclaims
+    assert lease_id == "L1" and reason == f"hold_lost:{body['metadata']['name']}"
+    assert lending.endpoint("L1") == {}
+    await _settled(lending)
+
+
+async def test_a_restarted_broker_adopts_a_lease_pod_with_its_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    hooks, now, republished = _Hooks(), time.time(), []
+    lending, _ = _lending(hooks, now, runtime=True, republished=republished)
+    monkeypatch.setattr(broker.lending_kubernetes, "wait_healthy", _healthy)
+    pod = LentPod(
+        name="w1", node=HOST, slot=1, lease_id="L1", phase="Running", bound=True, slots=(1, 2),
+        pod_ip="10.244.250.3", port=28101, runs_containers=True,
+    )  # fmt: skip
+    lending._pods[pod.name] = pod
+    lending._leases["L1"] = [pod.name]
+    lending._adopt_workload(_record("L1", 1, 2, workload="infer"), [pod])
+    for t in [t for t in lending._tasks if t.get_name().startswith("workload-health")]:
+        await asyncio.wait_for(t, 5)
+    assert lending.endpoint("L1") == {HOST: "10.244.250.3:28101"} and republished == ["L1"]
+    assert lending._ports_on(HOST) == [28101]  # a new lease on the node takes another port
+    await _settled(lending)

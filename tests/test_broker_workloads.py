@@ -39,6 +39,14 @@ def test_render_replaces_every_field_and_nothing_else() -> None:
     assert argv == ("python3", "-m", "simulator.inference_server", "--port", "18001", "--tag", "edge-a/l-1/4")
 
 
+@pytest.mark.parametrize("path", ["usr", "/usr/../etc", "", "/opt/\x00x"])
+def test_host_paths_must_be_absolute_without_dot_dot(path: str) -> None:
+    with pytest.raises(ValueError, match="absolute path"):
+        WorkloadProfile.model_validate({**SERVER.model_dump(), "host_paths": [path]})
+    ok = WorkloadProfile.model_validate({**SERVER.model_dump(), "host_paths": ["/usr", "/opt/model"]})
+    assert ok.host_paths == ("/usr", "/opt/model")
+
+
 def test_a_site_can_only_name_an_allowed_profile() -> None:
     assert allowed([SERVER], "edge-b", "sim-inference") is SERVER
     with pytest.raises(WorkloadError, match="not allowed to site 'edge-c'"):

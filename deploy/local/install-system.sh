@@ -13,6 +13,9 @@
 #   slurm-client, tini                (deploy/local/slurm.sh; tini reaps the jobs' orphans)
 #   openssl, curl, unzip              the Kubernetes control plane's certificates, and a Go toolchain
 #                                     fetched when none is new enough (deploy/local/kubernetes*.sh)
+#   containerd, runc,                 the one node that runs containers: its container runtime and
+#   containernetworking-plugins,      pod network (deploy/local/kubelet.sh); gcc builds its pause
+#   gcc, libc6-dev                    binary from Kubernetes' pause.c (kubernetes-build.sh)
 #
 # Idempotent: packages are checked with one `dpkg-query` call and `command -v java`; when nothing is
 # missing the script prints nothing and exits 0 at once. Otherwise it runs `apt-get update` and
@@ -21,7 +24,7 @@
 set -euo pipefail
 
 packages=(mosquitto mosquitto-clients prometheus ibsim-utils libumad2sim0 opensm infiniband-diags maven chromium prometheus-node-exporter
-    munge slurmctld slurmd slurm-client tini openssl curl unzip)
+    munge slurmctld slurmd slurm-client tini openssl curl unzip containerd runc containernetworking-plugins gcc libc6-dev)
 
 _java_major() {
     # Major version of the java on PATH ("17" from 'openjdk version "17.0.15"'), or 0 if none.

@@ -7,6 +7,8 @@
 #       bin/etcd                                                            Debian etcd-server 3.4.23
 #       bin/kwok                                                            sigs.k8s.io/kwok v0.8.0
 #       bin/kueue                                                           sigs.k8s.io/kueue v0.17.0
+#       bin/kubelet                                                         k8s.io/kubernetes v1.31.14
+#       bin/pause                                                           its build/pause/linux/pause.c (gcc -static)
 #       kueue/crds/*.yaml, kueue/webhooks.yaml                             from the kueue module
 #
 # `kubernetes-build.sh check` builds nothing: exit 0 when everything is built, 1 when not.
@@ -145,13 +147,24 @@ _find_go() {
     go="$fetched/bin/go"
 }
 
-build_kubernetes() {
-    local recipe="$K8S_VERSION $STAGING_VERSION ${STAGING_PINS[*]}"
-    if _done kubernetes "$recipe" "$bin/kube-apiserver" "$bin/kube-scheduler" "$bin/kube-controller-manager"; then
-        return 0
-    fi
+_kubernetes_ldflags() {
+    # Print the -ldflags that stamp the Kubernetes version into a binary (as `make` upstream does).
+    local ld="-s -w" pkg
+    for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+        ld+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=31"
+        ld+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
+    done
+    echo "$ld"
+}
+
+_build_from_kubernetes() {
+    # _build_from_kubernetes PART LOG CMD_DIR...: prepare a writable copy of k8s.io/kubernetes with
+    # its staging replaces rewritten (see the header), build ./cmd/<CMD_DIR> for each into $bin, and
+    # remove the copy. CGO is off (static binaries; kubelet's cgo parts are optional).
+    local part="$1" log="$2"
+    shift 2
     _find_go
-    local log="$dest/log/kubernetes.log" src="$dest/src/kubernetes" mod m target
+    local src="$dest/src/kubernetes-$part" mod m target cmds=()
     : >"$log"
     _progress "downloading k8s.io/kubernetes@$K8S_VERSION"
     mod="$(_module_dir "k8s.io/kubernetes@$K8S_VERSION")"
@@ -177,20 +190,50 @@ build_kubernetes() {
     rm -rf "$src/vendor" "$src/go.work" "$src/go.work.sum"
     _progress "resolving Kubernetes' dependencies (staging modules at $STAGING_VERSION)"
     (cd "$src" && _retry "go mod download (k8s.io/kubernetes dependencies)" "$log" "$go" mod download)
-    local ld="-s -w"
-    for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
-        ld+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=31"
-        ld+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
-    done
-    _progress "building kube-apiserver, kube-scheduler, kube-controller-manager $K8S_VERSION (minutes when cold)"
+    for m in "$@"; do cmds+=("./cmd/$m"); done
+    _progress "building $* $K8S_VERSION (minutes when cold)"
     mkdir -p "$bin"
     # go.sum lacks the published staging modules (they were local): -mod=mod lets go add them.
-    (cd "$src" && _run "go build kube-apiserver kube-scheduler kube-controller-manager" "$log" \
-        env GOFLAGS="$GOFLAGS -mod=mod" CGO_ENABLED=0 "$go" build -trimpath -ldflags "$ld" -o "$bin/" \
-        ./cmd/kube-apiserver ./cmd/kube-scheduler ./cmd/kube-controller-manager)
+    (cd "$src" && _run "go build $*" "$log" \
+        env GOFLAGS="$GOFLAGS -mod=mod" CGO_ENABLED=0 "$go" build -trimpath -ldflags "$(_kubernetes_ldflags)" \
+        -o "$bin/" "${cmds[@]}")
     rm -rf "$src"
+    _progress "built $*"
+}
+
+build_kubernetes() {
+    local recipe="$K8S_VERSION $STAGING_VERSION ${STAGING_PINS[*]}"
+    if _done kubernetes "$recipe" "$bin/kube-apiserver" "$bin/kube-scheduler" "$bin/kube-controller-manager"; then
+        return 0
+    fi
+    _build_from_kubernetes kubernetes "$dest/log/kubernetes.log" kube-apiserver kube-scheduler kube-controller-manager
     _mark kubernetes "$recipe"
-    _progress "built kube-apiserver, kube-scheduler, kube-controller-manager"
+}
+
+build_kubelet() {
+    # The kubelet of the one local node that runs containers (deploy/local/kubelet.sh).
+    local recipe="kubelet $K8S_VERSION $STAGING_VERSION ${STAGING_PINS[*]}"
+    if _done kubelet "$recipe" "$bin/kubelet"; then return 0; fi
+    _build_from_kubernetes kubelet "$dest/log/kubelet.log" kubelet
+    _mark kubelet "$recipe"
+}
+
+build_pause() {
+    # The pause binary of the local node's sandbox and placeholder image (deploy/local/kubelet.sh):
+    # Kubernetes' own build/pause/linux/pause.c, compiled static as its Makefile does.
+    local recipe="pause $K8S_VERSION gcc -Os -static"
+    if _done pause "$recipe" "$bin/pause"; then return 0; fi
+    _find_go
+    local log="$dest/log/pause.log" mod
+    : >"$log"
+    command -v gcc >/dev/null 2>&1 || _die "gcc not found: the pause binary is built from pause.c"
+    mod="$(_module_dir "k8s.io/kubernetes@$K8S_VERSION")"
+    [ -f "$mod/build/pause/linux/pause.c" ] || _die "k8s.io/kubernetes@$K8S_VERSION: no build/pause/linux/pause.c"
+    mkdir -p "$bin"
+    _run "gcc pause.c" "$log" gcc -Os -Wall -Werror -static "-DVERSION=$K8S_VERSION-gpupool" \
+        -o "$bin/pause" "$mod/build/pause/linux/pause.c"
+    _mark pause "$recipe"
+    _progress "built pause"
 }
 
 _apt_download() {
@@ -256,7 +299,9 @@ if [ "${1:-}" = check ]; then
         && _done kubernetes "$K8S_VERSION $STAGING_VERSION ${STAGING_PINS[*]}" \
             "$bin/kube-apiserver" "$bin/kube-scheduler" "$bin/kube-controller-manager" \
         && _done kwok "sigs.k8s.io/kwok $KWOK_VERSION" "$bin/kwok" \
-        && _done kueue "sigs.k8s.io/kueue $KUEUE_VERSION" "$bin/kueue" "$dest/kueue/crds" "$dest/kueue/webhooks.yaml"
+        && _done kueue "sigs.k8s.io/kueue $KUEUE_VERSION" "$bin/kueue" "$dest/kueue/crds" "$dest/kueue/webhooks.yaml" \
+        && _done kubelet "kubelet $K8S_VERSION $STAGING_VERSION ${STAGING_PINS[*]}" "$bin/kubelet" \
+        && _done pause "pause $K8S_VERSION gcc -Os -static" "$bin/pause"
     exit
 fi
 mkdir -p "$dest/log"
@@ -266,3 +311,5 @@ build_etcd
 build_kubernetes
 build_go_tool kwok sigs.k8s.io/kwok "$KWOK_VERSION"
 build_go_tool kueue sigs.k8s.io/kueue "$KUEUE_VERSION"
+build_kubelet
+build_pause

@@ -7,6 +7,7 @@
 #                                       wait until the API is ready, every node is Ready and Kueue's
 #                                       webhook answers; prints the path of the kubeconfig
 #   deploy/local/kubernetes.sh stop     SIGTERM every component of this state dir, SIGKILL after 10 s
+#                                       (the local kubelet node of deploy/local/kubelet.sh first)
 #   deploy/local/kubernetes.sh status   exit 0 and print the kubeconfig path if everything answers;
 #                                       1 if not running; 2 if running but not ready
 #
@@ -296,6 +297,10 @@ _start_once() {
 
 cmd_stop_locked() {
     local i c pid pids=()
+    # The local node (deploy/local/kubelet.sh) runs against this control plane: it goes first.
+    if [ -d "${GPUPOOL_KUBELET_DIR:-$state_root/kubelet}" ]; then
+        GPUPOOL_K8S_DIR="$state" bash "$here/kubelet.sh" stop >/dev/null 2>&1 || true
+    fi
     for ((i = ${#components[@]} - 1; i >= 0; i--)); do
         c="${components[$i]}"
         if pid="$(_alive "$c")"; then

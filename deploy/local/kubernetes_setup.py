@@ -25,6 +25,12 @@ Usage: ``python kubernetes_setup.py COMMAND --kubeconfig PATH [options]``, comma
 * ``ready``: exit 0 at once if the API answers, every node is ``Ready`` with ``--gpus`` allocatable
   GPUs and Kueue's ``/readyz`` (``--kueue-health``) answers; used by ``status``.
 * ``nodes``: wait until every node is ``Ready`` with ``--gpus`` allocatable ``nvidia.com/gpu``.
+* ``local-node``: wait until the kubelet's node ``--node`` (deploy/local/kubelet.sh) is registered,
+  advertise ``--gpus`` ``nvidia.com/gpu`` on it (a PATCH of the Node's ``status.capacity``, as
+  Kubernetes documents for extended resources, "Advertise Extended Resources for a Node"; the
+  kubelet copies capacity to allocatable), and wait until it is ``Ready`` with them allocatable;
+  with ``--check-only``, check once (exit 1 when not so).
+* ``delete-local-node``: delete the Node ``--node`` (gone already is fine).
 
 Every wait gives up after ``--timeout`` seconds (default 120), tries every 0.25 s, and exits early
 with status 3 when ``--pid`` (the process that should answer) has exited. Exit status: 0 done; 1
@@ -65,7 +71,14 @@ KUEUE_WEBHOOK_NAMES = {
     "ValidatingWebhookConfiguration": "kueue-validating-webhook-configuration",
 }
 # Kueue's CRDs that convert between API versions through its webhook (config/components/crd/patches).
-KUEUE_CONVERTED = {"clusterqueues", "cohorts", "localqueues", "multikueueclusters", "resourceflavors", "workloads"}
+KUEUE_CONVERTED = {
+    "clusterqueues",
+    "cohorts",
+    "localqueues",
+    "multikueueclusters",
+    "resourceflavors",
+    "workloads",
+}
 # Webhook paths kept: Kueue's own kinds and batch/v1 Jobs (the one integration enabled).
 KUEUE_WEBHOOK_PATHS = ("-kueue-x-k8s-io-", "-batch-v1-job")
 GPU = "nvidia.com/gpu"
@@ -131,6 +144,25 @@ def check_nodes(api: client.ApiClient, count: int, gpus: int) -> None:
         allocatable = (node.status.allocatable or {}).get(GPU)
         if allocatable != str(gpus):
             raise NotReady(f"node {name}: allocatable {GPU} {allocatable}, want {gpus}")
+
+
+def local_node(api: client.ApiClient, name: str, gpus: int, advertise: bool) -> None:
+    """Raise :class:`NotReady` unless node ``name`` is ``Ready`` with ``gpus`` allocatable
+    ``nvidia.com/gpu``; with ``advertise``, first PATCH its status capacity to ``gpus`` when it
+    does not show them (a registered node that is not Ready yet is patched too)."""
+    core = client.CoreV1Api(api)
+    node = core.read_node(name, _request_timeout=5)  # 404 (ApiException) until it registers
+    capacity = (node.status.capacity or {}).get(GPU)
+    if advertise and capacity != str(gpus):
+        core.patch_node_status(name, {"status": {"capacity": {GPU: str(gpus)}}}, _request_timeout=5)
+        raise NotReady(f"node {name}: {GPU} capacity {capacity}, advertised {gpus} now")
+    ready = [c.status for c in node.status.conditions or [] if c.type == "Ready"]
+    if ready != ["True"]:
+        reasons = [f"{c.type}={c.status} {c.message or ''}" for c in node.status.conditions or []]
+        raise NotReady(f"node {name} not Ready: {reasons}")
+    allocatable = (node.status.allocatable or {}).get(GPU)
+    if allocatable != str(gpus):
+        raise NotReady(f"node {name}: allocatable {GPU} {allocatable}, want {gpus}")
 
 
 def check_kueue(health: str) -> None:
@@ -305,7 +337,12 @@ def queues(api: client.ApiClient, args: argparse.Namespace) -> None:
     lending = [d for f in (LENDING_YAML, COLLECTOR_YAML) for d in yaml.safe_load_all(f.read_text()) if d]
     gpupool_ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "gpupool"}}
     for obj in [*queue_objects(args.nodes, args.gpus, args.cpus, args.memory), gpupool_ns, *lending]:
-        _wait(f"apply {obj['kind']} {obj['metadata']['name']}", lambda o=obj: _apply(dyn, o), args.timeout, args.pid)
+        _wait(
+            f"apply {obj['kind']} {obj['metadata']['name']}",
+            lambda o=obj: _apply(dyn, o),
+            args.timeout,
+            args.pid,
+        )
     custom = client.CustomObjectsApi(api)
 
     def active() -> None:
@@ -320,7 +357,9 @@ def queues(api: client.ApiClient, args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("command", choices=["api", "bootstrap", "queues", "ready", "nodes"])
+    p.add_argument(
+        "command", choices=["api", "bootstrap", "queues", "ready", "nodes", "local-node", "delete-local-node"]
+    )
     p.add_argument("--kubeconfig", required=True)
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--pid", type=int, default=None)
@@ -332,6 +371,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cert-dir", help="Kueue webhook certificates: ca.crt ca.key tls.crt tls.key")
     p.add_argument("--webhook-url", help="https://127.0.0.1:PORT where Kueue's webhook server listens")
     p.add_argument("--kueue-health", help="host:port of Kueue's health probe server")
+    p.add_argument(
+        "--node", default="gpu-node-run", help="the kubelet's node (local-node, delete-local-node)"
+    )
+    p.add_argument("--check-only", action="store_true", help="local-node: check once, change nothing")
     args = p.parse_args(argv)
     os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")
     api = _api(args.kubeconfig)
@@ -341,6 +384,25 @@ def main(argv: list[str] | None = None) -> int:
         bootstrap(api, args)
     elif args.command == "queues":
         queues(api, args)
+    elif args.command == "local-node" and args.check_only:
+        try:
+            local_node(api, args.node, args.gpus, advertise=False)
+        except (NotReady, ApiException, HTTPError, OSError) as e:
+            print(f"not ready: {type(e).__name__}: {e}"[:2000], file=sys.stderr)
+            return 1
+    elif args.command == "local-node":
+        _wait(
+            f"node {args.node}",
+            lambda: local_node(api, args.node, args.gpus, advertise=True),
+            args.timeout,
+            args.pid,
+        )
+    elif args.command == "delete-local-node":
+        try:
+            client.CoreV1Api(api).delete_node(args.node, _request_timeout=args.timeout)
+        except ApiException as e:
+            if e.status != 404:
+                raise
     elif args.command == "nodes":
         _wait("kwok nodes", lambda: check_nodes(api, args.nodes, args.gpus), args.timeout, args.pid)
     else:
