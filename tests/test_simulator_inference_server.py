@@ -4,9 +4,11 @@ request, and running as a lease's workload on GPUs held in the real Slurm cluste
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,6 +46,36 @@ def test_visible_gpus() -> None:
     assert visible_gpus(None) == visible_gpus("") == visible_gpus("NoDevFiles") == []
     with pytest.raises(ValueError):
         visible_gpus("GPU-1234")
+
+
+LEFT_OUT = ("pydantic", "pyarrow", "duckdb", "contracts", "simulator.trace", "simulator.fleet", "simulator.dcgm_http")
+"""What the workload's process does not import: it starts on a reclaim's path, on the cores
+that serve the endpoint being left."""
+
+
+def test_the_workload_imports_only_what_serving_needs() -> None:
+    code = (
+        "import sys, simulator.inference_server\n"
+        f"print([m for m in {LEFT_OUT!r} if m in sys.modules])\n"
+        "import simulator\n"
+        "simulator.Fleet\n"  # the package's names still resolve, from their modules
+        "print('simulator.fleet' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.split("\n")[:2] == ["[]", "True"], out.stdout
+
+
+def test_the_package_names_resolve_lazily() -> None:
+    import simulator
+    from simulator.fleet import Fleet
+    from simulator.trace import load_trace
+
+    assert simulator.Fleet is Fleet and simulator.load_trace is load_trace
+    assert sorted(simulator.__all__) == sorted(simulator._EXPORTS)
+    for name in simulator.__all__:
+        assert getattr(simulator, name) is getattr(importlib.import_module(simulator._EXPORTS[name]), name)
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        simulator.nothing  # noqa: B018
 
 
 async def test_reports_its_gpus_and_drains_without_a_failed_request() -> None:
