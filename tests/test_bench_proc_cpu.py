@@ -57,6 +57,24 @@ def test_a_reaped_child_counts_once_and_an_unseen_one_with_its_parent() -> None:
     assert c.sample() == pytest.approx({"d": 0.5, "s": 0.25, "w": 0.25})
 
 
+def test_children_gone_with_their_parent_count_once() -> None:
+    # a workload (3) under a hold script (2) under a slurmstepd (1) reaped by tini (0): all three
+    # end between two readings; tini's children's CPU grows by their totals plus 0.25 s unseen
+    c = _census(
+        _readings(
+            [
+                _p(0, 0, 0.0, comm="t"),
+                _p(1, 0, 0.5, comm="d"),
+                _p(2, 1, 0.5, comm="s"),
+                _p(3, 2, 2.0, comm="w"),
+            ],
+            [_p(0, 0, 0.0, 0.5 + 0.5 + 2.0 + 0.25, comm="t")],
+        )
+    )
+    c.sample()
+    assert c.sample() == pytest.approx({"t": 0.25, "d": 0.0, "s": 0.0, "w": 0.0})
+
+
 def test_a_reused_pid_is_a_new_process() -> None:
     c = _census(_readings([_p(2, 1, 3.0, comm="s", start=1)], [_p(2, 1, 0.5, comm="s", start=9)]))
     c.sample()

@@ -8,7 +8,9 @@ what each used since the last reading to its part. A process's CPU includes that
 children it has reaped (``cutime``/``cstime``), so the short-lived processes no reading sees
 (``sleep``, ``mv``, ``scontrol``...) are counted with the part of the parent that reaped them;
 the part of a child that was seen and then vanished is taken off its parent's increase (it was
-counted already). The CPU a process used between the last reading and its exit is counted with
+counted already), and so is that of a child gone together with its parent (a workload, the
+hold script that ran it and its ``slurmstepd``, all ended between two readings) off the
+increase of the first ancestor still there. The CPU a process used between the last reading and its exit is counted with
 its parent's part when the parent reaps it, and lost when no counted process does (a process
 re-parented to PID 1). Readings a long way apart therefore lose more: take them often (every
 0.5 s costs the reader a few ms of CPU each time on a few hundred processes).
@@ -74,10 +76,11 @@ def parse_stat(text: str) -> tuple[str, int, int, float, float]:
 
 
 def read_procs(
-    root: Path = Path("/proc"), cmdlines: dict[tuple[int, int], str] | None = None
+    root: Path = Path("/proc"), cmdlines: dict[tuple[int, int, str], str] | None = None
 ) -> dict[int, Proc]:
     """Every process under ``root`` now, by pid; processes that exit while being read are left
-    out. ``cmdlines`` caches each (pid, starttime)'s command line across readings."""
+    out. ``cmdlines`` caches each (pid, starttime, comm)'s command line across readings (comm:
+    a process that ``exec``s another program is read again)."""
     cache = cmdlines if cmdlines is not None else {}
     procs: dict[int, Proc] = {}
     for entry in os.scandir(root):
@@ -86,7 +89,7 @@ def read_procs(
         pid = int(entry.name)
         try:
             comm, ppid, start, own, children = parse_stat((root / entry.name / "stat").read_text())
-            key = (pid, start)
+            key = (pid, start, comm)
             if key not in cache:
                 raw = (root / entry.name / "cmdline").read_bytes()
                 cache[key] = raw.replace(b"\0", b" ").decode(errors="replace").strip()
@@ -115,15 +118,15 @@ class Census:
     ) -> None:
         self.classify = classify
         self.apart = apart
-        self._cmdlines: dict[tuple[int, int], str] = {}
+        self._cmdlines: dict[tuple[int, int, str], str] = {}
         self.read = read if read is not None else (lambda: read_procs(cmdlines=self._cmdlines))
         self.used: dict[str, float] = {}
         self._last: dict[int, Proc] = {}
-        self._parts: dict[tuple[int, int], str | None] = {}
+        self._parts: dict[tuple[int, int, str], str | None] = {}
         self._first = True
 
     def _part(self, p: Proc, procs: dict[int, Proc]) -> str | None:
-        key = (p.pid, p.start)
+        key = (p.pid, p.start, p.comm)  # an exec'd process is sorted again
         if key not in self._parts:
             self._parts[key] = self.classify(p, procs.get)
         return self._parts[key]
@@ -132,11 +135,19 @@ class Census:
         """Read the processes and return the CPU seconds each part used so far (since the first
         reading, which only sets where counting starts)."""
         procs = self.read()
+        gone = {
+            pid: old
+            for pid, old in self._last.items()
+            if (now := procs.get(pid)) is None or now.start != old.start
+        }
+
+        def counted(p: Proc) -> float:  # what was counted of p and of its children gone with it
+            return p.total_s + sum(counted(c) for c in gone.values() if c.ppid == p.pid and c is not p)
+
         vanished: dict[int, float] = {}  # parent pid -> counted CPU of its children gone since
-        for pid, old in self._last.items():
-            now = procs.get(pid)
-            if now is None or now.start != old.start:
-                vanished[old.ppid] = vanished.get(old.ppid, 0.0) + old.total_s
+        for old in gone.values():
+            if old.ppid not in gone:  # one gone with its parent is in its parent's count
+                vanished[old.ppid] = vanished.get(old.ppid, 0.0) + counted(old)
         for pid, p in procs.items():
             part = self._part(p, procs)
             if part is None:
