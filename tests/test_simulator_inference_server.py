@@ -18,7 +18,7 @@ import pytest
 
 from broker.scheduler import HoldRequest
 from broker.scheduler_slurm import SlurmScheduler
-from simulator.inference_server import REPORTED_ENV, visible_gpus
+from simulator.inference_server import REPORTED_ENV, InferenceServer, visible_gpus
 from tests.services import REPO, SLURM_GRACE_S
 
 
@@ -48,7 +48,8 @@ def test_visible_gpus() -> None:
         visible_gpus("GPU-1234")
 
 
-LEFT_OUT = ("pydantic", "pyarrow", "duckdb", "contracts", "simulator.trace", "simulator.fleet", "simulator.dcgm_http")
+LEFT_OUT = ("pydantic", "pyarrow", "duckdb", "contracts", "simulator.trace", "simulator.fleet", "simulator.dcgm_http",
+            "aiohttp")
 """What the workload's process does not import: it starts on a reclaim's path, on the cores
 that serve the endpoint being left."""
 
@@ -150,3 +151,28 @@ async def test_runs_as_a_lease_workload_on_the_held_gpus(slurm_conf: Path, tmp_p
     finally:
         await s.release("infer-1")
     assert "infer-1" not in await s.holds()
+
+
+async def test_http_keeps_the_connection_and_answers_other_paths_methods_and_bad_requests() -> None:
+    server = InferenceServer([2], "L9", 0.0)
+    listening = await server.start("127.0.0.1", 0)
+    port = listening.sockets[0].getsockname()[1]
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            answers = [await client.post("/v1/infer", content=b"{}") for _ in range(3)]
+            assert [r.json()["served"] for r in answers] == [1, 2, 3] and server.served == 3
+            assert answers[0].headers["content-type"].startswith("application/json")
+            assert len(server._writers) == 1  # one kept-alive connection
+            assert (await client.get("/health?x=1")).json()["lease_id"] == "L9"
+            head = await client.head("/health")
+            assert head.status_code == 200 and head.content == b""
+            assert (await client.get("/v1/infer")).status_code == 405
+            assert (await client.post("/health")).status_code == 405
+            assert (await client.get("/metrics")).status_code == 404
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"NOT HTTP\r\n\r\n")
+        assert (await reader.read()).startswith(b"HTTP/1.1 400 ")  # then closed
+        writer.close()
+        assert server.served == 3 and server.in_flight == 0
+    finally:
+        await server.close()
