@@ -35,6 +35,12 @@ from collections.abc import Mapping
 
 import h11
 
+LISTEN_BACKLOG = 1024
+"""Connections the kernel queues for the server before it accepts them (``listen(2)``'s backlog,
+capped by ``net.core.somaxconn``). Past it the kernel drops a client's SYN, which the client
+sends again only after a second: a load balancer opening a connection per request while the
+server's process waits for a CPU (a reclaim's burst) would otherwise see those seconds."""
+
 REPORTED_ENV = (
     "GPUPOOL_CPUS",
     "OMP_NUM_THREADS",
@@ -143,10 +149,11 @@ class InferenceServer:
                     status, body = await self.route(request.method.decode(), request.target.decode())
                     payload = json.dumps(body).encode()
                     headers = [("content-type", "application/json; charset=utf-8"), ("content-length", str(len(payload)))]
-                    writer.write(conn.send(h11.Response(status_code=status, headers=headers)) or b"")
+                    out = [conn.send(h11.Response(status_code=status, headers=headers))]
                     if request.method != b"HEAD":
-                        writer.write(conn.send(h11.Data(data=payload)) or b"")
-                    writer.write(conn.send(h11.EndOfMessage()) or b"")
+                        out.append(conn.send(h11.Data(data=payload)))
+                    out.append(conn.send(h11.EndOfMessage()))
+                    writer.write(b"".join(b for b in out if b))  # one write: one send(2)
                     await writer.drain()
                 finally:
                     self.in_flight -= 1
@@ -168,8 +175,9 @@ class InferenceServer:
             writer.close()
 
     async def start(self, bind: str, port: int) -> asyncio.Server:
-        """Listen on ``bind``:``port`` (0: any free port; the server's ``sockets`` say which)."""
-        self._server = await asyncio.start_server(self.connection, bind, port)
+        """Listen on ``bind``:``port`` (0: any free port; the server's ``sockets`` say which),
+        with a backlog of :data:`LISTEN_BACKLOG`."""
+        self._server = await asyncio.start_server(self.connection, bind, port, backlog=LISTEN_BACKLOG)
         return self._server
 
     async def close(self) -> None:

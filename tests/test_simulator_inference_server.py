@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 
 from broker.scheduler import HoldRequest
 from broker.scheduler_slurm import SlurmScheduler
-from simulator.inference_server import REPORTED_ENV, InferenceServer, visible_gpus
+from simulator.inference_server import LISTEN_BACKLOG, REPORTED_ENV, InferenceServer, visible_gpus
 from tests.services import REPO, SLURM_GRACE_S
 
 
@@ -169,6 +170,10 @@ async def test_http_keeps_the_connection_and_answers_other_paths_methods_and_bad
             assert (await client.get("/v1/infer")).status_code == 405
             assert (await client.post("/health")).status_code == 405
             assert (await client.get("/metrics")).status_code == 404
+        if shutil.which("ss"):  # listen(2)'s backlog: ss shows it as a listening socket's Send-Q
+            listed = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True, check=True)
+            somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
+            assert int(listed.stdout.split()[2]) == min(LISTEN_BACKLOG, somaxconn) > 128
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"NOT HTTP\r\n\r\n")
         assert (await reader.read()).startswith(b"HTTP/1.1 400 ")  # then closed
