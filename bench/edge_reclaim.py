@@ -40,6 +40,12 @@ request's due time (which includes it), the ratio on it, and the driver's lag ar
 Where the tail comes from: the served requests by endpoint (the leaving one, its replacement, the
 one the reclaim did not touch) and by phase, with the driver's lag and new connections; this
 process's CPU use and its time waiting for a CPU in each kind of window; the load average.
+What the reclaims cost the host, in CPU seconds (load-independent, unlike the latency): every
+process of the run sorted into parts (:mod:`bench.support.proc_cpu`, read every 0.5 s by a
+process of its own) — the load driver and site SDK, the broker, Slurm's daemons, the hold
+scripts, each workload process by role (leaving, replacement, untouched) — with each part's CPU
+per wall second in steady state and in reclaims, and its CPU seconds per reclaim beyond steady
+state.
 ``--steady-burst`` (a diagnostic) starts the workload's process in each steady window, as a
 replacement's start does in a reclaim, to see what that start alone costs the tail.
 
@@ -75,6 +81,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tomli_w  # noqa: E402
 
+from bench.support.proc_cpu import BENCH_PARTS  # noqa: E402
+from bench.support.proc_cpu import WORKLOAD as WORKLOAD_PART  # noqa: E402
 from bench.support.services import (  # noqa: E402
     NODES,
     Cluster,
@@ -243,6 +251,11 @@ async def _run(args: argparse.Namespace, tmp: Path) -> int:
         print(e, file=sys.stderr)
         cluster.script("stop")
         return 2
+    census_out = tmp / "cpu.jsonl"
+    census = subprocess.Popen(
+        [sys.executable, "-m", "bench.support.proc_cpu", "--match", str(tmp), "--every", "0.5", "--out", str(census_out),
+         "--bench-pid", str(os.getpid())], cwd=REPO, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
     bus = KafkaBus(kafka, client_id="bench-edge")
     topics = KafkaTopics(prefix=f"benchedge{uuid.uuid4().hex[:8]}.")
     log_path = args.broker_log or tmp / "broker.log"
@@ -310,6 +323,8 @@ async def _run(args: argparse.Namespace, tmp: Path) -> int:
             except subprocess.TimeoutExpired:
                 broker.kill()
         await cluster.cancel_all()
+        census.terminate()
+        census.wait()
         with contextlib.suppress(Exception):
             await capacity.producer.stop()
         await bus.close()
@@ -317,7 +332,8 @@ async def _run(args: argparse.Namespace, tmp: Path) -> int:
         await stop_mosquitto(mq_state)
         if kafka_started:
             await stop_kafka()
-    return _report(args, kept, load, submit_to_running, steady, began, ended, loadavg, cpu)
+    parts = [json.loads(line) for line in census_out.read_text().splitlines() if line.strip()]
+    return _report(args, kept, load, submit_to_running, steady, began, ended, loadavg, cpu, parts)
 
 
 def _runqueue_wait_s() -> float:
@@ -383,6 +399,117 @@ def _cpu_share(cpu: list[tuple[float, ...]], windows: list[tuple[float, float]])
     return [u / wall if wall else float("nan") for u in used]
 
 
+def _overlap(a: float, b: float, windows: list[tuple[float, float]]) -> float:
+    """Seconds of [a, b] inside ``windows`` (which do not overlap each other)."""
+    return sum(max(0.0, min(b, w1) - max(a, w0)) for w0, w1 in windows)
+
+
+def _parts_cpu(
+    parts: list[dict[str, object]], windows: list[tuple[float, float]]
+) -> tuple[dict[str, float], float]:
+    """CPU seconds each part used inside ``windows`` (each reading interval's use spread evenly
+    over it, the share inside counted) and the wall seconds of those windows the readings cover."""
+    used: dict[str, float] = {}
+    wall = 0.0
+    for x, y in itertools.pairwise(parts):
+        a, b = float(x["t"]), float(y["t"])  # type: ignore[arg-type]
+        share = _overlap(a, b, windows) / (b - a) if b > a else 0.0
+        if share <= 0:
+            continue
+        wall += share * (b - a)
+        cx, cy = x["cpu"], y["cpu"]
+        assert isinstance(cx, dict) and isinstance(cy, dict)
+        for name, v in cy.items():
+            used[name] = used.get(name, 0.0) + share * (v - cx.get(name, 0.0))
+    return used, wall
+
+
+_WORKLOAD_ROLES = ("workload: leaving (drain)", "workload: replacement (start)", "workload: untouched")
+"""The rows of the workload processes in a reclaim (:func:`_workload_role`)."""
+
+
+def _workload_role(name: str, leaving_ports: set[int], new_pids: set[int]) -> str:
+    """The row of a workload process's part (``workload <pid> <port>``) in a reclaim window: the
+    replacement if its process was first seen then, the leaving endpoint's if it serves on that
+    port, else the endpoint the reclaim did not touch."""
+    _, pid, port = name.split()
+    if int(pid) in new_pids:
+        return _WORKLOAD_ROLES[1]
+    if int(port) in leaving_ports:
+        return _WORKLOAD_ROLES[0]
+    return _WORKLOAD_ROLES[2]
+
+
+def _events(hs: list[Handover], windows: list[tuple[float, float]]) -> list[tuple[tuple[float, float], set[int]]]:
+    """The reclaim windows merged where they overlap (one training job taking back both kept
+    leases makes two hand-overs at once), each with the ports of the endpoints it took back."""
+    out: list[tuple[tuple[float, float], set[int]]] = []
+    for h, (a, b) in sorted(zip(hs, windows, strict=True), key=lambda x: x[1][0]):
+        port = {int(h.endpoint.rsplit(":", 1)[1].split("/")[0])} if h.endpoint else set()
+        if out and a <= out[-1][0][1]:
+            (a0, b0), ports = out[-1]
+            out[-1] = ((a0, max(b0, b)), ports | port)
+        else:
+            out.append(((a, b), port))
+    return out
+
+
+def _parts_report(parts: list[dict[str, object]], hs: list[Handover], windows: list[tuple[float, float]],
+                  steady_windows: list[tuple[float, float]], target: int) -> None:  # fmt: skip
+    """The CPU by part of the host (:mod:`bench.support.proc_cpu`): CPU s per wall s in steady
+    windows and in reclaims (the hand-overs' windows merged where they overlap: :func:`_events`),
+    and CPU s per reclaim against the same time of steady state; workload processes by role (the
+    leaving endpoints', the replacements started in that reclaim, any untouched), against one of
+    as many of the ``target`` serving endpoints in steady state."""
+    if len(parts) < 2:
+        return
+    steady_used, steady_wall = _parts_cpu(parts, steady_windows)
+    rows: dict[str, float] = {}
+    wall = 0.0
+    first_seen: dict[int, float] = {}
+    for row in parts:
+        cpu = row["cpu"]
+        assert isinstance(cpu, dict)
+        for name in cpu:
+            if name.startswith(WORKLOAD_PART):
+                first_seen.setdefault(int(name.split()[1]), float(row["t"]))  # type: ignore[arg-type]
+    events = _events(hs, windows)
+    for w, ports in events:
+        used, ww = _parts_cpu(parts, [w])
+        wall += ww
+        new = {pid for pid, t in first_seen.items() if w[0] <= t <= w[1] + 0.5}
+        for name, v in used.items():
+            key = _workload_role(name, ports, new) if name.startswith(WORKLOAD_PART) else name
+            rows[key] = rows.get(key, 0.0) + v
+    steady_rows: dict[str, float] = {}
+    for name, v in steady_used.items():
+        key = "workloads" if name.startswith(WORKLOAD_PART) else name
+        steady_rows[key] = steady_rows.get(key, 0.0) + v
+    n = len(events) or 1
+    mean_s = wall / n
+    nan = float("nan")
+    per_endpoint = steady_rows.get("workloads", 0.0) / steady_wall / target if steady_wall else nan
+    leaving = sum(len(ports) for _, ports in events) / n  # endpoints taken back per reclaim
+    print(
+        f"{'CPU by part of the host (/proc)':38} {'steady':>9} {'reclaims':>9} {'CPU s per':>10} {'extra per':>10}"
+    )
+    print(f"{'  (CPU s per wall s; per reclaim: in':38} {'':>9} {'':>9} {'reclaim':>10} {'reclaim':>10}")
+    print(f"{'  its window: ' + str(len(events)) + ' of mean ' + format(mean_s, '.2f') + ' s)':38}")
+    total_st = sum(steady_rows.values()) / steady_wall if steady_wall else nan
+    total_du = sum(rows.values()) / wall if wall else nan
+    for name in [*BENCH_PARTS, *_WORKLOAD_ROLES]:
+        if name in _WORKLOAD_ROLES:  # steady: as many serving endpoints; a replacement did not run
+            st = {0: per_endpoint * leaving, 1: nan, 2: per_endpoint * (target - leaving)}[_WORKLOAD_ROLES.index(name)]
+        else:
+            st = steady_rows.get(name, 0.0) / steady_wall if steady_wall else nan
+        du = rows.get(name, 0.0) / wall if wall else nan
+        per = rows.get(name, 0.0) / n
+        extra = per - (st * mean_s if st == st else 0.0)
+        print(f"{name:38} {st:9.3f} {du:9.3f} {per:10.3f} {extra:10.3f}")
+    extra = (total_du - total_st) * mean_s
+    print(f"{'all parts':38} {total_st:9.3f} {total_du:9.3f} {total_du * mean_s:10.3f} {extra:10.3f}")
+
+
 def _ms(values: list[float], q: float) -> str:
     return f"{quantile(values, q) * 1e3:8.1f}" if values else f"{'—':>8}"
 
@@ -421,7 +548,7 @@ def _breakdown(records: list[RequestRecord], hs: list[Handover], windows: list[t
 def _report(
     args: argparse.Namespace, kept: KeptLeases, load: OpenLoopLoad, submit_to_running: list[float],
     steady_windows: list[tuple[float, float]], began: float, ended: float, loadavg: list[float],
-    cpu: list[tuple[float, ...]],
+    cpu: list[tuple[float, ...]], parts: list[dict[str, object]],
 ) -> int:  # fmt: skip
     hs = kept.handovers
     windows = []
@@ -476,6 +603,7 @@ def _report(
           f"site SDK, harness)")  # fmt: skip
     for name, st, du in zip(CPU_COUNTERS, _cpu_share(cpu, steady_windows), _cpu_share(cpu, windows), strict=True):
         print(f"{name:38} {st:9.2f} {du:9.2f}")
+    _parts_report(parts, hs, windows, steady_windows, args.target)
     if loadavg:
         print(f"load average (1 min) during the run: min {min(loadavg):.2f}, median {statistics.median(loadavg):.2f}, "
               f"max {max(loadavg):.2f} ({os.cpu_count()} CPUs)")  # fmt: skip

@@ -129,7 +129,7 @@ while true; do
         bash "$start" &
         child=$!
     fi
-    sleep 0.1 & sleeper=$!; wait $sleeper
+    nap 0.1
 done
 """
 

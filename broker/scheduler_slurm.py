@@ -155,7 +155,13 @@ def leave_function(notice: int, held_while: str = "") -> str:
     (``$child``), waits for it at most ``notice`` seconds, KILLs it and exits; a second SIGTERM
     changes nothing. ``held_while``: a file, as a bash word (quoted by the caller); a script
     without a workload then keeps its GPUs, up to ``notice`` seconds, while that file exists (a
-    lease's other GPUs, whose workload runs in another hold job, stay held until it is gone)."""
+    lease's other GPUs, whose workload runs in another hold job, stay held until it is gone).
+
+    It also defines ``nap SECONDS``, the scripts' wait while they hold: one that starts no
+    process (``read -t`` on a pipe nothing writes to, opened once), so a hold waiting for its
+    notice costs no ``fork``/``exec`` of ``sleep`` each tenth of a second, and a trapped SIGTERM
+    runs its trap at once. ``leave`` itself waits with ``sleep``: bash reaps an exited workload
+    only between commands, not while a trap handler waits in ``read``."""
     hold_on = f"""    elif [ -f {held_while} ]; then
         for ((i = 0; i < $1; i++)); do
             [ -f {held_while} ] || break
@@ -165,7 +171,8 @@ def leave_function(notice: int, held_while: str = "") -> str:
     return f"""notice_ds={notice * 10}
 child=
 leaving=
-sleeper=
+exec {{napfd}}<> <(:)  # a pipe no one writes to: nap waits on it without starting a process
+nap() {{ read -r -t "$1" -u "$napfd" _; }}  # nap SECONDS
 leave() {{  # leave TENTHS: TERM the workload, wait for it at most TENTHS/10 s, KILL it, exit
     local i
     [ -n "$leaving" ] && return 0  # a second SIGTERM (gpupool's confirmation) changes nothing
@@ -180,7 +187,6 @@ leave() {{  # leave TENTHS: TERM the workload, wait for it at most TENTHS/10 s, 
 {hold_on}    fi
     # Reap every child before leaving: an orphan (even a finished one, where PID 1 does not
     # reap) keeps the job's process group alive and Slurm then waits for KillWait.
-    [ -n "$sleeper" ] && kill -KILL $sleeper 2>/dev/null
     wait
     exit 0
 }}
@@ -202,7 +208,7 @@ def lease_script(request: HoldRequest) -> str:
 echo "gpupool-lease start $(date +%s) CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES"
 {command + " &" if command else ":"}
 {"child=$!" if command else ""}
-while true; do sleep 0.2 & sleeper=$!; wait $sleeper; done
+while true; do nap 0.2; done
 """
 
 

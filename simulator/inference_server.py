@@ -12,6 +12,10 @@ starts it on the held GPUs). It serves, over HTTP on ``--bind``:``--port``:
   values of the :data:`REPORTED_ENV` variables that are set (its CPU budget and InfiniBand
   partition, as the lease's start file exported them; :func:`broker.placeholders.start_script`).
 
+It speaks HTTP/1.1 with keep-alive through h11 (the protocol) on asyncio streams, without a web
+framework: the process starts on a reclaim's path, on the cores of the endpoints still serving,
+so it imports only what serving needs (no HTTP client, TLS stack or CA certificates).
+
 On SIGTERM it drains: health turns 503, requests keep being answered (those in flight and those
 that still arrive), and it exits 0 once no request came for ``--quiet-s`` seconds or
 ``--drain-s`` seconds have passed, whichever is first. A second SIGTERM (the lease ended: Slurm
@@ -29,7 +33,13 @@ import signal
 import time
 from collections.abc import Mapping
 
-from aiohttp import web
+import h11
+
+LISTEN_BACKLOG = 1024
+"""Connections the kernel queues for the server before it accepts them (``listen(2)``'s backlog,
+capped by ``net.core.somaxconn``). Past it the kernel drops a client's SYN, which the client
+sends again only after a second: a load balancer opening a connection per request while the
+server's process waits for a CPU (a reclaim's burst) would otherwise see those seconds."""
 
 REPORTED_ENV = (
     "GPUPOOL_GPU_SLOTS",
@@ -91,44 +101,101 @@ class InferenceServer:
         self.leaving = False
         """A second SIGTERM came: exit once no request is in flight."""
         self.last_request = time.monotonic()
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
 
-    async def health(self, request: web.Request) -> web.Response:
-        """``GET /health``: 200 while serving, 503 while draining."""
-        body = {"status": "draining" if self.draining else "ok", "gpus": self.gpus,
-                "lease_id": self.lease_id, "served": self.served, "node": self.node, "env": self.env}
-        return web.json_response(body, status=503 if self.draining else 200)
+    def health(self) -> tuple[int, dict[str, object]]:
+        """``GET /health``: 200 while serving, 503 while draining (status, JSON body)."""
+        body: dict[str, object] = {"status": "draining" if self.draining else "ok", "gpus": self.gpus,
+                "lease_id": self.lease_id, "served": self.served, "node": self.node, "env": self.env}  # fmt: skip
+        return 503 if self.draining else 200, body
 
-    async def infer(self, request: web.Request) -> web.Response:
+    async def infer(self) -> tuple[int, dict[str, object]]:
         """``POST /v1/infer``: answer after the simulated latency with the GPUs used."""
-        self.in_flight += 1
-        self.last_request = time.monotonic()
-        try:
-            await request.read()
-            await asyncio.sleep(self.latency_s)
-            self.served += 1
-            return web.json_response(
-                {"gpus": self.gpus, "lease_id": self.lease_id, "pid": os.getpid(), "served": self.served,
-                 "node": self.node, "env": self.env}
-            )  # fmt: skip
-        finally:
-            self.in_flight -= 1
-            self.last_request = time.monotonic()
+        await asyncio.sleep(self.latency_s)
+        self.served += 1
+        return 200, {"gpus": self.gpus, "lease_id": self.lease_id, "pid": os.getpid(), "served": self.served,
+                     "node": self.node, "env": self.env}  # fmt: skip
 
-    def app(self) -> web.Application:
-        """The aiohttp application with both routes."""
-        app = web.Application()
-        app.router.add_get("/health", self.health)
-        app.router.add_post("/v1/infer", self.infer)
-        return app
+    async def route(self, method: str, path: str) -> tuple[int, dict[str, object]]:
+        """The answer to ``method`` ``path`` (status, JSON body): the two routes, 405 for another
+        method on them, 404 elsewhere."""
+        routes = {"/health": "GET", "/v1/infer": "POST"}
+        path = path.split("?", 1)[0]
+        if path not in routes:
+            return 404, {"error": "not found"}
+        if method != routes[path] and not (method == "HEAD" and routes[path] == "GET"):
+            return 405, {"error": f"{method} not allowed"}
+        return await self.infer() if path == "/v1/infer" else self.health()
+
+    async def connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Serve one HTTP/1.1 connection (keep-alive; the protocol is h11's) until the client or
+        :meth:`close` ends it. A request h11 cannot parse gets 400 and the connection closes."""
+        conn = h11.Connection(h11.SERVER)
+        self._writers.add(writer)
+
+        async def next_event() -> object:
+            while (event := conn.next_event()) is h11.NEED_DATA:
+                conn.receive_data(await reader.read(65536))
+            return event
+
+        try:
+            while isinstance(request := await next_event(), h11.Request):
+                self.in_flight += 1
+                self.last_request = time.monotonic()
+                try:
+                    while isinstance(part := await next_event(), h11.Data):
+                        pass  # any body, or none
+                    if not isinstance(part, h11.EndOfMessage):
+                        break
+                    status, body = await self.route(request.method.decode(), request.target.decode())
+                    payload = json.dumps(body).encode()
+                    headers = [("content-type", "application/json; charset=utf-8"), ("content-length", str(len(payload)))]
+                    out = [conn.send(h11.Response(status_code=status, headers=headers))]
+                    if request.method != b"HEAD":
+                        out.append(conn.send(h11.Data(data=payload)))
+                    out.append(conn.send(h11.EndOfMessage()))
+                    writer.write(b"".join(b for b in out if b))  # one write: one send(2)
+                    await writer.drain()
+                finally:
+                    self.in_flight -= 1
+                    self.last_request = time.monotonic()
+                if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                    break
+                conn.start_next_cycle()
+        except h11.RemoteProtocolError as e:
+            if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                payload = json.dumps({"error": str(e)}).encode()
+                headers = [("content-type", "application/json; charset=utf-8"), ("content-length", str(len(payload)))]
+                writer.write(conn.send(h11.Response(status_code=e.error_status_hint, headers=headers)) or b"")
+                writer.write(conn.send(h11.Data(data=payload)) or b"")
+                writer.write(conn.send(h11.EndOfMessage()) or b"")
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self._writers.discard(writer)
+            writer.close()
+
+    async def start(self, bind: str, port: int) -> asyncio.Server:
+        """Listen on ``bind``:``port`` (0: any free port; the server's ``sockets`` say which),
+        with a backlog of :data:`LISTEN_BACKLOG`."""
+        self._server = await asyncio.start_server(self.connection, bind, port, backlog=LISTEN_BACKLOG)
+        return self._server
+
+    async def close(self) -> None:
+        """Stop listening and close every connection (those idle between requests; call it once
+        no request is in flight)."""
+        if self._server is not None:
+            self._server.close()
+        for writer in list(self._writers):
+            writer.close()
+        self._writers.clear()
 
 
 async def serve(bind: str, port: int, server: InferenceServer, drain_s: float, quiet_s: float) -> None:
     """Serve until SIGTERM/SIGINT, then drain until quiet, ``drain_s`` or a second signal
     (module docstring) and return."""
-    runner = web.AppRunner(server.app(), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, bind, port)
-    await site.start()
+    await server.start(bind, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -148,7 +215,7 @@ async def serve(bind: str, port: int, server: InferenceServer, drain_s: float, q
         if server.in_flight == 0 and (server.leaving or time.monotonic() - server.last_request >= quiet_s):
             break
         await asyncio.sleep(0.05)
-    await runner.cleanup()
+    await server.close()
     print(json.dumps({"event": "inference_stopped", "served": server.served,
                       "drained_s": round(time.monotonic() - began, 3)}), flush=True)
 

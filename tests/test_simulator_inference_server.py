@@ -4,9 +4,12 @@ request, and running as a lease's workload on GPUs held in the real Slurm cluste
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
+import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,7 +19,7 @@ import pytest
 
 from broker.scheduler import HoldRequest
 from broker.scheduler_slurm import SlurmScheduler
-from simulator.inference_server import REPORTED_ENV, visible_gpus
+from simulator.inference_server import LISTEN_BACKLOG, REPORTED_ENV, InferenceServer, visible_gpus
 from tests.services import REPO, SLURM_GRACE_S
 
 
@@ -44,6 +47,37 @@ def test_visible_gpus() -> None:
     assert visible_gpus(None) == visible_gpus("") == visible_gpus("NoDevFiles") == []
     with pytest.raises(ValueError):
         visible_gpus("GPU-1234")
+
+
+LEFT_OUT = ("pydantic", "pyarrow", "duckdb", "contracts", "simulator.trace", "simulator.fleet", "simulator.dcgm_http",
+            "aiohttp")
+"""What the workload's process does not import: it starts on a reclaim's path, on the cores
+that serve the endpoint being left."""
+
+
+def test_the_workload_imports_only_what_serving_needs() -> None:
+    code = (
+        "import sys, simulator.inference_server\n"
+        f"print([m for m in {LEFT_OUT!r} if m in sys.modules])\n"
+        "import simulator\n"
+        "simulator.Fleet\n"  # the package's names still resolve, from their modules
+        "print('simulator.fleet' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.split("\n")[:2] == ["[]", "True"], out.stdout
+
+
+def test_the_package_names_resolve_lazily() -> None:
+    import simulator
+    from simulator.fleet import Fleet
+    from simulator.trace import load_trace
+
+    assert simulator.Fleet is Fleet and simulator.load_trace is load_trace
+    assert sorted(simulator.__all__) == sorted(simulator._EXPORTS)
+    for name in simulator.__all__:
+        assert getattr(simulator, name) is getattr(importlib.import_module(simulator._EXPORTS[name]), name)
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        simulator.nothing  # noqa: B018
 
 
 async def test_reports_its_gpus_and_drains_without_a_failed_request() -> None:
@@ -118,3 +152,32 @@ async def test_runs_as_a_lease_workload_on_the_held_gpus(slurm_conf: Path, tmp_p
     finally:
         await s.release("infer-1")
     assert "infer-1" not in await s.holds()
+
+
+async def test_http_keeps_the_connection_and_answers_other_paths_methods_and_bad_requests() -> None:
+    server = InferenceServer([2], "L9", 0.0)
+    listening = await server.start("127.0.0.1", 0)
+    port = listening.sockets[0].getsockname()[1]
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            answers = [await client.post("/v1/infer", content=b"{}") for _ in range(3)]
+            assert [r.json()["served"] for r in answers] == [1, 2, 3] and server.served == 3
+            assert answers[0].headers["content-type"].startswith("application/json")
+            assert len(server._writers) == 1  # one kept-alive connection
+            assert (await client.get("/health?x=1")).json()["lease_id"] == "L9"
+            head = await client.head("/health")
+            assert head.status_code == 200 and head.content == b""
+            assert (await client.get("/v1/infer")).status_code == 405
+            assert (await client.post("/health")).status_code == 405
+            assert (await client.get("/metrics")).status_code == 404
+        if shutil.which("ss"):  # listen(2)'s backlog: ss shows it as a listening socket's Send-Q
+            listed = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True, check=True)
+            somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
+            assert int(listed.stdout.split()[2]) == min(LISTEN_BACKLOG, somaxconn) > 128
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"NOT HTTP\r\n\r\n")
+        assert (await reader.read()).startswith(b"HTTP/1.1 400 ")  # then closed
+        writer.close()
+        assert server.served == 3 and server.in_flight == 0
+    finally:
+        await server.close()

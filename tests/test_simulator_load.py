@@ -7,7 +7,6 @@ import math
 import socket
 
 import pytest
-from aiohttp import web
 
 from broker.kept_leases import Endpoints
 from simulator.inference_server import InferenceServer
@@ -59,10 +58,8 @@ def _free_port() -> int:
 
 async def test_open_loop_load_records_every_request_and_each_kind_of_failure() -> None:
     server = InferenceServer([0], "L1", 0.002)
-    runner = web.AppRunner(server.app(), access_log=None)
-    await runner.setup()
     port = _free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await server.start("127.0.0.1", port)
     dead = f"127.0.0.1:{_free_port()}"
     endpoints = Endpoints()
     load = OpenLoopLoad(endpoints, rate_per_s=100, timeout_s=1.0)
@@ -77,7 +74,7 @@ async def test_open_loop_load_records_every_request_and_each_kind_of_failure() -
         stop.set()
         await driving
     finally:
-        await runner.cleanup()
+        await server.close()
     errors = {r.error for r in load.records if not r.ok}
     assert {"no_endpoint", "ClientConnectorError"} <= errors, errors
     ok = [r for r in load.records if r.ok]
@@ -93,10 +90,8 @@ async def test_open_loop_load_records_every_request_and_each_kind_of_failure() -
 
 async def test_probe_checks_the_leases_health_and_warms_it_up() -> None:
     server = InferenceServer([0], "L1", 0.0)
-    runner = web.AppRunner(server.app(), access_log=None)
-    await runner.setup()
     port = _free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await server.start("127.0.0.1", port)
     try:
         assert await probe(f"127.0.0.1:{port}", "L1", warmup=3) and server.served == 3
         assert await probe(f"127.0.0.1:{port}", warmup=0) and server.served == 3
@@ -105,16 +100,14 @@ async def test_probe_checks_the_leases_health_and_warms_it_up() -> None:
         server.draining = True
         assert not await probe(f"127.0.0.1:{port}", "L1")
     finally:
-        await runner.cleanup()
+        await server.close()
     assert not await probe(f"127.0.0.1:{_free_port()}", "L1")
 
 
 async def test_probe_warms_concurrently_over_the_loads_pool_and_can_require_fast_answers() -> None:
     server = InferenceServer([0], "L1", 0.002)
-    runner = web.AppRunner(server.app(), access_log=None)
-    await runner.setup()
     port = _free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await server.start("127.0.0.1", port)
     ep = f"127.0.0.1:{port}"
     endpoints = Endpoints()
     try:
@@ -139,5 +132,5 @@ async def test_probe_warms_concurrently_over_the_loads_pool_and_can_require_fast
             await probe(ep, warmup=1, concurrency=0)
         assert await probe(ep, "L1", warmup=0)  # a session of its own
     finally:
-        await runner.cleanup()
+        await server.close()
     assert not await probe(ep, warmup=0)  # nothing listens any more
