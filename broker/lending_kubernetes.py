@@ -227,6 +227,20 @@ def parse_pod(pod: client.V1Pod) -> LentPod | None:
     )
 
 
+def _gpupool_pod_spec(node: str, priority_class: str, notice_s: float) -> dict[str, Any]:
+    """The pod spec fields every gpupool pod (placeholder or lease pod) shares: pinned to
+    ``node``, PriorityClass ``priority_class``, grace period ``ceil(notice_s)`` s, never restarted,
+    no service account token, no service links."""
+    return {
+        "nodeSelector": {"kubernetes.io/hostname": node},
+        "priorityClassName": priority_class,
+        "terminationGracePeriodSeconds": max(0, math.ceil(notice_s)),
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+    }
+
+
 def placeholder_pod(
     name: str, node: str, slot: int, *, notice_s: float, priority_class: str, image: str, resource: str
 ) -> dict[str, Any]:
@@ -240,12 +254,7 @@ def placeholder_pod(
             "labels": {MANAGED_BY: MANAGER, NODE_LABEL: node, SLOT_LABEL: str(slot), STATE_LABEL: "idle"},
         },
         "spec": {
-            "nodeSelector": {"kubernetes.io/hostname": node},
-            "priorityClassName": priority_class,
-            "terminationGracePeriodSeconds": max(0, math.ceil(notice_s)),
-            "restartPolicy": "Never",
-            "automountServiceAccountToken": False,
-            "enableServiceLinks": False,
+            **_gpupool_pod_spec(node, priority_class, notice_s),
             "containers": [
                 {
                     "name": "hold",
@@ -279,12 +288,7 @@ def lease_pod(
         {"name": f"host-{i}", "mountPath": p, "readOnly": True} for i, p in enumerate(profile.host_paths)
     ]
     spec: dict[str, Any] = {
-        "nodeSelector": {"kubernetes.io/hostname": node},
-        "priorityClassName": priority_class,
-        "terminationGracePeriodSeconds": max(0, math.ceil(notice_s)),
-        "restartPolicy": "Never",
-        "automountServiceAccountToken": False,
-        "enableServiceLinks": False,
+        **_gpupool_pod_spec(node, priority_class, notice_s),
         "containers": [
             {
                 "name": WORKLOAD_CONTAINER,

@@ -302,9 +302,7 @@ cmd_stop_locked() {
 }
 
 cmd_stop() {
-    [ -d "$state" ] || { echo "$svc: not running" >&2; return 0; }
-    _lock 120
-    cmd_stop_locked
+    _stop_if_running 120
 }
 
 cmd_status() {

@@ -162,6 +162,14 @@ _wait_ready() {
     "$py" "$here/$1" "${args[@]}"
 }
 
+# Stop a service whose script defines cmd_stop_locked, under the lock (waiting up to $1 s for it);
+# nothing to do when its state dir does not exist.
+_stop_if_running() {
+    [ -d "$state" ] || { echo "$svc: not running" >&2; return 0; }
+    _lock "$1"
+    cmd_stop_locked
+}
+
 _main() {
     case "${1:-}" in
         start) cmd_start ;;

@@ -259,9 +259,7 @@ cmd_stop_locked() {
 }
 
 cmd_stop() {
-    [ -d "$state" ] || { echo "$svc: not running" >&2; return 0; }
-    _lock 60
-    cmd_stop_locked
+    _stop_if_running 60
 }
 
 cmd_status() {
