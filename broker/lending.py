@@ -105,6 +105,21 @@ class LendingHooks:
     republish: Republish
 
 
+@dataclass(frozen=True)
+class HoldStatus:
+    """What :class:`SlurmLending`'s placeholders hold at one moment.
+
+    Attributes:
+        idle: (node, GRES index) of the running placeholders not carved into a lease (lendable).
+        pending_by_node: placeholders submitted (or being submitted) and not yet running, per node.
+        cooling: (node, GRES index) of the GPUs in their retake cool-down (no new placeholder).
+    """
+
+    idle: frozenset[tuple[str, int]]
+    pending_by_node: Mapping[str, int]
+    cooling: frozenset[tuple[str, int]]
+
+
 async def _nothing_lendable(_: frozenset[str]) -> None:
     return None
 
@@ -451,6 +466,19 @@ class SlurmLending:
     def held_gpus(self) -> dict[str, tuple[int, ...]]:
         """GRES indices held per live lease (for tests and the demo's summary)."""
         return {lid: tuple(sorted(h.gpu_indices[0] for h in hs)) for lid, hs in self._leases.items()}
+
+    def hold_status(self) -> HoldStatus:
+        """The placeholders' state now (:class:`HoldStatus`), for the harvest replay's account of
+        GPUs not lent."""
+        now = self._clock()
+        pending = dict(self._submitting)
+        for host, _ in self._submitted.values():
+            pending[host] = pending.get(host, 0) + 1
+        return HoldStatus(
+            idle=frozenset((host, i) for host, by_index in self._idle.items() for i in by_index),
+            pending_by_node={h: n for h, n in pending.items() if n > 0},
+            cooling=frozenset(w for w, until in self._cooling.items() if until > now),
+        )
 
     # workload ------------------------------------------------------------------------------------
     def _start_workload(self, record: LeaseLogRecord, holds: list[Hold]) -> str:

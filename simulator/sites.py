@@ -147,6 +147,11 @@ class SimulatedSite:
         """The counters, plus ``rejections`` by code and the site's ``live_leases`` now."""
         return {**self.counts, "rejections": dict(self.rejections), "live_leases": len(self._live())}
 
+    def wanted_gpus(self) -> int | None:
+        """GPUs the site's demand asks for now (:class:`DiurnalDemand` since :meth:`run` started),
+        ``None`` without a demand."""
+        return None if self.demand is None else self.demand.gpus_at(time.time() - self._t0)
+
     def _live(self) -> list[LeaseMessage]:
         return [m for m in self.client.known_leases.values() if m.state.live]
 
