@@ -36,8 +36,8 @@ tables follow (:mod:`gpupool.harvest_causes`): the unallocated idle GPU-hours no
 taken back that no training job started on, by cause.
 
 Run: ``.venv/bin/python bench/harvest.py [--scheduler slurm|kubernetes] [--nodes 16] [--hours 24] [--wall-minutes 20] [--load 0.8]
-[--notice 2] [--lease-gpus 1] [--demand-peak 0.5] [--demand-trough 0.25] [--start-hour 0] [--cluster Seren] [--seed 1] [--warmup-hours 0] [--without-only] [--without-from earlier.json]
-[--json out.json]``;
+[--notice 2] [--lease-gpus 1] [--parallel-claims 4] [--demand-peak 0.5] [--demand-trough 0.25] [--start-hour 0] [--cluster Seren] [--seed 1] [--warmup-hours 0] [--without-only] [--without-from earlier.json]
+[--keep DIR] [--json out.json]``;
 a small slice: ``--nodes 4 --hours 2 --wall-minutes 3``. Exit 0 when the replays ran, 2 when the
 cluster could not start, 3 when the pipeline failed. The cluster is stopped at the end, also on an
 error or Ctrl-C.
@@ -50,6 +50,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -99,7 +100,7 @@ def _pipeline_config(args: argparse.Namespace, attach: dict, state: Path, compre
         duration_s=wall_s, nodes=args.nodes, gpus_per_node=GPUS_PER_NODE, seed=args.seed, state_dir=state,
         training_submit=False, training_compression=compression, **attach,
         fabric=FabricMode.OFF, sites=sites, site_demand=demand, site_release_on_at_risk=True,
-        site_lease_gpus=args.lease_gpus, site_claim_every_s=0.5,
+        site_lease_gpus=args.lease_gpus, site_claim_every_s=0.5, site_parallel_claims=args.parallel_claims,
         site_lease_kinds=(LeaseKind.WINDOW, LeaseKind.PREEMPTIBLE, LeaseKind.PREEMPTIBLE),
         offer_ttl_s=20.0, cause_sample_s=0.5 if args.scheduler == "slurm" else None,
     )
@@ -313,11 +314,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--demand-trough", type=float, default=0.25, help="edge demand at its trough, share of the GPUs")
     ap.add_argument("--lease-gpus", type=int, default=1,
                     help="most GPUs per lease a site claims (Slurm takes a lease back whole)")
+    ap.add_argument("--parallel-claims", type=int, default=4,
+                    help="claims a site sends at once while below its demand, each on another node's offer")
     ap.add_argument("--start-hour", type=float, default=0.0, help="simulated hour of day the replay starts at")
     ap.add_argument("--without-only", action="store_true", help="run only the replay without lending")
     ap.add_argument("--without-from", type=Path,
                     help="take the figures without lending from this earlier --json report of the same arguments "
                          "(that replay is not run again)")
+    ap.add_argument("--keep", type=Path, help="copy the pipeline's files (lease log, training starts, cause "
+                                               "samples) into this folder")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", type=Path, help="also write the report as JSON here")
     args = ap.parse_args(argv)
@@ -369,6 +374,9 @@ def main(argv: list[str] | None = None) -> int:
                 loads.append(os.getloadavg()[0])
         finally:
             cluster.stop()
+            if args.keep is not None and (tmp / "demo").is_dir():
+                shutil.copytree(tmp / "demo", args.keep, dirs_exist_ok=True,
+                                ignore=shutil.ignore_patterns("*.duckdb*", "slurm-*", "mosquitto-*"))
         if base_run is None:
             earlier = json.loads(args.without_from.read_text())
             base, yardstick = ReplayReport(**earlier["without"]), earlier["yardstick_s"]
