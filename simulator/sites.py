@@ -91,12 +91,9 @@ class SimulatedSite:
             start); then ``max_live_leases`` and ``claim_probability`` do not limit it: it claims
             (up to ``max_gpus_per_claim`` at a time) while it holds fewer and releases its newest
             lease while it holds more by at least that lease's GPUs. ``None``: as above.
-        parallel_claims: with a demand, claims sent at once when it wants more (no more GPUs in
-            all than it still wants), each on a different offer (one node's offer is withdrawn
-            and published anew as soon as a claim takes some of it) or, with ``claim_by_match``,
-            each matched by the broker; without a demand one at a time.
-        claim_by_match: with a demand, claim by count and let the broker pick the GPUs
-            (:meth:`broker.edge.EdgeClient.request`) instead of naming an offer.
+        parallel_claims: with a demand, claims sent at once when it wants more, each on a
+            different offer (one node's offer is withdrawn and published anew as soon as a claim
+            takes some of it), as many as it still wants GPUs; without a demand one at a time.
         lease_kind: the kind each claim asks for (``Claim.lease_kind``); ``None``: unset.
         release_on_at_risk: release a lease as soon as its message says it is at risk.
     """
@@ -119,7 +116,6 @@ class SimulatedSite:
         lease_kind: LeaseKind | None = None,
         release_on_at_risk: bool = False,
         parallel_claims: int = 1,
-        claim_by_match: bool = False,
         **connection: Any,
     ) -> None:
         if parallel_claims < 1:
@@ -139,7 +135,6 @@ class SimulatedSite:
         self.lease_kind = lease_kind
         self.release_on_at_risk = release_on_at_risk
         self.parallel_claims = parallel_claims
-        self.claim_by_match = claim_by_match
         self._t0 = time.time()
         self.counts: Counter[str] = Counter()
         """``claims_sent``, ``leases_granted``, ``claim_timeouts``, ``renewals``, ``renewals_rejected``,
@@ -210,17 +205,13 @@ class SimulatedSite:
             if more is not None:
                 if more <= 0 or not offers:
                     continue
-                claims: list[tuple[Offer | None, int]] = []
-                if self.claim_by_match:  # the broker picks the GPUs of each: claims never collide
-                    while more > 0 and len(claims) < self.parallel_claims:
-                        claims.append((None, min(self.max_gpus_per_claim, more)))
-                        more -= claims[-1][1]
-                else:
-                    for offer in self._rng.sample(offers, min(len(offers), self.parallel_claims)):
-                        if more <= 0:
-                            break
-                        claims.append((offer, min(len(offer.gpus), self.max_gpus_per_claim, more)))
-                        more -= claims[-1][1]
+                claims = []
+                for offer in self._rng.sample(offers, min(len(offers), self.parallel_claims)):
+                    if more <= 0:
+                        break
+                    count = min(len(offer.gpus), self.max_gpus_per_claim, more)
+                    claims.append((offer, count))
+                    more -= count
                 await asyncio.gather(*(self._claim(offer, count) for offer, count in claims))
                 continue
             if not offers or len(self._live()) >= self.max_live_leases:
@@ -230,17 +221,12 @@ class SimulatedSite:
             offer = self._rng.choice(offers)
             await self._claim(offer, self._rng.randint(1, min(len(offer.gpus), self.max_gpus_per_claim)))
 
-    async def _claim(self, offer: Offer | None, count: int) -> None:
-        """Claim ``count`` GPUs of ``offer`` (``None``: any, the broker matches them), counting
-        the outcome."""
+    async def _claim(self, offer: Offer, count: int) -> None:
+        """Claim ``count`` GPUs of ``offer``, counting the outcome."""
         self.counts["claims_sent"] += 1
         try:
-            if offer is None:
-                lease = await self.client.request(count, duration_seconds=self.duration_s, workload=self.workload,
-                                                  lease_kind=self.lease_kind)
-            else:
-                lease = await self.client.claim(offer.offer_id, count=count, duration_seconds=self.duration_s,
-                                                workload=self.workload, lease_kind=self.lease_kind)
+            lease = await self.client.claim(offer.offer_id, count=count, duration_seconds=self.duration_s,
+                                            workload=self.workload, lease_kind=self.lease_kind)
         except ClaimRejected as e:
             self.rejections[e.code.value] += 1
             return

@@ -29,9 +29,6 @@ class FakeClient:
         self.in_flight = self.most_in_flight = 0
         self.claimed: list[tuple[str, int]] = []
 
-    async def request(self, count: int, **kw: object) -> SimpleNamespace:
-        return await self.claim("match", count=count, **kw)
-
     async def claim(self, offer_id: str, *, count: int, **_: object) -> SimpleNamespace:
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
@@ -44,11 +41,8 @@ class FakeClient:
         return lease
 
 
-async def _one_round(
-    parallel: int, wanted: int, offers: int = 5, match: bool = False, most: int = 1
-) -> FakeClient:
-    site = SimulatedSite(name="edge-b", host="127.0.0.1", port=1, seed=3, claim_every_s=0.02, max_gpus_per_claim=most,
-                         parallel_claims=parallel, claim_by_match=match,
+async def _one_round(parallel: int, wanted: int, offers: int = 5) -> FakeClient:
+    site = SimulatedSite(name="edge-b", host="127.0.0.1", port=1, seed=3, claim_every_s=0.02, max_gpus_per_claim=1, parallel_claims=parallel,
                          demand=DiurnalDemand(peak_gpus=wanted, trough_gpus=wanted, compression=1.0))  # fmt: skip
     fake = FakeClient(offers)
     site.client = fake  # type: ignore[assignment]
@@ -74,10 +68,3 @@ async def test_one_claim_at_a_time_by_default() -> None:
     assert fake.most_in_flight == 1 and len(fake.claimed) == 1
     with pytest.raises(ValueError):
         SimulatedSite(name="edge-b", host="127.0.0.1", port=1, parallel_claims=0)
-
-
-async def test_claims_by_match_name_no_offer_and_ask_no_more_than_wanted() -> None:
-    # 5 wanted, 2 GPUs a claim, 4 at once: 2 + 2 + 1, all matched by the broker, however few offers
-    fake = await _one_round(parallel=4, wanted=5, offers=1, match=True, most=2)
-    assert fake.most_in_flight == 3
-    assert sorted(fake.claimed) == [("match", 1), ("match", 2), ("match", 2)]
