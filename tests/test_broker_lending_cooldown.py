@@ -125,6 +125,8 @@ async def test_no_placeholder_goes_to_a_node_while_one_of_its_gpus_cools(tmp_pat
         await asyncio.sleep(0.05)
         assert lending._wanted() == {"n1": {1, 2}}  # GPU 2 is to hold, GPU 0 cools
         assert submitted == []
+        status = lending.hold_status()  # what the harvest replay's cause sampler reads
+        assert status.cooling == {("n1", 0)} and status.idle == {("n1", 1)} and status.pending_by_node == {}
         now[0] = 1006.999
         await lending._poll()
         await asyncio.sleep(0.05)
@@ -133,5 +135,6 @@ async def test_no_placeholder_goes_to_a_node_while_one_of_its_gpus_cools(tmp_pat
         await lending._poll()
         await asyncio.sleep(0.05)
         assert len(submitted) == 2 and all("--nodelist=n1" in argv for argv in submitted)
+        assert lending.hold_status().pending_by_node == {"n1": 2} and lending.hold_status().cooling == set()
     finally:
         await lending.stop()
