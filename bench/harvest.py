@@ -30,10 +30,14 @@ It prints, in simulated time unless marked wall, one table: idle GPU-hours (unal
 allocated-but-idle apart) and the share lent; training queueing delay p50/p95/p99 without and with
 lending and the difference; the scheduler's preemption of a lease → the training job running, p50/p99 (wall);
 GPUs taken back ÷ GPUs training used (disruption); window leases ended before their promised window;
-leases that outlived their notice; and the targets of issue 14 (met, or the gap).
+leases that outlived their notice; and the targets of issue 14 (met, or the gap). On Slurm two
+tables follow (:mod:`gpupool.harvest_causes`): the unallocated idle GPU-hours not lent, by cause
+(GPU-hours and share, summing to the unallocated idle GPU-hours less those lent), and the GPUs
+taken back that no training job started on, by cause.
 
 Run: ``.venv/bin/python bench/harvest.py [--scheduler slurm|kubernetes] [--nodes 16] [--hours 24] [--wall-minutes 20] [--load 0.8]
-[--notice 2] [--lease-gpus 1] [--demand-peak 0.5] [--demand-trough 0.25] [--start-hour 0] [--cluster Seren] [--seed 1] [--warmup-hours 0] [--without-only] [--json out.json]``;
+[--notice 2] [--lease-gpus 1] [--parallel-claims 4] [--demand-peak 0.5] [--demand-trough 0.25] [--start-hour 0] [--cluster Seren] [--seed 1] [--warmup-hours 0] [--without-only] [--without-from earlier.json]
+[--keep DIR] [--json out.json]``;
 a small slice: ``--nodes 4 --hours 2 --wall-minutes 3``. Exit 0 when the replays ran, 2 when the
 cluster could not start, 3 when the pipeline failed. The cluster is stopped at the end, also on an
 error or Ctrl-C.
@@ -46,6 +50,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -58,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpupool.logs import setup_logging  # noqa: E402
 from simulator.kubernetes_replay import KubernetesClient  # noqa: E402
-from simulator.replay import account, quantile, replay, start_latency  # noqa: E402
+from simulator.replay import ReplayReport, account, quantile, replay, start_latency  # noqa: E402
 from simulator.slurm_replay import SlurmClient  # noqa: E402
 from simulator.training_jobs import (  # noqa: E402
     GPUS_PER_NODE,
@@ -95,9 +100,9 @@ def _pipeline_config(args: argparse.Namespace, attach: dict, state: Path, compre
         duration_s=wall_s, nodes=args.nodes, gpus_per_node=GPUS_PER_NODE, seed=args.seed, state_dir=state,
         training_submit=False, training_compression=compression, **attach,
         fabric=FabricMode.OFF, sites=sites, site_demand=demand, site_release_on_at_risk=True,
-        site_lease_gpus=args.lease_gpus, site_claim_every_s=0.5,
+        site_lease_gpus=args.lease_gpus, site_claim_every_s=0.5, site_parallel_claims=args.parallel_claims,
         site_lease_kinds=(LeaseKind.WINDOW, LeaseKind.PREEMPTIBLE, LeaseKind.PREEMPTIBLE),
-        offer_ttl_s=20.0,
+        offer_ttl_s=20.0, cause_sample_s=0.5 if args.scheduler == "slurm" else None,
     )
 
 
@@ -309,8 +314,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--demand-trough", type=float, default=0.25, help="edge demand at its trough, share of the GPUs")
     ap.add_argument("--lease-gpus", type=int, default=1,
                     help="most GPUs per lease a site claims (Slurm takes a lease back whole)")
+    ap.add_argument("--parallel-claims", type=int, default=4,
+                    help="claims a site sends at once while below its demand, each on another node's offer")
     ap.add_argument("--start-hour", type=float, default=0.0, help="simulated hour of day the replay starts at")
     ap.add_argument("--without-only", action="store_true", help="run only the replay without lending")
+    ap.add_argument("--without-from", type=Path,
+                    help="take the figures without lending from this earlier --json report of the same arguments "
+                         "(that replay is not run again)")
+    ap.add_argument("--keep", type=Path, help="copy the pipeline's files (lease log, training starts, cause "
+                                               "samples) into this folder")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", type=Path, help="also write the report as JSON here")
     args = ap.parse_args(argv)
@@ -346,10 +358,12 @@ def main(argv: list[str] | None = None) -> int:
         loads: list[float] = []
         lending = None
         try:
-            with cluster.client() as client:
-                yardstick = start_latency(client, tmp / "yardstick")
-                base_run = replay(client, jobs, compression=compression, horizon_s=horizon_s, cluster_gpus=gpus,
-                                  out_dir=tmp / "out", warmup_s=args.warmup_hours * 3600)
+            base_run = None
+            if args.without_from is None:
+                with cluster.client() as client:
+                    yardstick = start_latency(client, tmp / "yardstick")
+                    base_run = replay(client, jobs, compression=compression, horizon_s=horizon_s,
+                                      cluster_gpus=gpus, out_dir=tmp / "out", warmup_s=args.warmup_hours * 3600)
             loads.append(os.getloadavg()[0])
             if not args.without_only:
                 try:
@@ -360,15 +374,24 @@ def main(argv: list[str] | None = None) -> int:
                 loads.append(os.getloadavg()[0])
         finally:
             cluster.stop()
-        base = account(base_run, workload.idle_fraction, cluster.resolution_s)
-        late = sorted(base_run.late_submits_s)
-        y50 = quantile(yardstick, 0.5) if yardstick else float("nan")
-        d50, d95, d99 = base.began_delay_s
-        print(f"\nwithout lending: final states {dict(sorted(base.final_states.items()))}; submit -> work began "
-              f"p50/p95/p99 {d50:.0f} / {d95:.0f} / {d99:.0f} s; wall p95 {base.began_delay_wall_s[1]:.3f} s = "
-              f"{base.began_delay_wall_s[1] / y50:.2f}x the idle-cluster yardstick (p50 {y50:.3f} s); polls "
-              f"{base_run.polls} ({base_run.poll_errors} failed); submit lateness max "
-              f"{late[-1] if late else 0.0:.3f} s wall; load average {loads[0]:.1f}")
+            if args.keep is not None and (tmp / "demo").is_dir():
+                shutil.copytree(tmp / "demo", args.keep, dirs_exist_ok=True,
+                                ignore=shutil.ignore_patterns("*.duckdb*", "slurm-*", "mosquitto-*"))
+        if base_run is None:
+            earlier = json.loads(args.without_from.read_text())
+            base, yardstick = ReplayReport(**earlier["without"]), earlier["yardstick_s"]
+            loads[0] = earlier["load_average"][0]
+            print(f"\nwithout lending: from {args.without_from} (not run again); load average then {loads[0]:.1f}")
+        else:
+            base = account(base_run, workload.idle_fraction, cluster.resolution_s)
+            late = sorted(base_run.late_submits_s)
+            y50 = quantile(yardstick, 0.5) if yardstick else float("nan")
+            d50, d95, d99 = base.began_delay_s
+            print(f"\nwithout lending: final states {dict(sorted(base.final_states.items()))}; submit -> work began "
+                  f"p50/p95/p99 {d50:.0f} / {d95:.0f} / {d99:.0f} s; wall p95 {base.began_delay_wall_s[1]:.3f} s = "
+                  f"{base.began_delay_wall_s[1] / y50:.2f}x the idle-cluster yardstick (p50 {y50:.3f} s); polls "
+                  f"{base_run.polls} ({base_run.poll_errors} failed); submit lateness max "
+                  f"{late[-1] if late else 0.0:.3f} s wall; load average {loads[0]:.1f}")
         report: dict[str, object] = {"fit": fit.describe(), "scheduler": args.scheduler, "nodes": args.nodes,
                                      "hours": args.hours, "load_average": loads,
                                      "compression": compression, "notice_s": args.notice, "yardstick_s": yardstick,
@@ -391,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"offers {summary.get('offers')} ({summary.get('offer_violations')} for a busy GPU); sites {sites}")
             rows = _table(base, lent, fig, float(args.notice), compression)
             report |= {"with": asdict(lent), "lending": figures_dict(fig), "pipeline": summary}
+            report |= _causes(summary, records, starts, locate, run.window_wall, compression, lent, fig)
         else:
             rows = [(name, w, "-", "") for name, w, _, _ in _table(base, base, _no_lending(), float(args.notice),
                                                                     compression)[:3]]
@@ -400,7 +424,40 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{'':46} {'without lending':28} {'with gpupool':28} difference / target")
         for name, without, with_, diff in rows:
             print(f"{name:46} {without:28} {with_:28} {diff}")
+        if "unlent_causes" in report:
+            _print_causes(report)
     return 0
+
+
+def _causes(summary, records, starts, locate, window, compression: float, lent, fig) -> dict[str, object]:
+    """The report's ``unlent_causes`` (cause → GPU-hours, summing to the unallocated idle GPU-hours
+    not lent), ``lent_by_reads`` and ``unallocated_by_reads`` (GPU-hours, the pipeline's samples)
+    and ``disruption_causes`` (cause → GPUs taken back and not used); empty without samples."""
+    from gpupool.harvest_causes import cause_gpu_hours, disruption_causes, read_timeline, unlent_rows
+
+    path = summary.get("cause_timeline_file")
+    if not path:
+        return {}
+    hours = cause_gpu_hours(read_timeline(Path(path)), window, compression)
+    return {"unlent_causes": dict(unlent_rows(hours, lent.idle_unallocated_gpu_hours, fig.lent_gpu_hours)),
+            "lent_by_reads": hours.get("lent", 0.0), "unallocated_by_reads": sum(hours.values()),
+            "disruption_causes": disruption_causes(records, starts, locate, window)}
+
+
+def _print_causes(report: dict) -> None:
+    """Print the cause tables of :func:`_causes`."""
+    causes: dict[str, float] = report["unlent_causes"]
+    total = sum(causes.values())
+    print(f"\nunallocated idle GPU-hours not lent, by cause ({total:.1f} GPU-hours; the pipeline's reads count "
+          f"{report['unallocated_by_reads']:.1f} unallocated, {report['lent_by_reads']:.1f} lent)")
+    for cause, h in causes.items():
+        print(f"  {cause:44} {h:8.1f} {h / total if total else 0.0:7.1%}")
+    dis: dict[str, int] = report["disruption_causes"]
+    lend = report["lending"]
+    print(f"\nGPUs taken back that no training job started on within notice + 5 s: "
+          f"{lend['gpus_taken_back'] - lend['gpus_needed']} of {lend['gpus_taken_back']}")
+    for cause, n in dis.items():
+        print(f"  {cause:44} {n:8d}")
 
 
 def _no_lending():

@@ -445,6 +445,14 @@ class LeaseBook:
         self._reconcile({self._node_of[g] for g in changed if g in self._node_of}, now, ch)
         return ch
 
+    def why_not_lendable(self, gpu: str, now: float) -> str:
+        """Why GPU key ``gpu`` cannot be leased now, ``""`` when it can (then it is in an offer):
+        ``leased``, ``claimed by another site a moment ago``, ``not idle`` (no capacity update,
+        or its state is busy or unknown: the update's ``reason`` says why), ``no recent capacity
+        update``, ``planned for a pending training job``, ``held for training``, ``not held for
+        lending by the training scheduler yet``."""
+        return self._unavailable(gpu, now)
+
     def to_hold_for_lending(self, now: float) -> list[str]:
         """GPU keys, sorted, that would be offered if the training scheduler held them for
         lending: idle with a fresh capacity update, not leased, reserved or held back for

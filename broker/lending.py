@@ -36,7 +36,9 @@ a preemption is noticed when Slurm signals it rather than at the next full read:
 * placeholders are submitted for GPUs to hold not yet held, and idle placeholders on GPUs no
   longer to hold are cancelled after ``unwanted_grace_s``; a GPU Slurm took back (either case
   above, or an idle placeholder it preempted) gets no new placeholder for ``retake_cooldown_s``
-  (the job it was taken for may still wait for other GPUs it preempted);
+  (the job it was taken for may still wait for other GPUs it preempted), and neither does any
+  other GPU of its node meanwhile: a placeholder asks Slurm for one GPU of a node, and Slurm
+  picks which, so it could be handed the GPU cooling down;
 * a time limit Slurm refuses for a carved placeholder it has just chosen for preemption ("Job has
   already finished") is that preemption, seen early, not a failure.
 
@@ -110,6 +112,21 @@ class LendingHooks:
     to_hold: ToHold
     lendable: Lendable
     republish: Republish
+
+
+@dataclass(frozen=True)
+class HoldStatus:
+    """What :class:`SlurmLending`'s placeholders hold at one moment.
+
+    Attributes:
+        idle: (node, GRES index) of the running placeholders not carved into a lease (lendable).
+        pending_by_node: placeholders submitted (or being submitted) and not yet running, per node.
+        cooling: (node, GRES index) of the GPUs in their retake cool-down (no new placeholder).
+    """
+
+    idle: frozenset[tuple[str, int]]
+    pending_by_node: Mapping[str, int]
+    cooling: frozenset[tuple[str, int]]
 
 
 async def _nothing_lendable(_: frozenset[str]) -> None:
@@ -217,9 +234,10 @@ class SlurmLending:
             this many seconds; a placeholder pending this long is cancelled too.
         retake_cooldown_s: a GPU Slurm took back (a placeholder it preempted, idle or carved, or
             a lease's hold that went) gets no new placeholder for this many seconds (``None``:
-            the notice + 5 s): the training job it was taken for starts on it only once every
-            GPU it preempts is free, and a placeholder held again meanwhile is one more it must
-            preempt, with one more notice to wait.
+            the notice + 5 s), nor does its node (Slurm picks a placeholder's GPU): the training
+            job it was taken for starts on it only once every GPU it preempts is free, and a
+            placeholder held again meanwhile is one more it must preempt, with one more notice
+            to wait.
         clock: Unix time source.
     """
 
@@ -458,6 +476,19 @@ class SlurmLending:
     def held_gpus(self) -> dict[str, tuple[int, ...]]:
         """GRES indices held per live lease (for tests and the demo's summary)."""
         return {lid: tuple(sorted(h.gpu_indices[0] for h in hs)) for lid, hs in self._leases.items()}
+
+    def hold_status(self) -> HoldStatus:
+        """The placeholders' state now (:class:`HoldStatus`), for the harvest replay's account of
+        GPUs not lent."""
+        now = self._clock()
+        pending = dict(self._submitting)
+        for host, _ in self._submitted.values():
+            pending[host] = pending.get(host, 0) + 1
+        return HoldStatus(
+            idle=frozenset((host, i) for host, by_index in self._idle.items() for i in by_index),
+            pending_by_node={h: n for h, n in pending.items() if n > 0},
+            cooling=frozenset(w for w, until in self._cooling.items() if until > now),
+        )
 
     # workload ------------------------------------------------------------------------------------
     def _start_workload(self, record: LeaseLogRecord, holds: list[Hold]) -> str:
@@ -761,7 +792,10 @@ class SlurmLending:
         pending = dict(self._submitting)
         for host, _ in self._submitted.values():
             pending[host] = pending.get(host, 0) + 1
+        cooling = {host for host, _ in self._cooling}  # _wanted() dropped the cool-downs that ended
         for host, indices in sorted(wanted.items()):
+            if host in cooling:  # Slurm, not gpupool, picks a placeholder's GPU: it may be the one cooling
+                continue
             missing = len(indices - set(self._idle.get(host, {}))) - pending.get(host, 0)
             for _ in range(max(0, missing)):  # in the background: the next read is not delayed
                 self._submitting[host] = self._submitting.get(host, 0) + 1

@@ -14,7 +14,8 @@ The policy (weighted max-min fairness over one resource, GPUs):
    of ``C`` over those demands (:func:`weighted_max_min`, weights ``site_weights``, default 1).
    A claim that would take the claimant above its share is refused with ``quota_exceeded`` when
    granting it would leave fewer free GPUs than the waiting sites below their share are owed
-   (each is owed ``min(refused count, share − held)``). So a site may always use GPUs nobody
+   (each is owed ``min(refused count, ⌊share − held⌋)``: GPUs are whole, a fraction of one left
+   over goes to whoever claims it first). So a site may always use GPUs nobody
    else is waiting for, and never those a site under its share asked for recently.
 3. **Reclaim order**: a demand for ``count`` GPUs takes leases first from the site most over its
    share — the highest ``held / weight``, re-evaluated after each lease taken — and within a site
@@ -163,7 +164,10 @@ def fair_share(
     demands[site] = mine + wanted
     weights = {t: weight(t) for t in demands}
     shares = weighted_max_min(capacity, demands, weights)
-    owed = sum(min(n, max(0.0, shares[t] - held.get(t, 0))) for t, n in others.items())
+    # GPUs are whole: a waiting site is owed the whole GPUs below its share; the fraction left over
+    # goes to whoever claims first (owing it to every site refused each of them: two sites each
+    # owed half of the last free GPU were refused it in turn, and it stayed unclaimed)
+    owed = sum(min(n, math.floor(max(0.0, shares[t] - held.get(t, 0)) + _EPS)) for t, n in others.items())
     share = shares[site]
     if mine + wanted <= share + _EPS or free - wanted >= owed - _EPS:
         return Verdict(True, held=mine, share=share, owed=owed)

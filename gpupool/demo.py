@@ -27,7 +27,7 @@ import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -50,9 +50,11 @@ from gpupool.demo_slurm import DemoCluster, SchedulerMode, SlurmParts, SlurmUnav
 from runtime.bus import make_bus
 
 if TYPE_CHECKING:
+    from broker.service import BrokerService
     from gpupool.demo_mosquitto import PrivateMosquitto
+    from gpupool.harvest_causes import CauseSampler
     from simulator.dcgm_http import FleetServer
-    from simulator.sites import DiurnalDemand
+    from simulator.sites import DiurnalDemand, SimulatedSite
     from simulator.sysfs import SysfsTree
 
 log = logging.getLogger(__name__)
@@ -153,6 +155,9 @@ class DemoConfig:
     lease back whole when it preempts any of its holds, so smaller leases lose fewer GPUs."""
     site_claim_every_s: float = 1.0
     """Mean time between two claim attempts of a site, seconds."""
+    site_parallel_claims: int = 1
+    """With ``site_demand``: claims a site sends at once, each on another node's offer
+    (:class:`simulator.sites.SimulatedSite`)."""
     serving_site: str | None = None
     """With a training scheduler (the broker runs the workload on leased GPUs): the site of
     ``sites`` that keeps ``serving_target`` leases of the workload and sends a steady request load
@@ -164,6 +169,10 @@ class DemoConfig:
     """Leases the serving site keeps serving."""
     serving_gpus_per_lease: int = 1
     """GPUs of each lease of the serving site."""
+    cause_sample_s: float | None = None
+    """Lending through Slurm: every this many seconds, sample why each GPU no training job holds
+    is not lent (:class:`gpupool.harvest_causes.CauseSampler`; ``cause_timeline_file`` of the
+    summary); ``None``: no sampling."""
     on_started: Callable[[FleetServer, SysfsTree], object] | None = None
     """Called once, when every stage has started, with the simulated nodes' dcgm-exporter endpoints
     (``FleetServer.urls()``, ``fail_mode``) and InfiniBand sysfs trees (``SysfsTree.roots()``): lets a
@@ -269,6 +278,9 @@ class DemoSummary:
     scheduler: dict[str, object] = field(default_factory=dict)
     """``mode``, ``enabled``, ``detail`` and, lending through Slurm, the fields of
     :class:`gpupool.demo_slurm.SchedulerSummary`."""
+    cause_timeline_file: str | None = None
+    """With ``DemoConfig.cause_sample_s``: the cause samples as JSON lines
+    (:func:`gpupool.harvest_causes.read_timeline`)."""
     training_starts_file: str | None = None
     """Lending through Slurm: JSON of every training job seen running (``starts``: Slurm id →
     [first seen running, Unix s; node → GRES indices]) and ``locate`` (GPU key → [node, GRES
@@ -533,10 +545,12 @@ async def _run_pipeline(
                            max_gpus_per_claim=(cfg.site_lease_gpus or 8) if cfg.site_demand else 4 if parts else 2,
                            claim_every_s=cfg.site_claim_every_s,
                            demand=cfg.site_demand, release_on_at_risk=cfg.site_release_on_at_risk,
+                           parallel_claims=cfg.site_parallel_claims,
                            lease_kind=cfg.site_lease_kinds[i % len(cfg.site_lease_kinds)] if cfg.site_lease_kinds else None)
              for i, s in enumerate(cfg.sites) if serving is None or s != serving.name]
     demand = TrainingDemand(fleet, bus, topics)
     watch = LeaseWatch(bus, topics.leases_log)
+    sampler = _cause_sampler(cfg, parts, broker, sites)
     isolate_s: dict[str, float] = fabric.isolate_seconds if fabric is not None else {}
 
     stop = asyncio.Event()
@@ -581,6 +595,7 @@ async def _run_pipeline(
             ("leases", watch.run(stop)),
             *[(f"site-{s.name}", s.run(stop)) for s in sites],
             *([(f"site-{serving.name}-serving", serving.run(stop))] if serving is not None else []),
+            *([("causes", sampler.run(stop))] if sampler is not None else []),
         ]]
         t0, wall0 = time.monotonic(), time.time()
         while time.monotonic() - t0 < cfg.duration_s:
@@ -635,6 +650,12 @@ async def _run_pipeline(
             starts_path.write_text(json.dumps({"starts": parts.stream.starts, "locate": parts.locate}))
         except OSError:
             log.exception("demo_training_starts_not_written", extra={"path": str(starts_path)})
+    causes_path = cfg.state_dir / f"causes-{run_id}.jsonl"
+    if sampler is not None:
+        try:
+            sampler.write(causes_path)
+        except OSError:
+            log.exception("demo_causes_not_written", extra={"path": str(causes_path)})
     rows = lease_rows(records if records is not None else watch.records, isolate_s)
     try:
         write_rows(rows, rows_path)
@@ -682,10 +703,27 @@ async def _run_pipeline(
             parts.stream, records or watch.records, {lid: n for s in every_site for lid, n in s.notices.items()},
             parts.locate, wall0, wall1, parts.notice_s)) if parts is not None else {})},
         training_starts_file=str(starts_path) if starts_path.exists() else None,
+        cause_timeline_file=str(causes_path) if sampler is not None and causes_path.exists() else None,
         sites={s.name: s.stats() for s in every_site},
         edge_load=_edge_load(cfg, serving, sched),
         edge_requests_file=str(requests_path) if requests_path.exists() else None,
     )
+
+
+def _cause_sampler(cfg: DemoConfig, parts: SlurmParts | KubernetesParts | None, broker: BrokerService,
+                   sites: Sequence[SimulatedSite]) -> CauseSampler | None:
+    """The run's :class:`gpupool.harvest_causes.CauseSampler` when ``cfg.cause_sample_s`` is set
+    and it lends through Slurm, else ``None``."""
+    if cfg.cause_sample_s is None or not isinstance(parts, SlurmParts):
+        return None
+    from gpupool.harvest_causes import CauseSampler
+
+    def wanted() -> int | None:
+        asks = [w for w in (s.wanted_gpus() for s in sites) if w is not None]
+        return sum(asks) if asks else None
+
+    return CauseSampler(book=broker.book, holds=parts.lending.hold_status, training=parts.stream.history.latest,
+                        locate=parts.locate, wanted=wanted, every_s=cfg.cause_sample_s)
 
 
 def _edge_load(cfg: DemoConfig, serving: ServingSite | None, sched: dict[str, object] | None) -> dict[str, object]:

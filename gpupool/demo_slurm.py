@@ -186,6 +186,10 @@ class AllocationHistory:
         i = bisect.bisect_right(self._times, at) - 1
         return i >= 0 and key in self._held[i]
 
+    def latest(self) -> frozenset[str]:
+        """The GPU keys training jobs held at the newest snapshot (none before the first)."""
+        return self._held[-1] if self._held else frozenset()
+
     def free_gpu_seconds(self, t0: float, t1: float) -> float:
         """GPU-seconds in [t0, t1] no training job held (wall), from the snapshots."""
         total = 0.0

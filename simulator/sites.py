@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.edge import BrokerRejected, ClaimRejected, EdgeClient, WatchEvent
-from contracts import LeaseKind, LeaseMessage, LeaseState
+from contracts import LeaseKind, LeaseMessage, LeaseState, Offer
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,9 @@ class SimulatedSite:
             start); then ``max_live_leases`` and ``claim_probability`` do not limit it: it claims
             (up to ``max_gpus_per_claim`` at a time) while it holds fewer and releases its newest
             lease while it holds more by at least that lease's GPUs. ``None``: as above.
+        parallel_claims: with a demand, claims sent at once when it wants more, each on a
+            different offer (one node's offer is withdrawn and published anew as soon as a claim
+            takes some of it), as many as it still wants GPUs; without a demand one at a time.
         lease_kind: the kind each claim asks for (``Claim.lease_kind``); ``None``: unset.
         release_on_at_risk: release a lease as soon as its message says it is at risk.
     """
@@ -112,8 +115,11 @@ class SimulatedSite:
         demand: DiurnalDemand | None = None,
         lease_kind: LeaseKind | None = None,
         release_on_at_risk: bool = False,
+        parallel_claims: int = 1,
         **connection: Any,
     ) -> None:
+        if parallel_claims < 1:
+            raise ValueError(f"parallel_claims must be >= 1, got {parallel_claims}")
         self.name = name
         self.client = EdgeClient(site=name, persistent=persistent, **connection)
         self._rng = random.Random(seed)
@@ -128,6 +134,7 @@ class SimulatedSite:
         self.demand = demand
         self.lease_kind = lease_kind
         self.release_on_at_risk = release_on_at_risk
+        self.parallel_claims = parallel_claims
         self._t0 = time.time()
         self.counts: Counter[str] = Counter()
         """``claims_sent``, ``leases_granted``, ``claim_timeouts``, ``renewals``, ``renewals_rejected``,
@@ -146,6 +153,11 @@ class SimulatedSite:
     def stats(self) -> dict[str, object]:
         """The counters, plus ``rejections`` by code and the site's ``live_leases`` now."""
         return {**self.counts, "rejections": dict(self.rejections), "live_leases": len(self._live())}
+
+    def wanted_gpus(self) -> int | None:
+        """GPUs the site's demand asks for now (:class:`DiurnalDemand` since :meth:`run` started),
+        ``None`` without a demand."""
+        return None if self.demand is None else self.demand.gpus_at(time.time() - self._t0)
 
     def _live(self) -> list[LeaseMessage]:
         return [m for m in self.client.known_leases.values() if m.state.live]
@@ -193,28 +205,36 @@ class SimulatedSite:
             if more is not None:
                 if more <= 0 or not offers:
                     continue
-            elif not offers or len(self._live()) >= self.max_live_leases:
+                claims = []
+                for offer in self._rng.sample(offers, min(len(offers), self.parallel_claims)):
+                    if more <= 0:
+                        break
+                    count = min(len(offer.gpus), self.max_gpus_per_claim, more)
+                    claims.append((offer, count))
+                    more -= count
+                await asyncio.gather(*(self._claim(offer, count) for offer, count in claims))
                 continue
-            elif self._rng.random() >= self.claim_probability:
+            if not offers or len(self._live()) >= self.max_live_leases:
+                continue
+            if self._rng.random() >= self.claim_probability:
                 continue
             offer = self._rng.choice(offers)
-            most = min(len(offer.gpus), self.max_gpus_per_claim, more if more is not None else len(offer.gpus))
-            count = self._rng.randint(1, most) if more is None else most
-            self.counts["claims_sent"] += 1
-            try:
-                lease = await self.client.claim(offer.offer_id, count=count, duration_seconds=self.duration_s,
-                                                 workload=self.workload, lease_kind=self.lease_kind)
-            except ClaimRejected as e:
-                self.rejections[e.code.value] += 1
-                continue
-            except TimeoutError:
-                self.counts["claim_timeouts"] += 1
-                continue
-            self.counts["leases_granted"] += 1
-            log.info(
-                "site_lease_granted",
-                extra={"site": self.name, "lease_id": lease.lease_id, "gpus": len(lease.gpus)},
-            )
+            await self._claim(offer, self._rng.randint(1, min(len(offer.gpus), self.max_gpus_per_claim)))
+
+    async def _claim(self, offer: Offer, count: int) -> None:
+        """Claim ``count`` GPUs of ``offer``, counting the outcome."""
+        self.counts["claims_sent"] += 1
+        try:
+            lease = await self.client.claim(offer.offer_id, count=count, duration_seconds=self.duration_s,
+                                            workload=self.workload, lease_kind=self.lease_kind)
+        except ClaimRejected as e:
+            self.rejections[e.code.value] += 1
+            return
+        except TimeoutError:
+            self.counts["claim_timeouts"] += 1
+            return
+        self.counts["leases_granted"] += 1
+        log.info("site_lease_granted", extra={"site": self.name, "lease_id": lease.lease_id, "gpus": len(lease.gpus)})
 
     async def _renew_loop(self, stop: asyncio.Event) -> None:
         while not await self._sleep(stop, self.renew_every_s):

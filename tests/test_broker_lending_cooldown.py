@@ -5,6 +5,7 @@ more it must preempt, with one more notice to wait (and one more GPU taken back 
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from broker.lending import LendingHooks, SlurmLending
@@ -100,3 +101,40 @@ async def test_a_lease_slurm_took_back_cools_its_gpus(tmp_path: Path) -> None:
     finally:
         await lending.stop()
     assert (h1.job_id, h2.job_id) == ("11", "12")
+
+
+async def test_no_placeholder_goes_to_a_node_while_one_of_its_gpus_cools(tmp_path: Path) -> None:
+    """A placeholder asks Slurm for one GPU of a node and Slurm picks which: submitted while GPU 0
+    of n1 cools, it could be handed GPU 0, which the training job Slurm took it for waits on."""
+    now = [1000.0]
+    lending, slurm, _ = _lending(tmp_path, now)
+    submitted: list[tuple[str, ...]] = []
+
+    async def command(*argv: str, stdin: str | None = None) -> str:
+        if argv[0] == "sbatch":
+            submitted.append(argv)
+            return f"{90 + len(submitted)}"
+        return ""
+
+    slurm.command = command  # type: ignore[method-assign]
+    _idle(lending, tmp_path, 1, "11")
+    slurm.listed = [Hold("", "11", "n1", (1,), HoldState.RUNNING)]
+    lending._cool([("n1", 0)])
+    try:
+        await lending._poll()
+        await asyncio.sleep(0.05)
+        assert lending._wanted() == {"n1": {1, 2}}  # GPU 2 is to hold, GPU 0 cools
+        assert submitted == []
+        status = lending.hold_status()  # what the harvest replay's cause sampler reads
+        assert status.cooling == {("n1", 0)} and status.idle == {("n1", 1)} and status.pending_by_node == {}
+        now[0] = 1006.999
+        await lending._poll()
+        await asyncio.sleep(0.05)
+        assert submitted == []
+        now[0] = 1007.0  # the cool-down's end: GPUs 0 and 2 get a placeholder each
+        await lending._poll()
+        await asyncio.sleep(0.05)
+        assert len(submitted) == 2 and all("--nodelist=n1" in argv for argv in submitted)
+        assert lending.hold_status().pending_by_node == {"n1": 2} and lending.hold_status().cooling == set()
+    finally:
+        await lending.stop()

@@ -53,12 +53,27 @@ def test_fair_share_refuses_only_when_scarce_and_someone_below_share_waits() -> 
     # b itself, below its share, is admitted
     assert fair_share("b", 2, {"a": 6}, 2, {"b": 4}, w).ok
     # weight 2 for a: share 2/3 of 8 = 5.3, a at 6 + 2 = 8 is over and refused; of 9 GPUs with
-    # weight 3, a's share is 6.75 < 7 (refused), with weight 4 it is 7.2 (capped at 7: admitted)
+    # weight 3, a's share is 6.75 < 7 and b is owed its 2 whole GPUs of 2.25: a takes the
+    # fraction (admitted, 2 free left for b); of 9 with 3 free and a wanting 2, b's 2 are not left
     assert not fair_share("a", 2, {"a": 6}, 2, {"b": 4}, lambda s: 2.0 if s == "a" else 1.0).ok
     v = fair_share("a", 1, {"a": 6}, 3, {"b": 4}, lambda s: 3.0 if s == "a" else 1.0)
-    assert not v.ok and v.share == pytest.approx(6.75) and v.owed == pytest.approx(2.25)
+    assert v.ok and v.share == pytest.approx(6.75) and v.owed == 2
+    assert not fair_share("a", 2, {"a": 6}, 3, {"b": 4}, lambda s: 3.0 if s == "a" else 1.0).ok
     v = fair_share("a", 1, {"a": 6}, 3, {"b": 4}, lambda s: 4.0 if s == "a" else 1.0)
     assert v.ok and v.share == pytest.approx(7)
+
+
+def test_two_sites_owed_half_of_the_last_free_gpu_each_do_not_refuse_it_to_each_other() -> None:
+    def w(site: str) -> float:
+        return 1.0
+
+    # b and c hold 5 each and both wait for one more; 1 GPU is free: shares 5.5 each. Whoever
+    # claims it first gets it (owing half a GPU to the other refused both, and it stayed unclaimed)
+    for claimant, other in (("b", "c"), ("c", "b")):
+        v = fair_share(claimant, 1, {"b": 5, "c": 5}, 1, {"b": 1, "c": 1}, w)
+        assert v.ok and v.share == pytest.approx(5.5) and v.owed == 0, (claimant, other)
+    # a whole GPU owed is still kept: c holds 4, b 6, 1 free: c's share 5.5 owes it 1
+    assert not fair_share("b", 1, {"b": 6, "c": 4}, 1, {"c": 1}, w).ok
 
 
 def test_quota_refusal_and_holdings() -> None:

@@ -57,3 +57,15 @@ def test_a_short_harvest_with_gpupool_adds_up(scheduler: str, tmp_path: Path) ->
     assert fig["gpus_needed"] <= fig["gpus_taken_back"]
     assert fig["window_broken"] <= fig["window_leases"] and fig["preempted"] <= fig["leases"]
     assert "share of unallocated idle lent" in done.stdout and "GPUs taken back / GPUs training used" in done.stdout
+    if scheduler != "slurm":
+        return
+    # why the rest was not lent: the causes sum to the unallocated idle GPU-hours not lent, and the
+    # pipeline's half-second reads (its samples) agree with the replay's figures within the slack above
+    causes = report["unlent_causes"]
+    assert sum(causes.values()) == pytest.approx(lent["idle_unallocated_gpu_hours"] - fig["lent_gpu_hours"])
+    assert abs(report["unallocated_by_reads"] - lent["idle_unallocated_gpu_hours"]) <= 1.6
+    assert abs(causes["read_timing"]) <= 1.6 + 0.02 * lent["idle_unallocated_gpu_hours"]
+    assert all(h >= 0 for c, h in causes.items() if c != "read_timing")
+    # every GPU taken back and not used has its cause
+    assert sum(report["disruption_causes"].values()) == fig["gpus_taken_back"] - fig["gpus_needed"]
+    assert "by cause" in done.stdout
