@@ -643,10 +643,7 @@ class KubernetesLending:
             priority_class=self.priority_class, resource=self.resource,
         )  # fmt: skip
         try:
-            async with self._gate:
-                await asyncio.to_thread(
-                    self.core.create_namespaced_pod, self.namespace, body, _request_timeout=10
-                )
+            await self._create_pod(body)
         except (ApiException, HTTPError, OSError) as e:
             self._metrics.scheduler_errors.labels(operation="start").inc()
             log.error(
@@ -934,6 +931,15 @@ class KubernetesLending:
         async with self._gate:
             return await asyncio.to_thread(self._list_sync)
 
+    async def _create_pod(self, body: Any) -> None:
+        """Create the pod ``body`` (a manifest dict) in the lent namespace, through the API gate.
+
+        Raises:
+            ApiException, HTTPError, OSError: the API server refused it or was not reached (10 s).
+        """
+        async with self._gate:
+            await asyncio.to_thread(self.core.create_namespaced_pod, self.namespace, body, _request_timeout=10)
+
     async def _create(self, node: str, slot: int) -> None:
         name = f"gpupool-{node}-gpu{slot}-{secrets.token_hex(3)}"[:63]
         body: Any = placeholder_pod(  # the client takes a manifest as well as a V1Pod
@@ -941,10 +947,7 @@ class KubernetesLending:
             resource=self.resource,
         )  # fmt: skip
         try:
-            async with self._gate:
-                await asyncio.to_thread(
-                    self.core.create_namespaced_pod, self.namespace, body, _request_timeout=10
-                )
+            await self._create_pod(body)
         except (ApiException, HTTPError, OSError) as e:
             self._creating.discard((node, slot))
             self._metrics.scheduler_errors.labels(operation="submit").inc()
