@@ -662,7 +662,7 @@ class LeaseBook:
                 return Answer(ReasonCode.UNKNOWN_WORKLOAD, str(e))
         if claim.offer_id is None:
             return self._validate_match(site, claim, now)
-        offer = self._offers.get(claim.offer_id)
+        offer = self._offers.get(claim.offer_id) or self._successor(claim.offer_id, now)
         if offer is None:
             return self._answer_retired(claim, now)
         if now >= offer.expires_at:
@@ -771,6 +771,37 @@ class LeaseBook:
             matched=claim.matched,
             tier=None if placed is None else placed.tier,
         )
+
+    def _successor(self, offer_id: str, now: float) -> Offer | None:
+        """The live offer that replaced the withdrawn offer ``offer_id`` on its node, when a claim
+        on the old one can be served from it: the old one was withdrawn because its node's offer
+        was claimed in part or changed (not expired, and ``now`` is before its own expiry), and
+        the new one's terms are no worse: at least the old notice, no dearer prices (an unpriced
+        lease only where the old one was unpriced too), and a promised window no shorter. The
+        claim is then checked against the returned offer as if it had named it. ``None``
+        otherwise."""
+        retired = self._retired.get(offer_id)
+        if retired is None or retired.why == "expired" or now >= retired.offer.expires_at:
+            return None
+        old = retired.offer
+        current = self._offers.get(self._node_offer.get((old.pool, old.host), ""))
+        if current is None:
+            return None
+        no_dearer = all(
+            new_price == old_price or (new_price is not None and old_price is not None and new_price <= old_price)
+            for new_price, old_price in (
+                (current.window_price, old.window_price),
+                (current.preemptible_price, old.preemptible_price),
+            )
+        )
+        if (
+            current.notice_seconds >= old.notice_seconds
+            and no_dearer
+            and current.lent_share_percent == old.lent_share_percent
+            and (old.available_until is None or (current.available_until or 0.0) >= old.available_until)
+        ):
+            return current
+        return None
 
     def _answer_retired(self, claim: Claim, now: float) -> Answer:
         retired = self._retired.get(claim.offer_id or "")

@@ -110,8 +110,12 @@ class Offer(Message):
     shorter idle time: a new offer with a new ``offer_id`` replaces it, which happens whenever
     the capacity stream changes the node, typically every few seconds on a busy pool) and at
     ``expires_at`` (``offer_ttl_s`` after ``ts``, 60 s by default), when still-idle GPUs are offered
-    again under a new id. A claim of a withdrawn or expired offer is answered ``unknown_offer`` or
-    ``offer_expired``; claim by ``requirements`` to avoid racing re-issues.
+    again under a new id. A claim of an offer withdrawn because its node's offer was claimed in
+    part or changed, made before the old offer's ``expires_at``, is served from the node's current
+    offer when that one's terms are no worse (notice, prices, fabric share, a promise no shorter)
+    and holds the GPUs the claim wants; the lease then names the current ``offer_id``. Otherwise a
+    claim of a withdrawn or expired offer is answered ``unknown_offer`` or ``offer_expired``;
+    claim by ``requirements`` to avoid racing re-issues.
     """
 
     offer_id: str
@@ -405,7 +409,8 @@ class ReasonCode(StrEnum):
     SITE_MISMATCH = "site_mismatch"
     """The payload's site differs from the topic's."""
     UNKNOWN_OFFER = "unknown_offer"
-    """No such offer, or it was withdrawn (claimed, changed): claim a current offer."""
+    """No such offer, or it was withdrawn (claimed, changed) and its node's current offer does
+    not serve the claim on the same terms: claim a current offer."""
     OFFER_EXPIRED = "offer_expired"
     """The offer passed its ``expires_at``."""
     NO_MATCH = "no_match"

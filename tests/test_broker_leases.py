@@ -679,3 +679,43 @@ def test_an_idle_gpu_the_scheduler_planned_for_a_pending_job_is_not_offered() ->
     book.apply_capacity(_cap("n1", 1, ts=1.0), 1.0)  # the plan went away: offered again
     (offer,) = book.offers.values()
     assert len(offer.gpus) == 2 and book.violations() == []
+
+
+def test_a_claim_on_an_offer_another_claim_withdrew_is_served_from_the_nodes_current_offer() -> None:
+    book = _book()
+    oid = _idle_node(book, gpus=2)
+    first, second = (g.gpu for g in book.offers[oid].gpus)
+    assert book.claim("edge-a", _claim(oid, gpus=[first]), 1.0)[0].ok
+    (current,) = book.offers.values()  # the rest of the node, offered anew under a new id
+    assert current.offer_id != oid and [g.gpu for g in current.gpus] == [second]
+    # edge-b claimed from the offer it saw before edge-a's claim withdrew it: same terms, served
+    answer, _ = book.claim("edge-b", _claim(oid, cid="c2", site="edge-b", gpus=[second]), 2.0)
+    assert answer.ok
+    (lease,) = [r for r in book.live_leases() if r.site == "edge-b"]
+    assert lease.gpus == [second] and lease.offer_id == current.offer_id
+    # the GPU edge-a took is not in the current offer
+    taken, _ = book.claim("edge-c", _claim(oid, cid="c3", site="edge-c", gpus=[first]), 3.0)
+    assert taken.code is ReasonCode.GPU_UNAVAILABLE
+
+
+def test_a_withdrawn_offer_is_served_from_its_successor_only_before_its_own_expiry() -> None:
+    for at, ok in ((CFG.offer_ttl_s - 0.01, True), (CFG.offer_ttl_s, False)):
+        book = _book()
+        oid = _idle_node(book, gpus=2)
+        second = book.offers[oid].gpus[1].gpu
+        assert book.claim("edge-a", _claim(oid, count=1), 1.0)[0].ok
+        answer, _ = book.claim("edge-b", _claim(oid, cid="c2", site="edge-b", gpus=[second]), at)
+        assert answer.ok is ok and (ok or answer.code is ReasonCode.OFFER_EXPIRED), (at, answer)
+
+
+def test_a_withdrawn_offer_is_not_served_from_a_successor_promising_a_shorter_window() -> None:
+    book = _book()
+    oid = _idle_node(book, gpus=2)
+    second = book.offers[oid].gpus[1].gpu
+    assert book.claim("edge-a", _claim(oid, count=1), 1.0)[0].ok
+    book.apply_capacity(_cap("n1", 1, ts=2.0, until=5_000.0), 2.0)  # the prediction shrinks
+    (current,) = book.offers.values()
+    assert current.available_until == 5_000.0 < 10_000.0
+    answer, _ = book.claim("edge-b", _claim(oid, cid="c2", site="edge-b", gpus=[second]), 3.0)
+    assert answer.code is ReasonCode.UNKNOWN_OFFER and "withdrawn" in answer.text
+    assert book.claim("edge-b", _claim(current.offer_id, cid="c3", site="edge-b", gpus=[second]), 4.0)[0].ok
