@@ -662,7 +662,7 @@ class LeaseBook:
                 return Answer(ReasonCode.UNKNOWN_WORKLOAD, str(e))
         if claim.offer_id is None:
             return self._validate_match(site, claim, now)
-        offer = self._offers.get(claim.offer_id) or self._successor(claim.offer_id, now)
+        offer = self._offers.get(claim.offer_id) or self._successor(claim, now)
         if offer is None:
             return self._answer_retired(claim, now)
         if now >= offer.expires_at:
@@ -772,20 +772,20 @@ class LeaseBook:
             tier=None if placed is None else placed.tier,
         )
 
-    def _successor(self, offer_id: str, now: float) -> Offer | None:
-        """The live offer that replaced the withdrawn offer ``offer_id`` on its node, when a claim
-        on the old one can be served from it: the old one was withdrawn because its node's offer
-        was claimed in part or changed (not expired, and ``now`` is before its own expiry), and
-        the new one's terms are no worse: at least the old notice, no dearer prices (an unpriced
-        lease only where the old one was unpriced too), and a promised window no shorter. The
-        claim is then checked against the returned offer as if it had named it. ``None``
-        otherwise."""
-        retired = self._retired.get(offer_id)
+    def _successor(self, claim: Claim, now: float) -> Offer | None:
+        """The live offer that replaced the withdrawn offer ``claim.offer_id`` on its node, when
+        the claim can be served from it: it holds the GPUs the claim wants (or as many as it
+        counts); the old one was withdrawn because its node's offer was claimed in part or
+        changed (not expired, and ``now`` is before its own expiry); and the new one's terms are
+        no worse: at least the old notice, no dearer prices (an unpriced lease only where the old
+        one was unpriced too), the same fabric share, and a promised window no shorter. The claim
+        is then checked against the returned offer as if it had named it. ``None`` otherwise."""
+        retired = self._retired.get(claim.offer_id or "")
         if retired is None or retired.why == "expired" or now >= retired.offer.expires_at:
             return None
         old = retired.offer
         current = self._offers.get(self._node_offer.get((old.pool, old.host), ""))
-        if current is None:
+        if current is None or isinstance(self._wanted(current, claim), Answer):
             return None
         no_dearer = all(
             new_price == old_price or (new_price is not None and old_price is not None and new_price <= old_price)

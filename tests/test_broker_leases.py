@@ -693,9 +693,12 @@ def test_a_claim_on_an_offer_another_claim_withdrew_is_served_from_the_nodes_cur
     assert answer.ok
     (lease,) = [r for r in book.live_leases() if r.site == "edge-b"]
     assert lease.gpus == [second] and lease.offer_id == current.offer_id
-    # the GPU edge-a took is not in the current offer
+    # the GPU edge-a took is not in the current offer: refused, saying why
     taken, _ = book.claim("edge-c", _claim(oid, cid="c3", site="edge-c", gpus=[first]), 3.0)
-    assert taken.code is ReasonCode.GPU_UNAVAILABLE
+    assert taken.code is ReasonCode.GPU_UNAVAILABLE and "leased" in taken.text
+    # more GPUs than the current offer holds: refused the same way
+    more, _ = book.claim("edge-c", _claim(oid, cid="c4", site="edge-c", count=2), 3.0)
+    assert more.code is ReasonCode.GPU_UNAVAILABLE
 
 
 def test_a_withdrawn_offer_is_served_from_its_successor_only_before_its_own_expiry() -> None:
