@@ -65,7 +65,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-
 from broker.config import BrokerConfig
 from broker.metrics import BrokerMetrics
 from broker.placeholders import GpuMap, placeholder_script, read_term, start_script

@@ -39,6 +39,14 @@ def _slurm(conf: Path, *args: str) -> str:
     return done.stdout
 
 
+def _sbatch(conf: Path, partition: str, gpus: int, name: str, wrap: str) -> str:
+    """Submit ``wrap`` to ``partition`` on HOST with ``gpus`` GPUs (1 CPU, 5 min); its job id."""
+    return _slurm(
+        conf, "sbatch", "--parsable", "-p", partition, "-w", HOST, f"--gres=gpu:h100:{gpus}", "-c", "1",
+        "-t", "5", "-J", name, "-o", "/dev/null", "--wrap", wrap,
+    ).strip()  # fmt: skip
+
+
 def _wait(pred: object, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -64,19 +72,13 @@ async def _read(bus: KafkaBus, topic: str, count: int, timeout_s: float = 20.0) 
 async def test_slurm_source_streams_allocations_and_plans_to_kafka(
     slurm_conf: Path, kafka_bus: KafkaBus, kafka_topics: KafkaTopics
 ) -> None:
-    train = _slurm(
-        slurm_conf, "sbatch", "--parsable", "-p", "training", "-w", HOST, "--gres=gpu:h100:4", "-c", "1",
-        "-t", "5", "-J", "train-4", "-o", "/dev/null", "--wrap", "sleep 120",
-    ).strip()  # fmt: skip
+    train = _sbatch(slurm_conf, "training", 4, "train-4", "sleep 120")
     big = ""
     try:
         state = ("squeue", "-h", "-j", train, "-o", "%T")
         _wait(lambda: _slurm(slurm_conf, *state).strip() == "RUNNING", 20, "RUNNING")
         # needs every GPU of the node: pends until the training job's time limit, planned onto HOST
-        big = _slurm(
-            slurm_conf, "sbatch", "--parsable", "-p", "training", "-w", HOST, "--gres=gpu:h100:8", "-c", "1",
-            "-t", "5", "-J", "train-8", "-o", "/dev/null", "--wrap", "sleep 1",
-        ).strip()  # fmt: skip
+        big = _sbatch(slurm_conf, "training", 8, "train-8", "sleep 1")
 
         def planned() -> bool:
             out = _slurm(slurm_conf, "squeue", "--start", "-h", "-j", big, "-o", "%S|%Y")
@@ -256,18 +258,12 @@ async def test_a_pending_placeholder_slurm_plans_is_no_demand(slurm_conf: Path) 
     from analytics.scheduler import planned_gpus
     from contracts.scheduler import LENT_JOB_NAME
 
-    train = _slurm(
-        slurm_conf, "sbatch", "--parsable", "-p", "training", "-w", HOST, "--gres=gpu:h100:8", "-c", "1",
-        "-t", "5", "-J", "train-8", "-o", "/dev/null", "--wrap", "sleep 120",
-    ).strip()  # fmt: skip
+    train = _sbatch(slurm_conf, "training", 8, "train-8", "sleep 120")
     held = ""
     try:
         state = ("squeue", "-h", "-j", train, "-o", "%T")
         _wait(lambda: _slurm(slurm_conf, *state).strip() == "RUNNING", 20, "RUNNING")
-        held = _slurm(
-            slurm_conf, "sbatch", "--parsable", "-p", "lent", "-w", HOST, "--gres=gpu:h100:1", "-c", "1",
-            "-t", "5", "-J", LENT_JOB_NAME, "-o", "/dev/null", "--wrap", "sleep 120",
-        ).strip()  # fmt: skip
+        held = _sbatch(slurm_conf, "lent", 1, LENT_JOB_NAME, "sleep 120")
 
         def planned() -> bool:
             out = _slurm(slurm_conf, "squeue", "--start", "-h", "-j", held, "-o", "%S|%Y")
