@@ -38,7 +38,10 @@ Delivery guarantee (precisely).
   simply awaited again. aiokafka's idempotent producer retries an in-flight batch with its
   original producer id and sequence numbers until the broker acknowledges it (it never expires a
   batch in flight) and the broker drops a batch it already has, so an outage of any length
-  delivers each record exactly once.
+  delivers each record exactly once. A batch aiokafka fails without sending (one that waited
+  for a partition leader past its timeout while Kafka restarts) ends in an inner ``flush``
+  error like any other, and the inner producer (:class:`runtime.kafka.KafkaBusProducer`) goes
+  on with a new producer id, so the partition's next batches are not refused.
 * *Unknown outcome*: if the inner ``flush`` raises, the records of that unit are delivered or not
   one by one (aiokafka fails whole per-partition batches that the broker did not append, and a
   unit spans partitions). They stay at the head of the queue and are sent again, carrying the

@@ -23,6 +23,7 @@ the Java client is murmur2 of the key bytes, the same as :func:`contracts.bus.ap
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -33,7 +34,7 @@ from aiokafka import TopicPartition as _AioTopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.codec import has_lz4
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
-from aiokafka.errors import TopicAlreadyExistsError, for_code
+from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError, for_code
 
 from contracts.bus.api import BusMessage, OnAssign, TopicPartition, check_linger
 
@@ -200,6 +201,13 @@ class KafkaBusProducer:
             batch, milliseconds; ``None``: :data:`DEFAULT_LINGER_MS`. A producer that flushes
             after every few records (a latency path) wants 0-2 ms.
 
+    After a delivery error the aiokafka producer is replaced by a new one (a new producer id) once
+    no record is in flight: aiokafka numbers a partition's batches for idempotence when it takes
+    them off the queue, also those it then fails (rejected by the broker, or expired while the
+    partition had no leader), so the broker would refuse every later batch of that partition
+    with ``OutOfOrderSequenceNumber``. Records sent again after the error go through the new
+    producer.
+
     Raises ``ValueError`` for a negative ``linger_ms``.
     """
 
@@ -216,9 +224,19 @@ class KafkaBusProducer:
         self._error: BaseException | None = None
         self.failed_records = 0
         """Records whose delivery failed since start (each also logged once)."""
+        self.renewals = 0
+        """Times the aiokafka producer was replaced after a delivery error (class docstring)."""
+        self._started = False
+        self._renew = False
 
     async def start(self) -> None:
         """Connect. Raises ``aiokafka.errors.KafkaConnectionError`` if no bootstrap server answers."""
+        self._producer = await self._connect()
+        self._started = True
+        self._renew = False
+
+    async def _connect(self) -> AIOKafkaProducer:
+        """A started aiokafka producer (a new producer id). Raises as :meth:`start`."""
         producer = AIOKafkaProducer(
             bootstrap_servers=self.bootstrap_servers,
             client_id=self.client_id,
@@ -234,7 +252,21 @@ class KafkaBusProducer:
         except BaseException:
             await producer.stop()
             raise
-        self._producer = producer
+        return producer
+
+    async def _renew_if_broken(self) -> None:
+        """Replace the aiokafka producer after a delivery error once nothing is in flight (class
+        docstring). Raises ``aiokafka.errors.KafkaConnectionError`` if the new one cannot
+        connect: the next call tries again."""
+        if not self._renew or self._pending or not self._started:
+            return
+        old, self._producer = self._producer, None
+        if old is not None:
+            await old.stop()
+        self._producer = await self._connect()
+        self._renew = False
+        self.renewals += 1
+        log.info("kafka_producer_renewed", extra={"client_id": self.client_id, "renewals": self.renewals})
 
     def _delivered(self, topic: str, fut: asyncio.Future[object]) -> None:
         self._pending.discard(fut)
@@ -243,6 +275,7 @@ class KafkaBusProducer:
         exc = fut.exception()
         if exc is not None:
             self.failed_records += 1
+            self._renew = True
             if self._error is None:
                 self._error = exc
             log.warning(
@@ -266,11 +299,15 @@ class KafkaBusProducer:
 
         Raises ``RuntimeError`` if not started; the first delivery error of an earlier record
         (``aiokafka.errors.KafkaError``) if one failed since the last :meth:`flush`; errors of this
-        record that aiokafka finds before batching (e.g. ``MessageSizeTooLargeError``).
+        record that aiokafka finds before batching (e.g. ``MessageSizeTooLargeError``);
+        ``aiokafka.errors.KafkaConnectionError`` if the producer had to be replaced after a
+        delivery error and the new one cannot connect (class docstring).
         """
-        if self._producer is None:
+        if not self._started:
             raise RuntimeError("producer not started")
         self._raise_failed()
+        await self._renew_if_broken()  # also retries a replacement that could not connect
+        assert self._producer is not None
         fut = await self._producer.send(
             topic,
             value=value,
@@ -284,15 +321,22 @@ class KafkaBusProducer:
         """Wait until every queued record is acknowledged by all in-sync replicas.
 
         Raises the first delivery error (``aiokafka.errors.KafkaError``) since the last flush;
-        records not affected by it are delivered all the same.
+        records not affected by it are delivered all the same. After such an error the
+        aiokafka producer is replaced (class docstring) before this returns or raises, when it
+        can connect; otherwise at the next :meth:`send`.
         """
         if self._pending:
             await asyncio.wait(set(self._pending))
+        if self._renew:
+            with contextlib.suppress(KafkaConnectionError):
+                await self._renew_if_broken()
         self._raise_failed()
 
     async def stop(self) -> None:
         """Deliver what is pending and disconnect; then raise a delivery error, if any."""
+        self._started = False
         if self._producer is None:
+            self._raise_failed()
             return
         producer, self._producer = self._producer, None
         try:

@@ -7,15 +7,16 @@ the same broker.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from collections import defaultdict
 from collections.abc import Sequence
 
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-from aiokafka.errors import InvalidTopicError, KafkaError
+from aiokafka.errors import InvalidTopicError, KafkaError, MessageSizeTooLargeError
 
 from contracts.bus import BusMessage, TopicPartition, partition_for
 from contracts.topics import KafkaTopics
@@ -253,6 +254,44 @@ async def test_delivery_error_is_raised_by_flush(kafka_bus: KafkaBus, kafka_topi
         await producer.flush()
     finally:
         await producer.stop()
+
+
+async def test_partition_keeps_working_after_a_failed_batch(
+    kafka_bootstrap: str, kafka_bus: KafkaBus, kafka_topics: KafkaTopics
+) -> None:
+    """A batch the broker refuses (here: larger than the topic's ``max.message.bytes``) has used
+    up idempotence sequence numbers in aiokafka: on the same producer every later batch of the
+    partition was refused ``OutOfOrderSequenceNumber``, forever. The producer is replaced after
+    the error, and the partition's next records arrive, once each and in order."""
+    topic = kafka_topics.capacity
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(topic, 1, 1, topic_configs={"max.message.bytes": "2048"})])
+    finally:
+        await admin.close()
+    producer = kafka_bus.producer()
+    await producer.start()
+    try:
+        await producer.send(topic, b"before", key="k")
+        await producer.flush()
+        await producer.send(topic, os.urandom(16384), key="k")  # incompressible: over 2048 bytes
+        with pytest.raises(MessageSizeTooLargeError):
+            await producer.flush()
+        assert (producer.failed_records, producer.renewals) == (1, 1)
+        for i in range(3):
+            await producer.send(topic, f"after-{i}".encode(), key="k")
+            await producer.flush()
+        assert (producer.failed_records, producer.renewals) == (1, 1)
+    finally:
+        await producer.stop()
+    consumer = kafka_bus.consumer([topic], _group())
+    await consumer.start()
+    try:
+        got = await _read(consumer, 4)
+    finally:
+        await consumer.stop()
+    assert [m.value for m in got] == [b"before", b"after-0", b"after-1", b"after-2"]
 
 
 async def test_create_topics_is_idempotent_and_compacts(
