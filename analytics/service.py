@@ -874,7 +874,7 @@ class AnalyticsService:
         found: list[tuple[GpuRecord | GpuObservation, BusMessage, bool]] = [
             (r, m, False) for r, m in zip(batch.gpu, batch.gpu_msgs, strict=True)
         ]
-        if scrapes.records:
+        if scrapes.msgs:
             per_gpu = itertools.chain.from_iterable(
                 itertools.repeat(m, n) for m, n in zip(scrapes.msgs, scrapes.counts, strict=True)
             )
@@ -1123,7 +1123,7 @@ def _gpu_table(decoded: _Decoded, metrics: AnalyticsMetrics) -> pa.Table | None:
     that cannot be stored is dropped and counted, the others stay)."""
     tables: list[pa.Table] = []
     scrapes = decoded.scrapes
-    if scrapes.records:
+    if scrapes.msgs:
         msgs = scrapes.msgs
         try:
             tables.append(
