@@ -355,9 +355,18 @@ struct ScrapeDecoder {
     ts_max: f64,
     float_fields: Vec<String>,
     whole_fields: Vec<String>,
-    observed: Vec<String>,
     observed_keys: Vec<Py<PyString>>,
     source_strs: Vec<Py<PyString>>,
+    /// Every field name given, once, with its place in each list (one lookup per map entry).
+    names: Vec<FieldName>,
+}
+
+/// A field name the decoder reads, and its index in `float_fields` / `whole_fields` / `observed`.
+struct FieldName {
+    name: String,
+    float: Option<usize>,
+    whole: Option<usize>,
+    observed: Option<usize>,
 }
 
 /// What one [`ScrapeDecoder::decode`] call made of a batch (module documentation for shapes).
@@ -401,6 +410,25 @@ struct DecodedScrapes {
     float_fields: Py<PyDict>,
     #[pyo3(get)]
     whole_fields: Py<PyDict>,
+}
+
+/// A Python list of `items`, taking their references over (no count changes).
+fn owned_list(py: Python<'_>, items: Vec<PyObject>) -> Py<PyList> {
+    let n = items.len() as pyo3::ffi::Py_ssize_t;
+    // SAFETY: PyList_New(n) returns a new list of n empty slots (or NULL with an exception set,
+    // handled by from_owned_ptr's panic-free variant below); PyList_SetItem steals each
+    // reference and cannot fail for an index below n on a list.
+    unsafe {
+        let ptr = pyo3::ffi::PyList_New(n);
+        if ptr.is_null() {
+            // out of memory: fall back to the counted path, which reports it as MemoryError
+            return PyList::new_bound(py, items).unbind();
+        }
+        for (i, item) in items.into_iter().enumerate() {
+            pyo3::ffi::PyList_SetItem(ptr, i as pyo3::ffi::Py_ssize_t, item.into_ptr());
+        }
+        Py::from_owned_ptr(py, ptr)
+    }
 }
 
 /// Buffers of a utf8 column as the Python side takes them.
@@ -522,6 +550,17 @@ impl ScrapeDecoder {
             pyo3::exceptions::PyValueError::new_err(format!("default_source {default_source:?} is not in sources"))
         })?;
         let observed_keys = observed.iter().map(|s| PyString::intern_bound(py, s).unbind()).collect();
+        let mut names: Vec<FieldName> = Vec::new();
+        for name in float_fields.iter().chain(&whole_fields).chain(&observed) {
+            if names.iter().all(|n| n.name != *name) {
+                names.push(FieldName {
+                    name: name.clone(),
+                    float: float_fields.iter().position(|f| f == name),
+                    whole: whole_fields.iter().position(|f| f == name),
+                    observed: observed.iter().position(|f| f == name),
+                });
+            }
+        }
         let source_strs = sources.iter().map(|s| PyString::intern_bound(py, s).unbind()).collect();
         Ok(ScrapeDecoder {
             schema_version,
@@ -533,9 +572,9 @@ impl ScrapeDecoder {
             ts_max,
             float_fields,
             whole_fields,
-            observed,
             observed_keys,
             source_strs,
+            names,
         })
     }
 
@@ -572,6 +611,7 @@ impl ScrapeDecoder {
         let int_type = py.get_type_bound::<pyo3::types::PyLong>();
         let empty = PyDict::new_bound(py).into_any().unbind();
         let mut last_model: Option<(String, PyObject)> = None;
+        let mut last_ts: Option<(f64, PyObject)> = None;
         let mut floats: Vec<Option<f64>> = vec![None; self.float_fields.len()];
         let mut wholes: Vec<Option<i64>> = vec![None; self.whole_fields.len()];
         for (k, item) in values.iter().enumerate() {
@@ -598,7 +638,14 @@ impl ScrapeDecoder {
             counts.push(n.into_py(py));
             for i in 0..n {
                 let t = cols.ts[i];
-                ts.push(PyFloat::new_bound(py, t).into_any().unbind());
+                ts.push(match &last_ts {
+                    Some((prev, obj)) if prev.to_bits() == t.to_bits() => obj.clone_ref(py),
+                    _ => {
+                        let obj = PyFloat::new_bound(py, t).into_any().unbind();
+                        last_ts = Some((t, obj.clone_ref(py)));
+                        obj
+                    }
+                });
                 ts_col.push_f64(Some(t));
                 let u = cols.gpu_uuid.get(i).and_then(|u| u.as_ref()).map(|s| s.0.as_ref());
                 uuid.push(u.map_or_else(|| none.clone_ref(py), |s| PyString::new_bound(py, s).into_any().unbind()));
@@ -632,13 +679,14 @@ impl ScrapeDecoder {
                 if let Some(entries) = rec.fields.get(i) {
                     for (key, v) in &entries.0 {
                         let key = key.0.as_ref();
-                        if let Some(j) = self.float_fields.iter().position(|f| f.as_str() == key) {
+                        let Some(name) = self.names.iter().find(|n| n.name.as_str() == key) else { continue };
+                        if let Some(j) = name.float {
                             floats[j] = as_float(*v);
                         }
-                        if let Some(j) = self.whole_fields.iter().position(|f| f.as_str() == key) {
+                        if let Some(j) = name.whole {
                             wholes[j] = as_whole(*v);
                         }
-                        if let Some(j) = self.observed.iter().position(|f| f.as_str() == key) {
+                        if let Some(j) = name.observed {
                             let d = observed.get_or_insert_with(|| PyDict::new_bound(py));
                             let obj: PyObject = match v {
                                 Num::Int(x) => x.into_py(py),
@@ -653,7 +701,8 @@ impl ScrapeDecoder {
                 let mut bad: Option<Bound<'_, PyDict>> = None;
                 if let Some(entries) = rec.invalid.get(i) {
                     for (key, reason) in &entries.0 {
-                        if let Some(j) = self.observed.iter().position(|f| f.as_str() == key.0.as_ref()) {
+                        let key = key.0.as_ref();
+                        if let Some(j) = self.names.iter().find(|n| n.name.as_str() == key).and_then(|n| n.observed) {
                             let d = bad.get_or_insert_with(|| PyDict::new_bound(py));
                             d.set_item(self.observed_keys[j].bind(py), reason.0.as_ref())?;
                         }
@@ -686,7 +735,7 @@ impl ScrapeDecoder {
         for (name, c) in self.whole_fields.iter().zip(&whole_cols) {
             whole_dict.set_item(name, fixed_buffers(py, c))?;
         }
-        let list = |v: Vec<PyObject>| PyList::new_bound(py, v).unbind();
+        let list = |v: Vec<PyObject>| owned_list(py, v);
         Ok(DecodedScrapes {
             accepted: PyList::new_bound(py, accepted).unbind(),
             host: list(host),
