@@ -298,7 +298,7 @@ def gpu_scrapes_table(
         return pa.array(values, arrow_type).take(record_of)
 
     host = per_record(scrapes.host, pa.string())
-    first_seq = _int_array(scrapes.seq, 64).take(record_of)
+    first_seq = pa.array(scrapes.seq, pa.int64()).take(record_of)
     first_row = per_record(starts[:-1], pa.int64())
     seq = pc.add_checked(first_seq, pc.subtract(pa.array(range(len(scrapes)), pa.int64()), first_row))
     cols: dict[str, pa.Array | list[Any]] = {

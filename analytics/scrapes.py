@@ -179,7 +179,9 @@ class GpuObservation(msgspec.Struct, frozen=True, gc=False):
         return gpu_key(self.host, gpu_id(self.gpu_uuid, self.gpu_index), self.gpu_instance_id)
 
 
-def _array(arrow_type: pa.DataType, n: int, buffers: tuple[bytes | None, bytes, bytes | None, int]) -> pa.Array:
+def _array(
+    arrow_type: pa.DataType, n: int, buffers: tuple[bytes | None, bytes, bytes | None, int]
+) -> pa.Array:
     """An Arrow array of ``n`` values on the decoder's buffers ``(validity or None, values,
     offsets or None, null count)``."""
     validity, data, offsets, nulls = buffers
@@ -194,7 +196,7 @@ def decode_scrapes(msgs: Sequence[BusMessage]) -> tuple[ScrapeColumns, list[BusM
     """The columns of the scrape records ``msgs`` (values not ``None``) that the compiled decoder
     accepts, and the messages it refused, in batch order (the reference decides those). Raises
     nothing for a record's content."""
-    got = DECODER.decode([m.value for m in msgs])
+    got = DECODER.decode([cast(bytes, m.value) for m in msgs])
     accepted: list[int] = got.accepted
     n = len(got.ts)
     arrays = {name: _array(_ARRAY_TYPES[name], n, bufs) for name, bufs in got.arrays.items()}

@@ -34,9 +34,13 @@ _NUMBERS = st.one_of(
     st.floats(allow_nan=False, allow_infinity=False),
     st.sampled_from([0.5, 1.5, 2.5, -2.5, 1e21, 1e300, -0.0, 9.3e18, 9.2233720368547758e18]),
 )
-_FIELD_NAMES = st.one_of(st.sampled_from([*READ_FIELDS, "DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_GPU_TEMP"]), _TEXT)
+_FIELD_NAMES = st.one_of(
+    st.sampled_from([*READ_FIELDS, "DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_GPU_TEMP"]), _TEXT
+)
 _FIELDS = st.dictionaries(_FIELD_NAMES, _NUMBERS, max_size=6)
-_INVALID = st.dictionaries(_FIELD_NAMES, st.sampled_from(["sentinel", "out_of_range", "", "é\n\"},{"]), max_size=2)
+_INVALID = st.dictionaries(
+    _FIELD_NAMES, st.sampled_from(["sentinel", "out_of_range", "", 'é\n"},{']), max_size=2
+)
 _ATTRS = st.dictionaries(_TEXT, _TEXT, max_size=3)
 _SERIES = st.dictionaries(
     _FIELD_NAMES,
@@ -45,7 +49,9 @@ _SERIES = st.dictionaries(
 )
 _TS = st.one_of(
     st.floats(1.5e9, 2e9),
-    st.sampled_from([TS_MIN_S, TS_MAX_S, math.nextafter(TS_MAX_S, 0), math.nextafter(TS_MIN_S, -math.inf), 0.0, -0.0]),
+    st.sampled_from(
+        [TS_MIN_S, TS_MAX_S, math.nextafter(TS_MAX_S, 0), math.nextafter(TS_MIN_S, -math.inf), 0.0, -0.0]
+    ),
     st.integers(0, 2 * 10**9),
 )
 
@@ -59,7 +65,9 @@ def _samples(draw: st.DrawFn) -> list[GpuSample]:
     out = []
     for i in range(n):
         uuid = draw(st.one_of(st.none(), st.just(""), st.just(f"GPU-{i}"), _TEXT))
-        index = draw(st.one_of(st.integers(-(2**40), 2**40), st.sampled_from([0, 2**31, -(2**31) - 1, 2**63 - 1])))
+        index = draw(
+            st.one_of(st.integers(-(2**40), 2**40), st.sampled_from([0, 2**31, -(2**31) - 1, 2**63 - 1]))
+        )
         out.append(
             GpuSample(
                 ts=ts if draw(st.booleans()) else draw(_TS),
@@ -96,7 +104,9 @@ def _mutated(draw: st.DrawFn, value: bytes) -> bytes:
                           sort_keys=draw(st.booleans())).encode()  # fmt: skip
     if kind == 1:  # a member changed to another type or value
         key = draw(st.sampled_from(["schema_version", "host", "source", "target", "seq", "extra"]))
-        obj[key] = draw(st.one_of(st.none(), st.booleans(), _NUMBERS, _TEXT, st.just("7"), st.just([]), st.just({})))
+        obj[key] = draw(
+            st.one_of(st.none(), st.booleans(), _NUMBERS, _TEXT, st.just("7"), st.just([]), st.just({}))
+        )
         return json.dumps(obj, allow_nan=True).encode()
     if kind == 2:  # a column element changed to another type or value
         gpus = obj["gpus"]
@@ -114,7 +124,11 @@ def _mutated(draw: st.DrawFn, value: bytes) -> bytes:
         return json.dumps(obj).encode()
     if kind == 4:  # a duplicate key (the first one's value differs)
         text = value.decode()
-        key = draw(st.sampled_from(['"host":', '"seq":', '"ts":', '"DCGM_FI_DEV_GPU_UTIL":', '"labels":', '"value":']))
+        key = draw(
+            st.sampled_from(
+                ['"host":', '"seq":', '"ts":', '"DCGM_FI_DEV_GPU_UTIL":', '"labels":', '"value":']
+            )
+        )
         return text.replace(key, key + "0," + key, 1).encode() if key in text else value
     if kind == 5:  # a number spelled another way (float for int, exponent, big)
         text = value.decode()
@@ -155,7 +169,9 @@ def _check_same(value: bytes) -> bool:
     samples = ref.samples()
     assert [_observed(o) for o in cols.observations()] == [_observed(s) for s in samples]
     n = len(samples)
-    assert _outcome(gpu_scrapes_table, cols, [0], [5]) == _outcome(gpu_samples_table, samples, [0] * n, [5] * n)
+    assert _outcome(gpu_scrapes_table, cols, [0], [5]) == _outcome(
+        gpu_samples_table, samples, [0] * n, [5] * n
+    )
     # the maps' texts are the producer's own, byte for byte
     texts = cols.arrays["fields"].to_pylist()
     assert all(t == "{}" or t.encode() in value for t in texts)
