@@ -627,7 +627,10 @@ impl ScrapeDecoder {
             if most.saturating_add(value.len()) >= i32::MAX as usize {
                 continue;
             }
-            let Some(rec) = self.check(value) else { continue };
+            let rec = match self.check(value) {
+                Some(rec) => rec,
+                None => continue,
+            };
             accepted.push(k);
             let cols = &rec.cols;
             let n = cols.ts.len();
@@ -679,7 +682,10 @@ impl ScrapeDecoder {
                 if let Some(entries) = rec.fields.get(i) {
                     for (key, v) in &entries.0 {
                         let key = key.0.as_ref();
-                        let Some(name) = self.names.iter().find(|n| n.name.as_str() == key) else { continue };
+                        let name = match self.names.iter().find(|n| n.name.as_str() == key) {
+                            Some(name) => name,
+                            None => continue,
+                        };
                         if let Some(j) = name.float {
                             floats[j] = as_float(*v);
                         }
