@@ -3,9 +3,10 @@
 One :meth:`AnalyticsService.step`:
 
 1. reads one batch from ``telemetry.gpu`` and ``telemetry.ib_port`` (one consumer group);
-2. decodes it as one batch (:func:`analytics.decode.decode_batch`: msgspec twins of the record
-   models, the pydantic model deciding every record they refuse; :class:`contracts.GpuScrape`
-   records straight to columns, :mod:`analytics.scrapes`) and builds its Arrow rows a column at
+2. decodes it as one batch (:func:`analytics.decode.decode_batch`: :class:`contracts.GpuScrape`
+   records straight to Arrow columns by a compiled decoder, :mod:`analytics.scrapes`; other
+   records by msgspec twins of their models; the pydantic model deciding every record those
+   refuse) and builds its Arrow rows a column at
    a time (:func:`analytics.rows.gpu_scrapes_table`, :func:`analytics.rows.gpu_samples_table`),
    both with the garbage collector paused; a record that cannot be used (or one GPU of a scrape
    record) is counted by reason (``gpupool_analytics_rejected_records_total``) and skipped, never
