@@ -113,6 +113,24 @@ impl<'de: 'a, 'a> Deserialize<'de> for Num<'a> {
     }
 }
 
+/// A `float` member: any JSON number, as the nearest float (Rust's correctly rounded parse of
+/// its text, as Python's `float()` of the number the reference reads); `None` when it is not
+/// finite.
+struct Float(f64);
+
+impl<'de> Deserialize<'de> for Float {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let raw = <&RawValue>::deserialize(d)?;
+        let text = raw.get();
+        let first = text.as_bytes().first().copied().unwrap_or(b'"');
+        let v: Option<f64> = if first == b'-' || first.is_ascii_digit() { text.parse().ok() } else { None };
+        match v {
+            Some(v) if v.is_finite() => Ok(Float(v)),
+            _ => Err(de::Error::custom("not a finite number")),
+        }
+    }
+}
+
 /// A JSON object's entries in order, refused when a key repeats.
 struct Entries<'a, V>(Vec<(Str<'a>, V)>);
 
@@ -194,7 +212,7 @@ struct Series<'a> {
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Columns<'a> {
-    ts: Vec<f64>,
+    ts: Vec<Float>,
     #[serde(default, borrow)]
     gpu_uuid: Vec<Option<Str<'a>>>,
     #[serde(default)]
@@ -491,7 +509,7 @@ impl ScrapeDecoder {
                 return None;
             }
         }
-        if !cols.ts.iter().all(|&t| self.ts_min <= t && t < self.ts_max) {
+        if !cols.ts.iter().all(|t| self.ts_min <= t.0 && t.0 < self.ts_max) {
             return None;
         }
         let mut fields = Vec::with_capacity(cols.fields.len());
@@ -640,7 +658,7 @@ impl ScrapeDecoder {
             seq.push(rec.seq.into_py(py));
             counts.push(n.into_py(py));
             for i in 0..n {
-                let t = cols.ts[i];
+                let t = cols.ts[i].0;
                 ts.push(match &last_ts {
                     Some((prev, obj)) if prev.to_bits() == t.to_bits() => obj.clone_ref(py),
                     _ => {
