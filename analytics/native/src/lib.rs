@@ -123,7 +123,11 @@ impl<'de> Deserialize<'de> for Float {
         let raw = <&RawValue>::deserialize(d)?;
         let text = raw.get();
         let first = text.as_bytes().first().copied().unwrap_or(b'"');
-        let v: Option<f64> = if first == b'-' || first.is_ascii_digit() { text.parse().ok() } else { None };
+        let v: Option<f64> = if first == b'-' || first.is_ascii_digit() {
+            text.parse().ok()
+        } else {
+            None
+        };
         match v {
             Some(v) if v.is_finite() => Ok(Float(v)),
             _ => Err(de::Error::custom("not a finite number")),
@@ -293,7 +297,11 @@ struct StrCol {
 
 impl StrCol {
     fn new() -> Self {
-        StrCol { offsets: 0i32.to_le_bytes().to_vec(), data: Vec::new(), valid: Bits::default() }
+        StrCol {
+            offsets: 0i32.to_le_bytes().to_vec(),
+            data: Vec::new(),
+            valid: Bits::default(),
+        }
     }
     fn push(&mut self, v: Option<&str>) {
         if let Some(s) = v {
@@ -301,7 +309,8 @@ impl StrCol {
         }
         self.valid.push(v.is_some());
         // the caller keeps data under i32::MAX (ScrapeDecoder::decode)
-        self.offsets.extend_from_slice(&(self.data.len() as i32).to_le_bytes());
+        self.offsets
+            .extend_from_slice(&(self.data.len() as i32).to_le_bytes());
     }
 }
 
@@ -451,7 +460,11 @@ fn owned_list(py: Python<'_>, items: Vec<PyObject>) -> Py<PyList> {
 
 /// Buffers of a utf8 column as the Python side takes them.
 fn str_buffers<'py>(py: Python<'py>, c: &StrCol) -> Bound<'py, PyTuple> {
-    let validity = if c.valid.nulls == 0 { py.None() } else { PyBytes::new_bound(py, &c.valid.bytes).into_py(py) };
+    let validity = if c.valid.nulls == 0 {
+        py.None()
+    } else {
+        PyBytes::new_bound(py, &c.valid.bytes).into_py(py)
+    };
     PyTuple::new_bound(
         py,
         [
@@ -465,10 +478,19 @@ fn str_buffers<'py>(py: Python<'py>, c: &StrCol) -> Bound<'py, PyTuple> {
 
 /// Buffers of a float64 / int64 column as the Python side takes them.
 fn fixed_buffers<'py>(py: Python<'py>, c: &FixedCol) -> Bound<'py, PyTuple> {
-    let validity = if c.valid.nulls == 0 { py.None() } else { PyBytes::new_bound(py, &c.valid.bytes).into_py(py) };
+    let validity = if c.valid.nulls == 0 {
+        py.None()
+    } else {
+        PyBytes::new_bound(py, &c.valid.bytes).into_py(py)
+    };
     PyTuple::new_bound(
         py,
-        [validity, PyBytes::new_bound(py, &c.data).into_py(py), py.None(), c.valid.nulls.into_py(py)],
+        [
+            validity,
+            PyBytes::new_bound(py, &c.data).into_py(py),
+            py.None(),
+            c.valid.nulls.into_py(py),
+        ],
     )
 }
 
@@ -481,7 +503,10 @@ impl ScrapeDecoder {
         }
         let source = match &rec.source {
             None => self.default_source,
-            Some(s) => self.sources.iter().position(|known| known.as_str() == s.0.as_ref())?,
+            Some(s) => self
+                .sources
+                .iter()
+                .position(|known| known.as_str() == s.0.as_ref())?,
         };
         let cols = rec.gpus.0;
         let n = cols.ts.len();
@@ -503,13 +528,20 @@ impl ScrapeDecoder {
             return None;
         }
         for i in 0..n {
-            let uuid = cols.gpu_uuid.get(i).map_or(false, |u| u.as_ref().map_or(false, |s| !s.0.is_empty()));
+            let uuid = cols
+                .gpu_uuid
+                .get(i)
+                .map_or(false, |u| u.as_ref().map_or(false, |s| !s.0.is_empty()));
             let index = cols.gpu_index.get(i).map_or(false, |x| x.is_some());
             if !(uuid || index) {
                 return None;
             }
         }
-        if !cols.ts.iter().all(|t| self.ts_min <= t.0 && t.0 < self.ts_max) {
+        if !cols
+            .ts
+            .iter()
+            .all(|t| self.ts_min <= t.0 && t.0 < self.ts_max)
+        {
             return None;
         }
         let mut fields = Vec::with_capacity(cols.fields.len());
@@ -529,7 +561,9 @@ impl ScrapeDecoder {
         Some(Checked {
             host: rec.host.0,
             source,
-            target: rec.target.map_or_else(|| Cow::Owned(self.default_target.clone()), |t| t.0),
+            target: rec
+                .target
+                .map_or_else(|| Cow::Owned(self.default_target.clone()), |t| t.0),
             seq: rec.seq.unwrap_or(self.default_seq),
             cols,
             fields,
@@ -564,10 +598,18 @@ impl ScrapeDecoder {
         whole_fields: Vec<String>,
         observed: Vec<String>,
     ) -> PyResult<Self> {
-        let default = sources.iter().position(|s| *s == default_source).ok_or_else(|| {
-            pyo3::exceptions::PyValueError::new_err(format!("default_source {default_source:?} is not in sources"))
-        })?;
-        let observed_keys = observed.iter().map(|s| PyString::intern_bound(py, s).unbind()).collect();
+        let default = sources
+            .iter()
+            .position(|s| *s == default_source)
+            .ok_or_else(|| {
+                pyo3::exceptions::PyValueError::new_err(format!(
+                    "default_source {default_source:?} is not in sources"
+                ))
+            })?;
+        let observed_keys = observed
+            .iter()
+            .map(|s| PyString::intern_bound(py, s).unbind())
+            .collect();
         let mut names: Vec<FieldName> = Vec::new();
         for name in float_fields.iter().chain(&whole_fields).chain(&observed) {
             if names.iter().all(|n| n.name != *name) {
@@ -579,7 +621,10 @@ impl ScrapeDecoder {
                 });
             }
         }
-        let source_strs = sources.iter().map(|s| PyString::intern_bound(py, s).unbind()).collect();
+        let source_strs = sources
+            .iter()
+            .map(|s| PyString::intern_bound(py, s).unbind())
+            .collect();
         Ok(ScrapeDecoder {
             schema_version,
             sources,
@@ -623,8 +668,16 @@ impl ScrapeDecoder {
         let mut fields_col = StrCol::new();
         let mut invalid_col = StrCol::new();
         let mut attributes_col = StrCol::new();
-        let mut float_cols: Vec<FixedCol> = self.float_fields.iter().map(|_| FixedCol::default()).collect();
-        let mut whole_cols: Vec<FixedCol> = self.whole_fields.iter().map(|_| FixedCol::default()).collect();
+        let mut float_cols: Vec<FixedCol> = self
+            .float_fields
+            .iter()
+            .map(|_| FixedCol::default())
+            .collect();
+        let mut whole_cols: Vec<FixedCol> = self
+            .whole_fields
+            .iter()
+            .map(|_| FixedCol::default())
+            .collect();
         let none = py.None();
         let int_type = py.get_type_bound::<pyo3::types::PyLong>();
         let empty = PyDict::new_bound(py).into_any().unbind();
@@ -635,11 +688,18 @@ impl ScrapeDecoder {
         for (k, item) in values.iter().enumerate() {
             let bytes = item.downcast::<PyBytes>()?;
             let value = bytes.as_bytes();
-            let most = [&uuid_col, &profile_col, &model_col, &fields_col, &invalid_col, &attributes_col]
-                .iter()
-                .map(|c| c.data.len())
-                .max()
-                .unwrap_or(0);
+            let most = [
+                &uuid_col,
+                &profile_col,
+                &model_col,
+                &fields_col,
+                &invalid_col,
+                &attributes_col,
+            ]
+            .iter()
+            .map(|c| c.data.len())
+            .max()
+            .unwrap_or(0);
             // a string column's text never grows by more than the record's length: keep the
             // int32 offsets in range by leaving a record that could pass it to the reference
             if most.saturating_add(value.len()) >= i32::MAX as usize {
@@ -668,8 +728,15 @@ impl ScrapeDecoder {
                     }
                 });
                 ts_col.push_f64(Some(t));
-                let u = cols.gpu_uuid.get(i).and_then(|u| u.as_ref()).map(|s| s.0.as_ref());
-                uuid.push(u.map_or_else(|| none.clone_ref(py), |s| PyString::new_bound(py, s).into_any().unbind()));
+                let u = cols
+                    .gpu_uuid
+                    .get(i)
+                    .and_then(|u| u.as_ref())
+                    .map(|s| s.0.as_ref());
+                uuid.push(u.map_or_else(
+                    || none.clone_ref(py),
+                    |s| PyString::new_bound(py, s).into_any().unbind(),
+                ));
                 uuid_col.push(u);
                 let x = cols.gpu_index.get(i).copied().flatten();
                 index.push(x.map_or_else(|| none.clone_ref(py), |v| v.into_py(py)));
@@ -677,8 +744,17 @@ impl ScrapeDecoder {
                 let g = cols.gpu_instance_id.get(i).copied().flatten();
                 instance.push(g.map_or_else(|| none.clone_ref(py), |v| v.into_py(py)));
                 instance_col.push_i64(g);
-                profile_col.push(cols.gpu_instance_profile.get(i).and_then(|p| p.as_ref()).map(|s| s.0.as_ref()));
-                let m = cols.model_name.get(i).and_then(|m| m.as_ref()).map(|s| s.0.as_ref());
+                profile_col.push(
+                    cols.gpu_instance_profile
+                        .get(i)
+                        .and_then(|p| p.as_ref())
+                        .map(|s| s.0.as_ref()),
+                );
+                let m = cols
+                    .model_name
+                    .get(i)
+                    .and_then(|m| m.as_ref())
+                    .map(|s| s.0.as_ref());
                 model_col.push(m);
                 model.push(match m {
                     None => none.clone_ref(py),
@@ -714,25 +790,34 @@ impl ScrapeDecoder {
                             let d = observed.get_or_insert_with(|| PyDict::new_bound(py));
                             let obj: PyObject = match v {
                                 Num::Int(x) => x.into_py(py),
-                                Num::Big(text) => int_type.call1((PyString::new_bound(py, text),))?.unbind(),
+                                Num::Big(text) => {
+                                    int_type.call1((PyString::new_bound(py, text),))?.unbind()
+                                }
                                 Num::Float(x) => PyFloat::new_bound(py, *x).into_any().unbind(),
                             };
                             d.set_item(self.observed_keys[j].bind(py), obj)?;
                         }
                     }
                 }
-                obs_fields.push(observed.map_or_else(|| empty.clone_ref(py), |d| d.into_any().unbind()));
+                obs_fields
+                    .push(observed.map_or_else(|| empty.clone_ref(py), |d| d.into_any().unbind()));
                 let mut bad: Option<Bound<'_, PyDict>> = None;
                 if let Some(entries) = rec.invalid.get(i) {
                     for (key, reason) in &entries.0 {
                         let key = key.0.as_ref();
-                        if let Some(j) = self.names.iter().find(|n| n.name.as_str() == key).and_then(|n| n.observed) {
+                        if let Some(j) = self
+                            .names
+                            .iter()
+                            .find(|n| n.name.as_str() == key)
+                            .and_then(|n| n.observed)
+                        {
                             let d = bad.get_or_insert_with(|| PyDict::new_bound(py));
                             d.set_item(self.observed_keys[j].bind(py), reason.0.as_ref())?;
                         }
                     }
                 }
-                obs_invalid.push(bad.map_or_else(|| empty.clone_ref(py), |d| d.into_any().unbind()));
+                obs_invalid
+                    .push(bad.map_or_else(|| empty.clone_ref(py), |d| d.into_any().unbind()));
                 for (c, v) in float_cols.iter_mut().zip(&floats) {
                     c.push_f64(*v);
                 }
@@ -803,7 +888,10 @@ mod tests {
         assert_eq!(num_of("5.0"), Some(Num::Float(5.0)));
         assert_eq!(num_of("1e2"), Some(Num::Float(100.0)));
         assert_eq!(num_of("1e400"), None);
-        assert_eq!(num_of("9223372036854775808"), Some(Num::Big("9223372036854775808")));
+        assert_eq!(
+            num_of("9223372036854775808"),
+            Some(Num::Big("9223372036854775808"))
+        );
         assert_eq!(num_of("\"5\""), None);
     }
 
