@@ -53,6 +53,8 @@ lint: venv
 
 ## The whole test suite; services (Kafka, Mosquitto) are started by the tests' session fixtures.
 test: deps lint
+	PATH="$(HOME)/.cargo/bin:$$PATH" CARGO_TARGET_DIR="$(GPUPOOL_CACHE)/cargo-target" PYO3_PYTHON="$(CURDIR)/$(BIN)/python" \
+		cargo test -q --release --manifest-path $(NATIVE)/Cargo.toml
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 services-up: deps
