@@ -8,11 +8,17 @@
 //! JSON (serde_json: no `NaN`/`Infinity` literals, no trailing commas, no comments), a JSON value
 //! that is not an object where the model has a model or a map, an unknown member, a duplicate key
 //! in any object, a number where a string is expected and the reverse, a float where an integer
-//! is expected, an integer outside the signed 64-bit range, a non-finite number (`1e400`), a
+//! is expected, an integer member or column element (`schema_version`, `seq`, `gpu_index`,
+//! `gpu_instance_id`) outside the signed 64-bit range (a map value of any size is taken, as
+//! Python's `int`), a non-finite number (`1e400`), a
 //! `schema_version` other than the one given at construction, a `source` the model does not list,
 //! columns of a length other than `len(ts)` or zero, no GPU at all, a GPU with neither a
 //! non-empty `gpu_uuid` nor a `gpu_index`, and a `ts` outside `[ts_min, ts_max)` (the stage's
-//! storable times, `analytics.timestamps`). Nothing panics on input: every error is a refusal.
+//! storable times, `analytics.timestamps`), and a record that would take a string column's text
+//! past 2**31 bytes (int32 offsets). Nothing panics on input: every error is a refusal. A
+//! `float` is the correctly rounded value of the number's text (integers too, as Python's
+//! `float(int)`); a `float | int` map value keeps its kind: a number without fraction or exponent
+//! is an `int`, any other a `float`, as the reference's smart union decides.
 //!
 //! Shapes of one call ([`ScrapeDecoder::decode`]): per accepted record its `host`, `source`,
 //! `target`, `seq` and GPU count; per GPU (records in order, GPUs in column order) Python lists
