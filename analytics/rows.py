@@ -300,7 +300,8 @@ def gpu_scrapes_table(
     host = per_record(scrapes.host, pa.string())
     first_seq = pa.array(scrapes.seq, pa.int64()).take(record_of)
     first_row = per_record(starts[:-1], pa.int64())
-    seq = pc.add_checked(first_seq, pc.subtract(pa.array(range(len(scrapes)), pa.int64()), first_row))
+    row = pc.cumulative_sum(pa.repeat(pa.scalar(1, pa.int64()), len(scrapes)), start=-1)  # 0, 1, ...
+    seq = pc.add_checked(first_seq, pc.subtract(row, first_row))
     cols: dict[str, pa.Array | list[Any]] = {
         "ts": _micros_array(arrays["ts"]),
         "gpu_key": _gpu_keys(host, uuid_array, arrays["gpu_index"], arrays["gpu_instance_id"]),
