@@ -196,6 +196,8 @@ def decode_scrapes(msgs: Sequence[BusMessage]) -> tuple[ScrapeColumns, list[BusM
     """The columns of the scrape records ``msgs`` (values not ``None``) that the compiled decoder
     accepts, and the messages it refused, in batch order (the reference decides those). Raises
     nothing for a record's content."""
+    if not msgs:
+        return ScrapeColumns(), []
     got = DECODER.decode([cast(bytes, m.value) for m in msgs])
     accepted: list[int] = got.accepted
     n = len(got.ts)
