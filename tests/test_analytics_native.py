@@ -281,3 +281,26 @@ def test_mutated_bytes_never_raise_and_never_pass_a_bad_record(data: st.DataObje
 def test_a_value_that_is_not_bytes_is_a_type_error() -> None:
     with pytest.raises(TypeError):
         DECODER.decode(["{}"])  # type: ignore[list-item]
+
+
+def test_a_stage_without_the_compiled_decoder_says_how_to_build_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+    import sys
+
+    from typer.testing import CliRunner
+
+    from gpupool.cli import app
+
+    real_import = builtins.__import__
+
+    def without_decoder(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "analytics_native":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real_import(name, *args, **kwargs)
+
+    for module in [m for m in sys.modules if m == "analytics" or m.startswith("analytics.")]:
+        monkeypatch.delitem(sys.modules, module)
+    monkeypatch.setattr(builtins, "__import__", without_decoder)
+    got = CliRunner().invoke(app, ["analytics", "--help"])
+    assert got.exit_code == 2
+    assert "pip install 'gpupool[server]'" in got.output and "pip install ./analytics/native" in got.output
