@@ -445,22 +445,22 @@ struct DecodedScrapes {
     whole_fields: Py<PyDict>,
 }
 
-/// A Python list of `items`, taking their references over (no count changes).
-fn owned_list(py: Python<'_>, items: Vec<PyObject>) -> Py<PyList> {
+/// A Python list of `items`, taking their references over (no count changes). Raises
+/// `MemoryError` when the list cannot be allocated.
+fn owned_list(py: Python<'_>, items: Vec<PyObject>) -> PyResult<Py<PyList>> {
     let n = items.len() as pyo3::ffi::Py_ssize_t;
-    // SAFETY: PyList_New(n) returns a new list of n empty slots (or NULL with an exception set,
-    // handled by from_owned_ptr's panic-free variant below); PyList_SetItem steals each
-    // reference and cannot fail for an index below n on a list.
+    // SAFETY: PyList_New(n) returns a new list of n empty slots, or NULL with MemoryError set;
+    // PyList_SetItem steals each reference and cannot fail for an index below n on a list; the
+    // list's one reference goes to the Py returned.
     unsafe {
         let ptr = pyo3::ffi::PyList_New(n);
         if ptr.is_null() {
-            // out of memory: fall back to the counted path, which reports it as MemoryError
-            return PyList::new_bound(py, items).unbind();
+            return Err(PyErr::fetch(py));
         }
         for (i, item) in items.into_iter().enumerate() {
             pyo3::ffi::PyList_SetItem(ptr, i as pyo3::ffi::Py_ssize_t, item.into_ptr());
         }
-        Py::from_owned_ptr(py, ptr)
+        Ok(Py::from_owned_ptr(py, ptr))
     }
 }
 
@@ -853,18 +853,18 @@ impl ScrapeDecoder {
         let list = |v: Vec<PyObject>| owned_list(py, v);
         Ok(DecodedScrapes {
             accepted: PyList::new_bound(py, accepted).unbind(),
-            host: list(host),
-            source: list(source),
-            target: list(target),
-            seq: list(seq),
-            counts: list(counts),
-            ts: list(ts),
-            gpu_uuid: list(uuid),
-            gpu_index: list(index),
-            gpu_instance_id: list(instance),
-            model_name: list(model),
-            observed_fields: list(obs_fields),
-            observed_invalid: list(obs_invalid),
+            host: list(host)?,
+            source: list(source)?,
+            target: list(target)?,
+            seq: list(seq)?,
+            counts: list(counts)?,
+            ts: list(ts)?,
+            gpu_uuid: list(uuid)?,
+            gpu_index: list(index)?,
+            gpu_instance_id: list(instance)?,
+            model_name: list(model)?,
+            observed_fields: list(obs_fields)?,
+            observed_invalid: list(obs_invalid)?,
             arrays: arrays.unbind(),
             float_fields: float_dict.unbind(),
             whole_fields: whole_dict.unbind(),
