@@ -16,7 +16,16 @@ $(BIN)/gpupool: pyproject.toml
 	$(BIN)/pip install -q -e '.[server,test]'
 	touch $@
 
-venv: $(BIN)/gpupool
+## The compiled scrape decoder of analytics (analytics/native: Rust, pyo3, built by maturin) into
+## .venv; cargo's build directory is cached outside the repo, so a rebuild is incremental. Needs
+## cargo (deploy/local/install-system.sh installs Debian's when none is found; rustup's in
+## ~/.cargo/bin is used first).
+NATIVE := analytics/native
+$(VENV)/.analytics-native: $(BIN)/gpupool $(NATIVE)/Cargo.toml $(NATIVE)/Cargo.lock $(NATIVE)/pyproject.toml $(NATIVE)/analytics_native.pyi $(wildcard $(NATIVE)/src/*.rs)
+	PATH="$(HOME)/.cargo/bin:$$PATH" CARGO_TARGET_DIR="$(GPUPOOL_CACHE)/cargo-target" $(BIN)/pip install -q ./$(NATIVE)
+	touch $@
+
+venv: $(BIN)/gpupool $(VENV)/.analytics-native
 
 deps-system:
 	bash deploy/local/install-system.sh
@@ -29,7 +38,7 @@ deps-kafka:
 deps-kubernetes:
 	bash deploy/local/kubernetes-build.sh
 
-deps: venv deps-system deps-kafka deps-kubernetes
+deps: deps-system venv deps-kafka deps-kubernetes
 
 ## The main job on embedded defaults: simulator + every stage in one process. Fabric isolation
 ## on a simulated InfiniBand fabric when its tools are installed (DEMO_FABRIC=auto|on|off).
@@ -44,6 +53,8 @@ lint: venv
 
 ## The whole test suite; services (Kafka, Mosquitto) are started by the tests' session fixtures.
 test: deps lint
+	PATH="$(HOME)/.cargo/bin:$$PATH" CARGO_TARGET_DIR="$(GPUPOOL_CACHE)/cargo-target" PYO3_PYTHON="$(CURDIR)/$(BIN)/python" \
+		cargo test -q --release --manifest-path $(NATIVE)/Cargo.toml
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 services-up: deps

@@ -54,6 +54,11 @@ FB_RESERVED = "DCGM_FI_DEV_FB_RESERVED"
 PROFILING_FIELDS: tuple[str, ...] = (GR_ENGINE_ACTIVE, SM_ACTIVE)
 """Activity fields preferred over :data:`GPU_UTIL`, in order of preference."""
 
+READ_FIELDS: tuple[str, ...] = (*PROFILING_FIELDS, GPU_UTIL, FB_USED, FB_FREE, FB_TOTAL, FB_RESERVED)
+"""Every field name the classifier reads of a sample's ``fields`` and ``invalid`` (nothing else of
+those maps): what an observation of a scrape record's GPU carries
+(:class:`analytics.scrapes.GpuObservation`)."""
+
 _RATIO_TOLERANCE = 1e-3
 """DCGM profiling ratios may overshoot 1.0 by rounding; more than this is out of range."""
 

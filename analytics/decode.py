@@ -11,8 +11,9 @@ out as twins (same attributes, properties and methods as the model).
 
 ``telemetry.gpu`` carries two records: :class:`contracts.GpuScrape` (a read of a host's GPUs in
 columns; a JSON object with a top-level ``gpus`` member) and :class:`contracts.GpuSample` (one
-GPU; older producers, replay files). Scrape records the fast path accepts come out as columns
-(:class:`analytics.scrapes.ScrapeColumns`); one the reference accepts after the fast path
+GPU; older producers, replay files). Scrape records are decoded by the compiled decoder of
+:mod:`analytics.scrapes` (the msgspec twins' counterpart for them) and come out as columns
+(:class:`analytics.scrapes.ScrapeColumns`); one the reference accepts after that decoder
 refused it comes out as its samples. A scrape record whose envelope is valid but some of whose
 GPUs are not loses only those GPUs: each is rejected with reason ``invalid_sample``
 (:func:`salvage_scrape`).
@@ -31,7 +32,7 @@ import msgspec
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
-from analytics.scrapes import ScrapeColumns, decode_scrape, is_scrape, scrape_columns
+from analytics.scrapes import ScrapeColumns, decode_scrapes, is_scrape
 from analytics.structs import struct_for
 from analytics.timestamps import storable_ts
 from contracts import SCHEMA_VERSION, GpuColumns, GpuSample, GpuScrape, IbPortSample, KafkaTopics, decode
@@ -193,7 +194,7 @@ class DecodedBatch:
     Attributes:
         gpu: decoded GPU samples (:data:`GpuRecord`) of :class:`GpuSample` records and of the
             scrape records the reference decided; ``gpu_msgs[k]`` is the message of ``gpu[k]``.
-        scrapes: the GPUs of the scrape records the fast path accepted, in columns.
+        scrapes: the GPUs of the scrape records the compiled decoder accepted, in columns.
         ib: decoded InfiniBand port samples (:data:`IbPortRecord`); ``ib_msgs[k]`` is the
             message of ``ib[k]``.
         rejected: ``(message, rejection)`` of every record that cannot be used.
@@ -246,17 +247,11 @@ def _decode_batch(msgs: Sequence[BusMessage], topics: KafkaTopics) -> DecodedBat
     gpu_ok, gpu_msgs, ib_ok, ib_msgs = out.gpu.append, out.gpu_msgs.append, out.ib.append, out.ib_msgs.append
     storable = storable_ts
     slow: list[BusMessage] = []
-    scrapes: list[Any] = []
     scrape_msgs: list[BusMessage] = []
     for msg in msgs:
         topic, value = msg.topic, msg.value
         if topic == gpu_topic and value is not None and is_scrape(value):
-            scrape = decode_scrape(value)
-            if scrape is None:
-                slow.append(msg)
-            else:
-                scrapes.append(scrape)
-                scrape_msgs.append(msg)
+            scrape_msgs.append(msg)
             continue
         if topic == gpu_topic:
             dec = gpu_dec
@@ -281,7 +276,7 @@ def _decode_batch(msgs: Sequence[BusMessage], topics: KafkaTopics) -> DecodedBat
         else:
             ib_ok(rec)
             ib_msgs(msg)
-    out.scrapes, refused = scrape_columns(scrapes, scrape_msgs)
+    out.scrapes, refused = decode_scrapes(scrape_msgs)
     if refused:
         slow.extend(refused)
         index = {id(m): i for i, m in enumerate(msgs)}

@@ -84,8 +84,9 @@ class AnalyticsMetrics(MetricSet):
         )
         self.decode_fallbacks = self.counter(
             "gpupool_analytics_decode_fallback_records_total",
-            "Records the fast decoder (msgspec twin of the record model) refused and the pydantic model then "
-            "decided, accepted or rejected: lax spellings, unknown fields, bad records. Slower per record.",
+            "Records the fast decoder (the compiled decoder of scrape records, the msgspec twin of the model for "
+            "other records) refused and the pydantic model then decided, accepted or rejected: lax spellings, "
+            "unknown fields, bad records. Slower per record.",
         )
         self.ingest_rows = self.counter(
             "gpupool_analytics_ingest_rows_total",

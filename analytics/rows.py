@@ -16,16 +16,18 @@ import re
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic_core import to_json
 
-from analytics.scrapes import ScrapeColumns
 from analytics.classify import FB_FREE, FB_USED, GPU_UTIL, GR_ENGINE_ACTIVE, SM_ACTIVE, IdleRun
 from contracts import CapacityUpdate, GpuSample, IbPortSample
+
+if TYPE_CHECKING:  # analytics.scrapes reads this module's field columns
+    from analytics.scrapes import ScrapeColumns
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,13 +71,17 @@ GPU_SAMPLE_COLUMNS: tuple[Column, ...] = (
 )
 """``gpu_samples``: one row per :class:`contracts.GpuSample`."""
 
-_GPU_FLOAT_FIELDS = {
+GPU_FLOAT_FIELDS: dict[str, str] = {
     "gpu_util": GPU_UTIL,
     "gr_engine_active": GR_ENGINE_ACTIVE,
     "sm_active": SM_ACTIVE,
     "power_w": POWER_USAGE,
 }
-_GPU_INT_FIELDS = {"fb_used_mib": FB_USED, "fb_free_mib": FB_FREE}
+"""``gpu_samples`` column → the DCGM field it holds as a ``DOUBLE`` (an integer value as the
+nearest float; NULL where the sample has no valid value)."""
+GPU_WHOLE_FIELDS: dict[str, str] = {"fb_used_mib": FB_USED, "fb_free_mib": FB_FREE}
+"""``gpu_samples`` column → the DCGM field it holds as a ``BIGINT`` of whole MiB (a float rounded
+half to even; NULL where absent or past int64)."""
 
 IB_COUNTERS: tuple[str, ...] = (
     "PortXmitData",
@@ -248,9 +254,9 @@ def gpu_samples_table(
         "kafka_partition": list(partitions),
         "kafka_offset": list(offsets),
     }
-    for col, name in _GPU_FLOAT_FIELDS.items():
+    for col, name in GPU_FLOAT_FIELDS.items():
         cols[col] = _float_array([f.get(name) for f in fields])
-    for col, name in _GPU_INT_FIELDS.items():
+    for col, name in GPU_WHOLE_FIELDS.items():
         cols[col] = _whole_array([f.get(name) for f in fields])
     return _table(GPU_SAMPLE_COLUMNS, cols)
 
@@ -266,87 +272,79 @@ def gpu_scrapes_table(
     read at ``(partitions[k], offsets[k])``. ``gpu_uuid`` replaces the GPUs' UUIDs (one per GPU:
     the identities the stage resolved, :mod:`analytics.identity`).
 
-    Columns are built a whole column at a time: what each record holds once (``host``,
-    ``source``, ``target``, ``seq``, the Kafka position) is repeated by Arrow, the JSON columns are
-    the maps' texts as sent (:mod:`analytics.scrapes`), ``gpu_key`` is joined by Arrow. Values
-    that do not fit their column become NULL as in :func:`gpu_samples_table`. Raises
-    ``ValueError`` if the lengths differ or a timestamp is not finite.
+    Columns are the decoder's Arrow arrays (:attr:`analytics.scrapes.ScrapeColumns.arrays`: the
+    JSON columns are the maps' texts as sent, the field columns already extracted); what each
+    record holds once (``host``, ``source``, ``target``, ``seq``, the Kafka position) is repeated
+    by Arrow, ``gpu_key`` is joined by Arrow. Values that do not fit their column become NULL as
+    in :func:`gpu_samples_table`. Raises ``ValueError`` if the lengths differ or a timestamp is
+    not finite.
     """
-    n_records = len(scrapes.records)
+    n_records = len(scrapes.msgs)
     if not n_records == len(partitions) == len(offsets):
         raise ValueError("records, partitions and offsets differ in length")
-    uuids = scrapes.gpu_uuid if gpu_uuid is None else list(gpu_uuid)
-    if len(uuids) != len(scrapes):
-        raise ValueError("gpu_uuid and the GPUs differ in length")
-    uuid_array = pa.array(uuids, pa.string())
+    arrays = scrapes.arrays
+    if gpu_uuid is None:
+        uuid_array = arrays["gpu_uuid"]
+    else:
+        if len(gpu_uuid) != len(scrapes):
+            raise ValueError("gpu_uuid and the GPUs differ in length")
+        uuid_array = pa.array(gpu_uuid, pa.string())
     starts = list(itertools.accumulate(scrapes.counts, initial=0))
     record_of = pc.list_parent_indices(
         pa.ListArray.from_arrays(pa.array(starts, pa.int32()), pa.nulls(len(scrapes)))
     )
-    records = scrapes.records
 
     def per_record(values: list[Any], arrow_type: pa.DataType) -> pa.Array:
         return pa.array(values, arrow_type).take(record_of)
 
-    host = per_record([r.host for r in records], pa.string())
-    first_seq = _int_array([r.seq for r in records], 64).take(record_of)
+    host = per_record(scrapes.host, pa.string())
+    first_seq = pa.array(scrapes.seq, pa.int64()).take(record_of)
     first_row = per_record(starts[:-1], pa.int64())
-    seq = pc.add_checked(first_seq, pc.subtract(pa.array(range(len(scrapes)), pa.int64()), first_row))
-    index = _int_array(scrapes.gpu_index, 32)
-    instance = _int_array(scrapes.gpu_instance_id, 32)
-    fields = scrapes.fields
+    row = pc.cumulative_sum(pa.repeat(pa.scalar(1, pa.int64()), len(scrapes)), start=-1)  # 0, 1, ...
+    seq = pc.add_checked(first_seq, pc.subtract(row, first_row))
     cols: dict[str, pa.Array | list[Any]] = {
-        "ts": _micros_array(scrapes.ts),
-        "gpu_key": _gpu_keys(host, uuids, uuid_array, scrapes.gpu_index, scrapes.gpu_instance_id),
+        "ts": _micros_array(arrays["ts"]),
+        "gpu_key": _gpu_keys(host, uuid_array, arrays["gpu_index"], arrays["gpu_instance_id"]),
         "host": host,
         "gpu_uuid": uuid_array,
-        "gpu_index": index,
-        "gpu_instance_id": instance,
-        "gpu_instance_profile": scrapes.gpu_instance_profile,
-        "model_name": scrapes.model_name,
-        "fields": scrapes.texts["fields"],
-        "invalid": scrapes.texts["invalid"],
-        "attributes": scrapes.texts["attributes"],
-        "source": per_record([r.source for r in records], pa.string()),
-        "target": per_record([r.target for r in records], pa.string()),
+        "gpu_index": _int32(arrays["gpu_index"]),
+        "gpu_instance_id": _int32(arrays["gpu_instance_id"]),
+        "gpu_instance_profile": arrays["gpu_instance_profile"],
+        "model_name": arrays["model_name"],
+        "fields": arrays["fields"],
+        "invalid": arrays["invalid"],
+        "attributes": arrays["attributes"],
+        "source": per_record(scrapes.source, pa.string()),
+        "target": per_record(scrapes.target, pa.string()),
         "seq": seq,
         "kafka_partition": per_record(list(partitions), pa.int32()),
         "kafka_offset": per_record(list(offsets), pa.int64()),
     }
-    for col, name in _GPU_FLOAT_FIELDS.items():
-        cols[col] = _float_array([f.get(name) for f in fields])
-    for col, name in _GPU_INT_FIELDS.items():
-        cols[col] = _whole_array([f.get(name) for f in fields])
+    for col in (*GPU_FLOAT_FIELDS, *GPU_WHOLE_FIELDS):
+        cols[col] = arrays[col]
     return _table(GPU_SAMPLE_COLUMNS, cols)
 
 
-def _gpu_keys(
-    host: pa.Array,
-    uuids: list[str | None],
-    uuid: pa.Array,
-    index: list[int | None],
-    instance: list[int | None],
-) -> pa.Array:
-    """:func:`contracts.topics.gpu_key` of every row, by Arrow: ``host/<id>[/<instance>]`` with
-    ``<id>`` the UUID (``uuids``, as the Arrow array ``uuid``), else (``None`` or empty)
-    ``gpu<index>``; ``index`` and ``instance`` are the GPUs' values as decoded (any size of
-    integer)."""
-    if None in uuids or "" in uuids:
-        named = pc.if_else(pc.equal(uuid, ""), pa.scalar(None, pa.string()), uuid)
-        uuid = pc.coalesce(named, _prefixed("gpu", index))
-    key = pc.binary_join_element_wise(host, uuid, "/")
-    if instance.count(None) == len(instance):
-        return key
-    return pc.coalesce(pc.binary_join_element_wise(key, _prefixed("", instance), "/"), key)
-
-
-def _prefixed(prefix: str, values: list[int | None]) -> pa.Array:
-    """``prefix`` + the decimal text of each integer (NULL for ``None``), exact at any size."""
+def _int32(values: pa.Array) -> pa.Array:
+    """An int64 array as ``int32``, NULL where a value is out of range (:func:`_as_int`)."""
     try:
-        text = pc.cast(pa.array(values, pa.int64()), pa.string())
-    except (pa.ArrowInvalid, OverflowError, TypeError):  # past int64: Python's own text
-        text = pa.array([None if v is None else str(v) for v in values], pa.string())
-    return pc.binary_join_element_wise(prefix, text, "") if prefix else text
+        return pc.cast(values, pa.int32())
+    except pa.ArrowInvalid:
+        fits = pc.and_(pc.greater_equal(values, -(2**31)), pc.less(values, 2**31))
+        return pc.cast(pc.if_else(fits, values, pa.scalar(None, pa.int64())), pa.int32())
+
+
+def _gpu_keys(host: pa.Array, uuid: pa.Array, index: pa.Array, instance: pa.Array) -> pa.Array:
+    """:func:`contracts.topics.gpu_key` of every row, by Arrow: ``host/<id>[/<instance>]`` with
+    ``<id>`` the UUID (``uuid``), else (NULL or empty) ``gpu<index>``; ``index`` and
+    ``instance`` are int64 arrays."""
+    if uuid.null_count or pc.any(pc.equal(uuid, "")).as_py():
+        named = pc.if_else(pc.equal(uuid, ""), pa.scalar(None, pa.string()), uuid)
+        uuid = pc.coalesce(named, pc.binary_join_element_wise("gpu", pc.cast(index, pa.string()), ""))
+    key = pc.binary_join_element_wise(host, uuid, "/")
+    if instance.null_count == len(instance):
+        return key
+    return pc.coalesce(pc.binary_join_element_wise(key, pc.cast(instance, pa.string()), "/"), key)
 
 
 def _fits_u64(raw: int | None) -> bool:
@@ -455,13 +453,13 @@ def _array(values: pa.Array | list[Any], arrow_type: pa.DataType) -> pa.Array:
     return values if isinstance(values, pa.Array) else pa.array(values, type=arrow_type)
 
 
-def _micros_array(ts: list[float]) -> pa.Array:
-    """:func:`_micros` of every value, as a ``timestamp[us]`` array (same IEEE product and
-    half-to-even rounding). Raises ``ValueError`` if a value is not finite and
-    ``pyarrow.ArrowInvalid`` if one is past the int64 microsecond range."""
-    seconds = pa.array(ts, type=pa.float64())
+def _micros_array(ts: list[float] | pa.Array) -> pa.Array:
+    """:func:`_micros` of every value (a list, or a float64 array), as a ``timestamp[us]`` array
+    (same IEEE product and half-to-even rounding). Raises ``ValueError`` if a value is not finite
+    and ``pyarrow.ArrowInvalid`` if one is past the int64 microsecond range."""
+    seconds = ts if isinstance(ts, pa.Array) else pa.array(ts, type=pa.float64())
     if seconds.null_count or not pc.all(pc.is_finite(seconds), min_count=0).as_py():
-        bad = next(t for t in ts if t is None or not math.isfinite(t))
+        bad = next(t for t in seconds.to_pylist() if t is None or not math.isfinite(t))
         raise ValueError(f"timestamp not finite: {bad!r}")
     micros = pc.round(pc.multiply(seconds, 1_000_000.0), 0, round_mode="half_to_even")
     return pc.cast(micros, pa.int64()).cast(_TS)

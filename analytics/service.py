@@ -3,9 +3,10 @@
 One :meth:`AnalyticsService.step`:
 
 1. reads one batch from ``telemetry.gpu`` and ``telemetry.ib_port`` (one consumer group);
-2. decodes it as one batch (:func:`analytics.decode.decode_batch`: msgspec twins of the record
-   models, the pydantic model deciding every record they refuse; :class:`contracts.GpuScrape`
-   records straight to columns, :mod:`analytics.scrapes`) and builds its Arrow rows a column at
+2. decodes it as one batch (:func:`analytics.decode.decode_batch`: :class:`contracts.GpuScrape`
+   records straight to Arrow columns by a compiled decoder, :mod:`analytics.scrapes`; other
+   records by msgspec twins of their models; the pydantic model deciding every record those
+   refuse) and builds its Arrow rows a column at
    a time (:func:`analytics.rows.gpu_scrapes_table`, :func:`analytics.rows.gpu_samples_table`),
    both with the garbage collector paused; a record that cannot be used (or one GPU of a scrape
    record) is counted by reason (``gpupool_analytics_rejected_records_total``) and skipped, never
@@ -874,7 +875,7 @@ class AnalyticsService:
         found: list[tuple[GpuRecord | GpuObservation, BusMessage, bool]] = [
             (r, m, False) for r, m in zip(batch.gpu, batch.gpu_msgs, strict=True)
         ]
-        if scrapes.records:
+        if scrapes.msgs:
             per_gpu = itertools.chain.from_iterable(
                 itertools.repeat(m, n) for m, n in zip(scrapes.msgs, scrapes.counts, strict=True)
             )
@@ -1123,7 +1124,7 @@ def _gpu_table(decoded: _Decoded, metrics: AnalyticsMetrics) -> pa.Table | None:
     that cannot be stored is dropped and counted, the others stay)."""
     tables: list[pa.Table] = []
     scrapes = decoded.scrapes
-    if scrapes.records:
+    if scrapes.msgs:
         msgs = scrapes.msgs
         try:
             tables.append(

@@ -161,7 +161,7 @@ def _rows(batch: DecodedBatch) -> pa.Table:
     """The ``gpu_samples`` rows of a decoded batch (scrape records' and per-sample records')."""
     tables = []
     scrapes = batch.scrapes
-    if scrapes.records:
+    if scrapes.msgs:
         msgs = scrapes.msgs
         tables.append(gpu_scrapes_table(scrapes, [m.partition for m in msgs], [m.offset for m in msgs]))
     if batch.gpu:

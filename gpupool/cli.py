@@ -41,6 +41,12 @@ with that help) or a command function (its docstring is its help)."""
 _PROJECT_PACKAGES = frozenset({"contracts", "collectors", "analytics", "broker", "simulator", "gpupool"})
 """This project's own top-level packages (a missing one is a broken install, not a missing extra)."""
 
+_BUILT_SEPARATELY: dict[str, str] = {
+    "analytics_native": "and analytics' compiled scrape decoder, built from the source tree with cargo: "
+    "pip install ./analytics/native (`make venv` installs both)",
+}
+"""Packages the stages need that no extra installs (built from this repository), with how."""
+
 
 def _load_command(name: str) -> Any:
     """Import the module of command ``name`` and build its click command (typer's vendored click).
@@ -58,9 +64,11 @@ def _load_command(name: str) -> Any:
     except ModuleNotFoundError as e:
         if not e.name or e.name.split(".")[0] in _PROJECT_PACKAGES:
             raise
+        package = e.name.split(".")[0]
+        also = f" {_BUILT_SEPARATELY[package]}" if package in _BUILT_SEPARATELY else ""
         typer.echo(
-            f"gpupool {name}: the Python package {e.name.split('.')[0]!r} is not installed; the stages "
-            "need the server dependencies: pip install 'gpupool[server]' (an edge site needs only "
+            f"gpupool {name}: the Python package {package!r} is not installed; the stages "
+            f"need the server dependencies: pip install 'gpupool[server]'{also} (an edge site needs only "
             "`gpupool edge`)",
             err=True,
         )

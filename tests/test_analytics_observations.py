@@ -103,7 +103,8 @@ def test_observations_are_the_gpus_of_the_records() -> None:
     assert (first.ts, first.host, first.gpu_uuid, first.gpu_index, first.gpu_instance_id, first.key) == (
         1.0, "h", "GPU-0", 0, None, "h/GPU-0"
     )  # fmt: skip
-    assert (first.fields, first.invalid, first.model_name) == (sample.fields, sample.invalid, None)
+    # the entries the classifier reads (READ_FIELDS), not the GPU temperature
+    assert (first.fields, first.invalid, first.model_name) == ({GPU_UTIL: 5}, {SM_ACTIVE: "sentinel"}, None)
     assert (second.fields, second.invalid, second.key) == ({FB_USED: 7}, {}, "h/gpu1/2")
 
 

@@ -16,8 +16,12 @@
 #   containerd, runc,                 the one node that runs containers: its container runtime and
 #   containernetworking-plugins,      pod network (deploy/local/kubelet.sh); gcc builds its pause
 #   gcc, libc6-dev                    binary from Kubernetes' pause.c (kubernetes-build.sh)
+#   cargo (with rustc)                the compiled scrape decoder of analytics (analytics/native,
+#                                     built into .venv by `make venv`); skipped when a cargo is on
+#                                     PATH or in ~/.cargo/bin (rustup). Bookworm's is rustc 1.63,
+#                                     the crate's rust-version.
 #
-# Idempotent: packages are checked with one `dpkg-query` call and `command -v java`; when nothing is
+# Idempotent: packages are checked with one `dpkg-query` call, `command -v java` and `command -v cargo`; when nothing is
 # missing the script prints nothing and exits 0 at once. Otherwise it runs `apt-get update` and
 # `apt-get install -y --no-install-recommends` for the missing ones (needs root, or sudo), and exits
 # non-zero with apt's output when that fails.
@@ -45,6 +49,10 @@ if command -v java >/dev/null 2>&1 && [ "$(_java_major)" -ge 17 ] 2>/dev/null; t
     :
 else
     missing+=(default-jre-headless)
+fi
+
+if ! command -v cargo >/dev/null 2>&1 && [ ! -x "$HOME/.cargo/bin/cargo" ]; then
+    missing+=(cargo)
 fi
 
 if [ "${#missing[@]}" -eq 0 ]; then

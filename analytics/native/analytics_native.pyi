@@ -1,0 +1,86 @@
+"""Type stub of the compiled decoder of :class:`contracts.GpuScrape` records (``src/lib.rs``; the
+crate documentation gives the checks and the buffers' layout)."""
+
+from typing import final
+
+RECORD_MEMBERS: list[str]
+"""Members of a ``GpuScrape`` record the decoder knows, in the model's order."""
+COLUMN_MEMBERS: list[str]
+"""Members of ``GpuColumns`` (the record's ``gpus``) the decoder knows, in the model's order."""
+SERIES_MEMBERS: list[str]
+"""Members of ``SeriesValue`` the decoder knows, in the model's order."""
+
+Buffers = tuple[bytes | None, bytes, bytes | None, int]
+"""One Arrow array's buffers: (LSB-first validity bitmap or None when no value is null,
+little-endian values (float64/int64) or UTF-8 data, int32 offsets for strings else None,
+null count)."""
+
+@final
+class DecodedScrapes:
+    """What :meth:`ScrapeDecoder.decode` made of a batch: per accepted record (``accepted`` are
+    their indexes into the values given) and per GPU (records in order, GPUs in column order)."""
+
+    @property
+    def accepted(self) -> list[int]: ...
+    @property
+    def host(self) -> list[str]: ...
+    @property
+    def source(self) -> list[str]: ...
+    @property
+    def target(self) -> list[str]: ...
+    @property
+    def seq(self) -> list[int]: ...
+    @property
+    def counts(self) -> list[int]:
+        """GPUs per accepted record."""
+    @property
+    def ts(self) -> list[float]:
+        """Per GPU, Unix seconds."""
+    @property
+    def gpu_uuid(self) -> list[str | None]: ...
+    @property
+    def gpu_index(self) -> list[int | None]: ...
+    @property
+    def gpu_instance_id(self) -> list[int | None]: ...
+    @property
+    def model_name(self) -> list[str | None]: ...
+    @property
+    def observed_fields(self) -> list[dict[str, float | int]]:
+        """Per GPU the ``fields`` entries of the observed names (GPUs with none share one dict)."""
+    @property
+    def observed_invalid(self) -> list[dict[str, str]]:
+        """Per GPU the ``invalid`` entries of the observed names (GPUs with none share one dict)."""
+    @property
+    def arrays(self) -> dict[str, Buffers]:
+        """``ts`` (float64), ``gpu_uuid``, ``gpu_instance_profile``, ``model_name`` (utf8),
+        ``gpu_index``, ``gpu_instance_id`` (int64), ``fields``, ``invalid``, ``attributes``
+        (utf8: each map's JSON text as sent) → buffers."""
+    @property
+    def float_fields(self) -> dict[str, Buffers]:
+        """Promoted field name → float64 buffers."""
+    @property
+    def whole_fields(self) -> dict[str, Buffers]:
+        """Promoted field name → int64 buffers (whole numbers; floats rounded half to even)."""
+
+@final
+class ScrapeDecoder:
+    """Compiled decoder of ``contracts.GpuScrape`` JSON records: accepts a subset of what the
+    model accepts, with the same values; refuses every other record (left out of the result)."""
+
+    def __init__(
+        self,
+        schema_version: int,
+        sources: list[str],
+        default_source: str,
+        default_target: str,
+        default_seq: int,
+        ts_min: float,
+        ts_max: float,
+        float_fields: list[str],
+        whole_fields: list[str],
+        observed: list[str],
+    ) -> None:
+        """Raises ``ValueError`` if ``default_source`` is not one of ``sources``."""
+    def decode(self, values: list[bytes]) -> DecodedScrapes:
+        """Decode a batch of records' JSON (UTF-8 bytes). Raises ``TypeError`` for an element
+        that is not bytes; never raises for a record's content."""

@@ -1,0 +1,306 @@
+"""The compiled scrape decoder (:mod:`analytics.scrapes`, crate ``analytics/native``) against the
+reference (:class:`contracts.GpuScrape`, pydantic): on generated valid records it accepts every
+one, and on generated near-valid records (lax spellings, wrong types, big and non-finite numbers,
+unknown members, duplicate keys, misaligned columns, GPUs without identity, times out of range,
+other spellings of the same JSON) every record is either refused or decoded to the reference's
+rows and classifier observations exactly (integers stay integers). Fuzzed bytes never raise."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from analytics.classify import READ_FIELDS
+from analytics.decode import RejectedRecord, decode_batch, decode_telemetry
+from analytics.rows import gpu_samples_table, gpu_scrapes_table
+from analytics.scrapes import DECODER, decode_scrapes
+from analytics.timestamps import TS_MAX_S, TS_MIN_S, storable_ts
+from contracts import GpuSample, GpuScrape, encode, gpu_scrapes
+from tests.test_analytics_ingest_batch import TOPICS, msg
+from tests.test_analytics_observations import _VALUES
+from tests.test_analytics_scrapes import _outcome
+
+_TEXT = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=8)
+_BIG = st.sampled_from([2**53 + 1, 2**63 - 1, 2**63, -(2**63), -(2**63) - 1, 2**64, 2**70, 10**400])
+_NUMBERS = st.one_of(
+    st.sampled_from(sorted(_VALUES)).flatmap(lambda k: _VALUES[k]),
+    st.integers(-(2**40), 2**40),
+    _BIG,
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.sampled_from([0.5, 1.5, 2.5, -2.5, 1e21, 1e300, -0.0, 9.3e18, 9.2233720368547758e18]),
+)
+_FIELD_NAMES = st.one_of(
+    st.sampled_from([*READ_FIELDS, "DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_GPU_TEMP"]), _TEXT
+)
+_FIELDS = st.dictionaries(_FIELD_NAMES, _NUMBERS, max_size=6)
+_INVALID = st.dictionaries(
+    _FIELD_NAMES, st.sampled_from(["sentinel", "out_of_range", "", 'é\n"},{']), max_size=2
+)
+_ATTRS = st.dictionaries(_TEXT, _TEXT, max_size=3)
+_SERIES = st.dictionaries(
+    _FIELD_NAMES,
+    st.lists(st.fixed_dictionaries({"labels": _ATTRS, "value": _NUMBERS}), min_size=1, max_size=2),
+    max_size=2,
+)
+_TS = st.one_of(
+    st.floats(1.5e9, 2e9),
+    st.sampled_from(
+        [TS_MIN_S, TS_MAX_S, math.nextafter(TS_MAX_S, 0), math.nextafter(TS_MIN_S, -math.inf), 0.0, -0.0]
+    ),
+    st.integers(0, 2 * 10**9),
+)
+
+
+@st.composite
+def _samples(draw: st.DrawFn) -> list[GpuSample]:
+    """Valid GPU samples of one read of one host (one scrape record once encoded)."""
+    n = draw(st.integers(1, 5))
+    ts = draw(_TS)
+    seq = draw(st.integers(-(2**40), 2**40))
+    out = []
+    for i in range(n):
+        uuid = draw(st.one_of(st.none(), st.just(""), st.just(f"GPU-{i}"), _TEXT))
+        index = draw(
+            st.one_of(st.integers(-(2**40), 2**40), st.sampled_from([0, 2**31, -(2**31) - 1, 2**63 - 1]))
+        )
+        out.append(
+            GpuSample(
+                ts=ts if draw(st.booleans()) else draw(_TS),
+                host=draw(st.sampled_from(["h", "edge-é", 'a"b'])),
+                gpu_uuid=uuid,
+                gpu_index=index if (not uuid or draw(st.booleans())) else None,
+                gpu_instance_id=draw(st.one_of(st.none(), st.integers(0, 7), st.just(2**40))),
+                gpu_instance_profile=draw(st.one_of(st.none(), st.just("1g.10gb"))),
+                model_name=draw(st.one_of(st.none(), st.just("NVIDIA H100 80GB HBM3"), _TEXT)),
+                fields=draw(_FIELDS),
+                field_series=draw(_SERIES),
+                invalid=draw(_INVALID),
+                attributes=draw(_ATTRS),
+                source=draw(st.sampled_from(["dcgm-exporter", "nvml", "nvidia-smi", "dcgmi"])),
+                target=draw(st.sampled_from(["", "http://n:9400/metrics"])),
+                seq=seq + i,
+            )
+        )
+    host, source, target = out[0].host, out[0].source, out[0].target
+    return [s.model_copy(update={"host": host, "source": source, "target": target}) for s in out]
+
+
+def _record_bytes(samples: list[GpuSample]) -> bytes:
+    (record,) = gpu_scrapes(samples)
+    return encode(record)
+
+
+def _mutated(draw: st.DrawFn, value: bytes) -> bytes:
+    """``value`` (one record's JSON) changed the way near-valid producers change it."""
+    obj = json.loads(value)
+    kind = draw(st.integers(0, 9))
+    if kind == 0:  # another spelling of the same JSON: spaces, newlines, key order, escapes
+        return json.dumps(obj, indent=draw(st.sampled_from([None, 1])), ensure_ascii=draw(st.booleans()),
+                          sort_keys=draw(st.booleans())).encode()  # fmt: skip
+    if kind == 1:  # a member changed to another type or value
+        key = draw(st.sampled_from(["schema_version", "host", "source", "target", "seq", "extra"]))
+        obj[key] = draw(
+            st.one_of(st.none(), st.booleans(), _NUMBERS, _TEXT, st.just("7"), st.just([]), st.just({}))
+        )
+        return json.dumps(obj, allow_nan=True).encode()
+    if kind == 2:  # a column element changed to another type or value
+        gpus = obj["gpus"]
+        col = draw(st.sampled_from(sorted(GpuScrape.model_fields["gpus"].annotation.model_fields)))  # type: ignore[union-attr]
+        column = list(gpus.get(col) or [None] * len(gpus["ts"]))
+        column[draw(st.integers(0, len(column) - 1))] = draw(
+            st.one_of(st.none(), st.booleans(), _NUMBERS, _TEXT, st.just("1"), st.just(float("nan")),
+                      st.just(float("inf")), _FIELDS, _INVALID, _SERIES, st.just({"a": None}), st.just([1])))  # fmt: skip
+        gpus[col] = column
+        return json.dumps(obj, allow_nan=True).encode()
+    if kind == 3:  # a column of another length, or a new member of gpus
+        gpus = obj["gpus"]
+        col = draw(st.sampled_from([*gpus, "extra"]))
+        gpus[col] = (gpus.get(col) or [None]) + [None] if draw(st.booleans()) else []
+        return json.dumps(obj).encode()
+    if kind == 4:  # a duplicate key (the first one's value differs)
+        text = value.decode()
+        key = draw(
+            st.sampled_from(
+                ['"host":', '"seq":', '"ts":', '"DCGM_FI_DEV_GPU_UTIL":', '"labels":', '"value":']
+            )
+        )
+        return text.replace(key, key + "0," + key, 1).encode() if key in text else value
+    if kind == 5:  # a number spelled another way (float for int, exponent, big)
+        text = value.decode()
+        return text.replace(draw(st.sampled_from([":0", ",0", ".0", "1", "9"])),
+                            draw(st.sampled_from([":0.0", ",0e0", "", "1.0", "9e400", "99999999999999999999"])), 1).encode()  # fmt: skip
+    if kind == 6:  # a series element with a member the model lacks
+        text = value.decode()
+        return text.replace('"labels":', '"x":1,"labels":', 1).encode()
+    if kind == 7:  # JSON5 / non-JSON spellings
+        text = value.decode()
+        return text.replace(draw(st.sampled_from(["]", "}", "0", "\"h\""])),
+                            draw(st.sampled_from([",]", ",}", "NaN", "Infinity", "'h'"])), 1).encode()  # fmt: skip
+    if kind == 8:  # the top level or gpus as an array of the values
+        if draw(st.booleans()):
+            return json.dumps(list(obj.values())).encode()
+        obj["gpus"] = list(obj["gpus"].values())
+        return json.dumps(obj).encode()
+    return value
+
+
+def _observed(sample: Any) -> tuple[Any, ...]:
+    """What the classifier reads of a sample, the kind of every number included."""
+    fields = {k: (type(v), v) for k, v in sample.fields.items() if k in READ_FIELDS}
+    invalid = {k: v for k, v in sample.invalid.items() if k in READ_FIELDS}
+    return (type(sample.ts), sample.ts, sample.host, sample.gpu_uuid, sample.gpu_index, sample.gpu_instance_id,
+            sample.model_name, fields, invalid)  # fmt: skip
+
+
+def _check_same(value: bytes) -> bool:
+    """Whether the compiled decoder accepted ``value``; if it did, asserts that the reference
+    accepts it with the same rows and the same classifier observations."""
+    cols, refused = decode_scrapes([msg(value)])
+    if refused:
+        assert not cols.msgs and len(cols) == 0
+        return False
+    ref = decode_telemetry(msg(value), TOPICS)  # raises RejectedRecord: the decoder accepted too much
+    assert isinstance(ref, GpuScrape)
+    samples = ref.samples()
+    assert [_observed(o) for o in cols.observations()] == [_observed(s) for s in samples]
+    n = len(samples)
+    assert _outcome(gpu_scrapes_table, cols, [0], [5]) == _outcome(
+        gpu_samples_table, samples, [0] * n, [5] * n
+    )
+    # the maps' texts are the producer's own, byte for byte
+    texts = cols.arrays["fields"].to_pylist()
+    assert all(t == "{}" or t.encode() in value for t in texts)
+    return True
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_samples())
+def test_every_valid_record_is_decoded_as_the_reference_decodes_it(samples: list[GpuSample]) -> None:
+    value = _record_bytes(samples)
+    try:
+        decode_telemetry(msg(value), TOPICS)
+    except RejectedRecord:  # a valid record with a time the stage cannot store
+        assert not all(storable_ts(s.ts) for s in samples)
+        assert not _check_same(value)
+        return
+    past_int64 = any(v is not None and not -(2**63) <= v < 2**63
+                     for s in samples for v in (s.gpu_index, s.gpu_instance_id, s.seq))  # fmt: skip
+    assert _check_same(value) is not past_int64  # every one, but integers a column cannot hold
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_near_valid_records_are_refused_or_decoded_as_the_reference_decodes_them(data: st.DataObject) -> None:
+    value = _mutated(data.draw, _record_bytes(data.draw(_samples())))
+    try:
+        accepted = _check_same(value)
+    except RejectedRecord as exc:  # pragma: no cover - the failure this test looks for
+        pytest.fail(f"accepted a record the reference rejects ({exc.reason}): {value!r}")
+    if not accepted:  # the reference decides, and the batch says so
+        got = decode_batch([msg(value)], TOPICS)
+        assert got.fallbacks == 1 and not got.scrapes.msgs
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        b'{"host":"h","gpus":{"ts":[1.7e9],"gpu_index":[0],"fields":[{"a":1,"a":2}]}}',  # duplicate key
+        b'{"host":"h","host":"h","gpus":{"ts":[1.7e9],"gpu_index":[0]}}',
+        b'{"host":"h","gpus":{"ts":[1.7e9],"gpu_index":[0]},"x":1}',  # unknown member
+        b'{"host":"h","gpus":{"ts":[1.7e9],"gpu_index":[0.0]}}',  # float for int
+        b'{"host":"h","gpus":{"ts":[1.7e9],"gpu_index":[0],"fields":[{"a":"1"}]}}',  # string for number
+        b'{"host":"h","gpus":{"ts":[1.7e9],"gpu_index":[0],"fields":[{"a":1e400}]}}',  # not finite
+        b'{"host":"h","gpus":{"ts":[NaN],"gpu_index":[0]}}',
+        b'{"host":"h","gpus":{"ts":[253402300800.0],"gpu_index":[0]}}',  # TS_MAX_S: not storable
+        b'{"host":"h","gpus":{"ts":[1.7e9],"gpu_uuid":[""]}}',  # no identity
+        b'{"host":"h","gpus":{"ts":[1.7e9,1.7e9],"gpu_index":[0]}}',  # misaligned
+        b'{"host":"h","gpus":{"ts":[],"gpu_index":[]}}',  # no GPU
+        b'{"host":"h","schema_version":2,"gpus":{"ts":[1.7e9],"gpu_index":[0]}}',
+        b'{"host":"h","source":"prometheus","gpus":{"ts":[1.7e9],"gpu_index":[0]}}',
+        b'["h",{"ts":[1.7e9],"gpu_index":[0]}]',  # an array for the record
+        b'{"host":"h","gpus":[[1.7e9],[],[0]]}',  # an array for gpus
+        b'{"host":"h","gpus":{"ts":[1.7e9],"gpu_index":[0]},}',  # trailing comma
+        b'{"host":"h","gpus":{"ts":[1.7e9],"gpu_index":[0],"field_series":[{"f":[{"labels":{},"value":1,"x":0}]}]}}',
+        b'{"host":"h","gpus":{"ts":[1.7e9],"gpu_index":[9223372036854775808]}}',  # past int64
+        b'{"host":"h\xff","gpus":{"ts":[1.7e9],"gpu_index":[0]}}',  # not UTF-8
+    ],
+)
+def test_what_the_decoder_refuses(value: bytes) -> None:
+    assert DECODER.decode([value]).accepted == []
+
+
+def test_the_boundaries_it_accepts() -> None:
+    """Just inside each boundary of the refusals above: accepted, with the reference's values."""
+    for value in [
+        b'{"host":"h","gpus":{"ts":[253402300799.99997],"gpu_index":[0]}}',  # just below TS_MAX_S
+        b'{"host":"h","gpus":{"ts":[-62135596800],"gpu_index":[0]}}',  # TS_MIN_S, an integer
+        b'{"host":"h","gpus":{"ts":[1.7e9],"gpu_uuid":["G"],"gpu_index":[null]}}',
+        b'{"host":"h","gpus":{"ts":[1.7e9],"gpu_index":[9223372036854775807],"gpu_instance_id":[-1]}}',
+        b'{"host":"h","gpus":{"ts":[1.7e9],"gpu_index":[0],"fields":[{"DCGM_FI_DEV_FB_USED":2.5,"DCGM_FI_DEV_GPU_UTIL":5,'
+        b'"DCGM_FI_DEV_FB_FREE":99999999999999999999,"DCGM_FI_DEV_POWER_USAGE":18446744073709551617}]}}',
+        b' {"host" : "h\\u00e9", "gpus" : {"ts" : [ 1.7e9 ], "gpu_index" : [0], "fields" : [ {"a" : 1} ] } } ',
+    ]:
+        assert _check_same(value), value
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300))
+def test_arbitrary_bytes_are_refused_without_error(value: bytes) -> None:
+    got = DECODER.decode([value, b"", b"{", value + value])
+    assert set(got.accepted) <= {0, 3}
+    for k in got.accepted:  # only a real record gets through
+        _check_same([value, b"", b"{", value + value][k])
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_mutated_bytes_never_raise_and_never_pass_a_bad_record(data: st.DataObject) -> None:
+    value = bytearray(_record_bytes(data.draw(_samples())))
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(0, len(value) - 1))
+        op = data.draw(st.integers(0, 2))
+        if op == 0:
+            value[at] = data.draw(st.integers(0, 255))
+        elif op == 1:
+            del value[at:]
+            if not value:
+                break
+        else:
+            value[at:at] = data.draw(st.binary(min_size=1, max_size=4))
+    try:
+        _check_same(bytes(value))
+    except RejectedRecord as exc:  # pragma: no cover - the failure this test looks for
+        pytest.fail(f"accepted a record the reference rejects ({exc.reason}): {bytes(value)!r}")
+
+
+def test_a_value_that_is_not_bytes_is_a_type_error() -> None:
+    with pytest.raises(TypeError):
+        DECODER.decode(["{}"])  # type: ignore[list-item]
+
+
+def test_a_stage_without_the_compiled_decoder_says_how_to_build_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+    import sys
+
+    from typer.testing import CliRunner
+
+    from gpupool.cli import app
+
+    real_import = builtins.__import__
+
+    def without_decoder(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "analytics_native":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real_import(name, *args, **kwargs)
+
+    for module in [m for m in sys.modules if m == "analytics" or m.startswith("analytics.")]:
+        monkeypatch.delitem(sys.modules, module)
+    monkeypatch.setattr(builtins, "__import__", without_decoder)
+    got = CliRunner().invoke(app, ["analytics", "--help"])
+    assert got.exit_code == 2
+    assert "pip install 'gpupool[server]'" in got.output and "pip install ./analytics/native" in got.output
