@@ -314,7 +314,8 @@ def _gpu0(fields: bytes = b"{}", host: bytes = b'"h"', ts: bytes = b"1.7e9", ind
 
 
 _STRINGS_REFUSED = [b'"h\x01"', b'"h\n"', b'"h\x1f"', b'"h\\x"', b'"\\u12"', b'"\\uZZZZ"', b'"\\ud800"', b'"\\udc00"',
-                    b'"\\ud800\\u0041"', b'"\\ud800\\n"', b'"\\ud83d"', b'"\\U0041"', b"'h'", b'"h']  # fmt: skip
+                    b'"\\ud800\\u0041"', b'"\\ud800\\n"', b'"\\ud83d"', b'"\\U0041"', b"'h'", b'"h',
+                    b'"\xc0\xaf"', b'"\xed\xa0\x80"', b'"h\xc3"', b'"\xf4\x90\x80\x80"', b'"\x80"', b'"\\\xc3\xa9"']  # fmt: skip
 _NUMBERS_REFUSED = [b"01", b"-01", b"00", b"1.", b".5", b"-.5", b"-", b"+1", b"1e", b"1e+", b"1.e5", b"--1", b"0x10",
                     b"1e400", b"-1e400", b"Infinity", b"NaN", b"true", b"false", b"null", b'"1"', b"1 2"]  # fmt: skip
 
@@ -344,6 +345,8 @@ _NUMBERS_REFUSED = [b"01", b"-01", b"00", b"1.", b".5", b"-.5", b"-", b"+1", b"1
         _gpu0(index=b"nul"),
         _gpu0(index=b"Null"),
         _gpu0() + b" x",
+        _gpu0() + b" \xc3\xa9",  # UTF-8, but outside a string
+        b"\xef\xbb\xbf" + _gpu0(),  # a byte order mark
         _gpu0() + _gpu0(),
         b"",
         b" \n",

@@ -34,6 +34,8 @@
 //! promoted field name given at construction.
 
 use std::borrow::Cow;
+use std::collections::HashMap;
+use std::sync::Mutex;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyFloat, PyList, PyString, PyTuple};
@@ -69,23 +71,79 @@ enum Num<'a> {
 /// A validating reader of one JSON text (RFC 8259) that reads each value once, in order:
 /// whitespace is space, tab, LF and CR; strings refuse control characters, unknown escapes and
 /// unpaired surrogates (`\uD800`-`\uDFFF` outside a high-low pair); numbers follow the grammar
-/// `-? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [+-]? [0-9]+)?`. Every method returns `None` where
-/// the text is not what it reads (a refusal), and never panics. The text is valid UTF-8 (a
-/// `&str`), so the bytes between two ASCII delimiters are too.
+/// `-? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [+-]? [0-9]+)?`; a byte past ASCII is taken only in
+/// a string, as part of a run of such bytes that is whole UTF-8 characters. Every method returns
+/// `None` where the text is not what it reads (a refusal), and never panics. So every span the
+/// scanner has read (a string's bytes, a number, a whole value) is valid UTF-8.
 struct Scan<'a> {
-    s: &'a str,
+    b: &'a [u8],
     i: usize,
 }
 
+/// Number of bytes at the start of `b` that a string holds as they are: not `"`, `\\`, a
+/// control character (below 0x20) or past ASCII. Eight bytes at a time: the lowest flagged byte
+/// of each word is exact (a borrow only leaves a byte that is itself flagged).
+#[inline]
+fn plain_len(b: &[u8]) -> usize {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    let mut i = 0;
+    while let Some(chunk) = b.get(i..i + 8) {
+        let mut word = [0u8; 8];
+        word.copy_from_slice(chunk);
+        let w = u64::from_le_bytes(word);
+        let quote = w ^ (ONES * u64::from(b'"'));
+        let slash = w ^ (ONES * u64::from(b'\\'));
+        let flagged = (w.wrapping_sub(ONES * 0x20)
+            | w
+            | (quote.wrapping_sub(ONES) & !quote)
+            | (slash.wrapping_sub(ONES) & !slash))
+            & HIGH;
+        if flagged != 0 {
+            return i + (flagged.trailing_zeros() / 8) as usize;
+        }
+        i += 8;
+    }
+    while let Some(&c) = b.get(i) {
+        if c == b'"' || c == b'\\' || c < 0x20 || c >= 0x80 {
+            break;
+        }
+        i += 1;
+    }
+    i
+}
+
 impl<'a> Scan<'a> {
-    fn new(s: &'a str) -> Self {
-        Scan { s, i: 0 }
+    fn new(b: &'a [u8]) -> Self {
+        Scan { b, i: 0 }
+    }
+
+    /// The text of `start..end`, a span this scanner has read (valid UTF-8: type documentation).
+    #[inline]
+    fn text(&self, start: usize, end: usize) -> &'a str {
+        let span = &self.b[start..end];
+        debug_assert!(std::str::from_utf8(span).is_ok());
+        // SAFETY: the scanner consumes ASCII outside strings and, in strings, ASCII or runs of
+        // bytes past ASCII it has checked with `str::from_utf8` (`Scan::utf8`); a span it has
+        // read is made of those, so it is valid UTF-8.
+        unsafe { std::str::from_utf8_unchecked(span) }
+    }
+
+    /// Consumes the run of bytes past ASCII at `self.i`; refused unless it is whole UTF-8
+    /// characters.
+    #[inline]
+    fn utf8(&mut self) -> Option<()> {
+        let start = self.i;
+        while self.b.get(self.i).map_or(false, |&c| c >= 0x80) {
+            self.i += 1;
+        }
+        std::str::from_utf8(&self.b[start..self.i]).ok().map(drop)
     }
 
     /// The next byte that is not whitespace (not consumed).
     #[inline]
     fn peek(&mut self) -> Option<u8> {
-        let b = self.s.as_bytes();
+        let b = self.b;
         while let Some(&c) = b.get(self.i) {
             if matches!(c, b' ' | b'\t' | b'\n' | b'\r') {
                 self.i += 1;
@@ -124,7 +182,7 @@ impl<'a> Scan<'a> {
     /// Consumes a `null` literal if one is next.
     #[inline]
     fn null(&mut self) -> bool {
-        if self.peek() == Some(b'n') && self.s.as_bytes()[self.i..].starts_with(b"null") {
+        if self.peek() == Some(b'n') && self.b[self.i..].starts_with(b"null") {
             self.i += 4;
             true
         } else {
@@ -134,7 +192,7 @@ impl<'a> Scan<'a> {
 
     /// Four hex digits of a `\u` escape.
     fn hex4(&mut self) -> Option<u32> {
-        let digits = self.s.as_bytes().get(self.i..self.i + 4)?;
+        let digits = self.b.get(self.i..self.i + 4)?;
         let mut v = 0u32;
         for &d in digits {
             v = v * 16 + (d as char).to_digit(16)?;
@@ -151,35 +209,36 @@ impl<'a> Scan<'a> {
         }
         self.i += 1;
         let start = self.i;
-        let b = self.s.as_bytes();
         loop {
-            match *b.get(self.i)? {
+            self.i += plain_len(&self.b[self.i..]);
+            match *self.b.get(self.i)? {
                 b'"' => {
-                    let v = &self.s[start..self.i];
+                    let v = self.text(start, self.i);
                     self.i += 1;
                     return Some(Cow::Borrowed(v));
                 }
                 b'\\' => return self.escaped(start).map(Cow::Owned),
                 0..=0x1f => return None,
-                _ => self.i += 1,
+                _ => self.utf8()?,
             }
         }
     }
 
     /// The rest of a string that has an escape at `self.i` (its text began at `start`).
     fn escaped(&mut self, start: usize) -> Option<String> {
-        let b = self.s.as_bytes();
+        let b = self.b;
         let mut out = String::with_capacity(self.i - start + 16);
         let mut run = start;
         loop {
+            self.i += plain_len(&b[self.i..]);
             match *b.get(self.i)? {
                 b'"' => {
-                    out.push_str(&self.s[run..self.i]);
+                    out.push_str(self.text(run, self.i));
                     self.i += 1;
                     return Some(out);
                 }
                 b'\\' => {
-                    out.push_str(&self.s[run..self.i]);
+                    out.push_str(self.text(run, self.i));
                     let e = *b.get(self.i + 1)?;
                     self.i += 2;
                     match e {
@@ -215,7 +274,7 @@ impl<'a> Scan<'a> {
                     run = self.i;
                 }
                 0..=0x1f => return None,
-                _ => self.i += 1,
+                _ => self.utf8()?,
             }
         }
     }
@@ -234,7 +293,7 @@ impl<'a> Scan<'a> {
     #[inline]
     fn number(&mut self) -> Option<(&'a str, bool)> {
         self.peek();
-        let b = self.s.as_bytes();
+        let b = self.b;
         let start = self.i;
         if b.get(self.i) == Some(&b'-') {
             self.i += 1;
@@ -264,12 +323,12 @@ impl<'a> Scan<'a> {
             }
             self.digits();
         }
-        Some((&self.s[start..self.i], integer))
+        Some((self.text(start, self.i), integer))
     }
 
     #[inline]
     fn digits(&mut self) {
-        let b = self.s.as_bytes();
+        let b = self.b;
         while matches!(b.get(self.i), Some(b'0'..=b'9')) {
             self.i += 1;
         }
@@ -374,7 +433,7 @@ impl<'a> Scan<'a> {
         if has_duplicate(keys) {
             return None;
         }
-        Some(&self.s[start..self.i])
+        Some(self.text(start, self.i))
     }
 }
 
@@ -576,8 +635,39 @@ struct ScrapeDecoder {
     whole_fields: Vec<String>,
     observed_keys: Vec<Py<PyString>>,
     source_strs: Vec<Py<PyString>>,
+    /// Python strings of the hosts, targets and GPU UUIDs seen, kept from call to call.
+    strings: Mutex<StrCache>,
     /// Every field name given, once, with its place in each list (one lookup per map entry).
     names: Vec<FieldName>,
+}
+
+/// Python strings of texts that repeat from record to record and from call to call (hosts,
+/// targets, GPU UUIDs): one object each instead of one per use. Holds at most
+/// `STR_CACHE_ENTRIES` texts of at most `STR_CACHE_BYTES` bytes (emptied when full).
+#[derive(Default)]
+struct StrCache {
+    map: HashMap<Box<str>, Py<PyString>>,
+}
+
+const STR_CACHE_ENTRIES: usize = 1 << 16;
+const STR_CACHE_BYTES: usize = 128;
+
+impl StrCache {
+    /// The Python string of `text`.
+    #[inline]
+    fn get(&mut self, py: Python<'_>, text: &str) -> PyObject {
+        if let Some(obj) = self.map.get(text) {
+            return obj.clone_ref(py).into_any();
+        }
+        let obj = PyString::new_bound(py, text).unbind();
+        if text.len() <= STR_CACHE_BYTES {
+            if self.map.len() >= STR_CACHE_ENTRIES {
+                self.map.clear();
+            }
+            self.map.insert(text.into(), obj.clone_ref(py));
+        }
+        obj.into_any()
+    }
 }
 
 /// A field name the decoder reads, and its index in `float_fields` / `whole_fields` / `observed`.
@@ -719,8 +809,7 @@ impl ScrapeDecoder {
     /// Reads `value` into `rec` (cleared before) and checks it: the index of its `source` in
     /// `sources`, or `None` if this decoder refuses the record.
     fn check<'a>(&self, value: &'a [u8], rec: &mut Checked<'a>) -> Option<usize> {
-        let text = std::str::from_utf8(value).ok()?;
-        let mut sc = Scan::new(text);
+        let mut sc = Scan::new(value);
         let mut seen = 0u32;
         sc.object(|sc, key| {
             let m = RECORD_MEMBERS.iter().position(|m| *m == key)?;
@@ -931,6 +1020,7 @@ impl ScrapeDecoder {
             whole_fields,
             observed_keys,
             source_strs,
+            strings: Mutex::new(StrCache::default()),
             names,
         })
     }
@@ -984,6 +1074,9 @@ impl ScrapeDecoder {
             .map(|item| item.downcast_into::<PyBytes>().map_err(PyErr::from))
             .collect::<PyResult<Vec<_>>>()?;
         let mut rec = Checked::default();
+        let mut strings = self.strings.lock().unwrap_or_else(|e| e.into_inner());
+        let mut last_values: Vec<Option<((u64, bool), PyObject)>> =
+            self.observed_keys.iter().map(|_| None).collect();
         for (k, item) in items.iter().enumerate() {
             let value = item.as_bytes();
             let most = [
@@ -1010,10 +1103,10 @@ impl ScrapeDecoder {
             };
             accepted.push(k);
             let n = rec.ts.len();
-            host.push(PyString::new_bound(py, &rec.host).into_any().unbind());
+            host.push(strings.get(py, &rec.host));
             source.push(self.source_strs[src].clone_ref(py).into_any());
             let t_str = rec.target.as_deref().unwrap_or(&self.default_target);
-            target.push(PyString::new_bound(py, t_str).into_any().unbind());
+            target.push(strings.get(py, t_str));
             seq.push(rec.seq.unwrap_or(self.default_seq).into_py(py));
             counts.push(n.into_py(py));
             let mut field_start = 0;
@@ -1030,10 +1123,7 @@ impl ScrapeDecoder {
                 });
                 ts_col.push_f64(Some(t));
                 let u = rec.gpu_uuid.get(i).and_then(|u| u.as_deref());
-                uuid.push(u.map_or_else(
-                    || none.clone_ref(py),
-                    |s| PyString::new_bound(py, s).into_any().unbind(),
-                ));
+                uuid.push(u.map_or_else(|| none.clone_ref(py), |s| strings.get(py, s)));
                 uuid_col.push(u);
                 let x = rec.gpu_index.get(i).copied().flatten();
                 index.push(x.map_or_else(|| none.clone_ref(py), |v| v.into_py(py)));
@@ -1072,12 +1162,27 @@ impl ScrapeDecoder {
                         }
                         if let Some(j) = name.observed {
                             let d = observed.get_or_insert_with(|| PyDict::new_bound(py));
-                            let obj: PyObject = match v {
-                                Num::Int(x) => x.into_py(py),
-                                Num::Big(text) => {
-                                    int_type.call1((PyString::new_bound(py, text),))?.unbind()
+                            // the previous GPU's object of this field when the value is the same
+                            let bits = match v {
+                                Num::Int(x) => Some((*x as u64, true)),
+                                Num::Float(x) => Some((x.to_bits(), false)),
+                                Num::Big(_) => None,
+                            };
+                            let obj: PyObject = match (&last_values[j], bits) {
+                                (Some((prev, obj)), Some(b)) if *prev == b => obj.clone_ref(py),
+                                _ => {
+                                    let obj: PyObject = match v {
+                                        Num::Int(x) => x.into_py(py),
+                                        Num::Big(text) => int_type
+                                            .call1((PyString::new_bound(py, text),))?
+                                            .unbind(),
+                                        Num::Float(x) => {
+                                            PyFloat::new_bound(py, *x).into_any().unbind()
+                                        }
+                                    };
+                                    last_values[j] = bits.map(|b| (b, obj.clone_ref(py)));
+                                    obj
                                 }
-                                Num::Float(x) => PyFloat::new_bound(py, *x).into_any().unbind(),
                             };
                             d.set_item(self.observed_keys[j].bind(py), obj)?;
                         }
@@ -1161,7 +1266,7 @@ mod tests {
 
     /// A number's value as `Scan::num` reads it from `text` alone, or `None` when refused.
     fn num(text: &str) -> Option<Num<'_>> {
-        let mut sc = Scan::new(text);
+        let mut sc = Scan::new(text.as_bytes());
         let v = sc.num()?;
         if sc.at_end() {
             Some(v)
@@ -1189,11 +1294,36 @@ mod tests {
 
     #[test]
     fn strings_unescape_exactly() {
-        let read = |text: &str| Scan::new(text).string().map(|s| s.into_owned());
+        let read = |text: &str| Scan::new(text.as_bytes()).string().map(|s| s.into_owned());
         assert_eq!(read(r#""a\"\\\/\b\f\n\r\t""#).as_deref(), Some("a\"\\/\u{8}\u{c}\n\r\t"));
         assert_eq!(read(r#""\ud83d\ude00\u00E9""#).as_deref(), Some("\u{1f600}\u{e9}"));
         for refused in [r#""\ud800""#, r#""\udc00""#, r#""\ud800\u0041""#, r#""\x""#, r#""\u12""#, "\"\u{1}\"", "\"a"] {
             assert_eq!(read(refused), None, "{}", refused);
+        }
+    }
+
+    #[test]
+    fn plain_len_stops_at_the_first_byte_a_string_does_not_hold_as_is() {
+        let special = |c: u8| c == b'"' || c == b'\\' || c < 0x20 || c >= 0x80;
+        for c in 0..=255u8 {
+            for at in 0..20 {
+                let mut b = vec![b'a'; 20];
+                b[at] = c;
+                assert_eq!(plain_len(&b), if special(c) { at } else { 20 }, "{} at {}", c, at);
+                for d in [0u8, b'"', 0x7f, 0xff] {
+                    if let Some(x) = b.get_mut(at + 1) {
+                        *x = d;
+                    }
+                    let want = if special(c) {
+                        at
+                    } else if special(d) && at + 1 < 20 {
+                        at + 1
+                    } else {
+                        20
+                    };
+                    assert_eq!(plain_len(&b), want, "{} at {} then {}", c, at, d);
+                }
+            }
         }
     }
 
