@@ -415,19 +415,21 @@ impl<'a> Scan<'a> {
     }
 
     /// An object whose keys do not repeat (`keys` is scratch space): `value(self, key)` reads
-    /// each value. Returns the object's text.
+    /// each value and says whether the key is to be compared with the others (`false`: the
+    /// caller has checked it does not repeat). Returns the object's text.
     #[inline]
     fn map(
         &mut self,
         keys: &mut Vec<Cow<'a, str>>,
-        mut value: impl FnMut(&mut Self, &str) -> Option<()>,
+        mut value: impl FnMut(&mut Self, &str) -> Option<bool>,
     ) -> Option<&'a str> {
         self.peek();
         let start = self.i;
         keys.clear();
         self.object(|sc, key| {
-            value(sc, &key)?;
-            keys.push(key);
+            if value(sc, &key)? {
+                keys.push(key);
+            }
             Some(())
         })?;
         if has_duplicate(keys) {
@@ -450,6 +452,17 @@ fn num_of(text: &str, integer: bool) -> Option<Num<'_>> {
             None
         }
     }
+}
+
+/// The last eight bytes of `text` (fewer, zero-padded, for a shorter one) with its length: two
+/// texts that differ there differ.
+#[inline]
+fn tail(text: &str) -> u64 {
+    let b = text.as_bytes();
+    let mut word = [0u8; 8];
+    let n = b.len().min(8);
+    word[..n].copy_from_slice(&b[b.len() - n..]);
+    u64::from_le_bytes(word) ^ (b.len() as u64).rotate_right(8)
 }
 
 /// Objects up to this many entries are checked for a repeated key pair by pair.
@@ -673,6 +686,8 @@ impl StrCache {
 /// A field name the decoder reads, and its index in `float_fields` / `whole_fields` / `observed`.
 struct FieldName {
     name: String,
+    /// `tail(name)`, compared before the name.
+    tail: u64,
     float: Option<usize>,
     whole: Option<usize>,
     observed: Option<usize>,
@@ -786,7 +801,7 @@ fn series<'a>(sc: &mut Scan<'a>, keys: &mut Vec<Cow<'a, str>>) -> Option<()> {
         }
         seen |= 1 << m;
         if m == 0 {
-            sc.map(keys, |sc, _| sc.string().map(drop))?;
+            sc.map(keys, |sc, _| sc.string().map(|_| true))?;
         } else {
             sc.num()?;
         }
@@ -803,7 +818,10 @@ impl ScrapeDecoder {
     /// The index in `names` of a field name the decoder reads.
     #[inline]
     fn name_of(&self, key: &str) -> Option<usize> {
-        self.names.iter().position(|n| n.name.as_str() == key)
+        let t = tail(key);
+        self.names
+            .iter()
+            .position(|n| n.tail == t && n.name.as_str() == key)
     }
 
     /// Reads `value` into `rec` (cleared before) and checks it: the index of its `source` in
@@ -911,19 +929,33 @@ impl ScrapeDecoder {
                 }),
                 6 => sc.array(|sc| {
                     let entries = &mut rec.field_entries;
+                    // names the decoder reads are checked for a repeat by one bit each
+                    let mut known = 0u64;
                     let text = sc.map(&mut rec.keys, |sc, key| {
                         let v = sc.num()?;
-                        if let Some(j) = self.name_of(key) {
-                            entries.push((j, v));
+                        match self.name_of(key) {
+                            Some(j) => {
+                                entries.push((j, v));
+                                if j >= 64 {
+                                    return Some(true);
+                                }
+                                if known & (1 << j) != 0 {
+                                    return None;
+                                }
+                                known |= 1 << j;
+                                Some(false)
+                            }
+                            None => Some(true),
                         }
-                        Some(())
                     })?;
                     rec.fields.push((text, rec.field_entries.len()));
                     Some(())
                 }),
                 7 => sc.array(|sc| {
                     let inner = &mut rec.inner_keys;
-                    sc.map(&mut rec.keys, |sc, _| sc.array(|sc| series(sc, inner)))?;
+                    sc.map(&mut rec.keys, |sc, _| {
+                        sc.array(|sc| series(sc, inner)).map(|_| true)
+                    })?;
                     rec.field_series += 1;
                     Some(())
                 }),
@@ -934,13 +966,13 @@ impl ScrapeDecoder {
                         if let Some(j) = self.name_of(key).and_then(|j| self.names[j].observed) {
                             entries.push((j, reason));
                         }
-                        Some(())
+                        Some(true)
                     })?;
                     rec.invalid.push((text, rec.invalid_entries.len()));
                     Some(())
                 }),
                 _ => sc.array(|sc| {
-                    let text = sc.map(&mut rec.keys, |sc, _| sc.string().map(drop))?;
+                    let text = sc.map(&mut rec.keys, |sc, _| sc.string().map(|_| true))?;
                     rec.attributes.push(text);
                     Some(())
                 }),
@@ -998,6 +1030,7 @@ impl ScrapeDecoder {
             if names.iter().all(|n| n.name != *name) {
                 names.push(FieldName {
                     name: name.clone(),
+                    tail: tail(name),
                     float: float_fields.iter().position(|f| f == name),
                     whole: whole_fields.iter().position(|f| f == name),
                     observed: observed.iter().position(|f| f == name),
