@@ -332,7 +332,9 @@ _NUMBERS_REFUSED = [b"01", b"-01", b"00", b"1.", b".5", b"-.5", b"-", b"+1", b"1
         ],
         *[_gpu0(fields=b'{"a":1' + ws + b"}") for ws in [b"\f", b"\v", b"\xc2\xa0", b"\x00"]],
         _gpu0(fields=b'{"a":1,"\\u0061":2}'),  # the same key, escaped
-        _gpu0(fields=b'{"DCGM_FI_DEV_GPU_UTIL":1,"a":1,"DCGM_FI_DEV_GPU_UTIL":1}'),  # a name the decoder reads
+        _gpu0(
+            fields=b'{"DCGM_FI_DEV_GPU_UTIL":1,"a":1,"DCGM_FI_DEV_GPU_UTIL":1}'
+        ),  # a name the decoder reads
         _gpu0(fields=b'{"DCGM_FI_DEV_FB_USED":1,"DCGM_FI_DEV_FB_USE\\u0044":2}'),
         _gpu0(fields=b'{"DCGM_FI_DEV_GPU_TEMP":1,"DCGM_FI_DEV_GPU_UTIL":1,"DCGM_FI_DEV_GPU_TEMP":1}'),
         b'{"host":"h","h\\u006fst":"h","gpus":{"ts":[1.7e9],"gpu_index":[0]}}',
