@@ -388,7 +388,7 @@ def test_the_spellings_the_scanner_accepts() -> None:
     assert not _check_same(spaced)  # a list is not a number
     spaced = spaced.replace(b"[] ", b"2.5 ")
     assert _check_same(spaced)
-    assert DECODER.decode([spaced]).arrays["fields"][1] == b'{ "a" : 1 , "b" : 2.5 }'
+    assert bytes(DECODER.decode([spaced]).arrays["fields"][1]) == b'{ "a" : 1 , "b" : 2.5 }'
 
 
 @pytest.mark.parametrize(

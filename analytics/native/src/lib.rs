@@ -726,7 +726,7 @@ struct DecodedScrapes {
     observed_fields: Py<PyList>,
     #[pyo3(get)]
     observed_invalid: Py<PyList>,
-    /// Column name → `(validity bytes or None, values bytes, offsets bytes or None, null count)`.
+    /// Column name → `(validity or None, values, offsets or None, null count)`, each a [`Buffer`].
     #[pyo3(get)]
     arrays: Py<PyDict>,
     /// Promoted field name → buffers as in `arrays` (float64 / int64).
@@ -755,40 +755,82 @@ fn owned_list(py: Python<'_>, items: Vec<PyObject>) -> PyResult<Py<PyList>> {
     }
 }
 
+/// A buffer the decoder built, handed to Python as it is (read-only buffer protocol: `bytes(b)`,
+/// `memoryview(b)`, `pyarrow.py_buffer(b)`), without a copy.
+#[pyclass(module = "analytics_native", frozen)]
+struct Buffer {
+    data: Vec<u8>,
+}
+
+#[pymethods]
+impl Buffer {
+    /// A read-only, contiguous view of the bytes. Raises `BufferError` for a writable view.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut pyo3::ffi::Py_buffer,
+        flags: std::os::raw::c_int,
+    ) -> PyResult<()> {
+        let data = &slf.get().data;
+        // SAFETY: `view` is the caller's Py_buffer; PyBuffer_FillInfo fills it with the bytes
+        // of `data`, which live as long as the object (a frozen class: never changed or moved),
+        // and takes a reference to the object into `view.obj`; it refuses a writable view.
+        let done = pyo3::ffi::PyBuffer_FillInfo(
+            view,
+            slf.as_ptr(),
+            data.as_ptr() as *mut std::os::raw::c_void,
+            data.len() as pyo3::ffi::Py_ssize_t,
+            1,
+            flags,
+        );
+        if done == -1 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    /// Nothing to release (the bytes belong to the object).
+    unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {}
+
+    /// Number of bytes.
+    fn __len__(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// `data` as a Python [`Buffer`].
+fn buffer(py: Python<'_>, data: Vec<u8>) -> PyResult<PyObject> {
+    Ok(Py::new(py, Buffer { data })?.into_any())
+}
+
 /// Buffers of a utf8 column as the Python side takes them.
-fn str_buffers<'py>(py: Python<'py>, c: &StrCol) -> Bound<'py, PyTuple> {
+fn str_buffers<'py>(py: Python<'py>, c: StrCol) -> PyResult<Bound<'py, PyTuple>> {
     let validity = if c.valid.nulls == 0 {
         py.None()
     } else {
-        PyBytes::new_bound(py, &c.valid.bytes).into_py(py)
+        buffer(py, c.valid.bytes)?
     };
-    PyTuple::new_bound(
+    Ok(PyTuple::new_bound(
         py,
         [
             validity,
-            PyBytes::new_bound(py, &c.data).into_py(py),
-            PyBytes::new_bound(py, &c.offsets).into_py(py),
+            buffer(py, c.data)?,
+            buffer(py, c.offsets)?,
             c.valid.nulls.into_py(py),
         ],
-    )
+    ))
 }
 
 /// Buffers of a float64 / int64 column as the Python side takes them.
-fn fixed_buffers<'py>(py: Python<'py>, c: &FixedCol) -> Bound<'py, PyTuple> {
+fn fixed_buffers<'py>(py: Python<'py>, c: FixedCol) -> PyResult<Bound<'py, PyTuple>> {
     let validity = if c.valid.nulls == 0 {
         py.None()
     } else {
-        PyBytes::new_bound(py, &c.valid.bytes).into_py(py)
+        buffer(py, c.valid.bytes)?
     };
-    PyTuple::new_bound(
+    Ok(PyTuple::new_bound(
         py,
-        [
-            validity,
-            PyBytes::new_bound(py, &c.data).into_py(py),
-            py.None(),
-            c.valid.nulls.into_py(py),
-        ],
-    )
+        [validity, buffer(py, c.data)?, py.None(), c.valid.nulls.into_py(py)],
+    ))
 }
 
 /// A `field_series` element (`contracts.SeriesValue`), validated only (`keys`: scratch space).
@@ -1243,22 +1285,22 @@ impl ScrapeDecoder {
             }
         }
         let arrays = PyDict::new_bound(py);
-        arrays.set_item("ts", fixed_buffers(py, &ts_col))?;
-        arrays.set_item("gpu_uuid", str_buffers(py, &uuid_col))?;
-        arrays.set_item("gpu_index", fixed_buffers(py, &index_col))?;
-        arrays.set_item("gpu_instance_id", fixed_buffers(py, &instance_col))?;
-        arrays.set_item("gpu_instance_profile", str_buffers(py, &profile_col))?;
-        arrays.set_item("model_name", str_buffers(py, &model_col))?;
-        arrays.set_item("fields", str_buffers(py, &fields_col))?;
-        arrays.set_item("invalid", str_buffers(py, &invalid_col))?;
-        arrays.set_item("attributes", str_buffers(py, &attributes_col))?;
+        arrays.set_item("ts", fixed_buffers(py, ts_col)?)?;
+        arrays.set_item("gpu_uuid", str_buffers(py, uuid_col)?)?;
+        arrays.set_item("gpu_index", fixed_buffers(py, index_col)?)?;
+        arrays.set_item("gpu_instance_id", fixed_buffers(py, instance_col)?)?;
+        arrays.set_item("gpu_instance_profile", str_buffers(py, profile_col)?)?;
+        arrays.set_item("model_name", str_buffers(py, model_col)?)?;
+        arrays.set_item("fields", str_buffers(py, fields_col)?)?;
+        arrays.set_item("invalid", str_buffers(py, invalid_col)?)?;
+        arrays.set_item("attributes", str_buffers(py, attributes_col)?)?;
         let float_dict = PyDict::new_bound(py);
-        for (name, c) in self.float_fields.iter().zip(&float_cols) {
-            float_dict.set_item(name, fixed_buffers(py, c))?;
+        for (name, c) in self.float_fields.iter().zip(float_cols) {
+            float_dict.set_item(name, fixed_buffers(py, c)?)?;
         }
         let whole_dict = PyDict::new_bound(py);
-        for (name, c) in self.whole_fields.iter().zip(&whole_cols) {
-            whole_dict.set_item(name, fixed_buffers(py, c))?;
+        for (name, c) in self.whole_fields.iter().zip(whole_cols) {
+            whole_dict.set_item(name, fixed_buffers(py, c)?)?;
         }
         let list = |v: Vec<PyObject>| owned_list(py, v);
         Ok(DecodedScrapes {
@@ -1287,6 +1329,7 @@ impl ScrapeDecoder {
 fn analytics_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ScrapeDecoder>()?;
     m.add_class::<DecodedScrapes>()?;
+    m.add_class::<Buffer>()?;
     m.add("RECORD_MEMBERS", RECORD_MEMBERS.to_vec())?;
     m.add("COLUMN_MEMBERS", COLUMN_MEMBERS.to_vec())?;
     m.add("SERIES_MEMBERS", SERIES_MEMBERS.to_vec())?;
