@@ -797,6 +797,22 @@ impl Buffer {
     }
 }
 
+/// `d[key] = value`, the dict taking its own references (no other count changes).
+#[inline]
+fn dict_set(
+    d: &Bound<'_, PyDict>,
+    key: &Bound<'_, PyString>,
+    value: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    // SAFETY: the three pointers are live objects held by the caller for the call;
+    // PyDict_SetItem takes new references to the key and the value and returns -1 with an
+    // exception set on failure.
+    if unsafe { pyo3::ffi::PyDict_SetItem(d.as_ptr(), key.as_ptr(), value.as_ptr()) } == -1 {
+        return Err(PyErr::fetch(d.py()));
+    }
+    Ok(())
+}
+
 /// `data` as a Python [`Buffer`].
 fn buffer(py: Python<'_>, data: Vec<u8>) -> PyResult<PyObject> {
     Ok(Py::new(py, Buffer { data })?.into_any())
@@ -1141,7 +1157,7 @@ impl ScrapeDecoder {
         let int_type = py.get_type_bound::<pyo3::types::PyLong>();
         let empty = PyDict::new_bound(py).into_any().unbind();
         let mut last_model: Option<(String, PyObject)> = None;
-        let mut last_ts: Option<(f64, PyObject)> = None;
+        let mut last_ts: Option<(f64, Bound<'_, PyAny>)> = None;
         let mut floats: Vec<Option<f64>> = vec![None; self.float_fields.len()];
         let mut wholes: Vec<Option<i64>> = vec![None; self.whole_fields.len()];
         let items = values
@@ -1150,7 +1166,7 @@ impl ScrapeDecoder {
             .collect::<PyResult<Vec<_>>>()?;
         let mut rec = Checked::default();
         let mut strings = self.strings.lock().unwrap_or_else(|e| e.into_inner());
-        let mut last_values: Vec<Option<((u64, bool), PyObject)>> =
+        let mut last_values: Vec<Option<((u64, bool), Bound<'_, PyAny>)>> =
             self.observed_keys.iter().map(|_| None).collect();
         for (k, item) in items.iter().enumerate() {
             let value = item.as_bytes();
@@ -1189,11 +1205,12 @@ impl ScrapeDecoder {
             for i in 0..n {
                 let t = rec.ts[i];
                 ts.push(match &last_ts {
-                    Some((prev, obj)) if prev.to_bits() == t.to_bits() => obj.clone_ref(py),
+                    Some((prev, obj)) if prev.to_bits() == t.to_bits() => obj.clone().unbind(),
                     _ => {
-                        let obj = PyFloat::new_bound(py, t).into_any().unbind();
-                        last_ts = Some((t, obj.clone_ref(py)));
-                        obj
+                        let obj = PyFloat::new_bound(py, t).into_any();
+                        let out = obj.clone().unbind();
+                        last_ts = Some((t, obj));
+                        out
                     }
                 });
                 ts_col.push_f64(Some(t));
@@ -1243,23 +1260,21 @@ impl ScrapeDecoder {
                                 Num::Float(x) => Some((x.to_bits(), false)),
                                 Num::Big(_) => None,
                             };
-                            let obj: PyObject = match (&last_values[j], bits) {
-                                (Some((prev, obj)), Some(b)) if *prev == b => obj.clone_ref(py),
+                            let obj: Bound<'_, PyAny> = match (&last_values[j], bits) {
+                                (Some((prev, obj)), Some(b)) if *prev == b => obj.clone(),
                                 _ => {
-                                    let obj: PyObject = match v {
-                                        Num::Int(x) => x.into_py(py),
-                                        Num::Big(text) => int_type
-                                            .call1((PyString::new_bound(py, text),))?
-                                            .unbind(),
-                                        Num::Float(x) => {
-                                            PyFloat::new_bound(py, *x).into_any().unbind()
+                                    let obj: Bound<'_, PyAny> = match v {
+                                        Num::Int(x) => x.into_py(py).into_bound(py),
+                                        Num::Big(text) => {
+                                            int_type.call1((PyString::new_bound(py, text),))?
                                         }
+                                        Num::Float(x) => PyFloat::new_bound(py, *x).into_any(),
                                     };
-                                    last_values[j] = bits.map(|b| (b, obj.clone_ref(py)));
+                                    last_values[j] = bits.map(|b| (b, obj.clone()));
                                     obj
                                 }
                             };
-                            d.set_item(self.observed_keys[j].bind(py), obj)?;
+                            dict_set(d, self.observed_keys[j].bind(py), &obj)?;
                         }
                     }
                     field_start = end;
