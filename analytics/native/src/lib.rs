@@ -105,7 +105,7 @@ fn plain_len(b: &[u8]) -> usize {
         i += 8;
     }
     while let Some(&c) = b.get(i) {
-        if c == b'"' || c == b'\\' || c < 0x20 || c >= 0x80 {
+        if c == b'"' || c == b'\\' || !(0x20..0x80).contains(&c) {
             break;
         }
         i += 1;
@@ -797,6 +797,9 @@ impl Buffer {
     }
 }
 
+/// A field's value last set into a GPU's dict: its bits and kind (`true`: an `int`), and its object.
+type LastValue<'py> = ((u64, bool), Bound<'py, PyAny>);
+
 /// `d[key] = value`, the dict taking its own references (no other count changes).
 #[inline]
 fn dict_set(
@@ -845,7 +848,12 @@ fn fixed_buffers<'py>(py: Python<'py>, c: FixedCol) -> PyResult<Bound<'py, PyTup
     };
     Ok(PyTuple::new_bound(
         py,
-        [validity, buffer(py, c.data)?, py.None(), c.valid.nulls.into_py(py)],
+        [
+            validity,
+            buffer(py, c.data)?,
+            py.None(),
+            c.valid.nulls.into_py(py),
+        ],
     ))
 }
 
@@ -1044,7 +1052,6 @@ impl ScrapeDecoder {
     }
 }
 
-
 #[pymethods]
 impl ScrapeDecoder {
     /// Build a decoder.
@@ -1166,7 +1173,7 @@ impl ScrapeDecoder {
             .collect::<PyResult<Vec<_>>>()?;
         let mut rec = Checked::default();
         let mut strings = self.strings.lock().unwrap_or_else(|e| e.into_inner());
-        let mut last_values: Vec<Option<((u64, bool), Bound<'_, PyAny>)>> =
+        let mut last_values: Vec<Option<LastValue<'_>>> =
             self.observed_keys.iter().map(|_| None).collect();
         for (k, item) in items.iter().enumerate() {
             let value = item.as_bytes();
@@ -1378,7 +1385,9 @@ mod tests {
             num("9223372036854775808"),
             Some(Num::Big("9223372036854775808"))
         );
-        for refused in ["\"5\"", "01", "-01", "1.", ".5", "+1", "1e", "1e+", "--1", "-", "0x1"] {
+        for refused in [
+            "\"5\"", "01", "-01", "1.", ".5", "+1", "1e", "1e+", "--1", "-", "0x1",
+        ] {
             assert_eq!(num(refused), None, "{}", refused);
         }
     }
@@ -1386,9 +1395,23 @@ mod tests {
     #[test]
     fn strings_unescape_exactly() {
         let read = |text: &str| Scan::new(text.as_bytes()).string().map(|s| s.into_owned());
-        assert_eq!(read(r#""a\"\\\/\b\f\n\r\t""#).as_deref(), Some("a\"\\/\u{8}\u{c}\n\r\t"));
-        assert_eq!(read(r#""\ud83d\ude00\u00E9""#).as_deref(), Some("\u{1f600}\u{e9}"));
-        for refused in [r#""\ud800""#, r#""\udc00""#, r#""\ud800\u0041""#, r#""\x""#, r#""\u12""#, "\"\u{1}\"", "\"a"] {
+        assert_eq!(
+            read(r#""a\"\\\/\b\f\n\r\t""#).as_deref(),
+            Some("a\"\\/\u{8}\u{c}\n\r\t")
+        );
+        assert_eq!(
+            read(r#""\ud83d\ude00\u00E9""#).as_deref(),
+            Some("\u{1f600}\u{e9}")
+        );
+        for refused in [
+            r#""\ud800""#,
+            r#""\udc00""#,
+            r#""\ud800\u0041""#,
+            r#""\x""#,
+            r#""\u12""#,
+            "\"\u{1}\"",
+            "\"a",
+        ] {
             assert_eq!(read(refused), None, "{}", refused);
         }
     }
@@ -1400,7 +1423,13 @@ mod tests {
             for at in 0..20 {
                 let mut b = vec![b'a'; 20];
                 b[at] = c;
-                assert_eq!(plain_len(&b), if special(c) { at } else { 20 }, "{} at {}", c, at);
+                assert_eq!(
+                    plain_len(&b),
+                    if special(c) { at } else { 20 },
+                    "{} at {}",
+                    c,
+                    at
+                );
                 for d in [0u8, b'"', 0x7f, 0xff] {
                     if let Some(x) = b.get_mut(at + 1) {
                         *x = d;
