@@ -37,6 +37,9 @@ from contracts.bus import BusMessage
 from contracts.telemetry import SeriesValue
 from contracts.topics import gpu_id, gpu_key
 
+if typing.TYPE_CHECKING:
+    from analytics_native import Buffers
+
 if (
     tuple(GpuScrape.model_fields) != tuple(RECORD_MEMBERS)
     or tuple(GpuColumns.model_fields) != tuple(COLUMN_MEMBERS)
@@ -179,9 +182,7 @@ class GpuObservation(msgspec.Struct, frozen=True, gc=False):
         return gpu_key(self.host, gpu_id(self.gpu_uuid, self.gpu_index), self.gpu_instance_id)
 
 
-def _array(
-    arrow_type: pa.DataType, n: int, buffers: tuple[bytes | None, bytes, bytes | None, int]
-) -> pa.Array:
+def _array(arrow_type: pa.DataType, n: int, buffers: Buffers) -> pa.Array:
     """An Arrow array of ``n`` values on the decoder's buffers ``(validity or None, values,
     offsets or None, null count)``."""
     validity, data, offsets, nulls = buffers

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -204,6 +205,190 @@ def test_near_valid_records_are_refused_or_decoded_as_the_reference_decodes_them
     if not accepted:  # the reference decides, and the batch says so
         got = decode_batch([msg(value)], TOPICS)
         assert got.fallbacks == 1 and not got.scrapes.msgs
+
+
+_WS = st.text(st.sampled_from(" \t\n\r"), max_size=2)
+_SHORT_ESCAPES = {
+    '"': '\\"',
+    "\\": "\\\\",
+    "/": "\\/",
+    "\b": "\\b",
+    "\f": "\\f",
+    "\n": "\\n",
+    "\r": "\\r",
+    "\t": "\\t",
+}
+
+
+def _spell_string(draw: st.DrawFn, text: str) -> str:
+    """``text`` as a JSON string, each character as is, by its short escape or by ``\\u`` (a
+    surrogate pair past U+FFFF), hex digits in either case."""
+    out = ['"']
+    for ch in text:
+        how = draw(st.integers(0, 2))
+        if how == 0 and ch not in '"\\' and ord(ch) >= 0x20:
+            out.append(ch)
+        elif how == 1 and ch in _SHORT_ESCAPES:
+            out.append(_SHORT_ESCAPES[ch])
+        else:
+            code = ord(ch)
+            units = (
+                [code]
+                if code < 0x10000
+                else [0xD800 + ((code - 0x10000) >> 10), 0xDC00 + ((code - 0x10000) & 0x3FF)]
+            )
+            form = "\\u%04x" if draw(st.booleans()) else "\\u%04X"
+            out.extend(form % u for u in units)
+    return "".join([*out, '"'])
+
+
+def _spell_float(draw: st.DrawFn, x: float) -> str:
+    """Another JSON spelling of the float ``x`` that is still a float (a fraction or an exponent):
+    Python's repr, digits with an exponent (``e``/``E``, ``+`` or not, trailing zeros), one digit
+    before the point, or 17 significant digits."""
+    sign, digit_tuple, exp = Decimal(repr(x)).as_tuple()
+    assert isinstance(exp, int)
+    digits = "".join(map(str, digit_tuple)).lstrip("0") or "0"
+    pad = 0 if digits == "0" else draw(st.integers(0, 2))
+    digits, exp = digits + "0" * pad, exp - pad
+    minus = "-" if sign else ""
+    form = draw(st.integers(0, 3))
+    if form == 0:
+        return repr(x)
+    if form == 1:
+        plus = draw(st.sampled_from(["", "+"])) if exp >= 0 else ""
+        return f"{minus}{digits}{draw(st.sampled_from('eE'))}{plus}{exp}"
+    if form == 2:
+        return f"{minus}{digits[0]}.{digits[1:] or '0'}e{exp + len(digits) - 1}"
+    return f"{x:.17e}"
+
+
+def _spell(draw: st.DrawFn, obj: Any) -> str:
+    """``obj`` (decoded JSON) spelled another way: whitespace (space, tab, LF, CR) between every
+    token, members in another order, strings escaped (:func:`_spell_string`), floats as
+    :func:`_spell_float`, zero as ``-0`` -- the same JSON value."""
+    if obj is None:
+        return "null"
+    if isinstance(obj, int):
+        return draw(st.sampled_from(["0", "-0"])) if obj == 0 else str(obj)
+    if isinstance(obj, float):
+        return _spell_float(draw, obj)
+    if isinstance(obj, str):
+        return _spell_string(draw, obj)
+    ws = _WS
+    if isinstance(obj, list):
+        inner = ",".join(draw(ws) + _spell(draw, v) + draw(ws) for v in obj)
+        return "[" + (inner or draw(ws)) + "]"
+    items = draw(st.permutations(list(obj.items())))
+    inner = ",".join(draw(ws) + _spell_string(draw, k) + draw(ws) + ":" + draw(ws) + _spell(draw, v) + draw(ws)
+                     for k, v in items)  # fmt: skip
+    return "{" + (inner or draw(ws)) + "}"
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_every_spelling_of_a_record_is_decoded_as_the_compact_one(data: st.DataObject) -> None:
+    """The same JSON value spelled any way RFC 8259 allows is accepted exactly when its compact
+    encoding is, with the reference's values."""
+    compact = _record_bytes(data.draw(_samples()))
+    spelled = (data.draw(_WS) + _spell(data.draw, json.loads(compact)) + data.draw(_WS)).encode()
+    try:
+        assert _check_same(spelled) is bool(DECODER.decode([compact]).accepted), spelled
+    except RejectedRecord as exc:  # pragma: no cover - the failure this test looks for
+        pytest.fail(f"accepted a record the reference rejects ({exc.reason}): {spelled!r}")
+
+
+def _gpu0(fields: bytes = b"{}", host: bytes = b'"h"', ts: bytes = b"1.7e9", index: bytes = b"0") -> bytes:
+    """A one-GPU record with these texts of its ``host``, ``ts``, ``gpu_index`` and ``fields``."""
+    return (
+        b'{"host":'
+        + host
+        + b',"gpus":{"ts":['
+        + ts
+        + b'],"gpu_index":['
+        + index
+        + b'],"fields":['
+        + fields
+        + b"]}}"
+    )
+
+
+_STRINGS_REFUSED = [b'"h\x01"', b'"h\n"', b'"h\x1f"', b'"h\\x"', b'"\\u12"', b'"\\uZZZZ"', b'"\\ud800"', b'"\\udc00"',
+                    b'"\\ud800\\u0041"', b'"\\ud800\\n"', b'"\\ud83d"', b'"\\U0041"', b"'h'", b'"h',
+                    b'"\xc0\xaf"', b'"\xed\xa0\x80"', b'"h\xc3"', b'"\xf4\x90\x80\x80"', b'"\x80"', b'"\\\xc3\xa9"']  # fmt: skip
+_NUMBERS_REFUSED = [b"01", b"-01", b"00", b"1.", b".5", b"-.5", b"-", b"+1", b"1e", b"1e+", b"1.e5", b"--1", b"0x10",
+                    b"1e400", b"-1e400", b"Infinity", b"NaN", b"true", b"false", b"null", b'"1"', b"1 2"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        *[_gpu0(host=s) for s in _STRINGS_REFUSED],
+        *[_gpu0(fields=b'{"DCGM_FI_DEV_GPU_UTIL":' + n + b"}") for n in _NUMBERS_REFUSED],
+        *[_gpu0(ts=n) for n in _NUMBERS_REFUSED],
+        *[
+            _gpu0(index=n)
+            for n in [*_NUMBERS_REFUSED[:-4], b"1.0", b"1e2", b"9223372036854775808", b"-9223372036854775809"]
+        ],
+        *[_gpu0(fields=b'{"a":1' + ws + b"}") for ws in [b"\f", b"\v", b"\xc2\xa0", b"\x00"]],
+        _gpu0(fields=b'{"a":1,"\\u0061":2}'),  # the same key, escaped
+        _gpu0(
+            fields=b'{"DCGM_FI_DEV_GPU_UTIL":1,"a":1,"DCGM_FI_DEV_GPU_UTIL":1}'
+        ),  # a name the decoder reads
+        _gpu0(fields=b'{"DCGM_FI_DEV_FB_USED":1,"DCGM_FI_DEV_FB_USE\\u0044":2}'),
+        _gpu0(fields=b'{"DCGM_FI_DEV_GPU_TEMP":1,"DCGM_FI_DEV_GPU_UTIL":1,"DCGM_FI_DEV_GPU_TEMP":1}'),
+        b'{"host":"h","h\\u006fst":"h","gpus":{"ts":[1.7e9],"gpu_index":[0]}}',
+        b'{"host":"h","gpus":{"ts":[1.7e9],"gpu_index":[0],"field_series":[{"f":[{"labels":{"a":"1","a":"2"},"value":1}]}]}}',
+        b'{"host":"h","gpus":{"ts":[1.7e9],"gpu_index":[0],"field_series":[{"f":[{"labels":{},"labels":{},"value":1}]}]}}',
+        b'{"host":"h","gpus":{"ts":[1.7e9],"gpu_index":[0],"field_series":[{"f":[{"labels":{}}]}]}}',  # no value
+        b'{"host":"h","gpus":{"ts":[1.7e9],"gpu_index":[0],"attributes":[{"a":"1","a":"1"}]}}',
+        b'{"host":"h","gpus":{"ts":[1.7e9],"gpu_index":[0],"invalid":[{"a":1}]}}',
+        _gpu0(fields=b'{"a":1,}'),
+        _gpu0(fields=b'{"a" 1}'),
+        _gpu0(fields=b'{"a":1 "b":2}'),
+        _gpu0(ts=b"1.7e9,"),
+        _gpu0(index=b"nul"),
+        _gpu0(index=b"Null"),
+        _gpu0() + b" x",
+        _gpu0() + b" \xc3\xa9",  # UTF-8, but outside a string
+        b"\xef\xbb\xbf" + _gpu0(),  # a byte order mark
+        _gpu0() + _gpu0(),
+        b"",
+        b" \n",
+    ],
+)
+def test_what_the_scanner_refuses(value: bytes) -> None:
+    """Texts that are not JSON, or JSON the decoder does not take (duplicate keys, a number
+    where a string belongs), are refused; the reference decides them."""
+    assert DECODER.decode([value]).accepted == []
+
+
+def test_the_spellings_the_scanner_accepts() -> None:
+    """Every escape, whitespace everywhere, and number spellings: accepted, with the reference's
+    values (integers stay integers, an integer ``-0`` is ``0``)."""
+    numbers = [b"-0", b"-0.0", b"0e0", b"1E5", b"1e+5", b"1e-7", b"0.1e1", b"2.5", b"1E-400", b"1e-99999999999",
+               b"123456789012345678901234567890", b"-9223372036854775809", b"17976931348623157e292"]  # fmt: skip
+    for n in numbers:
+        assert _check_same(
+            _gpu0(fields=b'{"DCGM_FI_DEV_GPU_UTIL":' + n + b',"DCGM_FI_DEV_FB_USED":' + n + b"}")
+        ), n
+    for ts in [b"-0", b"17e8", b"1.7E+9", b"1700000000", b"-62135596800"]:
+        assert _check_same(_gpu0(ts=ts)), ts
+    got = DECODER.decode([_gpu0(ts=b"-0"), _gpu0(ts=b"-0.0")])
+    assert [math.copysign(1.0, t) for t in got.ts] == [1.0, -1.0]  # float(int) of -0, and -0.0
+    assert _check_same(_gpu0(index=b"-0"))
+    for host in [b'"\\ud83d\\ude00\\u00E9\\u0000"', b'"\\"\\\\\\/\\b\\f\\n\\r\\t"', '"é😀\x7f"'.encode()]:
+        assert _check_same(_gpu0(host=host)), host
+    escaped_name = (
+        b'{"DCGM_FI_DEV_GPU_UTI\\u004c":5,"DCGM_FI_DEV_FB_USED":1}'  # the names the classifier reads
+    )
+    assert _check_same(_gpu0(fields=escaped_name))
+    assert DECODER.decode([_gpu0(fields=escaped_name)]).observed_fields[0]["DCGM_FI_DEV_GPU_UTIL"] == 5
+    spaced = b'\t\n\r {\t"host"\n:\r"h" , "gpus" : { "ts" : [ 1.7e9 ] ,"gpu_index":[ 0 ],"fields":[ { "a" : 1 , "b" : [] } ] } }\r\n'
+    assert not _check_same(spaced)  # a list is not a number
+    spaced = spaced.replace(b"[] ", b"2.5 ")
+    assert _check_same(spaced)
+    assert bytes(DECODER.decode([spaced]).arrays["fields"][1]) == b'{ "a" : 1 , "b" : 2.5 }'
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,15 @@ COLUMN_MEMBERS: list[str]
 SERIES_MEMBERS: list[str]
 """Members of ``SeriesValue`` the decoder knows, in the model's order."""
 
-Buffers = tuple[bytes | None, bytes, bytes | None, int]
+@final
+class Buffer:
+    """Bytes the decoder built, handed over without a copy: a read-only buffer (``bytes(b)``,
+    ``memoryview(b)``, ``pyarrow.py_buffer(b)``)."""
+
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    def __len__(self) -> int: ...
+
+Buffers = tuple[Buffer | None, Buffer, Buffer | None, int]
 """One Arrow array's buffers: (LSB-first validity bitmap or None when no value is null,
 little-endian values (float64/int64) or UTF-8 data, int32 offsets for strings else None,
 null count)."""

@@ -4,8 +4,11 @@
 //!
 //! The decoder accepts a SUBSET of what the reference (`contracts.GpuScrape`) accepts, with
 //! exactly the same values, and refuses everything else: the caller then has the reference decide
-//! the record (`analytics.decode.decode_telemetry`). Refused, among others: anything that is not
-//! JSON (serde_json: no `NaN`/`Infinity` literals, no trailing commas, no comments), a JSON value
+//! the record (`analytics.decode.decode_telemetry`). The record's text is read once, by a
+//! validating scanner of RFC 8259 JSON (`Scan`), each value straight into what it becomes.
+//! Refused, among others: anything that is not JSON (no `NaN`/`Infinity` literals, no trailing
+//! commas, no comments, no leading zeros, no whitespace but space, tab, LF and CR, no unpaired
+//! surrogate escape, no control character in a string, not UTF-8), a JSON value
 //! that is not an object where the model has a model or a map, an unknown member, a duplicate key
 //! in any object, a number where a string is expected and the reverse, a float where an integer
 //! is expected, an integer member or column element (`schema_version`, `seq`, `gpu_index`,
@@ -17,7 +20,7 @@
 //! storable times, `analytics.timestamps`), and a record that would take a string column's text
 //! past 2**31 bytes (int32 offsets). Nothing panics on input: every error is a refusal. A
 //! `float` is the correctly rounded value of the number's text (integers too, as Python's
-//! `float(int)`); a `float | int` map value keeps its kind: a number without fraction or exponent
+//! `float(int)`: `-0` is `0.0`); an `int` member may be spelled `-0` (0); a `float | int` map value keeps its kind: a number without fraction or exponent
 //! is an `int`, any other a `float`, as the reference's smart union decides.
 //!
 //! Shapes of one call ([`ScrapeDecoder::decode`]): per accepted record its `host`, `source`,
@@ -31,13 +34,11 @@
 //! promoted field name given at construction.
 
 use std::borrow::Cow;
-use std::fmt;
-use std::marker::PhantomData;
+use std::collections::HashMap;
+use std::sync::Mutex;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyFloat, PyList, PyString, PyTuple};
-use serde::de::{self, Deserialize, Deserializer, MapAccess, Visitor};
-use serde_json::value::RawValue;
 
 /// Members of a `GpuScrape` record this decoder knows (checked against the model by the caller).
 const RECORD_MEMBERS: [&str; 6] = ["schema_version", "host", "source", "target", "seq", "gpus"];
@@ -57,31 +58,6 @@ const COLUMN_MEMBERS: [&str; 10] = [
 /// Members of `SeriesValue` (an element of a `field_series` list).
 const SERIES_MEMBERS: [&str; 2] = ["labels", "value"];
 
-/// A JSON string; borrowed from the record when it holds no escape.
-struct Str<'a>(Cow<'a, str>);
-
-impl<'de: 'a, 'a> Deserialize<'de> for Str<'a> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V<'a>(PhantomData<&'a ()>);
-        impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
-            type Value = Str<'a>;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a string")
-            }
-            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
-                Ok(Str(Cow::Borrowed(v)))
-            }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
-                Ok(Str(Cow::Owned(v.to_owned())))
-            }
-            fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
-                Ok(Str(Cow::Owned(v)))
-            }
-        }
-        d.deserialize_str(V(PhantomData))
-    }
-}
-
 /// A `float | int` value as the reference keeps it: a JSON number without fraction or exponent
 /// is an integer (`Big`: its text, past the signed 64-bit range), any other a float (finite,
 /// correctly rounded).
@@ -92,184 +68,466 @@ enum Num<'a> {
     Float(f64),
 }
 
-/// The value of a JSON number's text (validated by serde_json), or `None` when this decoder
-/// refuses it.
-fn num_of(text: &str) -> Option<Num<'_>> {
-    let bytes = text.as_bytes();
-    let first = *bytes.first()?;
-    if !(first == b'-' || first.is_ascii_digit()) {
-        return None;
+/// A validating reader of one JSON text (RFC 8259) that reads each value once, in order:
+/// whitespace is space, tab, LF and CR; strings refuse control characters, unknown escapes and
+/// unpaired surrogates (`\uD800`-`\uDFFF` outside a high-low pair); numbers follow the grammar
+/// `-? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [+-]? [0-9]+)?`; a byte past ASCII is taken only in
+/// a string, as part of a run of such bytes that is whole UTF-8 characters. Every method returns
+/// `None` where the text is not what it reads (a refusal), and never panics. So every span the
+/// scanner has read (a string's bytes, a number, a whole value) is valid UTF-8.
+struct Scan<'a> {
+    b: &'a [u8],
+    i: usize,
+}
+
+/// Number of bytes at the start of `b` that a string holds as they are: not `"`, `\\`, a
+/// control character (below 0x20) or past ASCII. Eight bytes at a time: the lowest flagged byte
+/// of each word is exact (a borrow only leaves a byte that is itself flagged).
+#[inline]
+fn plain_len(b: &[u8]) -> usize {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    let mut i = 0;
+    while let Some(chunk) = b.get(i..i + 8) {
+        let mut word = [0u8; 8];
+        word.copy_from_slice(chunk);
+        let w = u64::from_le_bytes(word);
+        let quote = w ^ (ONES * u64::from(b'"'));
+        let slash = w ^ (ONES * u64::from(b'\\'));
+        let flagged = (w.wrapping_sub(ONES * 0x20)
+            | w
+            | (quote.wrapping_sub(ONES) & !quote)
+            | (slash.wrapping_sub(ONES) & !slash))
+            & HIGH;
+        if flagged != 0 {
+            return i + (flagged.trailing_zeros() / 8) as usize;
+        }
+        i += 8;
     }
-    if bytes.iter().any(|c| matches!(c, b'.' | b'e' | b'E')) {
+    while let Some(&c) = b.get(i) {
+        if c == b'"' || c == b'\\' || !(0x20..0x80).contains(&c) {
+            break;
+        }
+        i += 1;
+    }
+    i
+}
+
+impl<'a> Scan<'a> {
+    fn new(b: &'a [u8]) -> Self {
+        Scan { b, i: 0 }
+    }
+
+    /// The text of `start..end`, a span this scanner has read (valid UTF-8: type documentation).
+    #[inline]
+    fn text(&self, start: usize, end: usize) -> &'a str {
+        let span = &self.b[start..end];
+        debug_assert!(std::str::from_utf8(span).is_ok());
+        // SAFETY: the scanner consumes ASCII outside strings and, in strings, ASCII or runs of
+        // bytes past ASCII it has checked with `str::from_utf8` (`Scan::utf8`); a span it has
+        // read is made of those, so it is valid UTF-8.
+        unsafe { std::str::from_utf8_unchecked(span) }
+    }
+
+    /// Consumes the run of bytes past ASCII at `self.i`; refused unless it is whole UTF-8
+    /// characters.
+    #[inline]
+    fn utf8(&mut self) -> Option<()> {
+        let start = self.i;
+        while self.b.get(self.i).map_or(false, |&c| c >= 0x80) {
+            self.i += 1;
+        }
+        std::str::from_utf8(&self.b[start..self.i]).ok().map(drop)
+    }
+
+    /// The next byte that is not whitespace (not consumed).
+    #[inline]
+    fn peek(&mut self) -> Option<u8> {
+        let b = self.b;
+        while let Some(&c) = b.get(self.i) {
+            if matches!(c, b' ' | b'\t' | b'\n' | b'\r') {
+                self.i += 1;
+            } else {
+                return Some(c);
+            }
+        }
+        None
+    }
+
+    /// Consumes `c` if it is the next byte after whitespace.
+    #[inline]
+    fn eat(&mut self, c: u8) -> bool {
+        if self.peek() == Some(c) {
+            self.i += 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    #[inline]
+    fn expect(&mut self, c: u8) -> Option<()> {
+        if self.eat(c) {
+            Some(())
+        } else {
+            None
+        }
+    }
+
+    /// Whether the end of the text follows (whitespace only).
+    fn at_end(&mut self) -> bool {
+        self.peek().is_none()
+    }
+
+    /// Consumes a `null` literal if one is next.
+    #[inline]
+    fn null(&mut self) -> bool {
+        if self.peek() == Some(b'n') && self.b[self.i..].starts_with(b"null") {
+            self.i += 4;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Four hex digits of a `\u` escape.
+    fn hex4(&mut self) -> Option<u32> {
+        let digits = self.b.get(self.i..self.i + 4)?;
+        let mut v = 0u32;
+        for &d in digits {
+            v = v * 16 + (d as char).to_digit(16)?;
+        }
+        self.i += 4;
+        Some(v)
+    }
+
+    /// A string: its value, borrowed from the text when it holds no escape.
+    #[inline]
+    fn string(&mut self) -> Option<Cow<'a, str>> {
+        if self.peek() != Some(b'"') {
+            return None;
+        }
+        self.i += 1;
+        let start = self.i;
+        loop {
+            self.i += plain_len(&self.b[self.i..]);
+            match *self.b.get(self.i)? {
+                b'"' => {
+                    let v = self.text(start, self.i);
+                    self.i += 1;
+                    return Some(Cow::Borrowed(v));
+                }
+                b'\\' => return self.escaped(start).map(Cow::Owned),
+                0..=0x1f => return None,
+                _ => self.utf8()?,
+            }
+        }
+    }
+
+    /// The rest of a string that has an escape at `self.i` (its text began at `start`).
+    fn escaped(&mut self, start: usize) -> Option<String> {
+        let b = self.b;
+        let mut out = String::with_capacity(self.i - start + 16);
+        let mut run = start;
+        loop {
+            self.i += plain_len(&b[self.i..]);
+            match *b.get(self.i)? {
+                b'"' => {
+                    out.push_str(self.text(run, self.i));
+                    self.i += 1;
+                    return Some(out);
+                }
+                b'\\' => {
+                    out.push_str(self.text(run, self.i));
+                    let e = *b.get(self.i + 1)?;
+                    self.i += 2;
+                    match e {
+                        b'"' => out.push('"'),
+                        b'\\' => out.push('\\'),
+                        b'/' => out.push('/'),
+                        b'b' => out.push('\u{8}'),
+                        b'f' => out.push('\u{c}'),
+                        b'n' => out.push('\n'),
+                        b'r' => out.push('\r'),
+                        b't' => out.push('\t'),
+                        b'u' => {
+                            let u = self.hex4()?;
+                            let c = match u {
+                                0xD800..=0xDBFF => {
+                                    if b.get(self.i..self.i + 2)? != b"\\u" {
+                                        return None;
+                                    }
+                                    self.i += 2;
+                                    let low = self.hex4()?;
+                                    if !(0xDC00..=0xDFFF).contains(&low) {
+                                        return None;
+                                    }
+                                    char::from_u32(0x10000 + ((u - 0xD800) << 10) + (low - 0xDC00))?
+                                }
+                                0xDC00..=0xDFFF => return None,
+                                _ => char::from_u32(u)?,
+                            };
+                            out.push(c);
+                        }
+                        _ => return None,
+                    }
+                    run = self.i;
+                }
+                0..=0x1f => return None,
+                _ => self.utf8()?,
+            }
+        }
+    }
+
+    /// A string or `null`.
+    #[inline]
+    fn opt_string(&mut self) -> Option<Option<Cow<'a, str>>> {
+        if self.null() {
+            Some(None)
+        } else {
+            self.string().map(Some)
+        }
+    }
+
+    /// A number: its text, and whether it has neither fraction nor exponent.
+    #[inline]
+    fn number(&mut self) -> Option<(&'a str, bool)> {
+        self.peek();
+        let b = self.b;
+        let start = self.i;
+        if b.get(self.i) == Some(&b'-') {
+            self.i += 1;
+        }
+        match b.get(self.i) {
+            Some(b'0') => self.i += 1,
+            Some(b'1'..=b'9') => self.digits(),
+            _ => return None,
+        }
+        let mut integer = true;
+        if b.get(self.i) == Some(&b'.') {
+            integer = false;
+            self.i += 1;
+            if !matches!(b.get(self.i), Some(b'0'..=b'9')) {
+                return None;
+            }
+            self.digits();
+        }
+        if matches!(b.get(self.i), Some(b'e' | b'E')) {
+            integer = false;
+            self.i += 1;
+            if matches!(b.get(self.i), Some(b'+' | b'-')) {
+                self.i += 1;
+            }
+            if !matches!(b.get(self.i), Some(b'0'..=b'9')) {
+                return None;
+            }
+            self.digits();
+        }
+        Some((self.text(start, self.i), integer))
+    }
+
+    #[inline]
+    fn digits(&mut self) {
+        let b = self.b;
+        while matches!(b.get(self.i), Some(b'0'..=b'9')) {
+            self.i += 1;
+        }
+    }
+
+    /// A `float | int` map value (refused when not finite).
+    #[inline]
+    fn num(&mut self) -> Option<Num<'a>> {
+        let (text, integer) = self.number()?;
+        num_of(text, integer)
+    }
+
+    /// A `float` member: any number, as the nearest float (refused when not finite); an integer
+    /// as Python's `float(int)` (`-0` is `0.0`).
+    #[inline]
+    fn float(&mut self) -> Option<f64> {
+        let (text, integer) = self.number()?;
+        if integer {
+            if let Ok(v) = text.parse::<i64>() {
+                return Some(v as f64);
+            }
+        }
+        let v: f64 = text.parse().ok()?;
+        if v.is_finite() {
+            Some(v)
+        } else {
+            None
+        }
+    }
+
+    /// An `int` member: a number without fraction or exponent in the signed 64-bit range.
+    #[inline]
+    fn int(&mut self) -> Option<i64> {
+        let (text, integer) = self.number()?;
+        if !integer {
+            return None;
+        }
+        text.parse().ok()
+    }
+
+    /// An `int` member or `null`.
+    #[inline]
+    fn opt_int(&mut self) -> Option<Option<i64>> {
+        if self.null() {
+            Some(None)
+        } else {
+            self.int().map(Some)
+        }
+    }
+
+    /// An object: `member(self, key)` reads each member's value, in order.
+    #[inline]
+    fn object(
+        &mut self,
+        mut member: impl FnMut(&mut Self, Cow<'a, str>) -> Option<()>,
+    ) -> Option<()> {
+        self.expect(b'{')?;
+        if self.eat(b'}') {
+            return Some(());
+        }
+        loop {
+            let key = self.string()?;
+            self.expect(b':')?;
+            member(self, key)?;
+            if !self.eat(b',') {
+                return self.expect(b'}');
+            }
+        }
+    }
+
+    /// An array: `element(self)` reads each element, in order.
+    #[inline]
+    fn array(&mut self, mut element: impl FnMut(&mut Self) -> Option<()>) -> Option<()> {
+        self.expect(b'[')?;
+        if self.eat(b']') {
+            return Some(());
+        }
+        loop {
+            element(self)?;
+            if !self.eat(b',') {
+                return self.expect(b']');
+            }
+        }
+    }
+
+    /// An object whose keys do not repeat (`keys` is scratch space): `value(self, key)` reads
+    /// each value and says whether the key is to be compared with the others (`false`: the
+    /// caller has checked it does not repeat). Returns the object's text.
+    #[inline]
+    fn map(
+        &mut self,
+        keys: &mut Vec<Cow<'a, str>>,
+        mut value: impl FnMut(&mut Self, &str) -> Option<bool>,
+    ) -> Option<&'a str> {
+        self.peek();
+        let start = self.i;
+        keys.clear();
+        self.object(|sc, key| {
+            if value(sc, &key)? {
+                keys.push(key);
+            }
+            Some(())
+        })?;
+        if has_duplicate(keys) {
+            return None;
+        }
+        Some(self.text(start, self.i))
+    }
+}
+
+/// The value of a number's text (`integer`: without fraction or exponent), or `None` when it is
+/// not finite.
+fn num_of(text: &str, integer: bool) -> Option<Num<'_>> {
+    if integer {
+        Some(text.parse::<i64>().map_or(Num::Big(text), Num::Int))
+    } else {
         let v: f64 = text.parse().ok()?;
         if v.is_finite() {
             Some(Num::Float(v))
         } else {
             None
         }
-    } else {
-        Some(text.parse::<i64>().map_or(Num::Big(text), Num::Int))
     }
 }
 
-impl<'de: 'a, 'a> Deserialize<'de> for Num<'a> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let raw = <&'a RawValue>::deserialize(d)?;
-        num_of(raw.get()).ok_or_else(|| de::Error::custom("a number this decoder does not take"))
-    }
+/// The last eight bytes of `text` (fewer, zero-padded, for a shorter one) with its length: two
+/// texts that differ there differ.
+#[inline]
+fn tail(text: &str) -> u64 {
+    let b = text.as_bytes();
+    let mut word = [0u8; 8];
+    let n = b.len().min(8);
+    word[..n].copy_from_slice(&b[b.len() - n..]);
+    u64::from_le_bytes(word) ^ (b.len() as u64).rotate_right(8)
 }
-
-/// A `float` member: any JSON number, as the nearest float (Rust's correctly rounded parse of
-/// its text, as Python's `float()` of the number the reference reads); `None` when it is not
-/// finite.
-struct Float(f64);
-
-impl<'de> Deserialize<'de> for Float {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let raw = <&RawValue>::deserialize(d)?;
-        let text = raw.get();
-        let first = text.as_bytes().first().copied().unwrap_or(b'"');
-        let v: Option<f64> = if first == b'-' || first.is_ascii_digit() {
-            text.parse().ok()
-        } else {
-            None
-        };
-        match v {
-            Some(v) if v.is_finite() => Ok(Float(v)),
-            _ => Err(de::Error::custom("not a finite number")),
-        }
-    }
-}
-
-/// A JSON object's entries in order, refused when a key repeats.
-struct Entries<'a, V>(Vec<(Str<'a>, V)>);
 
 /// Objects up to this many entries are checked for a repeated key pair by pair.
 const PAIRWISE_KEYS: usize = 16;
 
-fn has_duplicate<V>(entries: &[(Str<'_>, V)]) -> bool {
-    if entries.len() <= PAIRWISE_KEYS {
-        return entries
+fn has_duplicate(keys: &[Cow<'_, str>]) -> bool {
+    if keys.len() <= PAIRWISE_KEYS {
+        return keys
             .iter()
             .enumerate()
-            .any(|(i, (k, _))| entries[..i].iter().any(|(seen, _)| seen.0 == k.0));
+            .any(|(i, k)| keys[..i].iter().any(|seen| seen == k));
     }
-    let mut keys: Vec<&str> = entries.iter().map(|(k, _)| k.0.as_ref()).collect();
-    keys.sort_unstable();
-    keys.windows(2).any(|w| w[0] == w[1])
+    let mut sorted: Vec<&str> = keys.iter().map(|k| k.as_ref()).collect();
+    sorted.sort_unstable();
+    sorted.windows(2).any(|w| w[0] == w[1])
 }
 
-impl<'de: 'a, 'a, V: Deserialize<'de>> Deserialize<'de> for Entries<'a, V> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Vis<'a, V>(PhantomData<(&'a (), V)>);
-        impl<'de: 'a, 'a, V: Deserialize<'de>> Visitor<'de> for Vis<'a, V> {
-            type Value = Entries<'a, V>;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a JSON object")
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-                let mut out: Vec<(Str<'a>, V)> = Vec::new();
-                while let Some(k) = map.next_key::<Str<'a>>()? {
-                    let v = map.next_value::<V>()?;
-                    out.push((k, v));
-                }
-                if has_duplicate(&out) {
-                    return Err(de::Error::custom("duplicate key"));
-                }
-                Ok(Entries(out))
-            }
-        }
-        d.deserialize_map(Vis(PhantomData))
-    }
-}
-
-/// A struct read from a JSON object only (serde's derived structs would also take an array).
-struct Obj<T>(T);
-
-impl<'de, T: Deserialize<'de>> Deserialize<'de> for Obj<T> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Vis<T>(PhantomData<T>);
-        impl<'de, T: Deserialize<'de>> Visitor<'de> for Vis<T> {
-            type Value = T;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a JSON object")
-            }
-            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
-                T::deserialize(de::value::MapAccessDeserializer::new(map))
-            }
-        }
-        d.deserialize_map(Vis(PhantomData)).map(Obj)
-    }
-}
-
-/// A member that may be absent (its default) but not `null`.
-fn present<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Option<T>, D::Error> {
-    T::deserialize(d).map(Some)
-}
-
-/// `contracts.SeriesValue`, validated only.
-#[derive(serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-#[allow(dead_code)]
-struct Series<'a> {
-    #[serde(borrow)]
-    labels: Entries<'a, Str<'a>>,
-    #[serde(borrow)]
-    value: Num<'a>,
-}
-
-/// `contracts.GpuColumns` with its maps as their raw JSON text (parsed after).
-#[derive(serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Columns<'a> {
-    ts: Vec<Float>,
-    #[serde(default, borrow)]
-    gpu_uuid: Vec<Option<Str<'a>>>,
-    #[serde(default)]
-    gpu_index: Vec<Option<i64>>,
-    #[serde(default)]
-    gpu_instance_id: Vec<Option<i64>>,
-    #[serde(default, borrow)]
-    gpu_instance_profile: Vec<Option<Str<'a>>>,
-    #[serde(default, borrow)]
-    model_name: Vec<Option<Str<'a>>>,
-    #[serde(default, borrow)]
-    fields: Vec<&'a RawValue>,
-    #[serde(default, borrow)]
-    field_series: Vec<&'a RawValue>,
-    #[serde(default, borrow)]
-    invalid: Vec<&'a RawValue>,
-    #[serde(default, borrow)]
-    attributes: Vec<&'a RawValue>,
-}
-
-/// `contracts.GpuScrape`.
-#[derive(serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Scrape<'a> {
-    #[serde(default, deserialize_with = "present")]
-    schema_version: Option<i64>,
-    #[serde(borrow)]
-    host: Str<'a>,
-    #[serde(default, borrow, deserialize_with = "present")]
-    source: Option<Str<'a>>,
-    #[serde(default, borrow, deserialize_with = "present")]
-    target: Option<Str<'a>>,
-    #[serde(default, deserialize_with = "present")]
-    seq: Option<i64>,
-    #[serde(borrow)]
-    gpus: Obj<Columns<'a>>,
-}
-
-/// A record that passed every check, with its maps parsed.
+/// A record being read (reused from one record to the next): its members, per GPU its columns'
+/// values, and of its maps their texts and the entries of the field names the decoder reads.
+#[derive(Default)]
 struct Checked<'a> {
     host: Cow<'a, str>,
-    source: usize,
-    target: Cow<'a, str>,
-    seq: i64,
-    cols: Columns<'a>,
-    fields: Vec<Entries<'a, Num<'a>>>,
-    invalid: Vec<Entries<'a, Str<'a>>>,
+    source: Option<Cow<'a, str>>,
+    target: Option<Cow<'a, str>>,
+    schema_version: Option<i64>,
+    seq: Option<i64>,
+    ts: Vec<f64>,
+    gpu_uuid: Vec<Option<Cow<'a, str>>>,
+    gpu_index: Vec<Option<i64>>,
+    gpu_instance_id: Vec<Option<i64>>,
+    gpu_instance_profile: Vec<Option<Cow<'a, str>>>,
+    model_name: Vec<Option<Cow<'a, str>>>,
+    /// Per GPU its `fields` text and the end of its entries in `field_entries`.
+    fields: Vec<(&'a str, usize)>,
+    /// `fields` entries of known names: index into `ScrapeDecoder::names`, value.
+    field_entries: Vec<(usize, Num<'a>)>,
+    field_series: usize,
+    /// Per GPU its `invalid` text and the end of its entries in `invalid_entries`.
+    invalid: Vec<(&'a str, usize)>,
+    /// `invalid` entries of observed names: index into `observed`, reason.
+    invalid_entries: Vec<(usize, Cow<'a, str>)>,
+    attributes: Vec<&'a str>,
+    keys: Vec<Cow<'a, str>>,
+    inner_keys: Vec<Cow<'a, str>>,
+}
+
+impl<'a> Checked<'a> {
+    fn clear(&mut self) {
+        self.source = None;
+        self.target = None;
+        self.schema_version = None;
+        self.seq = None;
+        self.ts.clear();
+        self.gpu_uuid.clear();
+        self.gpu_index.clear();
+        self.gpu_instance_id.clear();
+        self.gpu_instance_profile.clear();
+        self.model_name.clear();
+        self.fields.clear();
+        self.field_entries.clear();
+        self.field_series = 0;
+        self.invalid.clear();
+        self.invalid_entries.clear();
+        self.attributes.clear();
+    }
 }
 
 /// LSB-first validity bitmap.
@@ -390,13 +648,46 @@ struct ScrapeDecoder {
     whole_fields: Vec<String>,
     observed_keys: Vec<Py<PyString>>,
     source_strs: Vec<Py<PyString>>,
+    /// Python strings of the hosts, targets and GPU UUIDs seen, kept from call to call.
+    strings: Mutex<StrCache>,
     /// Every field name given, once, with its place in each list (one lookup per map entry).
     names: Vec<FieldName>,
+}
+
+/// Python strings of texts that repeat from record to record and from call to call (hosts,
+/// targets, GPU UUIDs): one object each instead of one per use. Holds at most
+/// `STR_CACHE_ENTRIES` texts of at most `STR_CACHE_BYTES` bytes (emptied when full).
+#[derive(Default)]
+struct StrCache {
+    map: HashMap<Box<str>, Py<PyString>>,
+}
+
+const STR_CACHE_ENTRIES: usize = 1 << 16;
+const STR_CACHE_BYTES: usize = 128;
+
+impl StrCache {
+    /// The Python string of `text`.
+    #[inline]
+    fn get(&mut self, py: Python<'_>, text: &str) -> PyObject {
+        if let Some(obj) = self.map.get(text) {
+            return obj.clone_ref(py).into_any();
+        }
+        let obj = PyString::new_bound(py, text).unbind();
+        if text.len() <= STR_CACHE_BYTES {
+            if self.map.len() >= STR_CACHE_ENTRIES {
+                self.map.clear();
+            }
+            self.map.insert(text.into(), obj.clone_ref(py));
+        }
+        obj.into_any()
+    }
 }
 
 /// A field name the decoder reads, and its index in `float_fields` / `whole_fields` / `observed`.
 struct FieldName {
     name: String,
+    /// `tail(name)`, compared before the name.
+    tail: u64,
     float: Option<usize>,
     whole: Option<usize>,
     observed: Option<usize>,
@@ -435,7 +726,7 @@ struct DecodedScrapes {
     observed_fields: Py<PyList>,
     #[pyo3(get)]
     observed_invalid: Py<PyList>,
-    /// Column name → `(validity bytes or None, values bytes, offsets bytes or None, null count)`.
+    /// Column name → `(validity or None, values, offsets or None, null count)`, each a [`Buffer`].
     #[pyo3(get)]
     arrays: Py<PyDict>,
     /// Promoted field name → buffers as in `arrays` (float64 / int64).
@@ -464,46 +755,166 @@ fn owned_list(py: Python<'_>, items: Vec<PyObject>) -> PyResult<Py<PyList>> {
     }
 }
 
+/// A buffer the decoder built, handed to Python as it is (read-only buffer protocol: `bytes(b)`,
+/// `memoryview(b)`, `pyarrow.py_buffer(b)`), without a copy.
+#[pyclass(module = "analytics_native", frozen)]
+struct Buffer {
+    data: Vec<u8>,
+}
+
+#[pymethods]
+impl Buffer {
+    /// A read-only, contiguous view of the bytes. Raises `BufferError` for a writable view.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut pyo3::ffi::Py_buffer,
+        flags: std::os::raw::c_int,
+    ) -> PyResult<()> {
+        let data = &slf.get().data;
+        // SAFETY: `view` is the caller's Py_buffer; PyBuffer_FillInfo fills it with the bytes
+        // of `data`, which live as long as the object (a frozen class: never changed or moved),
+        // and takes a reference to the object into `view.obj`; it refuses a writable view.
+        let done = pyo3::ffi::PyBuffer_FillInfo(
+            view,
+            slf.as_ptr(),
+            data.as_ptr() as *mut std::os::raw::c_void,
+            data.len() as pyo3::ffi::Py_ssize_t,
+            1,
+            flags,
+        );
+        if done == -1 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    /// Nothing to release (the bytes belong to the object).
+    unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {}
+
+    /// Number of bytes.
+    fn __len__(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// A field's value last set into a GPU's dict: its bits and kind (`true`: an `int`), and its object.
+type LastValue<'py> = ((u64, bool), Bound<'py, PyAny>);
+
+/// `d[key] = value`, the dict taking its own references (no other count changes).
+#[inline]
+fn dict_set(
+    d: &Bound<'_, PyDict>,
+    key: &Bound<'_, PyString>,
+    value: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    // SAFETY: the three pointers are live objects held by the caller for the call;
+    // PyDict_SetItem takes new references to the key and the value and returns -1 with an
+    // exception set on failure.
+    if unsafe { pyo3::ffi::PyDict_SetItem(d.as_ptr(), key.as_ptr(), value.as_ptr()) } == -1 {
+        return Err(PyErr::fetch(d.py()));
+    }
+    Ok(())
+}
+
+/// `data` as a Python [`Buffer`].
+fn buffer(py: Python<'_>, data: Vec<u8>) -> PyResult<PyObject> {
+    Ok(Py::new(py, Buffer { data })?.into_any())
+}
+
 /// Buffers of a utf8 column as the Python side takes them.
-fn str_buffers<'py>(py: Python<'py>, c: &StrCol) -> Bound<'py, PyTuple> {
+fn str_buffers<'py>(py: Python<'py>, c: StrCol) -> PyResult<Bound<'py, PyTuple>> {
     let validity = if c.valid.nulls == 0 {
         py.None()
     } else {
-        PyBytes::new_bound(py, &c.valid.bytes).into_py(py)
+        buffer(py, c.valid.bytes)?
     };
-    PyTuple::new_bound(
+    Ok(PyTuple::new_bound(
         py,
         [
             validity,
-            PyBytes::new_bound(py, &c.data).into_py(py),
-            PyBytes::new_bound(py, &c.offsets).into_py(py),
+            buffer(py, c.data)?,
+            buffer(py, c.offsets)?,
             c.valid.nulls.into_py(py),
         ],
-    )
+    ))
 }
 
 /// Buffers of a float64 / int64 column as the Python side takes them.
-fn fixed_buffers<'py>(py: Python<'py>, c: &FixedCol) -> Bound<'py, PyTuple> {
+fn fixed_buffers<'py>(py: Python<'py>, c: FixedCol) -> PyResult<Bound<'py, PyTuple>> {
     let validity = if c.valid.nulls == 0 {
         py.None()
     } else {
-        PyBytes::new_bound(py, &c.valid.bytes).into_py(py)
+        buffer(py, c.valid.bytes)?
     };
-    PyTuple::new_bound(
+    Ok(PyTuple::new_bound(
         py,
         [
             validity,
-            PyBytes::new_bound(py, &c.data).into_py(py),
+            buffer(py, c.data)?,
             py.None(),
             c.valid.nulls.into_py(py),
         ],
-    )
+    ))
+}
+
+/// A `field_series` element (`contracts.SeriesValue`), validated only (`keys`: scratch space).
+fn series<'a>(sc: &mut Scan<'a>, keys: &mut Vec<Cow<'a, str>>) -> Option<()> {
+    let mut seen = 0u32;
+    sc.object(|sc, key| {
+        let m = SERIES_MEMBERS.iter().position(|m| *m == key)?;
+        if seen & (1 << m) != 0 {
+            return None;
+        }
+        seen |= 1 << m;
+        if m == 0 {
+            sc.map(keys, |sc, _| sc.string().map(|_| true))?;
+        } else {
+            sc.num()?;
+        }
+        Some(())
+    })?;
+    if seen == 0b11 {
+        Some(())
+    } else {
+        None
+    }
 }
 
 impl ScrapeDecoder {
-    /// `value` decoded and checked, or `None` if this decoder refuses it.
-    fn check<'a>(&self, value: &'a [u8]) -> Option<Checked<'a>> {
-        let Obj(rec) = serde_json::from_slice::<Obj<Scrape<'a>>>(value).ok()?;
+    /// The index in `names` of a field name the decoder reads.
+    #[inline]
+    fn name_of(&self, key: &str) -> Option<usize> {
+        let t = tail(key);
+        self.names
+            .iter()
+            .position(|n| n.tail == t && n.name.as_str() == key)
+    }
+
+    /// Reads `value` into `rec` (cleared before) and checks it: the index of its `source` in
+    /// `sources`, or `None` if this decoder refuses the record.
+    fn check<'a>(&self, value: &'a [u8], rec: &mut Checked<'a>) -> Option<usize> {
+        let mut sc = Scan::new(value);
+        let mut seen = 0u32;
+        sc.object(|sc, key| {
+            let m = RECORD_MEMBERS.iter().position(|m| *m == key)?;
+            if seen & (1 << m) != 0 {
+                return None;
+            }
+            seen |= 1 << m;
+            match m {
+                0 => rec.schema_version = Some(sc.int()?),
+                1 => rec.host = sc.string()?,
+                2 => rec.source = Some(sc.string()?),
+                3 => rec.target = Some(sc.string()?),
+                4 => rec.seq = Some(sc.int()?),
+                _ => self.columns(sc, rec)?,
+            }
+            Some(())
+        })?;
+        // `host` and `gpus` are required
+        if !sc.at_end() || seen & 0b10_0010 != 0b10_0010 {
+            return None;
+        }
         if rec.schema_version.unwrap_or(self.schema_version) != self.schema_version {
             return None;
         }
@@ -512,69 +923,132 @@ impl ScrapeDecoder {
             Some(s) => self
                 .sources
                 .iter()
-                .position(|known| known.as_str() == s.0.as_ref())?,
+                .position(|known| known.as_str() == s.as_ref())?,
         };
-        let cols = rec.gpus.0;
-        let n = cols.ts.len();
+        let n = rec.ts.len();
         if n == 0 {
             return None;
         }
         let lens = [
-            cols.gpu_uuid.len(),
-            cols.gpu_index.len(),
-            cols.gpu_instance_id.len(),
-            cols.gpu_instance_profile.len(),
-            cols.model_name.len(),
-            cols.fields.len(),
-            cols.field_series.len(),
-            cols.invalid.len(),
-            cols.attributes.len(),
+            rec.gpu_uuid.len(),
+            rec.gpu_index.len(),
+            rec.gpu_instance_id.len(),
+            rec.gpu_instance_profile.len(),
+            rec.model_name.len(),
+            rec.fields.len(),
+            rec.field_series,
+            rec.invalid.len(),
+            rec.attributes.len(),
         ];
         if lens.iter().any(|&l| l != 0 && l != n) {
             return None;
         }
         for i in 0..n {
-            let uuid = cols
+            let uuid = rec
                 .gpu_uuid
                 .get(i)
-                .map_or(false, |u| u.as_ref().map_or(false, |s| !s.0.is_empty()));
-            let index = cols.gpu_index.get(i).map_or(false, |x| x.is_some());
+                .map_or(false, |u| u.as_ref().map_or(false, |s| !s.is_empty()));
+            let index = rec.gpu_index.get(i).map_or(false, |x| x.is_some());
             if !(uuid || index) {
                 return None;
             }
         }
-        if !cols
-            .ts
-            .iter()
-            .all(|t| self.ts_min <= t.0 && t.0 < self.ts_max)
-        {
+        if !rec.ts.iter().all(|&t| self.ts_min <= t && t < self.ts_max) {
             return None;
         }
-        let mut fields = Vec::with_capacity(cols.fields.len());
-        for raw in &cols.fields {
-            fields.push(serde_json::from_str::<Entries<'a, Num<'a>>>(raw.get()).ok()?);
+        Some(source)
+    }
+
+    /// Reads the record's `gpus` object (`contracts.GpuColumns`) into `rec`.
+    fn columns<'a>(&self, sc: &mut Scan<'a>, rec: &mut Checked<'a>) -> Option<()> {
+        let mut seen = 0u32;
+        sc.object(|sc, key| {
+            let m = COLUMN_MEMBERS.iter().position(|m| *m == key)?;
+            if seen & (1 << m) != 0 {
+                return None;
+            }
+            seen |= 1 << m;
+            match m {
+                0 => sc.array(|sc| {
+                    rec.ts.push(sc.float()?);
+                    Some(())
+                }),
+                1 => sc.array(|sc| {
+                    rec.gpu_uuid.push(sc.opt_string()?);
+                    Some(())
+                }),
+                2 => sc.array(|sc| {
+                    rec.gpu_index.push(sc.opt_int()?);
+                    Some(())
+                }),
+                3 => sc.array(|sc| {
+                    rec.gpu_instance_id.push(sc.opt_int()?);
+                    Some(())
+                }),
+                4 => sc.array(|sc| {
+                    rec.gpu_instance_profile.push(sc.opt_string()?);
+                    Some(())
+                }),
+                5 => sc.array(|sc| {
+                    rec.model_name.push(sc.opt_string()?);
+                    Some(())
+                }),
+                6 => sc.array(|sc| {
+                    let entries = &mut rec.field_entries;
+                    // names the decoder reads are checked for a repeat by one bit each
+                    let mut known = 0u64;
+                    let text = sc.map(&mut rec.keys, |sc, key| {
+                        let v = sc.num()?;
+                        match self.name_of(key) {
+                            Some(j) => {
+                                entries.push((j, v));
+                                if j >= 64 {
+                                    return Some(true);
+                                }
+                                if known & (1 << j) != 0 {
+                                    return None;
+                                }
+                                known |= 1 << j;
+                                Some(false)
+                            }
+                            None => Some(true),
+                        }
+                    })?;
+                    rec.fields.push((text, rec.field_entries.len()));
+                    Some(())
+                }),
+                7 => sc.array(|sc| {
+                    let inner = &mut rec.inner_keys;
+                    sc.map(&mut rec.keys, |sc, _| {
+                        sc.array(|sc| series(sc, inner)).map(|_| true)
+                    })?;
+                    rec.field_series += 1;
+                    Some(())
+                }),
+                8 => sc.array(|sc| {
+                    let entries = &mut rec.invalid_entries;
+                    let text = sc.map(&mut rec.keys, |sc, key| {
+                        let reason = sc.string()?;
+                        if let Some(j) = self.name_of(key).and_then(|j| self.names[j].observed) {
+                            entries.push((j, reason));
+                        }
+                        Some(true)
+                    })?;
+                    rec.invalid.push((text, rec.invalid_entries.len()));
+                    Some(())
+                }),
+                _ => sc.array(|sc| {
+                    let text = sc.map(&mut rec.keys, |sc, _| sc.string().map(|_| true))?;
+                    rec.attributes.push(text);
+                    Some(())
+                }),
+            }
+        })?;
+        // `ts` is required
+        if seen & 1 == 0 {
+            return None;
         }
-        for raw in &cols.field_series {
-            serde_json::from_str::<Entries<'a, Vec<Obj<Series<'a>>>>>(raw.get()).ok()?;
-        }
-        let mut invalid = Vec::with_capacity(cols.invalid.len());
-        for raw in &cols.invalid {
-            invalid.push(serde_json::from_str::<Entries<'a, Str<'a>>>(raw.get()).ok()?);
-        }
-        for raw in &cols.attributes {
-            serde_json::from_str::<Entries<'a, Str<'a>>>(raw.get()).ok()?;
-        }
-        Some(Checked {
-            host: rec.host.0,
-            source,
-            target: rec
-                .target
-                .map_or_else(|| Cow::Owned(self.default_target.clone()), |t| t.0),
-            seq: rec.seq.unwrap_or(self.default_seq),
-            cols,
-            fields,
-            invalid,
-        })
+        Some(())
     }
 }
 
@@ -621,6 +1095,7 @@ impl ScrapeDecoder {
             if names.iter().all(|n| n.name != *name) {
                 names.push(FieldName {
                     name: name.clone(),
+                    tail: tail(name),
                     float: float_fields.iter().position(|f| f == name),
                     whole: whole_fields.iter().position(|f| f == name),
                     observed: observed.iter().position(|f| f == name),
@@ -643,6 +1118,7 @@ impl ScrapeDecoder {
             whole_fields,
             observed_keys,
             source_strs,
+            strings: Mutex::new(StrCache::default()),
             names,
         })
     }
@@ -688,12 +1164,19 @@ impl ScrapeDecoder {
         let int_type = py.get_type_bound::<pyo3::types::PyLong>();
         let empty = PyDict::new_bound(py).into_any().unbind();
         let mut last_model: Option<(String, PyObject)> = None;
-        let mut last_ts: Option<(f64, PyObject)> = None;
+        let mut last_ts: Option<(f64, Bound<'_, PyAny>)> = None;
         let mut floats: Vec<Option<f64>> = vec![None; self.float_fields.len()];
         let mut wholes: Vec<Option<i64>> = vec![None; self.whole_fields.len()];
-        for (k, item) in values.iter().enumerate() {
-            let bytes = item.downcast::<PyBytes>()?;
-            let value = bytes.as_bytes();
+        let items = values
+            .iter()
+            .map(|item| item.downcast_into::<PyBytes>().map_err(PyErr::from))
+            .collect::<PyResult<Vec<_>>>()?;
+        let mut rec = Checked::default();
+        let mut strings = self.strings.lock().unwrap_or_else(|e| e.into_inner());
+        let mut last_values: Vec<Option<LastValue<'_>>> =
+            self.observed_keys.iter().map(|_| None).collect();
+        for (k, item) in items.iter().enumerate() {
+            let value = item.as_bytes();
             let most = [
                 &uuid_col,
                 &profile_col,
@@ -711,56 +1194,44 @@ impl ScrapeDecoder {
             if most.saturating_add(value.len()) >= i32::MAX as usize {
                 continue;
             }
-            let rec = match self.check(value) {
-                Some(rec) => rec,
+            rec.clear();
+            let src = match self.check(value, &mut rec) {
+                Some(src) => src,
                 None => continue,
             };
             accepted.push(k);
-            let cols = &rec.cols;
-            let n = cols.ts.len();
-            host.push(PyString::new_bound(py, &rec.host).into_any().unbind());
-            source.push(self.source_strs[rec.source].clone_ref(py).into_any());
-            target.push(PyString::new_bound(py, &rec.target).into_any().unbind());
-            seq.push(rec.seq.into_py(py));
+            let n = rec.ts.len();
+            host.push(strings.get(py, &rec.host));
+            source.push(self.source_strs[src].clone_ref(py).into_any());
+            let t_str = rec.target.as_deref().unwrap_or(&self.default_target);
+            target.push(strings.get(py, t_str));
+            seq.push(rec.seq.unwrap_or(self.default_seq).into_py(py));
             counts.push(n.into_py(py));
+            let mut field_start = 0;
+            let mut invalid_start = 0;
             for i in 0..n {
-                let t = cols.ts[i].0;
+                let t = rec.ts[i];
                 ts.push(match &last_ts {
-                    Some((prev, obj)) if prev.to_bits() == t.to_bits() => obj.clone_ref(py),
+                    Some((prev, obj)) if prev.to_bits() == t.to_bits() => obj.clone().unbind(),
                     _ => {
-                        let obj = PyFloat::new_bound(py, t).into_any().unbind();
-                        last_ts = Some((t, obj.clone_ref(py)));
-                        obj
+                        let obj = PyFloat::new_bound(py, t).into_any();
+                        let out = obj.clone().unbind();
+                        last_ts = Some((t, obj));
+                        out
                     }
                 });
                 ts_col.push_f64(Some(t));
-                let u = cols
-                    .gpu_uuid
-                    .get(i)
-                    .and_then(|u| u.as_ref())
-                    .map(|s| s.0.as_ref());
-                uuid.push(u.map_or_else(
-                    || none.clone_ref(py),
-                    |s| PyString::new_bound(py, s).into_any().unbind(),
-                ));
+                let u = rec.gpu_uuid.get(i).and_then(|u| u.as_deref());
+                uuid.push(u.map_or_else(|| none.clone_ref(py), |s| strings.get(py, s)));
                 uuid_col.push(u);
-                let x = cols.gpu_index.get(i).copied().flatten();
+                let x = rec.gpu_index.get(i).copied().flatten();
                 index.push(x.map_or_else(|| none.clone_ref(py), |v| v.into_py(py)));
                 index_col.push_i64(x);
-                let g = cols.gpu_instance_id.get(i).copied().flatten();
+                let g = rec.gpu_instance_id.get(i).copied().flatten();
                 instance.push(g.map_or_else(|| none.clone_ref(py), |v| v.into_py(py)));
                 instance_col.push_i64(g);
-                profile_col.push(
-                    cols.gpu_instance_profile
-                        .get(i)
-                        .and_then(|p| p.as_ref())
-                        .map(|s| s.0.as_ref()),
-                );
-                let m = cols
-                    .model_name
-                    .get(i)
-                    .and_then(|m| m.as_ref())
-                    .map(|s| s.0.as_ref());
+                profile_col.push(rec.gpu_instance_profile.get(i).and_then(|p| p.as_deref()));
+                let m = rec.model_name.get(i).and_then(|m| m.as_deref());
                 model_col.push(m);
                 model.push(match m {
                     None => none.clone_ref(py),
@@ -773,19 +1244,15 @@ impl ScrapeDecoder {
                         }
                     },
                 });
-                fields_col.push(Some(cols.fields.get(i).map_or("{}", |r| r.get())));
-                invalid_col.push(Some(cols.invalid.get(i).map_or("{}", |r| r.get())));
-                attributes_col.push(Some(cols.attributes.get(i).map_or("{}", |r| r.get())));
+                fields_col.push(Some(rec.fields.get(i).map_or("{}", |f| f.0)));
+                invalid_col.push(Some(rec.invalid.get(i).map_or("{}", |f| f.0)));
+                attributes_col.push(Some(rec.attributes.get(i).copied().unwrap_or("{}")));
                 floats.iter_mut().for_each(|v| *v = None);
                 wholes.iter_mut().for_each(|v| *v = None);
                 let mut observed: Option<Bound<'_, PyDict>> = None;
-                if let Some(entries) = rec.fields.get(i) {
-                    for (key, v) in &entries.0 {
-                        let key = key.0.as_ref();
-                        let name = match self.names.iter().find(|n| n.name.as_str() == key) {
-                            Some(name) => name,
-                            None => continue,
-                        };
+                if let Some(&(_, end)) = rec.fields.get(i) {
+                    for (j, v) in &rec.field_entries[field_start..end] {
+                        let name = &self.names[*j];
                         if let Some(j) = name.float {
                             floats[j] = as_float(*v);
                         }
@@ -794,33 +1261,40 @@ impl ScrapeDecoder {
                         }
                         if let Some(j) = name.observed {
                             let d = observed.get_or_insert_with(|| PyDict::new_bound(py));
-                            let obj: PyObject = match v {
-                                Num::Int(x) => x.into_py(py),
-                                Num::Big(text) => {
-                                    int_type.call1((PyString::new_bound(py, text),))?.unbind()
-                                }
-                                Num::Float(x) => PyFloat::new_bound(py, *x).into_any().unbind(),
+                            // the previous GPU's object of this field when the value is the same
+                            let bits = match v {
+                                Num::Int(x) => Some((*x as u64, true)),
+                                Num::Float(x) => Some((x.to_bits(), false)),
+                                Num::Big(_) => None,
                             };
-                            d.set_item(self.observed_keys[j].bind(py), obj)?;
+                            let obj: Bound<'_, PyAny> = match (&last_values[j], bits) {
+                                (Some((prev, obj)), Some(b)) if *prev == b => obj.clone(),
+                                _ => {
+                                    let obj: Bound<'_, PyAny> = match v {
+                                        Num::Int(x) => x.into_py(py).into_bound(py),
+                                        Num::Big(text) => {
+                                            int_type.call1((PyString::new_bound(py, text),))?
+                                        }
+                                        Num::Float(x) => PyFloat::new_bound(py, *x).into_any(),
+                                    };
+                                    last_values[j] = bits.map(|b| (b, obj.clone()));
+                                    obj
+                                }
+                            };
+                            dict_set(d, self.observed_keys[j].bind(py), &obj)?;
                         }
                     }
+                    field_start = end;
                 }
                 obs_fields
                     .push(observed.map_or_else(|| empty.clone_ref(py), |d| d.into_any().unbind()));
                 let mut bad: Option<Bound<'_, PyDict>> = None;
-                if let Some(entries) = rec.invalid.get(i) {
-                    for (key, reason) in &entries.0 {
-                        let key = key.0.as_ref();
-                        if let Some(j) = self
-                            .names
-                            .iter()
-                            .find(|n| n.name.as_str() == key)
-                            .and_then(|n| n.observed)
-                        {
-                            let d = bad.get_or_insert_with(|| PyDict::new_bound(py));
-                            d.set_item(self.observed_keys[j].bind(py), reason.0.as_ref())?;
-                        }
+                if let Some(&(_, end)) = rec.invalid.get(i) {
+                    for (j, reason) in &rec.invalid_entries[invalid_start..end] {
+                        let d = bad.get_or_insert_with(|| PyDict::new_bound(py));
+                        d.set_item(self.observed_keys[*j].bind(py), reason.as_ref())?;
                     }
+                    invalid_start = end;
                 }
                 obs_invalid
                     .push(bad.map_or_else(|| empty.clone_ref(py), |d| d.into_any().unbind()));
@@ -833,22 +1307,22 @@ impl ScrapeDecoder {
             }
         }
         let arrays = PyDict::new_bound(py);
-        arrays.set_item("ts", fixed_buffers(py, &ts_col))?;
-        arrays.set_item("gpu_uuid", str_buffers(py, &uuid_col))?;
-        arrays.set_item("gpu_index", fixed_buffers(py, &index_col))?;
-        arrays.set_item("gpu_instance_id", fixed_buffers(py, &instance_col))?;
-        arrays.set_item("gpu_instance_profile", str_buffers(py, &profile_col))?;
-        arrays.set_item("model_name", str_buffers(py, &model_col))?;
-        arrays.set_item("fields", str_buffers(py, &fields_col))?;
-        arrays.set_item("invalid", str_buffers(py, &invalid_col))?;
-        arrays.set_item("attributes", str_buffers(py, &attributes_col))?;
+        arrays.set_item("ts", fixed_buffers(py, ts_col)?)?;
+        arrays.set_item("gpu_uuid", str_buffers(py, uuid_col)?)?;
+        arrays.set_item("gpu_index", fixed_buffers(py, index_col)?)?;
+        arrays.set_item("gpu_instance_id", fixed_buffers(py, instance_col)?)?;
+        arrays.set_item("gpu_instance_profile", str_buffers(py, profile_col)?)?;
+        arrays.set_item("model_name", str_buffers(py, model_col)?)?;
+        arrays.set_item("fields", str_buffers(py, fields_col)?)?;
+        arrays.set_item("invalid", str_buffers(py, invalid_col)?)?;
+        arrays.set_item("attributes", str_buffers(py, attributes_col)?)?;
         let float_dict = PyDict::new_bound(py);
-        for (name, c) in self.float_fields.iter().zip(&float_cols) {
-            float_dict.set_item(name, fixed_buffers(py, c))?;
+        for (name, c) in self.float_fields.iter().zip(float_cols) {
+            float_dict.set_item(name, fixed_buffers(py, c)?)?;
         }
         let whole_dict = PyDict::new_bound(py);
-        for (name, c) in self.whole_fields.iter().zip(&whole_cols) {
-            whole_dict.set_item(name, fixed_buffers(py, c))?;
+        for (name, c) in self.whole_fields.iter().zip(whole_cols) {
+            whole_dict.set_item(name, fixed_buffers(py, c)?)?;
         }
         let list = |v: Vec<PyObject>| owned_list(py, v);
         Ok(DecodedScrapes {
@@ -877,6 +1351,7 @@ impl ScrapeDecoder {
 fn analytics_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ScrapeDecoder>()?;
     m.add_class::<DecodedScrapes>()?;
+    m.add_class::<Buffer>()?;
     m.add("RECORD_MEMBERS", RECORD_MEMBERS.to_vec())?;
     m.add("COLUMN_MEMBERS", COLUMN_MEMBERS.to_vec())?;
     m.add("SERIES_MEMBERS", SERIES_MEMBERS.to_vec())?;
@@ -887,18 +1362,89 @@ fn analytics_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
 mod tests {
     use super::*;
 
+    /// A number's value as `Scan::num` reads it from `text` alone, or `None` when refused.
+    fn num(text: &str) -> Option<Num<'_>> {
+        let mut sc = Scan::new(text.as_bytes());
+        let v = sc.num()?;
+        if sc.at_end() {
+            Some(v)
+        } else {
+            None
+        }
+    }
+
     #[test]
     fn numbers_keep_their_kind() {
-        assert_eq!(num_of("5"), Some(Num::Int(5)));
-        assert_eq!(num_of("-0"), Some(Num::Int(0)));
-        assert_eq!(num_of("5.0"), Some(Num::Float(5.0)));
-        assert_eq!(num_of("1e2"), Some(Num::Float(100.0)));
-        assert_eq!(num_of("1e400"), None);
+        assert_eq!(num("5"), Some(Num::Int(5)));
+        assert_eq!(num("-0"), Some(Num::Int(0)));
+        assert_eq!(num("5.0"), Some(Num::Float(5.0)));
+        assert_eq!(num("1e2"), Some(Num::Float(100.0)));
+        assert_eq!(num("1E-7"), Some(Num::Float(1e-7)));
+        assert_eq!(num("1e400"), None);
         assert_eq!(
-            num_of("9223372036854775808"),
+            num("9223372036854775808"),
             Some(Num::Big("9223372036854775808"))
         );
-        assert_eq!(num_of("\"5\""), None);
+        for refused in [
+            "\"5\"", "01", "-01", "1.", ".5", "+1", "1e", "1e+", "--1", "-", "0x1",
+        ] {
+            assert_eq!(num(refused), None, "{}", refused);
+        }
+    }
+
+    #[test]
+    fn strings_unescape_exactly() {
+        let read = |text: &str| Scan::new(text.as_bytes()).string().map(|s| s.into_owned());
+        assert_eq!(
+            read(r#""a\"\\\/\b\f\n\r\t""#).as_deref(),
+            Some("a\"\\/\u{8}\u{c}\n\r\t")
+        );
+        assert_eq!(
+            read(r#""\ud83d\ude00\u00E9""#).as_deref(),
+            Some("\u{1f600}\u{e9}")
+        );
+        for refused in [
+            r#""\ud800""#,
+            r#""\udc00""#,
+            r#""\ud800\u0041""#,
+            r#""\x""#,
+            r#""\u12""#,
+            "\"\u{1}\"",
+            "\"a",
+        ] {
+            assert_eq!(read(refused), None, "{}", refused);
+        }
+    }
+
+    #[test]
+    fn plain_len_stops_at_the_first_byte_a_string_does_not_hold_as_is() {
+        let special = |c: u8| c == b'"' || c == b'\\' || c < 0x20 || c >= 0x80;
+        for c in 0..=255u8 {
+            for at in 0..20 {
+                let mut b = vec![b'a'; 20];
+                b[at] = c;
+                assert_eq!(
+                    plain_len(&b),
+                    if special(c) { at } else { 20 },
+                    "{} at {}",
+                    c,
+                    at
+                );
+                for d in [0u8, b'"', 0x7f, 0xff] {
+                    if let Some(x) = b.get_mut(at + 1) {
+                        *x = d;
+                    }
+                    let want = if special(c) {
+                        at
+                    } else if special(d) && at + 1 < 20 {
+                        at + 1
+                    } else {
+                        20
+                    };
+                    assert_eq!(plain_len(&b), want, "{} at {} then {}", c, at, d);
+                }
+            }
+        }
     }
 
     #[test]
