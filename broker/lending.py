@@ -30,9 +30,13 @@ a preemption is noticed when Slurm signals it rather than at the next full read:
 * a lease hold Slurm chose for preemption (a pending training job needs the GPUs, partition
   preemption) → the lease is reclaimed with Slurm's own deadline (``EndTime``, the end of the
   lent partition's ``GraceTime``), reason ``scheduler_preempted:<job id>``; every job of the lease
-  is sent SIGTERM, so the workload drains; at the deadline the lease is revoked;
-* a lease hold that ended while the lease is live (an operator's ``scancel``, a node failure)
-  → the lease is reclaimed with the deadline ``now`` (revoked at the next tick), ``hold_lost``;
+  is sent SIGTERM, so the workload drains; at the deadline the lease is revoked. A hold already
+  gone when read, whose workload drained and left before the grace time ran out, is that too
+  (Slurm still lists it, ended, with its ``PreemptTime``): its deadline is ``PreemptTime`` + the
+  notice, as Slurm set ``EndTime`` at the preemption;
+* a lease hold that ended while the lease is live without Slurm choosing it (an operator's
+  ``scancel``, a node failure) → the lease is reclaimed with the deadline ``now`` (revoked at the
+  next tick), ``hold_lost``;
 * placeholders are submitted for GPUs to hold not yet held, and idle placeholders on GPUs no
   longer to hold are cancelled after ``unwanted_grace_s``; a GPU Slurm took back (either case
   above, or an idle placeholder it preempted) gets no new placeholder for ``retake_cooldown_s``
@@ -744,25 +748,25 @@ class SlurmLending:
 
     async def _poll(self) -> None:
         """One read of Slurm: preemptions and lost holds → reclaims; placeholders kept."""
-        jobs = {h.job_id: h for h in await self.scheduler.jobs() if h.state is not HoldState.ENDED}
+        listed = await self.scheduler.jobs()
+        jobs = {h.job_id: h for h in listed if h.state is not HoldState.ENDED}
+        taken = {h.job_id: h for h in listed if self._deadline_if_chosen(h) is not None}
         now = self._clock()
         confirm: list[Hold] = []
         for lease_id, holds in list(self._leases.items()):
             if lease_id in self._noticed:
                 continue
-            current = [jobs.get(h.job_id) for h in holds]
-            chosen = [h for h in current if h is not None and h.state is HoldState.PREEMPTED]
+            current = [jobs.get(h.job_id) or taken.get(h.job_id) for h in holds]
+            chosen = [h for h in current if h is not None and h.job_id in taken]
             gone = [h.job_id for h, c in zip(holds, current, strict=True) if c is None]
             if chosen:
                 self._noticed.add(lease_id)
-                deadline = min(
-                    (h.deadline for h in chosen if h.deadline is not None), default=now + self.notice_s
-                )
+                deadline = min(d for h in chosen if (d := self._deadline_if_chosen(h)) is not None)
                 await self._notify(
                     lease_id, deadline, f"{LeaseReason.SCHEDULER_PREEMPTED}:{chosen[0].job_id}"
                 )
                 self._observe_notice(chosen[0])
-                confirm.extend(h for h in current if h is not None)
+                confirm.extend(h for h in current if h is not None and h.state is not HoldState.ENDED)
             elif gone:
                 self._noticed.add(lease_id)
                 await self._notify(lease_id, now, f"{LeaseReason.HOLD_LOST}:{gone[0]}")
@@ -842,13 +846,18 @@ class SlurmLending:
         False when it had been noticed or had ended already, or when its jobs run unchosen."""
         if lease_id in self._noticed or lease_id not in self._leases:
             return False  # noticed by a read of every job meanwhile, or ended
-        found = {j.job_id: j for j in listed if j.state is not HoldState.ENDED}
+        found = {
+            j.job_id: j
+            for j in listed
+            if j.state is not HoldState.ENDED or self._deadline_if_chosen(j) is not None
+        }
         chosen = next(
-            (found[j] for j in job_ids if j in found and found[j].state is HoldState.PREEMPTED), None
+            (found[j] for j in job_ids if j in found and self._deadline_if_chosen(found[j]) is not None), None
         )
         if chosen is not None:
             self._noticed.add(lease_id)
-            deadline = chosen.deadline if chosen.deadline is not None else self._clock() + self.notice_s
+            deadline = self._deadline_if_chosen(chosen)
+            assert deadline is not None  # chosen
             await self._notify(lease_id, deadline, f"{LeaseReason.SCHEDULER_PREEMPTED}:{chosen.job_id}")
             self._observe_notice(chosen)
             self._background(self._confirm(list(self._leases.get(lease_id, ()))), "hold-confirm-notice")
@@ -859,6 +868,17 @@ class SlurmLending:
             await self._notify(lease_id, self._clock(), f"{LeaseReason.HOLD_LOST}:{gone}")
             return True
         return False
+
+    def _deadline_if_chosen(self, hold: Hold) -> float | None:
+        """The deadline (Unix s) of a hold Slurm chose for preemption, ``None`` if it did not:
+        running in its grace time → its ``EndTime`` (else now + the notice); ended already (its
+        workload left before the grace time ran out, ``preempted_at`` set) → ``PreemptTime`` +
+        the notice, the ``EndTime`` Slurm set at the preemption (``GraceTime`` = the notice)."""
+        if hold.state is HoldState.PREEMPTED:
+            return hold.deadline if hold.deadline is not None else self._clock() + self.notice_s
+        if hold.state is HoldState.ENDED and hold.preempted_at is not None:
+            return hold.preempted_at + self.notice_s
+        return None
 
     def _observe_notice(self, chosen: Hold) -> None:
         """``gpupool_broker_preemption_notice_seconds``: from the SIGTERM Slurm sent ``chosen``
