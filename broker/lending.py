@@ -350,6 +350,7 @@ class SlurmLending:
         for rec in live:
             if rec.state is LeaseState.RECLAIMING:
                 self._noticed.add(rec.lease_id)
+                self._site_told(self._leases.get(rec.lease_id, ()))
             if rec.lease_id not in self._leases:
                 self._noticed.add(rec.lease_id)
                 if rec.state is not LeaseState.RECLAIMING and self._reclaim is not None:
@@ -444,11 +445,14 @@ class SlurmLending:
         """See :meth:`Lending.reclaiming`: a reclaim gpupool started (a training demand) signals
         the lease's jobs as Slurm's preemption does (each leaves by the notice's end); one Slurm
         started was signalled when it was seen; one deferred past the notice (a minimum
-        guarantee) is not signalled (its jobs would leave before its deadline)."""
+        guarantee) is not signalled (its jobs would leave before its deadline). Either way,
+        unless deferred, each job's *told* file is written (the site has been sent the reclaim,
+        :mod:`broker.placeholders`): a job whose workload already left gives its GPU back now."""
         holds = self._leases.get(record.lease_id)
         deadline = record.reclaim_deadline
         if deadline is not None and deadline - self._clock() > self.notice_s + 1.0:
             return  # deferred to its guarantee's end: the jobs would leave too early; scancel then
+        self._site_told(holds or ())
         if holds and record.lease_id not in self._noticed:
             self._noticed.add(record.lease_id)
             self._background(self._confirm(list(holds)), f"hold-confirm-{record.lease_id}")
@@ -467,7 +471,7 @@ class SlurmLending:
         self._background(self._tell(), f"lendable-{record.lease_id}")
         for h in holds:
             self._termed.discard(h.job_id)
-            for kind in ("held", "start", "idle", "term"):
+            for kind in ("held", "start", "idle", "term", "told"):
                 self._file(h.job_id, kind).unlink(missing_ok=True)
         self._file(record.lease_id, "endpoint").unlink(missing_ok=True)
         self._background(self._release(record.lease_id, holds), f"hold-release-{record.lease_id}")
@@ -475,6 +479,15 @@ class SlurmLending:
     def endpoint(self, lease_id: str) -> Mapping[str, str]:
         """See :meth:`Lending.endpoint`."""
         return dict(self._endpoints.get(lease_id, {}))
+
+    def _site_told(self, holds: Iterable[Hold]) -> None:
+        """Write the *told* file of each of ``holds`` (their lease's site was sent its reclaim);
+        a file that cannot be written is logged (the job then keeps its GPU to the notice's end)."""
+        for h in holds:
+            try:
+                self._file(h.job_id, "told").touch()
+            except OSError as e:
+                log.error("told_file_failed", extra={"job_id": h.job_id, "error": str(e)})
 
     def held_gpus(self) -> dict[str, tuple[int, ...]]:
         """GRES indices held per live lease (for tests and the demo's summary)."""

@@ -164,18 +164,28 @@ def _listed(line: str) -> bool:
     return preempt is not None and preempt.group(1) not in ("", "None", "Unknown", "N/A", "(null)")
 
 
-def leave_function(notice: int, held_while: str = "") -> str:
+def leave_function(notice: int, held_while: str = "", told: str = "") -> str:
     """The bash prelude of every hold script: ``leave``, run on SIGTERM, TERMs the workload
     (``$child``), waits for it at most ``notice`` seconds, KILLs it and exits; a second SIGTERM
     changes nothing. ``held_while``: a file, as a bash word (quoted by the caller); a script
     without a workload then keeps its GPUs, up to ``notice`` seconds, while that file exists (a
     lease's other GPUs, whose workload runs in another hold job, stay held until it is gone).
+    ``told`` (with ``held_while``): a file, as a bash word, the broker writes once the lease's
+    site has been told of the reclaim; a workload that left early (drained at once) does not
+    give the GPUs back before it exists, while ``held_while`` does, within the same ``notice``
+    seconds: training never starts on a lease's GPUs before its site heard of the reclaim,
+    unless gpupool takes longer than the notice to tell it.
 
     It also defines ``nap SECONDS``, the scripts' wait while they hold: one that starts no
     process (``read -t`` on a pipe nothing writes to, opened once), so a hold waiting for its
     notice costs no ``fork``/``exec`` of ``sleep`` each tenth of a second, and a trapped SIGTERM
     runs its trap at once. ``leave`` itself waits with ``sleep``: bash reaps an exited workload
     only between commands, not while a trap handler waits in ``read``."""
+    site_told = f"""        for ((; i < $1; i++)); do  # the rest of the notice: until the site was told
+            [ -f {held_while} ] && [ ! -f {told} ] || break
+            sleep 0.1
+        done
+""" if held_while and told else ""
     hold_on = f"""    elif [ -f {held_while} ]; then
         for ((i = 0; i < $1; i++)); do
             [ -f {held_while} ] || break
@@ -198,7 +208,7 @@ leave() {{  # leave TENTHS: TERM the workload, wait for it at most TENTHS/10 s, 
             sleep 0.1
         done
         kill -KILL "$child" 2>/dev/null
-{hold_on}    fi
+{site_told}{hold_on}    fi
     # Reap every child before leaving: an orphan (even a finished one, where PID 1 does not
     # reap) keeps the job's process group alive and Slurm then waits for KillWait.
     wait

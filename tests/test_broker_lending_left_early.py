@@ -126,3 +126,24 @@ async def test_jobs_lists_holds_not_ended_and_those_ended_after_a_preemption(
     assert [h.state for h in holds] == ([] if listed_as is None else [listed_as])
     if listed_as is not None:
         assert holds[0].job_id == "7" and (holds[0].preempted_at is None) == (preempt_time == "None")
+
+
+async def test_the_told_file_is_written_once_the_site_was_sent_the_reclaim_and_goes_with_the_lease(
+    tmp_path: Path,
+) -> None:
+    """The broker calls ``reclaiming`` after the reclaiming record is logged and published; the
+    hold's script gives the GPU back early only once this file exists (broker.placeholders)."""
+    lending, _, _ = await _leased(tmp_path)
+    rec = LeaseLogRecord(
+        lease_id="L1", site="edge-a", claim_id="c1", offer_id="o", gpus=["n1/gpu1"], state=LeaseState.RECLAIMING,
+        ts=NOW, granted_at=NOW, expires_at=NOW + 600, notice_seconds=2.0, reclaim_deadline=NOW + 3.0,
+    )  # fmt: skip
+    try:
+        lending.reclaiming(rec.model_copy(update={"reclaim_deadline": NOW + 3.0 + 0.001}))
+        assert not (tmp_path / "11.told").exists()  # deferred past the notice (+ 1 s): not told yet
+        lending.reclaiming(rec)
+        assert (tmp_path / "11.told").exists()
+        lending.ended(rec.model_copy(update={"state": LeaseState.REVOKED}))
+        assert not (tmp_path / "11.told").exists()
+    finally:
+        await lending.stop()
