@@ -206,6 +206,9 @@ def _table(base, lent, fig, notice_s: float, compression: float) -> list[tuple[s
          "<= 1.1: " + (met(disruption <= 1.1) if disruption is not None else "nothing taken back")),
         ("window leases ended before their window", "-", f"{fig.window_broken} of {fig.window_leases}", ""),
         ("leases that outlived the notice", "-", f"{fig.outlived_notice}", "0 expected"),
+        ("  of which GPU already running training", "-", f"{fig.outlived_gpu_back}",
+         "only the lease log's end came late"),
+        ("leases whose hold was lost (no notice)", "-", f"{fig.hold_lost}", "ended without Slurm choosing them"),
         ("training starts on a lease without notice", "-", f"{fig.unnoticed_starts}", "0 expected"),
     ]
 

@@ -30,9 +30,13 @@ a preemption is noticed when Slurm signals it rather than at the next full read:
 * a lease hold Slurm chose for preemption (a pending training job needs the GPUs, partition
   preemption) → the lease is reclaimed with Slurm's own deadline (``EndTime``, the end of the
   lent partition's ``GraceTime``), reason ``scheduler_preempted:<job id>``; every job of the lease
-  is sent SIGTERM, so the workload drains; at the deadline the lease is revoked;
-* a lease hold that ended while the lease is live (an operator's ``scancel``, a node failure)
-  → the lease is reclaimed with the deadline ``now`` (revoked at the next tick), ``hold_lost``;
+  is sent SIGTERM, so the workload drains; at the deadline the lease is revoked. A hold already
+  gone when read, whose workload drained and left before the grace time ran out, is that too
+  (Slurm still lists it, ended, with its ``PreemptTime``): its deadline is ``PreemptTime`` + the
+  notice, as Slurm set ``EndTime`` at the preemption;
+* a lease hold that ended while the lease is live without Slurm choosing it (an operator's
+  ``scancel``, a node failure) → the lease is reclaimed with the deadline ``now`` (revoked at the
+  next tick), ``hold_lost``;
 * placeholders are submitted for GPUs to hold not yet held, and idle placeholders on GPUs no
   longer to hold are cancelled after ``unwanted_grace_s``; a GPU Slurm took back (either case
   above, or an idle placeholder it preempted) gets no new placeholder for ``retake_cooldown_s``
@@ -346,6 +350,7 @@ class SlurmLending:
         for rec in live:
             if rec.state is LeaseState.RECLAIMING:
                 self._noticed.add(rec.lease_id)
+                self._site_told(self._leases.get(rec.lease_id, ()))
             if rec.lease_id not in self._leases:
                 self._noticed.add(rec.lease_id)
                 if rec.state is not LeaseState.RECLAIMING and self._reclaim is not None:
@@ -440,11 +445,14 @@ class SlurmLending:
         """See :meth:`Lending.reclaiming`: a reclaim gpupool started (a training demand) signals
         the lease's jobs as Slurm's preemption does (each leaves by the notice's end); one Slurm
         started was signalled when it was seen; one deferred past the notice (a minimum
-        guarantee) is not signalled (its jobs would leave before its deadline)."""
+        guarantee) is not signalled (its jobs would leave before its deadline). Either way,
+        unless deferred, each job's *told* file is written (the site has been sent the reclaim,
+        :mod:`broker.placeholders`): a job whose workload already left gives its GPU back now."""
         holds = self._leases.get(record.lease_id)
         deadline = record.reclaim_deadline
         if deadline is not None and deadline - self._clock() > self.notice_s + 1.0:
             return  # deferred to its guarantee's end: the jobs would leave too early; scancel then
+        self._site_told(holds or ())
         if holds and record.lease_id not in self._noticed:
             self._noticed.add(record.lease_id)
             self._background(self._confirm(list(holds)), f"hold-confirm-{record.lease_id}")
@@ -463,7 +471,7 @@ class SlurmLending:
         self._background(self._tell(), f"lendable-{record.lease_id}")
         for h in holds:
             self._termed.discard(h.job_id)
-            for kind in ("held", "start", "idle", "term"):
+            for kind in ("held", "start", "idle", "term", "told"):
                 self._file(h.job_id, kind).unlink(missing_ok=True)
         self._file(record.lease_id, "endpoint").unlink(missing_ok=True)
         self._background(self._release(record.lease_id, holds), f"hold-release-{record.lease_id}")
@@ -471,6 +479,15 @@ class SlurmLending:
     def endpoint(self, lease_id: str) -> Mapping[str, str]:
         """See :meth:`Lending.endpoint`."""
         return dict(self._endpoints.get(lease_id, {}))
+
+    def _site_told(self, holds: Iterable[Hold]) -> None:
+        """Write the *told* file of each of ``holds`` (their lease's site was sent its reclaim);
+        a file that cannot be written is logged (the job then keeps its GPU to the notice's end)."""
+        for h in holds:
+            try:
+                self._file(h.job_id, "told").touch()
+            except OSError as e:
+                log.error("told_file_failed", extra={"job_id": h.job_id, "error": str(e)})
 
     def held_gpus(self) -> dict[str, tuple[int, ...]]:
         """GRES indices held per live lease (for tests and the demo's summary)."""
@@ -744,25 +761,25 @@ class SlurmLending:
 
     async def _poll(self) -> None:
         """One read of Slurm: preemptions and lost holds → reclaims; placeholders kept."""
-        jobs = {h.job_id: h for h in await self.scheduler.jobs() if h.state is not HoldState.ENDED}
+        listed = await self.scheduler.jobs()
+        jobs = {h.job_id: h for h in listed if h.state is not HoldState.ENDED}
+        taken = {h.job_id: h for h in listed if self._deadline_if_chosen(h) is not None}
         now = self._clock()
         confirm: list[Hold] = []
         for lease_id, holds in list(self._leases.items()):
             if lease_id in self._noticed:
                 continue
-            current = [jobs.get(h.job_id) for h in holds]
-            chosen = [h for h in current if h is not None and h.state is HoldState.PREEMPTED]
+            current = [jobs.get(h.job_id) or taken.get(h.job_id) for h in holds]
+            chosen = [h for h in current if h is not None and h.job_id in taken]
             gone = [h.job_id for h, c in zip(holds, current, strict=True) if c is None]
             if chosen:
                 self._noticed.add(lease_id)
-                deadline = min(
-                    (h.deadline for h in chosen if h.deadline is not None), default=now + self.notice_s
-                )
+                deadline = min(d for h in chosen if (d := self._deadline_if_chosen(h)) is not None)
                 await self._notify(
                     lease_id, deadline, f"{LeaseReason.SCHEDULER_PREEMPTED}:{chosen[0].job_id}"
                 )
                 self._observe_notice(chosen[0])
-                confirm.extend(h for h in current if h is not None)
+                confirm.extend(h for h in current if h is not None and h.state is not HoldState.ENDED)
             elif gone:
                 self._noticed.add(lease_id)
                 await self._notify(lease_id, now, f"{LeaseReason.HOLD_LOST}:{gone[0]}")
@@ -842,13 +859,18 @@ class SlurmLending:
         False when it had been noticed or had ended already, or when its jobs run unchosen."""
         if lease_id in self._noticed or lease_id not in self._leases:
             return False  # noticed by a read of every job meanwhile, or ended
-        found = {j.job_id: j for j in listed if j.state is not HoldState.ENDED}
+        found = {
+            j.job_id: j
+            for j in listed
+            if j.state is not HoldState.ENDED or self._deadline_if_chosen(j) is not None
+        }
         chosen = next(
-            (found[j] for j in job_ids if j in found and found[j].state is HoldState.PREEMPTED), None
+            (found[j] for j in job_ids if j in found and self._deadline_if_chosen(found[j]) is not None), None
         )
         if chosen is not None:
             self._noticed.add(lease_id)
-            deadline = chosen.deadline if chosen.deadline is not None else self._clock() + self.notice_s
+            deadline = self._deadline_if_chosen(chosen)
+            assert deadline is not None  # chosen
             await self._notify(lease_id, deadline, f"{LeaseReason.SCHEDULER_PREEMPTED}:{chosen.job_id}")
             self._observe_notice(chosen)
             self._background(self._confirm(list(self._leases.get(lease_id, ()))), "hold-confirm-notice")
@@ -859,6 +881,17 @@ class SlurmLending:
             await self._notify(lease_id, self._clock(), f"{LeaseReason.HOLD_LOST}:{gone}")
             return True
         return False
+
+    def _deadline_if_chosen(self, hold: Hold) -> float | None:
+        """The deadline (Unix s) of a hold Slurm chose for preemption, ``None`` if it did not:
+        running in its grace time → its ``EndTime`` (else now + the notice); ended already (its
+        workload left before the grace time ran out, ``preempted_at`` set) → ``PreemptTime`` +
+        the notice, the ``EndTime`` Slurm set at the preemption (``GraceTime`` = the notice)."""
+        if hold.state is HoldState.PREEMPTED:
+            return hold.deadline if hold.deadline is not None else self._clock() + self.notice_s
+        if hold.state is HoldState.ENDED and hold.preempted_at is not None:
+            return hold.preempted_at + self.notice_s
+        return None
 
     def _observe_notice(self, chosen: Hold) -> None:
         """``gpupool_broker_preemption_notice_seconds``: from the SIGTERM Slurm sent ``chosen``

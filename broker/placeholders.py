@@ -23,7 +23,10 @@ file away; ``rename(2)`` is atomic, so either the broker carves it (and it stays
 hold, for the notice) or it leaves (and the claim is refused), never both; one running the
 workload forwards SIGTERM to it and leaves when it exits or ``notice`` seconds have passed; one
 of a lease without the workload keeps its GPU, at most ``notice`` seconds, while its held file
-exists (the broker removes it when the lease ends). A carved one writes the time its first
+exists (the broker removes it when the lease ends); one whose workload left before the notice
+ran out keeps its GPU too, within the notice, while its held file exists and its *told* file
+(``<job id>.told``, written by the broker once the lease's site was sent the reclaim) does not:
+Slurm's training job never gets a lease's GPU before the site heard of the reclaim. A carved one writes the time its first
 SIGTERM arrived (``date +%s.%6N``, from bash's ``EPOCHREALTIME``) to its *term* file
 (``<job id>.term``): the broker watches for it (:func:`read_term`) and so hears of a preemption
 as soon as Slurm signals it, without waiting for its next read of Slurm's jobs.
@@ -114,7 +117,8 @@ idle={ctl}/$SLURM_JOB_ID.idle
 held={ctl}/$SLURM_JOB_ID.held
 start={ctl}/$SLURM_JOB_ID.start
 term={ctl}/$SLURM_JOB_ID.term
-{leave_function(notice, '"$held"')}# SIGTERM while idle: take the idle file away (rename: exactly one of this and a carving wins)
+told={ctl}/$SLURM_JOB_ID.told
+{leave_function(notice, '"$held"', '"$told"')}# SIGTERM while idle: take the idle file away (rename: exactly one of this and a carving wins)
 # and leave at once; once carved (the broker renamed it to the held file), write when the first
 # SIGTERM arrived (Unix s, microseconds) to the term file (renamed into place: never read half
 # written) and leave as a lease hold.

@@ -21,7 +21,10 @@ the job cancelled at once, sends SIGTERM to every process of the job (the worklo
 SIGKILL after the cluster's ``KillWait``.
 
 Preemption is read from ``scontrol show job -d -o``: a job Slurm has chosen has ``PreemptTime``
-set and ``EndTime`` moved to the end of its grace time — the deadline the site is told.
+set and ``EndTime`` moved to the end of its grace time — the deadline the site is told. A hold
+whose workload drained and left before the grace time ran out has ended by the time it is read;
+Slurm keeps its ``PreemptTime`` (for ``MinJobAge``), so it is still listed, as ended with
+``preempted_at`` set: Slurm took it back, it was not lost.
 
 Times printed by Slurm are the controller's local time; they are read in this process's local
 time zone (the same host for the local cluster; set ``TZ`` to the controller's for a remote one).
@@ -58,6 +61,7 @@ _WORKERS = 4
 """Slurm commands that may run at once (worker threads of one :class:`SlurmScheduler`)."""
 _LEASE_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _JOB_STATE = re.compile(r"(?:^|\s)JobState=(\S+)")
+_PREEMPT_TIME = re.compile(r"(?:^|\s)PreemptTime=(\S+)")
 _FIELD = re.compile(r"(?:^|\s)([A-Za-z_][\w:/]*)=(\S*)")
 _GRES_IDX = re.compile(r"gpu(?::[^:(\s]+)?:(\d+)\(IDX:([\d,\-]+)\)")
 _ENDED = {
@@ -150,18 +154,38 @@ def hold_from_record(rec: Mapping[str, str]) -> Hold | None:
     )
 
 
-def leave_function(notice: int, held_while: str = "") -> str:
+def _listed(line: str) -> bool:
+    """True for a job line :meth:`SlurmScheduler.jobs` returns: a job not ended, or one that
+    ended after Slurm chose it for preemption (``PreemptTime`` set)."""
+    state = _JOB_STATE.search(line)
+    if state is None or state.group(1) not in _ENDED:
+        return True
+    preempt = _PREEMPT_TIME.search(line)
+    return preempt is not None and preempt.group(1) not in ("", "None", "Unknown", "N/A", "(null)")
+
+
+def leave_function(notice: int, held_while: str = "", told: str = "") -> str:
     """The bash prelude of every hold script: ``leave``, run on SIGTERM, TERMs the workload
     (``$child``), waits for it at most ``notice`` seconds, KILLs it and exits; a second SIGTERM
     changes nothing. ``held_while``: a file, as a bash word (quoted by the caller); a script
     without a workload then keeps its GPUs, up to ``notice`` seconds, while that file exists (a
     lease's other GPUs, whose workload runs in another hold job, stay held until it is gone).
+    ``told`` (with ``held_while``): a file, as a bash word, the broker writes once the lease's
+    site has been told of the reclaim; a workload that left early (drained at once) does not
+    give the GPUs back before it exists, while ``held_while`` does, within the same ``notice``
+    seconds: training never starts on a lease's GPUs before its site heard of the reclaim,
+    unless gpupool takes longer than the notice to tell it.
 
     It also defines ``nap SECONDS``, the scripts' wait while they hold: one that starts no
     process (``read -t`` on a pipe nothing writes to, opened once), so a hold waiting for its
     notice costs no ``fork``/``exec`` of ``sleep`` each tenth of a second, and a trapped SIGTERM
     runs its trap at once. ``leave`` itself waits with ``sleep``: bash reaps an exited workload
     only between commands, not while a trap handler waits in ``read``."""
+    site_told = f"""        for ((; i < $1; i++)); do  # the rest of the notice: until the site was told
+            [ -f {held_while} ] && [ ! -f {told} ] || break
+            sleep 0.1
+        done
+""" if held_while and told else ""
     hold_on = f"""    elif [ -f {held_while} ]; then
         for ((i = 0; i < $1; i++)); do
             [ -f {held_while} ] || break
@@ -184,7 +208,7 @@ leave() {{  # leave TENTHS: TERM the workload, wait for it at most TENTHS/10 s, 
             sleep 0.1
         done
         kill -KILL "$child" 2>/dev/null
-{hold_on}    fi
+{site_told}{hold_on}    fi
     # Reap every child before leaving: an orphan (even a finished one, where PID 1 does not
     # reap) keeps the job's process group alive and Slurm then waits for KillWait.
     wait
@@ -304,10 +328,12 @@ class SlurmScheduler:
         return proc.stdout.decode(errors="replace")
 
     async def jobs(self, job_id: str | None = None) -> list[Hold]:
-        """The hold jobs Slurm lists (one job, or every job) that have not ended (a job Slurm
-        still remembers in a final state, or ``COMPLETING``, is left out), placeholders not
-        carved into a lease included (``lease_id == ""``). Raises :class:`SchedulerError` if
-        Slurm cannot be read or prints what :func:`hold_from_record` cannot read."""
+        """The hold jobs Slurm lists (one job, or every job) that have not ended, and those that
+        ended after Slurm chose them for preemption (``state`` ended, ``preempted_at`` set: the
+        job left before its grace time ran out); another job Slurm still remembers in a final
+        state, or ``COMPLETING``, is left out. Placeholders not carved into a lease are included
+        (``lease_id == ""``). Raises :class:`SchedulerError` if Slurm cannot be read or prints
+        what :func:`hold_from_record` cannot read."""
         argv = ("scontrol", "show", "job", "-d", "-o") + ((job_id,) if job_id else ())
         try:  # read and parsed in a worker thread: a long listing holds up nothing on the loop
             return await asyncio.get_running_loop().run_in_executor(self._executor(), self._jobs, argv)
@@ -319,13 +345,11 @@ class SlurmScheduler:
     def _jobs(self, argv: tuple[str, ...]) -> list[Hold]:
         """:meth:`jobs` in the calling thread."""
         text = self._run(argv, None)
-        # only gpupool's own lines of jobs not ended are parsed: the controller lists every job
-        # it remembers (finished ones for MinJobAge, 300 s by default), most of it on a busy cluster
+        # only gpupool's own lines of jobs not ended (or ended after a preemption) are parsed:
+        # the controller lists every job it remembers (finished ones for MinJobAge, 300 s by
+        # default), most of it on a busy cluster
         ours = "\n".join(
-            line
-            for line in text.splitlines()
-            if f" JobName={JOB_NAME} " in line
-            and ((state := _JOB_STATE.search(line)) is None or state.group(1) not in _ENDED)
+            line for line in text.splitlines() if f" JobName={JOB_NAME} " in line and _listed(line)
         )
         try:
             holds = [hold_from_record(rec) for rec in parse_job_lines(ours)]

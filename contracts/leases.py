@@ -75,7 +75,8 @@ class LeaseReason(StrEnum):
     SCHEDULER_PREEMPTED = "scheduler_preempted"
     """Reclaiming because the training scheduler chose the lease's hold for preemption (a
     pending training job needs the GPUs); ``scheduler_preempted:<job id>``, the deadline is the
-    scheduler's own (the end of its grace time)."""
+    scheduler's own (the end of its grace time), also when the hold's workload had already
+    drained and left when the broker read it."""
     AT_RISK = "at_risk"
     """The lease is at risk (its state does not change): the training scheduler has planned a
     pending job onto its GPUs (``at_risk_since`` and ``reclaim_expected_at`` are set; a window
@@ -83,7 +84,8 @@ class LeaseReason(StrEnum):
     away before it leaves training nothing to wait for."""
     HOLD_LOST = "hold_lost"
     """Reclaiming at once: the lease's hold in the training scheduler ended while the lease was
-    live (cancelled by an operator, node failure); ``hold_lost:<job id>``."""
+    live without the scheduler choosing it for preemption (cancelled by an operator, node
+    failure); ``hold_lost:<job id>``."""
     RECLAIM_DEADLINE = "reclaim_deadline"
     """Revoked: the reclaim deadline passed."""
     REBUILD_CONFLICT = "rebuild_conflict"

@@ -21,8 +21,9 @@ window (wall Unix seconds; GPU-hours in simulated time, × ``compression``):
 * every preemption paired with a notice: training jobs that started on a GPU while a lease held
   it without a reclaim record before (must be 0);
 * window leases that ended before their promised ``window_until`` because of a reclaim, leases
-  whose end came later than ``outlive_tolerance_s`` after their reclaim deadline, leases warned at
-  risk.
+  whose end came later than ``outlive_tolerance_s`` after their reclaim deadline (and of those,
+  the ones whose GPU a training job was already running on before that end: the lease log's end
+  came late, the GPU did not), leases warned at risk.
 """
 
 from __future__ import annotations
@@ -110,6 +111,9 @@ class LendingFigures:
         window_broken: of those, leases a reclaim's deadline ended before ``window_until``.
         outlived_notice: reclaimed leases that ended (or were still live at the window's end)
             later than their deadline + the tolerance.
+        outlived_gpu_back: of those, leases on one of whose GPUs a training job started after
+            the preemption (deadline - notice) and before the lease's end: the hold had given
+            the GPU back and only the lease log's end came late (no training job waited on it).
         at_risk: leases warned at risk before any reclaim.
         hold_lost: leases whose hold ended without a preemption (``hold_lost``).
         needed_gpupool: training jobs started in the window on GPUs a gpupool job (an idle
@@ -132,6 +136,7 @@ class LendingFigures:
     hold_lost: int
     needed_gpupool: int = 0
     needed_leased: int = 0
+    outlived_gpu_back: int = 0
 
     @property
     def disruption(self) -> float | None:
@@ -174,7 +179,7 @@ def lending_figures(
     leased_jobs: set[str] = set()
     lent_s = 0.0
     to_running: list[float] = []
-    taken = needed = unnoticed = windows = broken = outlived = at_risk = lost = preempted = 0
+    taken = needed = unnoticed = windows = broken = outlived = gpu_back = at_risk = lost = preempted = 0
     for s in spans:
         rec = s.record
         end = s.ended_at if s.ended_at is not None else window[1]
@@ -194,6 +199,9 @@ def lending_figures(
             deadline = s.reclaim.reclaim_deadline
             if end > deadline + outlive_tolerance_s and (s.ended_at is not None or window[1] > deadline):
                 outlived += 1
+                t_pre = deadline - rec.notice_seconds
+                if any(t_pre <= t < end for w in where for t, _ in started_on.get(w, ())):
+                    gpu_back += 1
         if s.reclaim is not None and s.reclaim.reason.startswith(f"{LeaseReason.HOLD_LOST}:"):
             lost += 1
         if not s.preempted or s.reclaim is None or s.reclaim.reclaim_deadline is None:
@@ -215,7 +223,7 @@ def lending_figures(
         leases=len(spans), lent_gpu_hours=lent_s * compression / 3600.0, preempted=preempted,
         preempt_to_running_s=to_running, gpus_taken_back=taken, gpus_needed=needed,
         unnoticed_starts=unnoticed, window_leases=windows, window_broken=broken,
-        outlived_notice=outlived, at_risk=at_risk, hold_lost=lost,
+        outlived_notice=outlived, outlived_gpu_back=gpu_back, at_risk=at_risk, hold_lost=lost,
         needed_gpupool=len({j for j, (t, _, waited) in starts.items() if waited and window[0] <= t < window[1]}
                            | leased_jobs),
         needed_leased=len(leased_jobs),

@@ -77,3 +77,65 @@ def test_the_logging_sleep_sees_a_sleeping_script(tmp_path: Path) -> None:
     script.write_text("trap 'exit 0' TERM\nwhile true; do sleep 0.1 & wait $!; done\n")
     assert _run_then_term(script, env, 0.5) == 0
     assert log.read_text().splitlines()[0] == "0.1"
+
+
+def _carved_placeholder(tmp_path: Path, notice_s: float = 2.0) -> tuple[subprocess.Popen[bytes], Path]:
+    """A placeholder (job 7) carved into a lease whose workload leaves at once on SIGTERM, sent
+    SIGTERM once the workload runs (Slurm's preemption); the process and the control folder."""
+    ctl = tmp_path / "ctl"
+    ctl.mkdir()
+    script = tmp_path / "placeholder.sh"
+    script.write_text(placeholder_script(notice_s, ctl))
+    env = {**os.environ, "SLURM_JOB_ID": "7"}
+    proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 10
+    while not (ctl / "7.idle").exists():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.02)
+    (ctl / "7.idle").rename(ctl / "7.held")  # the broker carves it
+    started = tmp_path / "started"
+    (ctl / "7.start").write_text(f"trap 'exit 0' TERM\n: >{started}\nwhile true; do sleep 0.05; done\n")
+    while not started.exists():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    while not (ctl / "7.term").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    return proc, ctl
+
+
+def test_a_lease_hold_whose_workload_left_keeps_its_gpu_until_the_site_was_told(tmp_path: Path) -> None:
+    """The workload drains at once, but the GPU stays held (the job runs) until the broker's told
+    file says the lease's site was sent the reclaim: training does not start on a lease's GPU
+    before its site heard of the reclaim (unless the notice runs out first, below)."""
+    proc, ctl = _carved_placeholder(tmp_path)
+    try:
+        time.sleep(0.8)
+        assert proc.poll() is None  # the workload left; the site not told yet: still held
+        (ctl / "7.told").touch()
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_lease_hold_leaves_untold_at_the_notice_end_or_when_its_lease_ended(tmp_path: Path) -> None:
+    proc, ctl = _carved_placeholder(tmp_path)
+    try:
+        time.sleep(0.5)
+        assert proc.poll() is None
+        assert proc.wait(10) == 0  # never told: it leaves once the 2 s notice has passed
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    (tmp_path / "again").mkdir()
+    proc, ctl = _carved_placeholder(tmp_path / "again", notice_s=30.0)
+    try:
+        time.sleep(0.5)
+        assert proc.poll() is None
+        (ctl / "7.held").unlink()  # the lease ended (the site released it): its GPU goes back
+        assert proc.wait(10) == 0  # long before the 30 s notice
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -122,3 +122,24 @@ def test_the_demo_summary_states_the_harvest_share_and_the_delay_added() -> None
     rows = dict(_scheduler_rows({"enabled": True, "gpu_hours_idle": 0.0, "gpu_hours_lent": 0.0}))
     assert rows["harvest: share of idle GPU-hours lent"] == "—"
     assert rows["harvest: training delay added by lending (p50, wall)"] == "—"
+
+
+def test_an_outlived_lease_whose_gpu_training_already_ran_on_is_told_apart() -> None:
+    """L1's log ends 1.5 s after its deadline (outlived); a training job ran on its GPU 0 from
+    1199.5, before that end: the GPU was back, only the record came late. L2 outlived its
+    deadline with no training start on its GPU before its end (one at its end, 1301.5)."""
+    late = [
+        rec("L1", 1, LeaseState.GRANTED, 1100.0, gpus=(0,)),
+        rec("L1", 2, LeaseState.RECLAIMING, 1198.3, gpus=(0,), reclaim_deadline=1200.0, reason="scheduler_preempted:7"),
+        rec("L1", 3, LeaseState.REVOKED, 1201.5, gpus=(0,), reclaim_deadline=1200.0, reason="reclaim_deadline"),
+        rec("L2", 1, LeaseState.GRANTED, 1100.0, gpus=(1,)),
+        rec("L2", 2, LeaseState.RECLAIMING, 1298.3, gpus=(1,), reclaim_deadline=1300.0, reason="scheduler_preempted:8"),
+        rec("L2", 3, LeaseState.REVOKED, 1301.5, gpus=(1,), reclaim_deadline=1300.0, reason="reclaim_deadline"),
+    ]  # fmt: skip
+    starts = {"t1": (1199.5, {"n1": (0,)}, True), "t2": (1301.5, {"n1": (1,)}, True)}
+    fig = lending_figures(late, starts, LOCATE, W, 1.0)
+    assert (fig.outlived_notice, fig.outlived_gpu_back) == (2, 1)
+    # a start before the preemption (deadline - notice) is not the GPU coming back
+    early = {"t1": (1197.9, {"n1": (0,)}, True)}
+    assert lending_figures(late, early, LOCATE, W, 1.0).outlived_gpu_back == 0
+    assert lending_figures(late, {"t1": (1198.0, {"n1": (0,)}, True)}, LOCATE, W, 1.0).outlived_gpu_back == 1

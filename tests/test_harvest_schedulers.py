@@ -54,6 +54,10 @@ def test_a_short_harvest_with_gpupool_adds_up(scheduler: str, tmp_path: Path) ->
     # and the training job's start may differ by the poll: 2 % slack)
     assert 0.0 <= fig["lent_gpu_hours"] <= lent["idle_unallocated_gpu_hours"] * 1.02
     assert fig["unnoticed_starts"] == 0  # every preemption came with a notice first
+    # every hold Slurm took back was read as its preemption, also one whose workload left before the
+    # broker read it (nothing else ends a hold here: no operator's scancel, no node failure)
+    assert fig["hold_lost"] == 0
+    assert 0 <= fig["outlived_gpu_back"] <= fig["outlived_notice"]
     assert fig["gpus_needed"] <= fig["gpus_taken_back"]
     assert fig["window_broken"] <= fig["window_leases"] and fig["preempted"] <= fig["leases"]
     assert "share of unallocated idle lent" in done.stdout and "GPUs taken back / GPUs training used" in done.stdout
