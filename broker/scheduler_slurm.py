@@ -86,10 +86,14 @@ def expand_indices(spec: str) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
+_NO_TIME = frozenset(("", "None", "Unknown", "N/A", "(null)"))
+"""What Slurm prints for a time that is not set."""
+
+
 def parse_time(value: str) -> float | None:
     """Slurm's ``2026-12-01T14:02:00`` (controller-local time) as Unix seconds; ``None`` for
     ``None``, ``Unknown``, ``N/A`` or an empty value. Raises ``ValueError`` on another form."""
-    if value in ("", "None", "Unknown", "N/A", "(null)"):
+    if value in _NO_TIME:
         return None
     return datetime.strptime(value, "%Y-%m-%dT%H:%M:%S").timestamp()
 
@@ -161,7 +165,7 @@ def _listed(line: str) -> bool:
     if state is None or state.group(1) not in _ENDED:
         return True
     preempt = _PREEMPT_TIME.search(line)
-    return preempt is not None and preempt.group(1) not in ("", "None", "Unknown", "N/A", "(null)")
+    return preempt is not None and preempt.group(1) not in _NO_TIME
 
 
 def leave_function(notice: int, held_while: str = "", told: str = "") -> str:

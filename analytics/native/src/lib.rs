@@ -414,6 +414,19 @@ impl<'a> Scan<'a> {
         }
     }
 
+    /// An array whose every element `read` reads, appended to `out`.
+    #[inline]
+    fn list<T>(
+        &mut self,
+        out: &mut Vec<T>,
+        mut read: impl FnMut(&mut Self) -> Option<T>,
+    ) -> Option<()> {
+        self.array(|sc| {
+            out.push(read(sc)?);
+            Some(())
+        })
+    }
+
     /// An object whose keys do not repeat (`keys` is scratch space): `value(self, key)` reads
     /// each value and says whether the key is to be compared with the others (`false`: the
     /// caller has checked it does not repeat). Returns the object's text.
@@ -969,30 +982,12 @@ impl ScrapeDecoder {
             }
             seen |= 1 << m;
             match m {
-                0 => sc.array(|sc| {
-                    rec.ts.push(sc.float()?);
-                    Some(())
-                }),
-                1 => sc.array(|sc| {
-                    rec.gpu_uuid.push(sc.opt_string()?);
-                    Some(())
-                }),
-                2 => sc.array(|sc| {
-                    rec.gpu_index.push(sc.opt_int()?);
-                    Some(())
-                }),
-                3 => sc.array(|sc| {
-                    rec.gpu_instance_id.push(sc.opt_int()?);
-                    Some(())
-                }),
-                4 => sc.array(|sc| {
-                    rec.gpu_instance_profile.push(sc.opt_string()?);
-                    Some(())
-                }),
-                5 => sc.array(|sc| {
-                    rec.model_name.push(sc.opt_string()?);
-                    Some(())
-                }),
+                0 => sc.list(&mut rec.ts, |sc| sc.float()),
+                1 => sc.list(&mut rec.gpu_uuid, |sc| sc.opt_string()),
+                2 => sc.list(&mut rec.gpu_index, |sc| sc.opt_int()),
+                3 => sc.list(&mut rec.gpu_instance_id, |sc| sc.opt_int()),
+                4 => sc.list(&mut rec.gpu_instance_profile, |sc| sc.opt_string()),
+                5 => sc.list(&mut rec.model_name, |sc| sc.opt_string()),
                 6 => sc.array(|sc| {
                     let entries = &mut rec.field_entries;
                     // names the decoder reads are checked for a repeat by one bit each
