@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Protocol, cast
 
 from contracts import GpuState, IdleGrade
 from runtime.settings import IdleSettings
@@ -54,10 +54,31 @@ FB_RESERVED = "DCGM_FI_DEV_FB_RESERVED"
 PROFILING_FIELDS: tuple[str, ...] = (GR_ENGINE_ACTIVE, SM_ACTIVE)
 """Activity fields preferred over :data:`GPU_UTIL`, in order of preference."""
 
-READ_FIELDS: tuple[str, ...] = (*PROFILING_FIELDS, GPU_UTIL, FB_USED, FB_FREE, FB_TOTAL, FB_RESERVED)
+READ_FIELDS: tuple[str, ...] = (GR_ENGINE_ACTIVE, SM_ACTIVE, GPU_UTIL, FB_USED, FB_FREE, FB_TOTAL, FB_RESERVED)
 """Every field name the classifier reads of a sample's ``fields`` and ``invalid`` (nothing else of
-those maps): what an observation of a scrape record's GPU carries
-(:class:`analytics.scrapes.GpuObservation`)."""
+those maps), in the order of :data:`FieldReadings`: what an observation of a scrape record's GPU
+carries (:class:`analytics.scrapes.GpuObservation`)."""
+
+FieldReadings = tuple[float | int | str | None, ...]
+"""The entries of :data:`READ_FIELDS` of one sample: ``len(READ_FIELDS)`` values of its ``fields``
+(``int`` or ``float``) then as many reasons of its ``invalid`` (``str``), in the order of
+:data:`READ_FIELDS`; ``None`` where the sample has no entry."""
+
+_GR, _SM, _UTIL, _FB_USED, _FB_FREE, _FB_TOTAL, _FB_RESERVED = range(len(READ_FIELDS))
+_PROF = tuple(READ_FIELDS.index(f) for f in PROFILING_FIELDS)
+_WHY = len(READ_FIELDS)
+"""Offset of the reasons in :data:`FieldReadings`."""
+
+
+def field_readings(sample: SampleLike) -> FieldReadings:
+    """The :data:`FieldReadings` of ``sample``: its ``readings`` member when it has one (an
+    :class:`analytics.scrapes.GpuObservation`, decoded that way), else read from its
+    ``fields`` and ``invalid`` maps."""
+    own: FieldReadings | None = getattr(sample, "readings", None)
+    if own is not None:
+        return own
+    fields, invalid = sample.fields, sample.invalid
+    return (*map(fields.get, READ_FIELDS), *map(invalid.get, READ_FIELDS))
 
 _RATIO_TOLERANCE = 1e-3
 """DCGM profiling ratios may overshoot 1.0 by rounding; more than this is out of range."""
@@ -315,10 +336,11 @@ class IdleClassifier:
     def _apply(self, track: _Track, sample: SampleLike) -> None:
         cfg = self.config
         ts = sample.ts
-        reading = self._reading(track, sample)
+        readings = field_readings(sample)
+        reading = self._reading(track, sample, readings)
         track.last_ts = ts
         track.stale = False
-        fb_used, fb_total = _framebuffer(sample)
+        fb_used, fb_total = _framebuffer(readings)
         prev = track.status
         base = replace(
             prev,
@@ -386,15 +408,15 @@ class IdleClassifier:
         base = replace(track.status, ts=at, grade=None, confidence_factor=1.0, activity=None)
         track.status = _enter(base, GpuState.UNKNOWN, at, "stale")
 
-    def _reading(self, track: _Track, sample: SampleLike) -> _Reading:
-        """The activity of ``sample`` as a ratio, or the reason it is unknown."""
+    def _reading(self, track: _Track, sample: SampleLike, r: FieldReadings) -> _Reading:
+        """The activity of ``sample`` (its :data:`FieldReadings` ``r``) as a ratio, or the reason
+        it is unknown."""
         cfg = self.config
-        fields, invalid = sample.fields, sample.invalid
         mig = sample.gpu_instance_id is not None
-        if any(f in fields or f in invalid for f in PROFILING_FIELDS):
+        if any(r[i] is not None or r[_WHY + i] is not None for i in _PROF):
             track.prof_seen_ts = sample.ts
-        util = None if mig else fields.get(GPU_UTIL)
-        prof = [(f, fields[f]) for f in PROFILING_FIELDS if f in fields]
+        util = None if mig else cast("float | int | None", r[_UTIL])
+        prof = [(READ_FIELDS[i], cast("float | int", r[i])) for i in _PROF if r[i] is not None]
         if prof:
             for name, value in prof:
                 bad = _check(value, 1.0 + _RATIO_TOLERANCE)
@@ -410,9 +432,9 @@ class IdleClassifier:
             ):
                 return _Reading(None, name, "prof_stalled")
             return _Reading(activity, name)
-        for name in PROFILING_FIELDS:
-            if name in invalid:
-                return _Reading(None, name, invalid[name] or "invalid")
+        for i in _PROF:
+            if r[_WHY + i] is not None:
+                return _Reading(None, READ_FIELDS[i], cast(str, r[_WHY + i]) or "invalid")
         recent_prof = track.prof_seen_ts is not None and sample.ts - track.prof_seen_ts <= cfg.prof_forget_s
         if mig or recent_prof:
             return _Reading(None, GR_ENGINE_ACTIVE, "missing_field")
@@ -421,8 +443,8 @@ class IdleClassifier:
             if bad:
                 return _Reading(None, GPU_UTIL, bad)
             return _Reading(float(util) / 100.0, GPU_UTIL)
-        if GPU_UTIL in invalid:
-            return _Reading(None, GPU_UTIL, invalid[GPU_UTIL] or "invalid")
+        if r[_WHY + _UTIL] is not None:
+            return _Reading(None, GPU_UTIL, cast(str, r[_WHY + _UTIL]) or "invalid")
         return _Reading(None, GPU_UTIL, "missing_field")
 
 
@@ -442,15 +464,18 @@ def _check(value: float | int, upper: float) -> str | None:
     return None
 
 
-def _framebuffer(sample: SampleLike) -> tuple[float | None, int | None]:
-    """``(FB_USED MiB or None, total MiB or None)`` from the valid fields of ``sample``."""
-    fields = sample.fields
-    used = fields.get(FB_USED)
+def _framebuffer(r: FieldReadings) -> tuple[float | None, int | None]:
+    """``(FB_USED MiB or None, total MiB or None)`` from the valid fields of a sample's
+    :data:`FieldReadings` ``r``: the total is FB_TOTAL, else used + free + reserved (0 when
+    absent)."""
+    used = cast("float | int | None", r[_FB_USED])
     if used is not None and (not math.isfinite(float(used)) or used < 0):
         used = None
-    total = fields.get(FB_TOTAL)
-    if total is None and used is not None and FB_FREE in fields:
-        total = used + fields[FB_FREE] + fields.get(FB_RESERVED, 0)
+    total = cast("float | int | None", r[_FB_TOTAL])
+    free = cast("float | int | None", r[_FB_FREE])
+    if total is None and used is not None and free is not None:
+        reserved = cast("float | int | None", r[_FB_RESERVED])
+        total = used + free + (0 if reserved is None else reserved)
     total_mib = int(total) if total is not None and math.isfinite(float(total)) and total > 0 else None
     return (None if used is None else float(used)), total_mib
 

@@ -11,7 +11,8 @@
    already rolled up is kept raw until it expires, and counted by the store in
    ``gpupool_analytics_rollup_late_rows_total`` when it is written.
 2. **Raw expiry.** Raw samples older than ``raw_retention_s`` are deleted — never a row at or past
-   ``watermark - DEFAULT_MAX_GAP_S`` (not rolled up yet, or the baseline of the next interval).
+   ``watermark - DEFAULT_MAX_GAP_S`` (not rolled up yet, or the baseline of the next interval) —
+   after the Kafka positions they keep are committed (:func:`analytics.offsets.commit_derived`).
    Refresh rows of ``gpu_states`` (``NOT transition``) expire with the raw rows.
 3. **Rollup expiry.** Rollups, state transitions and idle runs older than ``rollup_retention_s``
    are deleted.
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 
 import duckdb
 
+from analytics.offsets import SOURCED_TABLES, commit_derived
 from contracts.counters import DEFAULT_MAX_GAP_S
 
 WATERMARK_KEY = "rollup_watermark_us"
@@ -203,7 +205,9 @@ def _maintain(con: duckdb.DuckDBPyConnection, config: RetentionConfig, now: floa
             round((now - config.raw_retention_s) * 1e6), watermark_us - int(DEFAULT_MAX_GAP_S * 1e6)
         )
         cut = {"cut": _ts(raw_cut_us)}
-        for table in ("gpu_samples", "ib_port_samples", "scheduler_gpu_samples"):
+        # the positions these rows keep (analytics.offsets) outlive them
+        commit_derived(con, "r.ts < $cut", cut)
+        for table in SOURCED_TABLES:
             expired[table] = _count(con.execute(f"DELETE FROM {table} WHERE ts < $cut", cut))
         expired["gpu_states"] = _count(
             con.execute("DELETE FROM gpu_states WHERE ts < $cut AND NOT transition", cut)

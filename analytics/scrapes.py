@@ -7,7 +7,8 @@ One call decodes a batch's scrape records and returns, per record, what it holds
 arrays built on the decoder's own buffers (the maps ``fields`` / ``invalid`` / ``attributes`` as
 the producer's JSON text of each map, validated: :func:`contracts.encode` writes it compactly and
 any other valid spelling is kept as sent) plus what the idle classifier reads (Python lists, and
-of each GPU's ``fields`` / ``invalid`` only the entries of :data:`analytics.classify.READ_FIELDS`).
+of each GPU's ``fields`` / ``invalid`` only the entries of :data:`analytics.classify.READ_FIELDS`,
+as one tuple: :data:`analytics.classify.FieldReadings`).
 The decoder is built from the model's own constants (schema version, ``source`` values,
 defaults), the stage's storable times (:mod:`analytics.timestamps`) and the field columns of
 :mod:`analytics.rows`, so nothing here is defined twice.
@@ -29,7 +30,7 @@ import msgspec
 import pyarrow as pa
 from analytics_native import COLUMN_MEMBERS, RECORD_MEMBERS, SERIES_MEMBERS, ScrapeDecoder
 
-from analytics.classify import READ_FIELDS
+from analytics.classify import READ_FIELDS, FieldReadings
 from analytics.rows import GPU_FLOAT_FIELDS, GPU_WHOLE_FIELDS
 from analytics.timestamps import TS_MAX_S, TS_MIN_S
 from contracts import SCHEMA_VERSION, GpuColumns, GpuSample, GpuScrape, decode
@@ -88,9 +89,9 @@ class ScrapeColumns:
             and its number of GPUs.
         ts, gpu_uuid, gpu_index, gpu_instance_id, model_name: per GPU, as in
             :class:`contracts.GpuSample` (``None`` where the record left the column empty).
-        fields, invalid: per GPU the entries of :data:`analytics.classify.READ_FIELDS` of its
-            maps (values as decoded: ``int`` or ``float``; reasons as ``str``); read only (GPUs
-            with none share one empty dict).
+        readings: per GPU the entries of :data:`analytics.classify.READ_FIELDS` of its maps, as
+            :data:`analytics.classify.FieldReadings` (values as decoded: ``int`` or ``float``;
+            reasons as ``str``; GPUs with none share one tuple).
         arrays: per GPU Arrow arrays: ``ts`` (float64, Unix seconds), ``gpu_uuid``,
             ``gpu_instance_profile``, ``model_name`` (string), ``gpu_index``,
             ``gpu_instance_id`` (int64), ``fields`` / ``invalid`` / ``attributes`` (string: each
@@ -110,8 +111,7 @@ class ScrapeColumns:
     gpu_index: list[int | None] = field(default_factory=list)
     gpu_instance_id: list[int | None] = field(default_factory=list)
     model_name: list[str | None] = field(default_factory=list)
-    fields: list[dict[str, float | int]] = field(default_factory=list)
-    invalid: list[dict[str, str]] = field(default_factory=list)
+    readings: list[FieldReadings] = field(default_factory=list)
     arrays: dict[str, pa.Array] = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -135,7 +135,7 @@ class ScrapeColumns:
 
     def observations(self) -> list[GpuObservation]:
         """Every GPU as a :class:`GpuObservation` (what the idle classifier reads), in order:
-        the decoded maps shared, no other object per GPU than the observation itself."""
+        the decoded readings shared, no other object per GPU than the observation itself."""
         return list(
             map(
                 GpuObservation,
@@ -145,8 +145,7 @@ class ScrapeColumns:
                 self.gpu_index,
                 self.gpu_instance_id,
                 self.model_name,
-                self.fields,
-                self.invalid,
+                self.readings,
             )
         )
 
@@ -163,8 +162,8 @@ class GpuObservation(msgspec.Struct, frozen=True, gc=False):
     Attributes:
         ts, host, gpu_uuid, gpu_index, gpu_instance_id, model_name: as in
             :class:`contracts.GpuSample`.
-        fields, invalid: the entries of :data:`analytics.classify.READ_FIELDS` of the GPU's
-            maps (every entry the classifier reads; shared, read only).
+        readings: the entries of :data:`analytics.classify.READ_FIELDS` of the GPU's maps (every
+            entry the classifier reads), as :data:`analytics.classify.FieldReadings`.
     """
 
     ts: float
@@ -173,8 +172,20 @@ class GpuObservation(msgspec.Struct, frozen=True, gc=False):
     gpu_index: int | None
     gpu_instance_id: int | None
     model_name: str | None
-    fields: dict[str, float | int]
-    invalid: dict[str, str]
+    readings: FieldReadings
+
+    @property
+    def fields(self) -> dict[str, float | int]:
+        """The valid entries of :data:`analytics.classify.READ_FIELDS` (a map, as in
+        :class:`contracts.GpuSample`'s ``fields``; a new dict)."""
+        return {name: v for name, v in zip(READ_FIELDS, self.readings[: len(READ_FIELDS)], strict=True) if v is not None}
+
+    @property
+    def invalid(self) -> dict[str, str]:
+        """The rejected entries of :data:`analytics.classify.READ_FIELDS`: field → reason (a new
+        dict)."""
+        reasons = self.readings[len(READ_FIELDS) :]
+        return {name: r for name, r in zip(READ_FIELDS, reasons, strict=True) if r is not None}
 
     @property
     def key(self) -> str:
@@ -219,8 +230,7 @@ def decode_scrapes(msgs: Sequence[BusMessage]) -> tuple[ScrapeColumns, list[BusM
         gpu_index=got.gpu_index,
         gpu_instance_id=got.gpu_instance_id,
         model_name=got.model_name,
-        fields=got.observed_fields,
-        invalid=got.observed_invalid,
+        readings=got.observed,
         arrays=arrays,
     )
     if len(accepted) == len(msgs):

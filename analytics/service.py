@@ -95,6 +95,7 @@ import pyarrow as pa
 from opentelemetry.context import Context
 from prometheus_client import CollectorRegistry
 
+from analytics.offsets import table_topics
 from analytics.metrics import AnalyticsMetrics, CapacitySnapshot
 from analytics.classify import GpuStatus, IdleClassifier, IdleConfig, IdleRun
 from analytics.decode import (
@@ -336,7 +337,9 @@ class AnalyticsService:
         stage creates topics: ``gpupool topics create``; checked before anything is opened), and
         what the bus or DuckDB raise (connection, lock, schema errors)."""
         await require_topics(self._bus, [*self._telemetry_topics(), self.topics.capacity])
-        self._store = AnalyticsStore(self._db_path, memory_limit=self._memory_limit, metrics=self.metrics)
+        self._store = AnalyticsStore(
+            self._db_path, memory_limit=self._memory_limit, metrics=self.metrics, sources=table_topics(self.topics)
+        )
         self._next_offsets = self._store.stored_offsets(self._telemetry_topics())
         pcfg = self._predictor.config
         # Every GPU's latest max(per-GPU, per-pool) runs hold the pool's latest max_runs_per_pool.

@@ -2,7 +2,9 @@
 
 Exactly-once groundwork: :meth:`AnalyticsStore.write` commits a batch's rows *and* the offsets
 after them in one transaction, so after a crash :meth:`AnalyticsStore.stored_offsets` says where
-to resume and no row is lost or stored twice. Inserts are batched through Arrow
+to resume and no row is lost or stored twice. Raw rows carry their record's Kafka position, so a
+batch whose rows already say where the next one starts writes no offsets of its own
+(:mod:`analytics.offsets`). Inserts are batched through Arrow
 (``INSERT INTO t BY NAME SELECT * FROM <registered arrow table>``), never row by row.
 
 DuckDB allows one writer process per database file; inside the process this class owns one
@@ -19,7 +21,8 @@ an ingest of 8.64 M rows against the limit (973 MiB for ``2GB``).
 Tables (columns in :mod:`analytics.rows`): ``gpu_samples``, ``ib_port_samples``, ``gpu_states``,
 ``idle_runs``, ``gpu_rollup_1m``, ``ib_port_rollup_1m``, ``scheduler_gpu_samples``
 (:mod:`analytics.scheduler`),
-``consumer_offsets(topic, partition, next_offset)``, ``analytics_meta``. Views and table macros:
+``committed_offsets`` and ``kafka_sources`` (:mod:`analytics.offsets`), ``analytics_meta``. Views and
+table macros: ``consumer_offsets(topic, partition, next_offset)`` (:mod:`analytics.offsets`),
 :data:`analytics.views.VIEWS` (``gpu_state_now``, ``idle_windows``, ``ib_port_intervals``,
 ``fabric_headroom`` ...). Rollups and retention: :meth:`AnalyticsStore.maintain`
 (:mod:`analytics.retention`).
@@ -38,6 +41,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from analytics import offsets as kafka_offsets
 from analytics.metrics import AnalyticsMetrics
 from analytics.retention import MaintenanceResult, RetentionConfig, maintain, read_watermark
 from analytics.rows import (
@@ -55,7 +59,7 @@ from contracts.bus import TopicPartition
 
 log = logging.getLogger(__name__)
 
-STORE_SCHEMA_VERSION = 2
+STORE_SCHEMA_VERSION = 3
 """Layout version of the database. A file of an older version listed in :data:`_MIGRATIONS` is
 migrated in place when opened for writing; any other version is refused."""
 
@@ -68,17 +72,15 @@ _TABLES: tuple[str, ...] = (
     create_table_sql("gpu_rollup_1m", GPU_ROLLUP_COLUMNS),
     create_table_sql("ib_port_rollup_1m", IB_PORT_ROLLUP_COLUMNS),
     SCHEDULER_GPU_TABLE_SQL,
-    (
-        "CREATE TABLE IF NOT EXISTS consumer_offsets ("
-        " topic VARCHAR NOT NULL, partition INTEGER NOT NULL,"
-        " next_offset BIGINT NOT NULL CHECK (next_offset >= 0), PRIMARY KEY (topic, partition))"
-    ),
+    *kafka_offsets.TABLES,
 )
 
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
     # 1 → 2: state rows say whether they are transitions (old rows: yes, the conservative answer);
     # the rollup tables are new (created above).
     1: ("ALTER TABLE gpu_states ADD COLUMN IF NOT EXISTS transition BOOLEAN DEFAULT true",),
+    # 2 → 3: positions kept by the rows (analytics.offsets); the old table's become committed ones.
+    2: kafka_offsets.MIGRATE_FROM_2,
 }
 """Statements that bring a file of version ``k`` to ``k + 1``."""
 
@@ -146,30 +148,6 @@ class StoreBatch:
         return not self.offsets and all(t is None or t.num_rows == 0 for t in tables)
 
 
-def _upsert_offsets(con: duckdb.DuckDBPyConnection, offsets: Mapping[TopicPartition, int]) -> None:
-    """Set ``consumer_offsets`` to ``offsets``: one ``UPDATE`` of the partitions' rows (the values
-    as parameters), and only when some partition has no row yet (its first batch) an ``INSERT ...
-    ON CONFLICT DO UPDATE`` of them all — DuckDB's upsert costs several times the update, which
-    every batch after the first needs alone. Raises ``duckdb.ConstraintException`` for a negative
-    offset."""
-    items = sorted(offsets.items())
-    rows = ", ".join(["(?, ?, ?)"] * len(items))
-    params = [v for tp, off in items for v in (tp.topic, tp.partition, off)]
-    updated = con.execute(
-        f"UPDATE consumer_offsets AS o SET next_offset = v.next_offset"
-        f" FROM (VALUES {rows}) v(topic, partition, next_offset)"
-        " WHERE o.topic = v.topic AND o.partition = v.partition",
-        params,
-    ).fetchone()
-    if updated is not None and updated[0] == len(items):
-        return
-    con.execute(
-        f"INSERT INTO consumer_offsets VALUES {rows}"
-        " ON CONFLICT (topic, partition) DO UPDATE SET next_offset = excluded.next_offset",
-        params,
-    )
-
-
 class StoreSchemaError(RuntimeError):
     """The database file was written with another :data:`STORE_SCHEMA_VERSION`."""
 
@@ -185,6 +163,7 @@ class AnalyticsStore:
         threads: int | None = None,
         read_only: bool = False,
         metrics: AnalyticsMetrics | None = None,
+        sources: Mapping[str, str] | None = None,
     ) -> None:
         """Open (creating tables and views unless ``read_only``).
 
@@ -197,11 +176,16 @@ class AnalyticsStore:
             read_only: open an existing file read-only (operators' queries).
             metrics: where writes and maintenance are counted (the analytics service's);
                 ``None``: new ones on a registry of their own.
+            sources: raw table → the Kafka topic its rows are read from (tables of
+                :data:`analytics.offsets.SOURCED_TABLES`), so that writes leave those topics'
+                positions to the rows (:mod:`analytics.offsets`); ``None``: every write stores
+                its offsets.
 
         Raises:
             duckdb.IOException: the file is locked by another process or cannot be opened.
             StoreSchemaError: the file has another layout version.
-            ValueError: ``memory_limit`` is not a memory size.
+            ValueError: ``memory_limit`` is not a memory size, or ``sources`` names a table
+                without Kafka positions or one topic twice.
         """
         config: dict[str, Any] = {}
         if memory_limit:
@@ -212,9 +196,12 @@ class AnalyticsStore:
         self.metrics = metrics if metrics is not None else AnalyticsMetrics()
         self._con = duckdb.connect(path, read_only=read_only, config=config)
         self._watermark: float | None = None  # rollup watermark (Unix s), for counting late rows
+        self._derived: dict[str, str] = {}  # topic -> table whose rows keep its positions
         if not read_only:
             try:
                 self._create()
+                if sources:
+                    self._derived = kafka_offsets.set_sources(self._con, sources)
             except BaseException:
                 self._con.close()
                 raise
@@ -228,6 +215,7 @@ class AnalyticsStore:
             con.execute("INSERT INTO analytics_meta VALUES ('schema_version', ?)", [str(STORE_SCHEMA_VERSION)])
         elif row[0] != str(STORE_SCHEMA_VERSION):
             self._migrate(str(row[0]))
+        con.execute(kafka_offsets.VIEW_SQL)
         for view in VIEWS:
             con.execute(view.sql)
         self._watermark = read_watermark(con)
@@ -256,7 +244,8 @@ class AnalyticsStore:
 
     # writing ---------------------------------------------------------------------------------
     def write(self, batch: StoreBatch) -> dict[str, int]:
-        """Write every table of ``batch`` and upsert its offsets in ONE transaction.
+        """Write every table of ``batch`` and upsert its offsets in ONE transaction (offsets that
+        the rows keep by themselves are not written: :func:`analytics.offsets.uncovered`).
 
         Returns rows written per table. On any error the transaction is rolled back — neither the
         rows nor the offsets are stored — and the error is raised again (``duckdb.Error``, e.g.
@@ -273,6 +262,7 @@ class AnalyticsStore:
         }
         # Registered outside the transaction: unregistering inside an aborted one would fail and
         # hide the original error.
+        offsets = kafka_offsets.uncovered(batch.offsets, views, self._derived) if batch.offsets else {}
         for name, table in views.items():
             con.register(f"_batch_{name}", table)
         try:
@@ -280,8 +270,8 @@ class AnalyticsStore:
             try:
                 for name in views:
                     con.execute(f"INSERT INTO {name} BY NAME SELECT * FROM _batch_{name}")
-                if batch.offsets:
-                    _upsert_offsets(con, batch.offsets)
+                if offsets:
+                    kafka_offsets.upsert(con, offsets)
                 con.commit()
             except BaseException:
                 con.rollback()
@@ -370,7 +360,7 @@ class AnalyticsStore:
     # reading ---------------------------------------------------------------------------------
     def stored_offsets(self, topics: Sequence[str] | None = None) -> dict[TopicPartition, int]:
         """Next offset to read per partition, as last committed with rows (all topics, or
-        ``topics``)."""
+        ``topics``): the ``consumer_offsets`` view (:mod:`analytics.offsets`)."""
         rows = self._con.execute("SELECT topic, partition, next_offset FROM consumer_offsets").fetchall()
         wanted = None if topics is None else set(topics)
         return {TopicPartition(t, int(p)): int(o) for t, p, o in rows if wanted is None or t in wanted}

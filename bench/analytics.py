@@ -5,8 +5,10 @@
    the stage's own ingest path: :func:`analytics.decode.decode_batch` (the record's JSON → the
    batch's columns), :func:`analytics.rows.gpu_scrapes_table` (→ the ``gpu_samples`` Arrow
    table), the classifier's input and :meth:`analytics.store.AnalyticsStore.write` (rows and
-   offsets in one transaction), as :meth:`analytics.service.AnalyticsService.step` calls them, timed from the
-   records' bytes to the commit. Yardstick: DuckDB's own bulk path on the same rows,
+   offsets in one transaction; a store told its tables' topics, as the service's, so offsets
+   the rows keep are not written again: :mod:`analytics.offsets`), as
+   :meth:`analytics.service.AnalyticsService.step` calls them, timed from the records' bytes to
+   the commit. Yardstick: DuckDB's own bulk path on the same rows,
    ``INSERT INTO gpu_samples SELECT * FROM <arrow table>`` of the very tables the stage's path
    writes (built beforehand, not timed), one insert per transaction of the stage's path. Both
    into in-memory databases, run in turn ``--repeat`` times; the best of each is compared (a
@@ -61,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from analytics.classify import FB_USED, GPU_UTIL, GR_ENGINE_ACTIVE, SM_ACTIVE, IdleClassifier
 from analytics.decode import DecodedBatch, decode_batch, decode_telemetry, paused_gc
+from analytics.offsets import table_topics
 from analytics.retention import RetentionConfig
 from analytics.rows import gpu_samples_table, gpu_scrapes_table
 from analytics.store import DUCKDB_MEMORY_SHARE, AnalyticsStore, StoreBatch, parse_bytes
@@ -200,7 +203,9 @@ def _compare(
         con.close()
         yard.close()
         # the stage's path: decode → Arrow → one transaction with offsets
-        store = AnalyticsStore(":memory:", memory_limit=memory_limit, threads=_CLOCK.threads)
+        store = AnalyticsStore(
+            ":memory:", memory_limit=memory_limit, threads=_CLOCK.threads, sources=table_topics(TOPICS)
+        )
         steps = [0.0, 0.0, 0.0, 0.0]
         t = _CLOCK.now()
         rows = sum(_ingest(store, c, steps) for c in chunks)
@@ -330,7 +335,9 @@ def memory_phase(rows: int, batch: int, memory_limit: str) -> None:
     """Phase 3, run in a child process: ingest ``rows`` samples into a DuckDB file and print one
     ``RESULT rows seconds peak_rss_bytes`` line."""
     with tempfile.TemporaryDirectory(prefix="gpupool-bench-") as tmp:
-        store = AnalyticsStore(str(Path(tmp) / "memory.duckdb"), memory_limit=memory_limit)
+        store = AnalyticsStore(
+            str(Path(tmp) / "memory.duckdb"), memory_limit=memory_limit, sources=table_topics(TOPICS)
+        )
         steps = [0.0, 0.0, 0.0, 0.0]
         t = time.perf_counter()
         done = sum(_ingest(store, chunk, steps) for chunk in _memory_messages(rows, 1000, batch))

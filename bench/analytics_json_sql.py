@@ -58,7 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from analytics.classify import FB_FREE, FB_RESERVED, FB_TOTAL, FB_USED, GPU_UTIL, GR_ENGINE_ACTIVE, SM_ACTIVE
 from analytics.decode import decode_batch
 from analytics.rows import POWER_USAGE
-from analytics.store import AnalyticsStore, _upsert_offsets  # the offsets as the stage stores them
+from analytics import offsets as kafka_offsets  # the offsets as the stage stores them
+from analytics.store import AnalyticsStore
 from bench.analytics import TOPICS, _gpu, _messages, _rows, _scrape_messages
 from contracts.bus import BusMessage, TopicPartition
 
@@ -170,7 +171,7 @@ def _ingest(con: duckdb.DuckDBPyConnection, chunk: list[BusMessage], steps: list
     t4 = clock()
     con.begin()
     con.execute(_WRITE, [tp.partition])
-    _upsert_offsets(con, {tp: chunk[-1].offset + 1})
+    kafka_offsets.upsert(con, {tp: chunk[-1].offset + 1})
     con.commit()
     t5 = clock()
     for k, dt in enumerate((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):

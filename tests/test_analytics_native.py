@@ -383,7 +383,8 @@ def test_the_spellings_the_scanner_accepts() -> None:
         b'{"DCGM_FI_DEV_GPU_UTI\\u004c":5,"DCGM_FI_DEV_FB_USED":1}'  # the names the classifier reads
     )
     assert _check_same(_gpu0(fields=escaped_name))
-    assert DECODER.decode([_gpu0(fields=escaped_name)]).observed_fields[0]["DCGM_FI_DEV_GPU_UTIL"] == 5
+    util = READ_FIELDS.index("DCGM_FI_DEV_GPU_UTIL")
+    assert DECODER.decode([_gpu0(fields=escaped_name)]).observed[0][util] == 5
     spaced = b'\t\n\r {\t"host"\n:\r"h" , "gpus" : { "ts" : [ 1.7e9 ] ,"gpu_index":[ 0 ],"fields":[ { "a" : 1 , "b" : [] } ] } }\r\n'
     assert not _check_same(spaced)  # a list is not a number
     spaced = spaced.replace(b"[] ", b"2.5 ")

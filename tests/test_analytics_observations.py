@@ -6,6 +6,8 @@ observations, still stores a scrape record's rows GPU by GPU when they cannot be
 
 from __future__ import annotations
 
+import gc
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +21,8 @@ from analytics.classify import (
     SM_ACTIVE,
     IdleClassifier,
     IdleConfig,
+    READ_FIELDS,
+    field_readings,
 )
 from analytics.decode import decode_batch
 from analytics.service import AnalyticsService
@@ -106,6 +110,12 @@ def test_observations_are_the_gpus_of_the_records() -> None:
     # the entries the classifier reads (READ_FIELDS), not the GPU temperature
     assert (first.fields, first.invalid, first.model_name) == ({GPU_UTIL: 5}, {SM_ACTIVE: "sentinel"}, None)
     assert (second.fields, second.invalid, second.key) == ({FB_USED: 7}, {}, "h/gpu1/2")
+    # one tuple per GPU: the READ_FIELDS values, then their reasons (classify.FieldReadings)
+    n = len(READ_FIELDS)
+    assert first.readings[READ_FIELDS.index(GPU_UTIL)] == 5 and first.readings[n + READ_FIELDS.index(SM_ACTIVE)] == "sentinel"
+    assert sum(v is not None for v in first.readings) == 2 and len(first.readings) == 2 * n
+    assert first.readings == field_readings(sample) and second.readings == field_readings(other)
+    assert not gc.is_tracked(first.readings)  # numbers and strings only: no work for the collector
 
 
 async def test_scrape_rows_that_cannot_be_built_whole_are_built_gpu_by_gpu() -> None:

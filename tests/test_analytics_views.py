@@ -415,10 +415,10 @@ def test_version_1_file_is_migrated(tmp_path: Path) -> None:
     store = AnalyticsStore(db)
     _, [(version,)] = store.sql("SELECT value FROM analytics_meta WHERE key = 'schema_version'")
     _, [(flag,)] = store.sql("SELECT transition FROM gpu_states")
-    assert version == str(STORE_SCHEMA_VERSION) == "2" and flag is True
+    assert version == str(STORE_SCHEMA_VERSION) == "3" and flag is True
     store.close()
     con = duckdb.connect(db)  # a newer layout than this code knows is refused, not "migrated"
-    con.execute("UPDATE analytics_meta SET value = '3' WHERE key = 'schema_version'")
+    con.execute("UPDATE analytics_meta SET value = '4' WHERE key = 'schema_version'")
     con.close()
     with pytest.raises(StoreSchemaError):
         AnalyticsStore(db)

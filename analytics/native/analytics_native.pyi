@@ -53,11 +53,10 @@ class DecodedScrapes:
     @property
     def model_name(self) -> list[str | None]: ...
     @property
-    def observed_fields(self) -> list[dict[str, float | int]]:
-        """Per GPU the ``fields`` entries of the observed names (GPUs with none share one dict)."""
-    @property
-    def observed_invalid(self) -> list[dict[str, str]]:
-        """Per GPU the ``invalid`` entries of the observed names (GPUs with none share one dict)."""
+    def observed(self) -> list[tuple[float | int | str | None, ...]]:
+        """Per GPU one tuple: the ``fields`` values of the observed names, then their ``invalid``
+        reasons, in the order the names were given; None where the GPU has no entry (GPUs with
+        none share one tuple)."""
     @property
     def arrays(self) -> dict[str, Buffers]:
         """``ts`` (float64), ``gpu_uuid``, ``gpu_instance_profile``, ``model_name`` (utf8),

@@ -659,7 +659,8 @@ struct ScrapeDecoder {
     ts_max: f64,
     float_fields: Vec<String>,
     whole_fields: Vec<String>,
-    observed_keys: Vec<Py<PyString>>,
+    /// Number of observed field names (`observed` given at construction).
+    observed_count: usize,
     source_strs: Vec<Py<PyString>>,
     /// Python strings of the hosts, targets and GPU UUIDs seen, kept from call to call.
     strings: Mutex<StrCache>,
@@ -724,7 +725,9 @@ struct DecodedScrapes {
     #[pyo3(get)]
     counts: Py<PyList>,
     /// Per GPU: `ts` (float), `gpu_uuid` / `model_name` (str or None), `gpu_index` /
-    /// `gpu_instance_id` (int or None), and the observed entries of `fields` / `invalid` (dict).
+    /// `gpu_instance_id` (int or None), and `observed`: one tuple of the observed names' `fields`
+    /// values then their `invalid` reasons, in the order the names were given (None where the
+    /// GPU has no entry; GPUs with none share one tuple).
     #[pyo3(get)]
     ts: Py<PyList>,
     #[pyo3(get)]
@@ -736,9 +739,7 @@ struct DecodedScrapes {
     #[pyo3(get)]
     model_name: Py<PyList>,
     #[pyo3(get)]
-    observed_fields: Py<PyList>,
-    #[pyo3(get)]
-    observed_invalid: Py<PyList>,
+    observed: Py<PyList>,
     /// Column name → `(validity or None, values, offsets or None, null count)`, each a [`Buffer`].
     #[pyo3(get)]
     arrays: Py<PyDict>,
@@ -765,6 +766,35 @@ fn owned_list(py: Python<'_>, items: Vec<PyObject>) -> PyResult<Py<PyList>> {
             pyo3::ffi::PyList_SetItem(ptr, i as pyo3::ffi::Py_ssize_t, item.into_ptr());
         }
         Ok(Py::from_owned_ptr(py, ptr))
+    }
+}
+
+/// `2 * width` Python `None`s: the observed slots of a GPU before its entries are set.
+fn none_slots(py: Python<'_>, width: usize) -> Vec<PyObject> {
+    (0..2 * width).map(|_| py.None()).collect()
+}
+
+/// A Python tuple of `items`, which are numbers, strings or `None` only, taking their references
+/// over (no count changes) and left out of the cyclic garbage collector's tracking (what the
+/// collector does to such a tuple anyway, at its first pass over it). Raises `MemoryError` when
+/// the tuple cannot be allocated.
+fn atomic_tuple(py: Python<'_>, items: Vec<PyObject>) -> PyResult<PyObject> {
+    let n = items.len() as pyo3::ffi::Py_ssize_t;
+    // SAFETY: PyTuple_New(n) returns a new, tracked tuple of n empty slots, or NULL with
+    // MemoryError set; PyTuple_SetItem steals each reference and cannot fail for an index below
+    // n on a new tuple; a tuple holding no container cannot be part of a reference cycle, so it
+    // may be untracked (PyObject_GC_UnTrack of a tracked object); the tuple's one reference goes
+    // to the object returned.
+    unsafe {
+        let ptr = pyo3::ffi::PyTuple_New(n);
+        if ptr.is_null() {
+            return Err(PyErr::fetch(py));
+        }
+        for (i, item) in items.into_iter().enumerate() {
+            pyo3::ffi::PyTuple_SetItem(ptr, i as pyo3::ffi::Py_ssize_t, item.into_ptr());
+        }
+        pyo3::ffi::PyObject_GC_UnTrack(ptr.cast());
+        Ok(PyObject::from_owned_ptr(py, ptr))
     }
 }
 
@@ -810,24 +840,8 @@ impl Buffer {
     }
 }
 
-/// A field's value last set into a GPU's dict: its bits and kind (`true`: an `int`), and its object.
+/// A field's value last set into a GPU's observed slots: its bits and kind (`true`: an `int`), and its object.
 type LastValue<'py> = ((u64, bool), Bound<'py, PyAny>);
-
-/// `d[key] = value`, the dict taking its own references (no other count changes).
-#[inline]
-fn dict_set(
-    d: &Bound<'_, PyDict>,
-    key: &Bound<'_, PyString>,
-    value: &Bound<'_, PyAny>,
-) -> PyResult<()> {
-    // SAFETY: the three pointers are live objects held by the caller for the call;
-    // PyDict_SetItem takes new references to the key and the value and returns -1 with an
-    // exception set on failure.
-    if unsafe { pyo3::ffi::PyDict_SetItem(d.as_ptr(), key.as_ptr(), value.as_ptr()) } == -1 {
-        return Err(PyErr::fetch(d.py()));
-    }
-    Ok(())
-}
 
 /// `data` as a Python [`Buffer`].
 fn buffer(py: Python<'_>, data: Vec<u8>) -> PyResult<PyObject> {
@@ -1055,7 +1069,7 @@ impl ScrapeDecoder {
     /// `default_source` / `default_target` / `default_seq` (the model's defaults), `ts_min` /
     /// `ts_max` (Unix seconds: a `ts` is accepted when `ts_min <= ts < ts_max`), `float_fields`
     /// and `whole_fields` (field names given a float64 / int64 column each), `observed` (field
-    /// names whose `fields` and `invalid` entries are returned per GPU as dicts).
+    /// names whose `fields` and `invalid` entries are returned per GPU, as one tuple).
     ///
     /// Raises `ValueError` if `default_source` is not one of `sources`.
     #[new]
@@ -1081,10 +1095,7 @@ impl ScrapeDecoder {
                     "default_source {default_source:?} is not in sources"
                 ))
             })?;
-        let observed_keys = observed
-            .iter()
-            .map(|s| PyString::intern_bound(py, s).unbind())
-            .collect();
+        let observed_count = observed.len();
         let mut names: Vec<FieldName> = Vec::new();
         for name in float_fields.iter().chain(&whole_fields).chain(&observed) {
             if names.iter().all(|n| n.name != *name) {
@@ -1111,7 +1122,7 @@ impl ScrapeDecoder {
             ts_max,
             float_fields,
             whole_fields,
-            observed_keys,
+            observed_count,
             source_strs,
             strings: Mutex::new(StrCache::default()),
             names,
@@ -1134,8 +1145,7 @@ impl ScrapeDecoder {
         let mut index: Vec<PyObject> = Vec::new();
         let mut instance: Vec<PyObject> = Vec::new();
         let mut model: Vec<PyObject> = Vec::new();
-        let mut obs_fields: Vec<PyObject> = Vec::new();
-        let mut obs_invalid: Vec<PyObject> = Vec::new();
+        let mut observed_list: Vec<PyObject> = Vec::new();
         let mut ts_col = FixedCol::default();
         let mut uuid_col = StrCol::new();
         let mut index_col = FixedCol::default();
@@ -1157,7 +1167,8 @@ impl ScrapeDecoder {
             .collect();
         let none = py.None();
         let int_type = py.get_type_bound::<pyo3::types::PyLong>();
-        let empty = PyDict::new_bound(py).into_any().unbind();
+        let width = self.observed_count;
+        let unseen = PyTuple::new_bound(py, (0..2 * width).map(|_| py.None())).into_any().unbind();
         let mut last_model: Option<(String, PyObject)> = None;
         let mut last_ts: Option<(f64, Bound<'_, PyAny>)> = None;
         let mut floats: Vec<Option<f64>> = vec![None; self.float_fields.len()];
@@ -1169,7 +1180,7 @@ impl ScrapeDecoder {
         let mut rec = Checked::default();
         let mut strings = self.strings.lock().unwrap_or_else(|e| e.into_inner());
         let mut last_values: Vec<Option<LastValue<'_>>> =
-            self.observed_keys.iter().map(|_| None).collect();
+            (0..width).map(|_| None).collect();
         for (k, item) in items.iter().enumerate() {
             let value = item.as_bytes();
             let most = [
@@ -1244,7 +1255,8 @@ impl ScrapeDecoder {
                 attributes_col.push(Some(rec.attributes.get(i).copied().unwrap_or("{}")));
                 floats.iter_mut().for_each(|v| *v = None);
                 wholes.iter_mut().for_each(|v| *v = None);
-                let mut observed: Option<Bound<'_, PyDict>> = None;
+                // the observed values then reasons; None where absent
+                let mut observed: Option<Vec<PyObject>> = None;
                 if let Some(&(_, end)) = rec.fields.get(i) {
                     for (j, v) in &rec.field_entries[field_start..end] {
                         let name = &self.names[*j];
@@ -1255,7 +1267,6 @@ impl ScrapeDecoder {
                             wholes[j] = as_whole(*v);
                         }
                         if let Some(j) = name.observed {
-                            let d = observed.get_or_insert_with(|| PyDict::new_bound(py));
                             // the previous GPU's object of this field when the value is the same
                             let bits = match v {
                                 Num::Int(x) => Some((*x as u64, true)),
@@ -1276,23 +1287,22 @@ impl ScrapeDecoder {
                                     obj
                                 }
                             };
-                            dict_set(d, self.observed_keys[j].bind(py), &obj)?;
+                            observed.get_or_insert_with(|| none_slots(py, width))[j] = obj.unbind();
                         }
                     }
                     field_start = end;
                 }
-                obs_fields
-                    .push(observed.map_or_else(|| empty.clone_ref(py), |d| d.into_any().unbind()));
-                let mut bad: Option<Bound<'_, PyDict>> = None;
                 if let Some(&(_, end)) = rec.invalid.get(i) {
                     for (j, reason) in &rec.invalid_entries[invalid_start..end] {
-                        let d = bad.get_or_insert_with(|| PyDict::new_bound(py));
-                        d.set_item(self.observed_keys[*j].bind(py), reason.as_ref())?;
+                        let text = PyString::new_bound(py, reason).into_any().unbind();
+                        observed.get_or_insert_with(|| none_slots(py, width))[width + *j] = text;
                     }
                     invalid_start = end;
                 }
-                obs_invalid
-                    .push(bad.map_or_else(|| empty.clone_ref(py), |d| d.into_any().unbind()));
+                observed_list.push(match observed {
+                    None => unseen.clone_ref(py),
+                    Some(slots) => atomic_tuple(py, slots)?,
+                });
                 for (c, v) in float_cols.iter_mut().zip(&floats) {
                     c.push_f64(*v);
                 }
@@ -1332,8 +1342,7 @@ impl ScrapeDecoder {
             gpu_index: list(index)?,
             gpu_instance_id: list(instance)?,
             model_name: list(model)?,
-            observed_fields: list(obs_fields)?,
-            observed_invalid: list(obs_invalid)?,
+            observed: list(observed_list)?,
             arrays: arrays.unbind(),
             float_fields: float_dict.unbind(),
             whole_fields: whole_dict.unbind(),
