@@ -159,7 +159,7 @@ def uncovered(
     for tp, nxt in offsets.items():
         table = derived.get(tp.topic)
         rows = tables.get(table) if table is not None else None
-        if rows is None:
+        if table is None or rows is None:
             out[tp] = nxt
             continue
         if table not in last:

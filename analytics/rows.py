@@ -273,11 +273,11 @@ def gpu_scrapes_table(
     the identities the stage resolved, :mod:`analytics.identity`).
 
     Columns are the decoder's Arrow arrays (:attr:`analytics.scrapes.ScrapeColumns.arrays`: the
-    JSON columns are the maps' texts as sent, the field columns already extracted); what each
-    record holds once (``host``, ``source``, ``target``, ``seq``, the Kafka position) is repeated
-    by Arrow, ``gpu_key`` is joined by Arrow. Values that do not fit their column become NULL as
-    in :func:`gpu_samples_table`. Raises ``ValueError`` if the lengths differ or a timestamp is
-    not finite.
+    JSON columns are the maps' texts as sent, the field columns already extracted, what each
+    record holds once — ``host``, ``source``, ``target``, ``seq`` — already repeated per GPU); the
+    Kafka position is repeated and ``gpu_key`` joined by Arrow. Values that do not fit their
+    column become NULL as in :func:`gpu_samples_table` (a GPU's ``seq`` past int64 too). Raises
+    ``ValueError`` if the lengths differ.
     """
     n_records = len(scrapes.msgs)
     if not n_records == len(partitions) == len(offsets):
@@ -293,17 +293,9 @@ def gpu_scrapes_table(
     record_of = pc.list_parent_indices(
         pa.ListArray.from_arrays(pa.array(starts, pa.int32()), pa.nulls(len(scrapes)))
     )
-
-    def per_record(values: list[Any], arrow_type: pa.DataType) -> pa.Array:
-        return pa.array(values, arrow_type).take(record_of)
-
-    host = per_record(scrapes.host, pa.string())
-    first_seq = pa.array(scrapes.seq, pa.int64()).take(record_of)
-    first_row = per_record(starts[:-1], pa.int64())
-    row = pc.cumulative_sum(pa.repeat(pa.scalar(1, pa.int64()), len(scrapes)), start=-1)  # 0, 1, ...
-    seq = pc.add_checked(first_seq, pc.subtract(row, first_row))
+    host = arrays["host"]
     cols: dict[str, pa.Array | list[Any]] = {
-        "ts": _micros_array(arrays["ts"]),
+        "ts": arrays["ts"],
         "gpu_key": _gpu_keys(host, uuid_array, arrays["gpu_index"], arrays["gpu_instance_id"]),
         "host": host,
         "gpu_uuid": uuid_array,
@@ -314,11 +306,11 @@ def gpu_scrapes_table(
         "fields": arrays["fields"],
         "invalid": arrays["invalid"],
         "attributes": arrays["attributes"],
-        "source": per_record(scrapes.source, pa.string()),
-        "target": per_record(scrapes.target, pa.string()),
-        "seq": seq,
-        "kafka_partition": per_record(list(partitions), pa.int32()),
-        "kafka_offset": per_record(list(offsets), pa.int64()),
+        "source": arrays["source"],
+        "target": arrays["target"],
+        "seq": arrays["seq"],
+        "kafka_partition": pa.array(partitions, pa.int32()).take(record_of),
+        "kafka_offset": pa.array(offsets, pa.int64()).take(record_of),
     }
     for col in (*GPU_FLOAT_FIELDS, *GPU_WHOLE_FIELDS):
         cols[col] = arrays[col]

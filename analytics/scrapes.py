@@ -63,9 +63,12 @@ DECODER = ScrapeDecoder(
 )
 """The stage's compiled scrape decoder."""
 
-_STRING_ARRAYS = ("gpu_uuid", "gpu_instance_profile", "model_name", "fields", "invalid", "attributes")
+_STRING_ARRAYS = (
+    "host", "source", "target", "gpu_uuid", "gpu_instance_profile", "model_name", "fields", "invalid", "attributes"
+)  # fmt: skip
 _ARRAY_TYPES: dict[str, pa.DataType] = {
-    "ts": pa.float64(),
+    "ts": pa.timestamp("us"),
+    "seq": pa.int64(),
     "gpu_index": pa.int64(),
     "gpu_instance_id": pa.int64(),
     **dict.fromkeys(_STRING_ARRAYS, pa.string()),
@@ -92,8 +95,10 @@ class ScrapeColumns:
         readings: per GPU the entries of :data:`analytics.classify.READ_FIELDS` of its maps, as
             :data:`analytics.classify.FieldReadings` (values as decoded: ``int`` or ``float``;
             reasons as ``str``; GPUs with none share one tuple).
-        arrays: per GPU Arrow arrays: ``ts`` (float64, Unix seconds), ``gpu_uuid``,
-            ``gpu_instance_profile``, ``model_name`` (string), ``gpu_index``,
+        arrays: per GPU Arrow arrays: ``ts`` (``timestamp[us]``: the Unix seconds times 10**6,
+            rounded half to even), ``host``, ``source``, ``target`` (string: its record's),
+            ``seq`` (int64: its record's ``seq`` plus its place in the record, NULL past int64),
+            ``gpu_uuid``, ``gpu_instance_profile``, ``model_name`` (string), ``gpu_index``,
             ``gpu_instance_id`` (int64), ``fields`` / ``invalid`` / ``attributes`` (string: each
             map's JSON text as sent), and the field columns of ``gpu_samples``
             (:data:`analytics.rows.GPU_FLOAT_FIELDS`: float64,
@@ -178,13 +183,14 @@ class GpuObservation(msgspec.Struct, frozen=True, gc=False):
     def fields(self) -> dict[str, float | int]:
         """The valid entries of :data:`analytics.classify.READ_FIELDS` (a map, as in
         :class:`contracts.GpuSample`'s ``fields``; a new dict)."""
-        return {name: v for name, v in zip(READ_FIELDS, self.readings[: len(READ_FIELDS)], strict=True) if v is not None}
+        values = cast("tuple[float | int | None, ...]", self.readings[: len(READ_FIELDS)])
+        return {name: v for name, v in zip(READ_FIELDS, values, strict=True) if v is not None}
 
     @property
     def invalid(self) -> dict[str, str]:
         """The rejected entries of :data:`analytics.classify.READ_FIELDS`: field → reason (a new
         dict)."""
-        reasons = self.readings[len(READ_FIELDS) :]
+        reasons = cast("tuple[str | None, ...]", self.readings[len(READ_FIELDS) :])
         return {name: r for name, r in zip(READ_FIELDS, reasons, strict=True) if r is not None}
 
     @property

@@ -118,11 +118,10 @@ def test_observations_are_the_gpus_of_the_records() -> None:
     assert not gc.is_tracked(first.readings)  # numbers and strings only: no work for the collector
 
 
-async def test_scrape_rows_that_cannot_be_built_whole_are_built_gpu_by_gpu() -> None:
-    """A record whose rows cannot be built a column at a time (GPU ``i``'s ``seq + i`` past
-    int64) is stored GPU by GPU from its samples, as per-sample records are: the value that does
-    not fit is NULL, a GPU without a UUID is stored under the id the stage resolved for it, and
-    the classifier saw every GPU."""
+async def test_scrape_rows_with_a_seq_past_int64_are_stored_as_samples_are() -> None:
+    """A record whose GPU ``i`` has ``seq + i`` past int64 is stored as its per-sample records
+    would be: the value that does not fit is NULL, a GPU without a UUID is stored under the id the
+    stage resolved for it, and the classifier saw every GPU."""
     bus = MemoryBus()
     svc = AnalyticsService(bus=bus, topics=TOPICS, db_path=":memory:", clock=lambda: T0 + 100)
     await svc.start()

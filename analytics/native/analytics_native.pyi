@@ -59,7 +59,9 @@ class DecodedScrapes:
         none share one tuple)."""
     @property
     def arrays(self) -> dict[str, Buffers]:
-        """``ts`` (float64), ``gpu_uuid``, ``gpu_instance_profile``, ``model_name`` (utf8),
+        """``ts`` (int64: Unix microseconds, rounded half to even), ``host``, ``source``,
+        ``target`` (utf8: the GPU's record's), ``seq`` (int64: the record's ``seq`` + the GPU's
+        place, NULL past int64), ``gpu_uuid``, ``gpu_instance_profile``, ``model_name`` (utf8),
         ``gpu_index``, ``gpu_instance_id`` (int64), ``fields``, ``invalid``, ``attributes``
         (utf8: each map's JSON text as sent) → buffers."""
     @property

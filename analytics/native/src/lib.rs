@@ -28,7 +28,9 @@
 //! of what the idle classifier reads (`ts`, `gpu_uuid`, `gpu_index`, `gpu_instance_id`,
 //! `model_name`, and the `fields` / `invalid` entries of the field names given at construction),
 //! and Arrow buffers (little-endian values, LSB-first validity bitmaps, int32 string offsets) of
-//! `ts` (float64, Unix seconds), `gpu_uuid` / `gpu_instance_profile` / `model_name` (utf8),
+//! `ts` (int64: Unix microseconds, the seconds times 10**6 rounded half to even), `host` /
+//! `source` / `target` (utf8: the GPU's record's), `seq` (int64: the record's `seq` plus the
+//! GPU's place in it, NULL past int64), `gpu_uuid` / `gpu_instance_profile` / `model_name` (utf8),
 //! `gpu_index` / `gpu_instance_id` (int64), `fields` / `invalid` / `attributes` (utf8: each map's
 //! JSON text exactly as the producer wrote it, validated) and one float64 or int64 column per
 //! promoted field name given at construction.
@@ -1147,6 +1149,10 @@ impl ScrapeDecoder {
         let mut model: Vec<PyObject> = Vec::new();
         let mut observed_list: Vec<PyObject> = Vec::new();
         let mut ts_col = FixedCol::default();
+        let mut host_col = StrCol::new();
+        let mut source_col = StrCol::new();
+        let mut target_col = StrCol::new();
+        let mut seq_col = FixedCol::default();
         let mut uuid_col = StrCol::new();
         let mut index_col = FixedCol::default();
         let mut instance_col = FixedCol::default();
@@ -1205,13 +1211,25 @@ impl ScrapeDecoder {
                 Some(src) => src,
                 None => continue,
             };
-            accepted.push(k);
             let n = rec.ts.len();
+            let t_str = rec.target.as_deref().unwrap_or(&self.default_target);
+            // the record's own texts are repeated for each of its GPUs: the same int32 limit
+            let repeated = [
+                (&host_col, rec.host.len()),
+                (&source_col, self.sources[src].len()),
+                (&target_col, t_str.len()),
+            ];
+            if repeated.iter().any(|(c, len)| {
+                c.data.len().saturating_add(n.saturating_mul(*len)) >= i32::MAX as usize
+            }) {
+                continue;
+            }
+            accepted.push(k);
             host.push(strings.get(py, &rec.host));
             source.push(self.source_strs[src].clone_ref(py).into_any());
-            let t_str = rec.target.as_deref().unwrap_or(&self.default_target);
             target.push(strings.get(py, t_str));
-            seq.push(rec.seq.unwrap_or(self.default_seq).into_py(py));
+            let first_seq = rec.seq.unwrap_or(self.default_seq);
+            seq.push(first_seq.into_py(py));
             counts.push(n.into_py(py));
             let mut field_start = 0;
             let mut invalid_start = 0;
@@ -1226,7 +1244,11 @@ impl ScrapeDecoder {
                         out
                     }
                 });
-                ts_col.push_f64(Some(t));
+                ts_col.push_i64(Some(round_half_even(t * 1e6) as i64));
+                host_col.push(Some(&rec.host));
+                source_col.push(Some(&self.sources[src]));
+                target_col.push(Some(t_str));
+                seq_col.push_i64(first_seq.checked_add(i as i64));
                 let u = rec.gpu_uuid.get(i).and_then(|u| u.as_deref());
                 uuid.push(u.map_or_else(|| none.clone_ref(py), |s| strings.get(py, s)));
                 uuid_col.push(u);
@@ -1313,6 +1335,10 @@ impl ScrapeDecoder {
         }
         let arrays = PyDict::new_bound(py);
         arrays.set_item("ts", fixed_buffers(py, ts_col)?)?;
+        arrays.set_item("host", str_buffers(py, host_col)?)?;
+        arrays.set_item("source", str_buffers(py, source_col)?)?;
+        arrays.set_item("target", str_buffers(py, target_col)?)?;
+        arrays.set_item("seq", fixed_buffers(py, seq_col)?)?;
         arrays.set_item("gpu_uuid", str_buffers(py, uuid_col)?)?;
         arrays.set_item("gpu_index", fixed_buffers(py, index_col)?)?;
         arrays.set_item("gpu_instance_id", fixed_buffers(py, instance_col)?)?;
