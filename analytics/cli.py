@@ -139,7 +139,8 @@ _TABLE_LIMIT = 1000
     "sql",
     help="Run one read-only SQL query on the analytics DuckDB file and print the result.\n\n"
     "Tables: gpu_samples, ib_port_samples, gpu_states, idle_runs, gpu_rollup_1m, "
-    "ib_port_rollup_1m, consumer_offsets; views: gpu_state_now, idle_windows, ib_port_intervals, "
+    "ib_port_rollup_1m, scheduler_gpu_samples, committed_offsets, kafka_sources; views: "
+    "consumer_offsets, gpu_state_now, idle_windows, ib_port_intervals, "
     "fabric_headroom (README, section SQL views).\n\n"
     "DuckDB lets no other process open a file while `gpupool analytics run` writes it: stop the "
     "stage first, or copy the file while the stage is stopped and query the copy with --db. "

@@ -391,9 +391,10 @@ def views_markdown() -> str:
         (
             '`gpupool analytics sql "<query>" --db FILE` runs read-only SQL on the analytics DuckDB '
             "file. Besides the tables (`gpu_samples`, `ib_port_samples`, `gpu_states`, `idle_runs`, "
-            "`gpu_rollup_1m`, `ib_port_rollup_1m`, `scheduler_gpu_samples`, `consumer_offsets`) it "
-            "has these views. Times are UTC `TIMESTAMP`s, durations seconds; counter deltas are "
-            "exact `HUGEINT`s."
+            "`gpu_rollup_1m`, `ib_port_rollup_1m`, `scheduler_gpu_samples`, `committed_offsets`, "
+            "`kafka_sources`) and the view `consumer_offsets` (the next Kafka offset per partition: "
+            "the larger of `committed_offsets` and the raw rows' own positions) it has these views. "
+            "Times are UTC `TIMESTAMP`s, durations seconds; counter deltas are exact `HUGEINT`s."
         ),
         "",
     ]
