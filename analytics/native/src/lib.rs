@@ -752,23 +752,41 @@ struct DecodedScrapes {
     whole_fields: Py<PyDict>,
 }
 
-/// A Python list of `items`, taking their references over (no count changes). Raises
-/// `MemoryError` when the list cannot be allocated.
-fn owned_list(py: Python<'_>, items: Vec<PyObject>) -> PyResult<Py<PyList>> {
+/// A new Python list or tuple (`new`: `PyList_New` or `PyTuple_New`; `set`: its `..._SetItem`)
+/// of `items`, taking their references over (no count changes). Raises `MemoryError` when it
+/// cannot be allocated.
+fn owned_sequence(
+    py: Python<'_>,
+    items: Vec<PyObject>,
+    new: unsafe extern "C" fn(pyo3::ffi::Py_ssize_t) -> *mut pyo3::ffi::PyObject,
+    set: unsafe extern "C" fn(
+        *mut pyo3::ffi::PyObject,
+        pyo3::ffi::Py_ssize_t,
+        *mut pyo3::ffi::PyObject,
+    ) -> std::os::raw::c_int,
+) -> PyResult<PyObject> {
     let n = items.len() as pyo3::ffi::Py_ssize_t;
-    // SAFETY: PyList_New(n) returns a new list of n empty slots, or NULL with MemoryError set;
-    // PyList_SetItem steals each reference and cannot fail for an index below n on a list; the
-    // list's one reference goes to the Py returned.
+    // SAFETY: `new(n)` returns a new list or tuple of n empty slots, or NULL with MemoryError
+    // set; `set` steals each reference and cannot fail for an index below n on a new one; its
+    // one reference goes to the object returned.
     unsafe {
-        let ptr = pyo3::ffi::PyList_New(n);
+        let ptr = new(n);
         if ptr.is_null() {
             return Err(PyErr::fetch(py));
         }
         for (i, item) in items.into_iter().enumerate() {
-            pyo3::ffi::PyList_SetItem(ptr, i as pyo3::ffi::Py_ssize_t, item.into_ptr());
+            set(ptr, i as pyo3::ffi::Py_ssize_t, item.into_ptr());
         }
-        Ok(Py::from_owned_ptr(py, ptr))
+        Ok(PyObject::from_owned_ptr(py, ptr))
     }
+}
+
+/// A Python list of `items`, taking their references over (no count changes). Raises
+/// `MemoryError` when the list cannot be allocated.
+fn owned_list(py: Python<'_>, items: Vec<PyObject>) -> PyResult<Py<PyList>> {
+    let list = owned_sequence(py, items, pyo3::ffi::PyList_New, pyo3::ffi::PyList_SetItem)?;
+    // SAFETY: owned_sequence with PyList_New made a list.
+    Ok(unsafe { list.downcast_bound_unchecked::<PyList>(py) }.clone().unbind())
 }
 
 /// `2 * width` Python `None`s: the observed slots of a GPU before its entries are set.
@@ -781,23 +799,11 @@ fn none_slots(py: Python<'_>, width: usize) -> Vec<PyObject> {
 /// collector does to such a tuple anyway, at its first pass over it). Raises `MemoryError` when
 /// the tuple cannot be allocated.
 fn atomic_tuple(py: Python<'_>, items: Vec<PyObject>) -> PyResult<PyObject> {
-    let n = items.len() as pyo3::ffi::Py_ssize_t;
-    // SAFETY: PyTuple_New(n) returns a new, tracked tuple of n empty slots, or NULL with
-    // MemoryError set; PyTuple_SetItem steals each reference and cannot fail for an index below
-    // n on a new tuple; a tuple holding no container cannot be part of a reference cycle, so it
-    // may be untracked (PyObject_GC_UnTrack of a tracked object); the tuple's one reference goes
-    // to the object returned.
-    unsafe {
-        let ptr = pyo3::ffi::PyTuple_New(n);
-        if ptr.is_null() {
-            return Err(PyErr::fetch(py));
-        }
-        for (i, item) in items.into_iter().enumerate() {
-            pyo3::ffi::PyTuple_SetItem(ptr, i as pyo3::ffi::Py_ssize_t, item.into_ptr());
-        }
-        pyo3::ffi::PyObject_GC_UnTrack(ptr.cast());
-        Ok(PyObject::from_owned_ptr(py, ptr))
-    }
+    let tuple = owned_sequence(py, items, pyo3::ffi::PyTuple_New, pyo3::ffi::PyTuple_SetItem)?;
+    // SAFETY: a new, tracked tuple holding no container cannot be part of a reference cycle, so
+    // it may be untracked (PyObject_GC_UnTrack of a tracked object).
+    unsafe { pyo3::ffi::PyObject_GC_UnTrack(tuple.as_ptr().cast()) };
+    Ok(tuple)
 }
 
 /// A buffer the decoder built, handed to Python as it is (read-only buffer protocol: `bytes(b)`,
