@@ -60,9 +60,10 @@ those maps), in the order of :data:`FieldReadings`: what an observation of a scr
 carries (:class:`analytics.scrapes.GpuObservation`)."""
 
 FieldReadings = tuple[float | int | str | None, ...]
-"""The entries of :data:`READ_FIELDS` of one sample: ``len(READ_FIELDS)`` values of its ``fields``
-(``int`` or ``float``) then as many reasons of its ``invalid`` (``str``), in the order of
-:data:`READ_FIELDS`; ``None`` where the sample has no entry."""
+"""The entries of :data:`READ_FIELDS` of one sample, as the first ``2 * len(READ_FIELDS)`` items
+of a tuple: ``len(READ_FIELDS)`` values of its ``fields`` (``int`` or ``float``) then as many
+reasons of its ``invalid`` (``str``), in the order of :data:`READ_FIELDS`; ``None`` where the
+sample has no entry. Items after those are not read."""
 
 _GR, _SM, _UTIL, _FB_USED, _FB_FREE, _FB_TOTAL, _FB_RESERVED = range(len(READ_FIELDS))
 _PROF = tuple(READ_FIELDS.index(f) for f in PROFILING_FIELDS)
@@ -71,12 +72,11 @@ _WHY = len(READ_FIELDS)
 
 
 def field_readings(sample: SampleLike) -> FieldReadings:
-    """The :data:`FieldReadings` of ``sample``: its ``readings`` member when it has one (an
-    :class:`analytics.scrapes.GpuObservation`, decoded that way), else read from its
+    """The :data:`FieldReadings` of ``sample``: the sample itself when it is a tuple (an
+    :class:`analytics.scrapes.GpuObservation`, whose readings come first), else read from its
     ``fields`` and ``invalid`` maps."""
-    own: FieldReadings | None = getattr(sample, "readings", None)
-    if own is not None:
-        return own
+    if isinstance(sample, tuple):
+        return sample
     fields, invalid = sample.fields, sample.invalid
     return (*map(fields.get, READ_FIELDS), *map(invalid.get, READ_FIELDS))
 

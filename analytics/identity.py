@@ -100,10 +100,12 @@ class GpuIdentities:
 
 
 def with_uuid(sample: _S, gpu_uuid: str) -> _S:
-    """``sample`` with ``gpu_uuid`` set (a new object; a pydantic model or a msgspec struct
-    alike)."""
+    """``sample`` with ``gpu_uuid`` set (a new object; a pydantic model, a msgspec struct or a
+    named tuple alike). Raises ``TypeError`` for another kind of object."""
     if isinstance(sample, msgspec.Struct):
         return msgspec.structs.replace(sample, gpu_uuid=gpu_uuid)
+    if isinstance(sample, tuple) and hasattr(sample, "_replace"):
+        return cast(_S, sample._replace(gpu_uuid=gpu_uuid))
     if isinstance(sample, GpuSample):
         return cast(_S, sample.model_copy(update={"gpu_uuid": gpu_uuid}))
     raise TypeError(f"cannot set gpu_uuid on {type(sample).__name__}")

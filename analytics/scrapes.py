@@ -6,9 +6,9 @@ One call decodes a batch's scrape records and returns, per record, what it holds
 ``source``, ``target``, ``seq``, its GPU count) and, per GPU, the ``gpu_samples`` columns as Arrow
 arrays built on the decoder's own buffers (the maps ``fields`` / ``invalid`` / ``attributes`` as
 the producer's JSON text of each map, validated: :func:`contracts.encode` writes it compactly and
-any other valid spelling is kept as sent) plus what the idle classifier reads (Python lists, and
-of each GPU's ``fields`` / ``invalid`` only the entries of :data:`analytics.classify.READ_FIELDS`,
-as one tuple: :data:`analytics.classify.FieldReadings`).
+any other valid spelling is kept as sent) plus what the idle classifier reads: one
+:class:`GpuObservation` per GPU, with of its ``fields`` / ``invalid`` only the entries of
+:data:`analytics.classify.READ_FIELDS`.
 The decoder is built from the model's own constants (schema version, ``source`` values,
 defaults), the stage's storable times (:mod:`analytics.timestamps`) and the field columns of
 :mod:`analytics.rows`, so nothing here is defined twice.
@@ -20,13 +20,11 @@ caller, which has the reference decide (:func:`analytics.decode.decode_telemetry
 
 from __future__ import annotations
 
-import itertools
 import typing
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
-import msgspec
 import pyarrow as pa
 from analytics_native import COLUMN_MEMBERS, RECORD_MEMBERS, SERIES_MEMBERS, ScrapeDecoder
 
@@ -48,6 +46,77 @@ if (
 ):  # pragma: no cover - a contract change the compiled decoder does not follow
     raise ImportError("contracts.GpuScrape changed: update analytics/native/src/lib.rs")
 
+
+class GpuObservation(NamedTuple):
+    """What the idle classifier reads of one GPU of a scrape record
+    (:class:`analytics.classify.SampleLike`), made by the compiled decoder: one named tuple per
+    GPU, whose first items are its :data:`analytics.classify.FieldReadings` (so the classifier
+    reads them in place), left out of the cyclic garbage collector's tracking (numbers and
+    strings only).
+
+    Attributes:
+        gr_engine_active ... fb_reserved: the valid values of
+            :data:`analytics.classify.READ_FIELDS` in the GPU's ``fields`` (in that order; ``int``
+            or ``float``), ``None`` where it has none.
+        gr_engine_active_invalid ... fb_reserved_invalid: their reasons in the GPU's ``invalid``,
+            ``None`` where it has none.
+        ts, host, gpu_uuid, gpu_index, gpu_instance_id, model_name: as in
+            :class:`contracts.GpuSample`.
+    """
+
+    gr_engine_active: float | int | None
+    sm_active: float | int | None
+    gpu_util: float | int | None
+    fb_used: float | int | None
+    fb_free: float | int | None
+    fb_total: float | int | None
+    fb_reserved: float | int | None
+    gr_engine_active_invalid: str | None
+    sm_active_invalid: str | None
+    gpu_util_invalid: str | None
+    fb_used_invalid: str | None
+    fb_free_invalid: str | None
+    fb_total_invalid: str | None
+    fb_reserved_invalid: str | None
+    ts: float
+    host: str
+    gpu_uuid: str | None
+    gpu_index: int | None
+    gpu_instance_id: int | None
+    model_name: str | None
+
+    @property
+    def readings(self) -> FieldReadings:
+        """The :data:`analytics.classify.FieldReadings` (a new tuple)."""
+        return self[: 2 * len(READ_FIELDS)]
+
+    @property
+    def fields(self) -> dict[str, float | int]:
+        """The valid entries of :data:`analytics.classify.READ_FIELDS` (a map, as in
+        :class:`contracts.GpuSample`'s ``fields``; a new dict)."""
+        values = cast("tuple[float | int | None, ...]", self[: len(READ_FIELDS)])
+        return {name: v for name, v in zip(READ_FIELDS, values, strict=True) if v is not None}
+
+    @property
+    def invalid(self) -> dict[str, str]:
+        """The rejected entries of :data:`analytics.classify.READ_FIELDS`: field → reason (a new
+        dict)."""
+        reasons = cast("tuple[str | None, ...]", self[len(READ_FIELDS) : 2 * len(READ_FIELDS)])
+        return {name: r for name, r in zip(READ_FIELDS, reasons, strict=True) if r is not None}
+
+    @property
+    def key(self) -> str:
+        """GPU identity, as :attr:`contracts.GpuSample.key`."""
+        return gpu_key(self.host, gpu_id(self.gpu_uuid, self.gpu_index), self.gpu_instance_id)
+
+
+_READ_NAMES = tuple(f.removeprefix("DCGM_FI_PROF_").removeprefix("DCGM_FI_DEV_").lower() for f in READ_FIELDS)
+if GpuObservation._fields[: 2 * len(READ_FIELDS)] != (
+    *_READ_NAMES,
+    *(f"{n}_invalid" for n in _READ_NAMES),
+):  # pragma: no cover - READ_FIELDS changed without GpuObservation
+    raise ImportError("analytics.classify.READ_FIELDS changed: update analytics.scrapes.GpuObservation")
+
 _SOURCE = GpuScrape.model_fields["source"]
 DECODER = ScrapeDecoder(
     schema_version=SCHEMA_VERSION,
@@ -60,6 +129,7 @@ DECODER = ScrapeDecoder(
     float_fields=list(GPU_FLOAT_FIELDS.values()),
     whole_fields=list(GPU_WHOLE_FIELDS.values()),
     observed=list(READ_FIELDS),
+    observation=GpuObservation,
 )
 """The stage's compiled scrape decoder."""
 
@@ -90,11 +160,8 @@ class ScrapeColumns:
     Attributes:
         msgs, host, source, target, seq, counts: per record its message, the record's members
             and its number of GPUs.
-        ts, gpu_uuid, gpu_index, gpu_instance_id, model_name: per GPU, as in
-            :class:`contracts.GpuSample` (``None`` where the record left the column empty).
-        readings: per GPU the entries of :data:`analytics.classify.READ_FIELDS` of its maps, as
-            :data:`analytics.classify.FieldReadings` (values as decoded: ``int`` or ``float``;
-            reasons as ``str``; GPUs with none share one tuple).
+        observed: per GPU its :class:`GpuObservation` (``None`` where the record left a column
+            empty; values as decoded: ``int`` or ``float``).
         arrays: per GPU Arrow arrays: ``ts`` (``timestamp[us]``: the Unix seconds times 10**6,
             rounded half to even), ``host``, ``source``, ``target`` (string: its record's),
             ``seq`` (int64: its record's ``seq`` plus its place in the record, NULL past int64),
@@ -111,17 +178,12 @@ class ScrapeColumns:
     target: list[str] = field(default_factory=list)
     seq: list[int] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
-    ts: list[float] = field(default_factory=list)
-    gpu_uuid: list[str | None] = field(default_factory=list)
-    gpu_index: list[int | None] = field(default_factory=list)
-    gpu_instance_id: list[int | None] = field(default_factory=list)
-    model_name: list[str | None] = field(default_factory=list)
-    readings: list[FieldReadings] = field(default_factory=list)
+    observed: list[GpuObservation] = field(default_factory=list)
     arrays: dict[str, pa.Array] = field(default_factory=dict)
 
     def __len__(self) -> int:
         """Number of GPUs."""
-        return len(self.ts)
+        return len(self.observed)
 
     def samples(self, sample_type: type[Any]) -> list[Any]:
         """Every GPU as a ``sample_type`` (:class:`contracts.GpuSample` or its msgspec twin), in
@@ -139,64 +201,9 @@ class ScrapeColumns:
         return out
 
     def observations(self) -> list[GpuObservation]:
-        """Every GPU as a :class:`GpuObservation` (what the idle classifier reads), in order:
-        the decoded readings shared, no other object per GPU than the observation itself."""
-        return list(
-            map(
-                GpuObservation,
-                self.ts,
-                _per_gpu(self.host, self.counts),
-                self.gpu_uuid,
-                self.gpu_index,
-                self.gpu_instance_id,
-                self.model_name,
-                self.readings,
-            )
-        )
-
-
-def _per_gpu(values: list[Any], counts: list[int]) -> Iterable[Any]:
-    """Per GPU the value of its record (record ``k`` has ``counts[k]`` GPUs)."""
-    return itertools.chain.from_iterable(itertools.repeat(v, n) for v, n in zip(values, counts, strict=True))
-
-
-class GpuObservation(msgspec.Struct, frozen=True, gc=False):
-    """What the idle classifier reads of one GPU of a scrape record
-    (:class:`analytics.classify.SampleLike`), made by :meth:`ScrapeColumns.observations`.
-
-    Attributes:
-        ts, host, gpu_uuid, gpu_index, gpu_instance_id, model_name: as in
-            :class:`contracts.GpuSample`.
-        readings: the entries of :data:`analytics.classify.READ_FIELDS` of the GPU's maps (every
-            entry the classifier reads), as :data:`analytics.classify.FieldReadings`.
-    """
-
-    ts: float
-    host: str
-    gpu_uuid: str | None
-    gpu_index: int | None
-    gpu_instance_id: int | None
-    model_name: str | None
-    readings: FieldReadings
-
-    @property
-    def fields(self) -> dict[str, float | int]:
-        """The valid entries of :data:`analytics.classify.READ_FIELDS` (a map, as in
-        :class:`contracts.GpuSample`'s ``fields``; a new dict)."""
-        values = cast("tuple[float | int | None, ...]", self.readings[: len(READ_FIELDS)])
-        return {name: v for name, v in zip(READ_FIELDS, values, strict=True) if v is not None}
-
-    @property
-    def invalid(self) -> dict[str, str]:
-        """The rejected entries of :data:`analytics.classify.READ_FIELDS`: field → reason (a new
-        dict)."""
-        reasons = cast("tuple[str | None, ...]", self.readings[len(READ_FIELDS) :])
-        return {name: r for name, r in zip(READ_FIELDS, reasons, strict=True) if r is not None}
-
-    @property
-    def key(self) -> str:
-        """GPU identity, as :attr:`contracts.GpuSample.key`."""
-        return gpu_key(self.host, gpu_id(self.gpu_uuid, self.gpu_index), self.gpu_instance_id)
+        """Every GPU as a :class:`GpuObservation` (what the idle classifier reads), in order: the
+        decoder's own list (read only)."""
+        return self.observed
 
 
 def _array(arrow_type: pa.DataType, n: int, buffers: Buffers) -> pa.Array:
@@ -218,7 +225,7 @@ def decode_scrapes(msgs: Sequence[BusMessage]) -> tuple[ScrapeColumns, list[BusM
         return ScrapeColumns(), []
     got = DECODER.decode([cast(bytes, m.value) for m in msgs])
     accepted: list[int] = got.accepted
-    n = len(got.ts)
+    n = len(got.observations)
     arrays = {name: _array(_ARRAY_TYPES[name], n, bufs) for name, bufs in got.arrays.items()}
     for column, name in GPU_FLOAT_FIELDS.items():
         arrays[column] = _array(pa.float64(), n, got.float_fields[name])
@@ -231,12 +238,7 @@ def decode_scrapes(msgs: Sequence[BusMessage]) -> tuple[ScrapeColumns, list[BusM
         target=got.target,
         seq=got.seq,
         counts=got.counts,
-        ts=got.ts,
-        gpu_uuid=got.gpu_uuid,
-        gpu_index=got.gpu_index,
-        gpu_instance_id=got.gpu_instance_id,
-        model_name=got.model_name,
-        readings=got.observed,
+        observed=cast("list[GpuObservation]", got.observations),
         arrays=arrays,
     )
     if len(accepted) == len(msgs):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from decimal import Decimal
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from analytics.classify import READ_FIELDS
 from analytics.decode import RejectedRecord, decode_batch, decode_telemetry
 from analytics.rows import gpu_samples_table, gpu_scrapes_table
-from analytics.scrapes import DECODER, decode_scrapes
+from analytics.scrapes import DECODER, GpuObservation, decode_scrapes
 from analytics.timestamps import TS_MAX_S, TS_MIN_S, storable_ts
 from contracts import GpuSample, GpuScrape, encode, gpu_scrapes
 from tests.test_analytics_ingest_batch import TOPICS, msg
@@ -375,7 +375,8 @@ def test_the_spellings_the_scanner_accepts() -> None:
     for ts in [b"-0", b"17e8", b"1.7E+9", b"1700000000", b"-62135596800"]:
         assert _check_same(_gpu0(ts=ts)), ts
     got = DECODER.decode([_gpu0(ts=b"-0"), _gpu0(ts=b"-0.0")])
-    assert [math.copysign(1.0, t) for t in got.ts] == [1.0, -1.0]  # float(int) of -0, and -0.0
+    ts = [o.ts for o in cast("list[GpuObservation]", got.observations)]
+    assert [math.copysign(1.0, t) for t in ts] == [1.0, -1.0]  # float(int) of -0, and -0.0
     assert _check_same(_gpu0(index=b"-0"))
     for host in [b'"\\ud83d\\ude00\\u00E9\\u0000"', b'"\\"\\\\\\/\\b\\f\\n\\r\\t"', '"é😀\x7f"'.encode()]:
         assert _check_same(_gpu0(host=host)), host
@@ -384,7 +385,7 @@ def test_the_spellings_the_scanner_accepts() -> None:
     )
     assert _check_same(_gpu0(fields=escaped_name))
     util = READ_FIELDS.index("DCGM_FI_DEV_GPU_UTIL")
-    assert DECODER.decode([_gpu0(fields=escaped_name)]).observed[0][util] == 5
+    assert DECODER.decode([_gpu0(fields=escaped_name)]).observations[0][util] == 5
     spaced = b'\t\n\r {\t"host"\n:\r"h" , "gpus" : { "ts" : [ 1.7e9 ] ,"gpu_index":[ 0 ],"fields":[ { "a" : 1 , "b" : [] } ] } }\r\n'
     assert not _check_same(spaced)  # a list is not a number
     spaced = spaced.replace(b"[] ", b"2.5 ")
@@ -490,3 +491,23 @@ def test_a_stage_without_the_compiled_decoder_says_how_to_build_it(monkeypatch: 
     got = CliRunner().invoke(app, ["analytics", "--help"])
     assert got.exit_code == 2
     assert "pip install 'gpupool[server]'" in got.output and "pip install ./analytics/native" in got.output
+
+
+def test_the_observation_class_must_be_a_named_tuple_of_the_right_size() -> None:
+    """The decoder fills each observation in place: a class that is not a named tuple with two
+    slots per observed name and six more is refused at construction."""
+    from collections import namedtuple
+
+    from analytics_native import ScrapeDecoder
+
+    def decoder(observation: Any, observed: list[str]) -> ScrapeDecoder:
+        return ScrapeDecoder(
+            schema_version=1, sources=["s"], default_source="s", default_target="", default_seq=0,
+            ts_min=0.0, ts_max=1e10, float_fields=[], whole_fields=[], observed=observed,
+            observation=observation,
+        )  # fmt: skip
+
+    decoder(namedtuple("Eight", list("abcdefgh")), ["x"])
+    for bad in (namedtuple("Seven", list("abcdefg")), namedtuple("Nine", list("abcdefghi")), tuple, GpuSample):
+        with pytest.raises(ValueError, match="named tuple"):
+            decoder(bad, ["x"])

@@ -24,6 +24,7 @@ from analytics.classify import (
     READ_FIELDS,
     field_readings,
 )
+from analytics.identity import with_uuid
 from analytics.decode import decode_batch
 from analytics.service import AnalyticsService
 from contracts import GpuSample, encode, gpu_scrapes
@@ -115,7 +116,9 @@ def test_observations_are_the_gpus_of_the_records() -> None:
     assert first.readings[READ_FIELDS.index(GPU_UTIL)] == 5 and first.readings[n + READ_FIELDS.index(SM_ACTIVE)] == "sentinel"
     assert sum(v is not None for v in first.readings) == 2 and len(first.readings) == 2 * n
     assert first.readings == field_readings(sample) and second.readings == field_readings(other)
-    assert not gc.is_tracked(first.readings)  # numbers and strings only: no work for the collector
+    assert field_readings(first) is first  # read in place: the readings come first
+    assert not gc.is_tracked(first)  # numbers and strings only: no work for the collector
+    assert with_uuid(second, "GPU-x").key == "h/GPU-x/2" and with_uuid(second, "GPU-x")[:14] == second[:14]
 
 
 async def test_scrape_rows_with_a_seq_past_int64_are_stored_as_samples_are() -> None:

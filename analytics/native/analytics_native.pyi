@@ -42,21 +42,11 @@ class DecodedScrapes:
     def counts(self) -> list[int]:
         """GPUs per accepted record."""
     @property
-    def ts(self) -> list[float]:
-        """Per GPU, Unix seconds."""
-    @property
-    def gpu_uuid(self) -> list[str | None]: ...
-    @property
-    def gpu_index(self) -> list[int | None]: ...
-    @property
-    def gpu_instance_id(self) -> list[int | None]: ...
-    @property
-    def model_name(self) -> list[str | None]: ...
-    @property
-    def observed(self) -> list[tuple[float | int | str | None, ...]]:
-        """Per GPU one tuple: the ``fields`` values of the observed names, then their ``invalid``
-        reasons, in the order the names were given; None where the GPU has no entry (GPUs with
-        none share one tuple)."""
+    def observations(self) -> list[tuple[float | int | str | None, ...]]:
+        """Per GPU an instance of the ``observation`` class given to the decoder: the
+        ``fields`` values of the observed names, then their ``invalid`` reasons (in the order the
+        names were given; None where the GPU has no entry), then ``ts``, ``host``, ``gpu_uuid``,
+        ``gpu_index``, ``gpu_instance_id``, ``model_name``."""
     @property
     def arrays(self) -> dict[str, Buffers]:
         """``ts`` (int64: Unix microseconds, rounded half to even), ``host``, ``source``,
@@ -88,8 +78,10 @@ class ScrapeDecoder:
         float_fields: list[str],
         whole_fields: list[str],
         observed: list[str],
+        observation: type[tuple[float | int | str | None, ...]],
     ) -> None:
-        """Raises ``ValueError`` if ``default_source`` is not one of ``sources``."""
+        """Raises ``ValueError`` if ``default_source`` is not one of ``sources``, or
+        ``observation`` is not a named tuple of ``2 * len(observed) + 6`` fields."""
     def decode(self, values: list[bytes]) -> DecodedScrapes:
         """Decode a batch of records' JSON (UTF-8 bytes). Raises ``TypeError`` for an element
         that is not bytes; never raises for a record's content."""

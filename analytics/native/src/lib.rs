@@ -24,10 +24,10 @@
 //! is an `int`, any other a `float`, as the reference's smart union decides.
 //!
 //! Shapes of one call ([`ScrapeDecoder::decode`]): per accepted record its `host`, `source`,
-//! `target`, `seq` and GPU count; per GPU (records in order, GPUs in column order) Python lists
-//! of what the idle classifier reads (`ts`, `gpu_uuid`, `gpu_index`, `gpu_instance_id`,
-//! `model_name`, and the `fields` / `invalid` entries of the field names given at construction),
-//! and Arrow buffers (little-endian values, LSB-first validity bitmaps, int32 string offsets) of
+//! `target`, `seq` and GPU count; per GPU (records in order, GPUs in column order) one
+//! observation, what the idle classifier reads (an instance of the named tuple given at
+//! construction: the `fields` values and `invalid` reasons of the field names given, then `ts`,
+//! `host`, `gpu_uuid`, `gpu_index`, `gpu_instance_id`, `model_name`), and Arrow buffers (little-endian values, LSB-first validity bitmaps, int32 string offsets) of
 //! `ts` (int64: Unix microseconds, the seconds times 10**6 rounded half to even), `host` /
 //! `source` / `target` (utf8: the GPU's record's), `seq` (int64: the record's `seq` plus the
 //! GPU's place in it, NULL past int64), `gpu_uuid` / `gpu_instance_profile` / `model_name` (utf8),
@@ -663,6 +663,8 @@ struct ScrapeDecoder {
     whole_fields: Vec<String>,
     /// Number of observed field names (`observed` given at construction).
     observed_count: usize,
+    /// The tuple subclass each GPU's observation is an instance of.
+    observation: Py<pyo3::types::PyType>,
     source_strs: Vec<Py<PyString>>,
     /// Python strings of the hosts, targets and GPU UUIDs seen, kept from call to call.
     strings: Mutex<StrCache>,
@@ -726,22 +728,13 @@ struct DecodedScrapes {
     seq: Py<PyList>,
     #[pyo3(get)]
     counts: Py<PyList>,
-    /// Per GPU: `ts` (float), `gpu_uuid` / `model_name` (str or None), `gpu_index` /
-    /// `gpu_instance_id` (int or None), and `observed`: one tuple of the observed names' `fields`
-    /// values then their `invalid` reasons, in the order the names were given (None where the
-    /// GPU has no entry; GPUs with none share one tuple).
+    /// Per GPU one instance of the `observation` class given at construction (a tuple subclass):
+    /// the observed names' `fields` values, then their `invalid` reasons, in the order the names
+    /// were given (None where the GPU has no entry), then `ts` (float), `host` (str),
+    /// `gpu_uuid` (str or None), `gpu_index`, `gpu_instance_id` (int or None), `model_name` (str
+    /// or None).
     #[pyo3(get)]
-    ts: Py<PyList>,
-    #[pyo3(get)]
-    gpu_uuid: Py<PyList>,
-    #[pyo3(get)]
-    gpu_index: Py<PyList>,
-    #[pyo3(get)]
-    gpu_instance_id: Py<PyList>,
-    #[pyo3(get)]
-    model_name: Py<PyList>,
-    #[pyo3(get)]
-    observed: Py<PyList>,
+    observations: Py<PyList>,
     /// Column name → `(validity or None, values, offsets or None, null count)`, each a [`Buffer`].
     #[pyo3(get)]
     arrays: Py<PyDict>,
@@ -752,58 +745,66 @@ struct DecodedScrapes {
     whole_fields: Py<PyDict>,
 }
 
-/// A new Python list or tuple (`new`: `PyList_New` or `PyTuple_New`; `set`: its `..._SetItem`)
-/// of `items`, taking their references over (no count changes). Raises `MemoryError` when it
-/// cannot be allocated.
-fn owned_sequence(
+/// `ptr`, a new list or tuple of `items.len()` empty slots (or NULL with an exception set: then
+/// `MemoryError` or that exception is raised), filled with `items` by `set` (its
+/// `..._SetItem`), which takes their references over (no count changes).
+///
+/// # Safety
+/// `ptr` is NULL or a new list, tuple or tuple-subclass instance of exactly `items.len()`
+/// slots, referenced only by the caller, whose reference goes to the object returned.
+unsafe fn filled(
     py: Python<'_>,
-    items: Vec<PyObject>,
-    new: unsafe extern "C" fn(pyo3::ffi::Py_ssize_t) -> *mut pyo3::ffi::PyObject,
+    ptr: *mut pyo3::ffi::PyObject,
+    items: impl Iterator<Item = PyObject>,
     set: unsafe extern "C" fn(
         *mut pyo3::ffi::PyObject,
         pyo3::ffi::Py_ssize_t,
         *mut pyo3::ffi::PyObject,
     ) -> std::os::raw::c_int,
 ) -> PyResult<PyObject> {
-    let n = items.len() as pyo3::ffi::Py_ssize_t;
-    // SAFETY: `new(n)` returns a new list or tuple of n empty slots, or NULL with MemoryError
-    // set; `set` steals each reference and cannot fail for an index below n on a new one; its
-    // one reference goes to the object returned.
-    unsafe {
-        let ptr = new(n);
-        if ptr.is_null() {
-            return Err(PyErr::fetch(py));
-        }
-        for (i, item) in items.into_iter().enumerate() {
-            set(ptr, i as pyo3::ffi::Py_ssize_t, item.into_ptr());
-        }
-        Ok(PyObject::from_owned_ptr(py, ptr))
+    if ptr.is_null() {
+        return Err(PyErr::fetch(py));
     }
+    // `set` steals each reference and cannot fail for an index below the length on a new one.
+    for (i, item) in items.enumerate() {
+        set(ptr, i as pyo3::ffi::Py_ssize_t, item.into_ptr());
+    }
+    Ok(PyObject::from_owned_ptr(py, ptr))
 }
 
 /// A Python list of `items`, taking their references over (no count changes). Raises
 /// `MemoryError` when the list cannot be allocated.
 fn owned_list(py: Python<'_>, items: Vec<PyObject>) -> PyResult<Py<PyList>> {
-    let list = owned_sequence(py, items, pyo3::ffi::PyList_New, pyo3::ffi::PyList_SetItem)?;
-    // SAFETY: owned_sequence with PyList_New made a list.
+    let n = items.len() as pyo3::ffi::Py_ssize_t;
+    // SAFETY: PyList_New(n) returns a new list of n empty slots, or NULL with MemoryError set.
+    let list = unsafe {
+        filled(py, pyo3::ffi::PyList_New(n), items.into_iter(), pyo3::ffi::PyList_SetItem)?
+    };
+    // SAFETY: PyList_New made a list.
     Ok(unsafe { list.downcast_bound_unchecked::<PyList>(py) }.clone().unbind())
 }
 
-/// `2 * width` Python `None`s: the observed slots of a GPU before its entries are set.
-fn none_slots(py: Python<'_>, width: usize) -> Vec<PyObject> {
-    (0..2 * width).map(|_| py.None()).collect()
-}
-
-/// A Python tuple of `items`, which are numbers, strings or `None` only, taking their references
-/// over (no count changes) and left out of the cyclic garbage collector's tracking (what the
-/// collector does to such a tuple anyway, at its first pass over it). Raises `MemoryError` when
-/// the tuple cannot be allocated.
-fn atomic_tuple(py: Python<'_>, items: Vec<PyObject>) -> PyResult<PyObject> {
-    let tuple = owned_sequence(py, items, pyo3::ffi::PyTuple_New, pyo3::ffi::PyTuple_SetItem)?;
-    // SAFETY: a new, tracked tuple holding no container cannot be part of a reference cycle, so
-    // it may be untracked (PyObject_GC_UnTrack of a tracked object).
-    unsafe { pyo3::ffi::PyObject_GC_UnTrack(tuple.as_ptr().cast()) };
-    Ok(tuple)
+/// An instance of `cls`, a tuple subclass whose instances hold no `__dict__` (a named tuple), of
+/// `items`, which are numbers, strings or `None` only, taking their references over (no count
+/// changes) and left out of the cyclic garbage collector's tracking (what the collector does to
+/// an exact tuple of such items at its first pass over it). Raises `MemoryError` when it cannot
+/// be allocated.
+fn atomic_record(
+    py: Python<'_>,
+    cls: &Bound<'_, pyo3::types::PyType>,
+    items: std::vec::Drain<'_, PyObject>,
+) -> PyResult<PyObject> {
+    let n = items.len() as pyo3::ffi::Py_ssize_t;
+    // SAFETY: PyType_GenericAlloc (a tuple subclass's tp_alloc, as tuple.__new__ calls it) returns
+    // a new, tracked instance of n empty slots or NULL with MemoryError set; an instance holding
+    // no container and no __dict__ cannot be part of a reference cycle, so it may be untracked
+    // (PyObject_GC_UnTrack of a tracked object; its deallocation untracks only if tracked).
+    unsafe {
+        let ptr = pyo3::ffi::PyType_GenericAlloc(cls.as_type_ptr(), n);
+        let record = filled(py, ptr, items, pyo3::ffi::PyTuple_SetItem)?;
+        pyo3::ffi::PyObject_GC_UnTrack(record.as_ptr().cast());
+        Ok(record)
+    }
 }
 
 /// A buffer the decoder built, handed to Python as it is (read-only buffer protocol: `bytes(b)`,
@@ -1077,9 +1078,12 @@ impl ScrapeDecoder {
     /// `default_source` / `default_target` / `default_seq` (the model's defaults), `ts_min` /
     /// `ts_max` (Unix seconds: a `ts` is accepted when `ts_min <= ts < ts_max`), `float_fields`
     /// and `whole_fields` (field names given a float64 / int64 column each), `observed` (field
-    /// names whose `fields` and `invalid` entries are returned per GPU, as one tuple).
+    /// names whose `fields` and `invalid` entries each GPU's observation holds), `observation`
+    /// (the class of the observations: a named tuple of `2 * len(observed) + 6` fields, in the
+    /// order of [`DecodedScrapes`]'s `observations`).
     ///
-    /// Raises `ValueError` if `default_source` is not one of `sources`.
+    /// Raises `ValueError` if `default_source` is not one of `sources`, or `observation` is not
+    /// a named tuple (a tuple subclass without `__dict__`, with `_fields`) of that many fields.
     #[new]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -1094,7 +1098,20 @@ impl ScrapeDecoder {
         float_fields: Vec<String>,
         whole_fields: Vec<String>,
         observed: Vec<String>,
+        observation: Bound<'_, pyo3::types::PyType>,
     ) -> PyResult<Self> {
+        let fields = 2 * observed.len() + 6;
+        let named_tuple = observation.is_subclass_of::<PyTuple>()?
+            && observation.getattr("__dictoffset__")?.extract::<isize>()? == 0
+            && observation
+                .getattr("_fields")
+                .and_then(|f| f.len())
+                .map_or(false, |n| n == fields);
+        if !named_tuple {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "observation {observation} is not a named tuple of {fields} fields"
+            )));
+        }
         let default = sources
             .iter()
             .position(|s| *s == default_source)
@@ -1131,6 +1148,7 @@ impl ScrapeDecoder {
             float_fields,
             whole_fields,
             observed_count,
+            observation: observation.unbind(),
             source_strs,
             strings: Mutex::new(StrCache::default()),
             names,
@@ -1148,12 +1166,11 @@ impl ScrapeDecoder {
         let mut target: Vec<PyObject> = Vec::new();
         let mut seq: Vec<PyObject> = Vec::new();
         let mut counts: Vec<PyObject> = Vec::new();
-        let mut ts: Vec<PyObject> = Vec::new();
-        let mut uuid: Vec<PyObject> = Vec::new();
-        let mut index: Vec<PyObject> = Vec::new();
-        let mut instance: Vec<PyObject> = Vec::new();
-        let mut model: Vec<PyObject> = Vec::new();
-        let mut observed_list: Vec<PyObject> = Vec::new();
+        let mut observations: Vec<PyObject> = Vec::new();
+        // one GPU's observation being built: the observed slots, then ts, host, UUID, index,
+        // instance, model
+        let mut slots: Vec<PyObject> = Vec::new();
+        let observation = self.observation.bind(py);
         let mut ts_col = FixedCol::default();
         let mut host_col = StrCol::new();
         let mut source_col = StrCol::new();
@@ -1180,7 +1197,6 @@ impl ScrapeDecoder {
         let none = py.None();
         let int_type = py.get_type_bound::<pyo3::types::PyLong>();
         let width = self.observed_count;
-        let unseen = PyTuple::new_bound(py, (0..2 * width).map(|_| py.None())).into_any().unbind();
         let mut last_model: Option<(String, PyObject)> = None;
         let mut last_ts: Option<(f64, Bound<'_, PyAny>)> = None;
         let mut floats: Vec<Option<f64>> = vec![None; self.float_fields.len()];
@@ -1231,7 +1247,8 @@ impl ScrapeDecoder {
                 continue;
             }
             accepted.push(k);
-            host.push(strings.get(py, &rec.host));
+            let host_obj = strings.get(py, &rec.host);
+            host.push(host_obj.clone_ref(py));
             source.push(self.source_strs[src].clone_ref(py).into_any());
             target.push(strings.get(py, t_str));
             let first_seq = rec.seq.unwrap_or(self.default_seq);
@@ -1240,8 +1257,10 @@ impl ScrapeDecoder {
             let mut field_start = 0;
             let mut invalid_start = 0;
             for i in 0..n {
+                slots.clear();
+                slots.extend((0..2 * width).map(|_| none.clone_ref(py)));
                 let t = rec.ts[i];
-                ts.push(match &last_ts {
+                let ts_obj = match &last_ts {
                     Some((prev, obj)) if prev.to_bits() == t.to_bits() => obj.clone().unbind(),
                     _ => {
                         let obj = PyFloat::new_bound(py, t).into_any();
@@ -1249,25 +1268,25 @@ impl ScrapeDecoder {
                         last_ts = Some((t, obj));
                         out
                     }
-                });
+                };
                 ts_col.push_i64(Some(round_half_even(t * 1e6) as i64));
                 host_col.push(Some(&rec.host));
                 source_col.push(Some(&self.sources[src]));
                 target_col.push(Some(t_str));
                 seq_col.push_i64(first_seq.checked_add(i as i64));
                 let u = rec.gpu_uuid.get(i).and_then(|u| u.as_deref());
-                uuid.push(u.map_or_else(|| none.clone_ref(py), |s| strings.get(py, s)));
+                let uuid_obj = u.map_or_else(|| none.clone_ref(py), |s| strings.get(py, s));
                 uuid_col.push(u);
                 let x = rec.gpu_index.get(i).copied().flatten();
-                index.push(x.map_or_else(|| none.clone_ref(py), |v| v.into_py(py)));
+                let index_obj = x.map_or_else(|| none.clone_ref(py), |v| v.into_py(py));
                 index_col.push_i64(x);
                 let g = rec.gpu_instance_id.get(i).copied().flatten();
-                instance.push(g.map_or_else(|| none.clone_ref(py), |v| v.into_py(py)));
+                let instance_obj = g.map_or_else(|| none.clone_ref(py), |v| v.into_py(py));
                 instance_col.push_i64(g);
                 profile_col.push(rec.gpu_instance_profile.get(i).and_then(|p| p.as_deref()));
                 let m = rec.model_name.get(i).and_then(|m| m.as_deref());
                 model_col.push(m);
-                model.push(match m {
+                let model_obj = match m {
                     None => none.clone_ref(py),
                     Some(s) => match &last_model {
                         Some((text, obj)) if text.as_str() == s => obj.clone_ref(py),
@@ -1277,14 +1296,12 @@ impl ScrapeDecoder {
                             obj
                         }
                     },
-                });
+                };
                 fields_col.push(Some(rec.fields.get(i).map_or("{}", |f| f.0)));
                 invalid_col.push(Some(rec.invalid.get(i).map_or("{}", |f| f.0)));
                 attributes_col.push(Some(rec.attributes.get(i).copied().unwrap_or("{}")));
                 floats.iter_mut().for_each(|v| *v = None);
                 wholes.iter_mut().for_each(|v| *v = None);
-                // the observed values then reasons; None where absent
-                let mut observed: Option<Vec<PyObject>> = None;
                 if let Some(&(_, end)) = rec.fields.get(i) {
                     for (j, v) in &rec.field_entries[field_start..end] {
                         let name = &self.names[*j];
@@ -1315,22 +1332,26 @@ impl ScrapeDecoder {
                                     obj
                                 }
                             };
-                            observed.get_or_insert_with(|| none_slots(py, width))[j] = obj.unbind();
+                            slots[j] = obj.unbind();
                         }
                     }
                     field_start = end;
                 }
                 if let Some(&(_, end)) = rec.invalid.get(i) {
                     for (j, reason) in &rec.invalid_entries[invalid_start..end] {
-                        let text = PyString::new_bound(py, reason).into_any().unbind();
-                        observed.get_or_insert_with(|| none_slots(py, width))[width + *j] = text;
+                        slots[width + *j] = PyString::new_bound(py, reason).into_any().unbind();
                     }
                     invalid_start = end;
                 }
-                observed_list.push(match observed {
-                    None => unseen.clone_ref(py),
-                    Some(slots) => atomic_tuple(py, slots)?,
-                });
+                slots.extend([
+                    ts_obj,
+                    host_obj.clone_ref(py),
+                    uuid_obj,
+                    index_obj,
+                    instance_obj,
+                    model_obj,
+                ]);
+                observations.push(atomic_record(py, observation, slots.drain(..))?);
                 for (c, v) in float_cols.iter_mut().zip(&floats) {
                     c.push_f64(*v);
                 }
@@ -1369,12 +1390,7 @@ impl ScrapeDecoder {
             target: list(target)?,
             seq: list(seq)?,
             counts: list(counts)?,
-            ts: list(ts)?,
-            gpu_uuid: list(uuid)?,
-            gpu_index: list(index)?,
-            gpu_instance_id: list(instance)?,
-            model_name: list(model)?,
-            observed: list(observed_list)?,
+            observations: list(observations)?,
             arrays: arrays.unbind(),
             float_fields: float_dict.unbind(),
             whole_fields: whole_dict.unbind(),
