@@ -792,7 +792,7 @@ fn owned_list(py: Python<'_>, items: Vec<PyObject>) -> PyResult<Py<PyList>> {
 fn atomic_record(
     py: Python<'_>,
     cls: &Bound<'_, pyo3::types::PyType>,
-    items: std::vec::Drain<'_, PyObject>,
+    items: impl ExactSizeIterator<Item = PyObject>,
 ) -> PyResult<PyObject> {
     let n = items.len() as pyo3::ffi::Py_ssize_t;
     // SAFETY: PyType_GenericAlloc (a tuple subclass's tp_alloc, as tuple.__new__ calls it) returns
@@ -1169,7 +1169,7 @@ impl ScrapeDecoder {
         let mut observations: Vec<PyObject> = Vec::new();
         // one GPU's observation being built: the observed slots, then ts, host, UUID, index,
         // instance, model
-        let mut slots: Vec<PyObject> = Vec::new();
+        let mut slots: Vec<Option<PyObject>> = Vec::new();
         let observation = self.observation.bind(py);
         let mut ts_col = FixedCol::default();
         let mut host_col = StrCol::new();
@@ -1258,7 +1258,7 @@ impl ScrapeDecoder {
             let mut invalid_start = 0;
             for i in 0..n {
                 slots.clear();
-                slots.extend((0..2 * width).map(|_| none.clone_ref(py)));
+                slots.resize_with(2 * width, || None);
                 let t = rec.ts[i];
                 let ts_obj = match &last_ts {
                     Some((prev, obj)) if prev.to_bits() == t.to_bits() => obj.clone().unbind(),
@@ -1332,26 +1332,27 @@ impl ScrapeDecoder {
                                     obj
                                 }
                             };
-                            slots[j] = obj.unbind();
+                            slots[j] = Some(obj.unbind());
                         }
                     }
                     field_start = end;
                 }
                 if let Some(&(_, end)) = rec.invalid.get(i) {
                     for (j, reason) in &rec.invalid_entries[invalid_start..end] {
-                        slots[width + *j] = PyString::new_bound(py, reason).into_any().unbind();
+                        slots[width + *j] = Some(PyString::new_bound(py, reason).into_any().unbind());
                     }
                     invalid_start = end;
                 }
                 slots.extend([
-                    ts_obj,
-                    host_obj.clone_ref(py),
-                    uuid_obj,
-                    index_obj,
-                    instance_obj,
-                    model_obj,
+                    Some(ts_obj),
+                    Some(host_obj.clone_ref(py)),
+                    Some(uuid_obj),
+                    Some(index_obj),
+                    Some(instance_obj),
+                    Some(model_obj),
                 ]);
-                observations.push(atomic_record(py, observation, slots.drain(..))?);
+                let items = slots.drain(..).map(|o| o.unwrap_or_else(|| none.clone_ref(py)));
+                observations.push(atomic_record(py, observation, items)?);
                 for (c, v) in float_cols.iter_mut().zip(&floats) {
                     c.push_f64(*v);
                 }
