@@ -314,6 +314,7 @@ def _memory_messages(rows: int, gpus: int, batch: int) -> Iterator[list[BusMessa
             "gpu_instance_profile": None,
             "model_name": "NVIDIA H100 80GB HBM3",
             "fields": _fields(rng),
+            "field_series": {},
             "invalid": {},
             "attributes": {"pod": f"pod-{g}", "namespace": "team-a"},
             "source": "dcgm-exporter",
