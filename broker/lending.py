@@ -818,10 +818,13 @@ class SlurmLending:
                 del self._submitted[job_id]
                 await self._cancel([job_id], "release")
         cancel: list[str] = []
+        held_back = self._held_back(now)
         for host, by_index in self._idle.items():
             for index, h in by_index.items():
                 if index in wanted.get(host, ()):
                     self._unwanted.pop(h.job_id, None)
+                elif (host, index) in held_back:  # Slurm started one submitted before the take-back there
+                    cancel.append(h.job_id)
                 elif now - self._unwanted.setdefault(h.job_id, now) >= self.unwanted_grace_s:
                     cancel.append(h.job_id)
         if cancel:
@@ -969,19 +972,30 @@ class SlurmLending:
         """A read of Slurm's jobs started at ``read_at`` (clock) shows jobs other than gpupool's
         holding ``training`` (node, GRES index): those of them Slurm took back before that read
         are no longer held back once their cool-down ends (:attr:`retake_hold_max_s`)."""
-        for where in [w for w, (taken_at, _) in self._awaiting.items() if w in training and taken_at <= read_at]:
+        seen = [w for w, (taken_at, _) in self._awaiting.items() if w in training and taken_at <= read_at]
+        for where in seen:
             taken_at, _ = self._awaiting.pop(where)
             log.info(
                 "retake_hold_released",
                 extra={"host": where[0], "gpu_index": where[1], "training_seen_after_s": read_at - taken_at},
             )
 
+    def _held_back(self, now: float) -> set[tuple[str, int]]:
+        """(node, GRES index) of the GPUs Slurm took back that no placeholder may hold at ``now``
+        (clock): in their cool-down, or awaiting a training job (:attr:`retake_hold_max_s`)."""
+        cooling = {w for w, until in self._cooling.items() if until > now}
+        return cooling | {w for w, (_, cap) in self._awaiting.items() if cap > now}
+
     async def _tell(self) -> None:
         """Report the GPUs idle placeholders hold (:attr:`LendingHooks.lendable`) if they changed
-        since the last report."""
+        since the last report; a GPU held back after Slurm took it back (:meth:`_held_back`) is
+        not lendable even when a placeholder submitted before holds it (it is cancelled)."""
         held: set[str] = set()
+        held_back = self._held_back(self._clock())
         for host, by_index in self._idle.items():
             for index in by_index:
+                if (host, index) in held_back:
+                    continue
                 with contextlib.suppress(KeyError):
                     held.add(self.gpu_map.key(host, index))
         now = frozenset(held)

@@ -262,3 +262,50 @@ async def test_only_a_read_started_after_the_take_back_ends_the_hold(tmp_path: P
     assert ("n1", 0) in lending._awaiting
     lending._seen_training({("n1", 0)}, read_at=1000.0)
     assert lending._awaiting == {}
+
+
+async def test_a_placeholder_slurm_starts_on_a_gpu_held_back_is_not_lendable_and_is_cancelled(
+    tmp_path: Path,
+) -> None:
+    """A placeholder submitted on n1 before Slurm took GPU 0 back may be started by Slurm on GPU 0
+    while the job it was taken for still waits: it is not reported lendable, and it is cancelled
+    at the next read (not after ``unwanted_grace_s``)."""
+    now = [1000.0]
+    lending, slurm, _ = _lending(tmp_path, now, retake_hold_max_s=60.0)
+    cancelled: list[tuple[str, ...]] = []
+    told: list[frozenset[str]] = []
+
+    async def command(*argv: str, stdin: str | None = None) -> str:
+        if argv[0] == "scancel":
+            cancelled.append(argv[1:])
+        return ""
+
+    async def lendable(gpus: frozenset[str]) -> None:
+        told.append(gpus)
+
+    slurm.command = command  # type: ignore[method-assign]
+    lending._lendable = lendable
+    try:
+        await _preempt_idle_gpu0(lending, slurm, tmp_path)
+        assert told[-1] == {"n1/gpu1"}
+        now[0] = 1010.0  # past the cool-down, the preempting job not yet running
+        slurm.listed = [
+            Hold("", "11", "n1", (1,), HoldState.RUNNING),
+            Hold("", "20", "n1", (0,), HoldState.RUNNING),
+        ]
+        (tmp_path / "20.idle").write_text("")
+        await lending._poll()
+        assert cancelled == [("20",)]
+        assert told[-1] == {"n1/gpu1"}
+        assert lending._idle["n1"].keys() == {1}
+        now[0] = 1060.0  # the cap: a placeholder on GPU 0 is lendable again
+        slurm.listed = [
+            Hold("", "11", "n1", (1,), HoldState.RUNNING),
+            Hold("", "21", "n1", (0,), HoldState.RUNNING),
+        ]
+        (tmp_path / "21.idle").write_text("")
+        await lending._poll()
+        assert cancelled == [("20",)]
+        assert told[-1] == {"n1/gpu0", "n1/gpu1"}
+    finally:
+        await lending.stop()

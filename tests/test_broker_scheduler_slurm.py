@@ -95,7 +95,8 @@ def test_hold_states_and_other_jobs() -> None:
 
 
 def test_training_gpus_are_the_running_other_jobs_per_node_groups() -> None:
-    train = LINE.replace("JobName=gpupool-lease", "JobName=train").replace("PreemptTime=2026-12-01T14:01:30 ", "")
+    train = LINE.replace("JobName=gpupool-lease", "JobName=train")
+    train = train.replace("PreemptTime=2026-12-01T14:01:30 ", "")
     two_groups = train.replace(
         "Nodes=gpu-node-002 CPU_IDs=0 Mem=0 GRES=gpu:h100:8(IDX:0-7)",
         "Nodes=gpu-node-[001,003-004] CPU_IDs=0-3 Mem=0 GRES=gpu:h100:2(IDX:1,6) "
@@ -111,7 +112,8 @@ def test_training_gpus_are_the_running_other_jobs_per_node_groups() -> None:
         assert len(training_gpus(train.replace("JobState=RUNNING", f"JobState={holding}"))) == 8
     for not_holding in ("PENDING", "COMPLETING", "COMPLETED", "CANCELLED"):
         assert training_gpus(train.replace("JobState=RUNNING", f"JobState={not_holding}")) == set()
-    assert training_gpus(f"{LINE}\n\n{two_groups}\n{train}") == training_gpus(two_groups) | training_gpus(train)
+    both = training_gpus(two_groups) | training_gpus(train)
+    assert training_gpus(f"{LINE}\n\n{two_groups}\n{train}") == both
     with pytest.raises(ValueError):  # 8 GPUs said, 7 indices listed
         training_gpus(train.replace("gpu:h100:8(IDX:0-7)", "gpu:h100:8(IDX:0-6)"))
     with pytest.raises(ValueError):
