@@ -40,9 +40,10 @@ a preemption is noticed when Slurm signals it rather than at the next full read:
 * placeholders are submitted for GPUs to hold not yet held, and idle placeholders on GPUs no
   longer to hold are cancelled after ``unwanted_grace_s``; a GPU Slurm took back (either case
   above, or an idle placeholder it preempted) gets no new placeholder for ``retake_cooldown_s``
-  (the job it was taken for may still wait for other GPUs it preempted), and neither does any
-  other GPU of its node meanwhile: a placeholder asks Slurm for one GPU of a node, and Slurm
-  picks which, so it could be handed the GPU cooling down;
+  (the job it was taken for may still wait for other GPUs it preempted), nor after that until a
+  read of Slurm's jobs shows a job other than gpupool's holding it, at most ``retake_hold_max_s``
+  from the take-back; neither does any other GPU of its node meanwhile: a placeholder asks Slurm
+  for one GPU of a node, and Slurm picks which, so it could be handed the GPU held back;
 * a time limit Slurm refuses for a carved placeholder it has just chosen for preemption ("Job has
   already finished") is that preemption, seen early, not a failure.
 
@@ -125,11 +126,16 @@ class HoldStatus:
         idle: (node, GRES index) of the running placeholders not carved into a lease (lendable).
         pending_by_node: placeholders submitted (or being submitted) and not yet running, per node.
         cooling: (node, GRES index) of the GPUs in their retake cool-down (no new placeholder).
+        awaiting_training: (node, GRES index) of the GPUs Slurm took back whose cool-down has
+            ended and on which no training job has been seen yet (no new placeholder until one
+            is, or :attr:`SlurmLending.retake_hold_max_s` has passed); none of them is in
+            ``cooling``.
     """
 
     idle: frozenset[tuple[str, int]]
     pending_by_node: Mapping[str, int]
     cooling: frozenset[tuple[str, int]]
+    awaiting_training: frozenset[tuple[str, int]] = frozenset()
 
 
 async def _nothing_lendable(_: frozenset[str]) -> None:
@@ -241,6 +247,13 @@ class SlurmLending:
             job it was taken for starts on it only once every GPU it preempts is free, and a
             placeholder held again meanwhile is one more it must preempt, with one more notice
             to wait.
+        retake_hold_max_s: after its cool-down, a GPU Slurm took back still gets no new
+            placeholder (nor does its node) until a read of Slurm's jobs shows a job other than
+            gpupool's holding it (the job it was taken for may wait longer than the cool-down
+            for GPUs on other nodes, or for more preemptions), but at most this many seconds
+            from the take-back (Unix time, the ``clock``'s): a job that never starts there
+            (cancelled, placed elsewhere) must not keep the GPU unlent for ever. The cool-down
+            is the minimum: a value below ``retake_cooldown_s`` holds nothing past it.
         clock: Unix time source.
     """
 
@@ -260,6 +273,7 @@ class SlurmLending:
         placeholder_minutes: int = 60,
         unwanted_grace_s: float = 5.0,
         retake_cooldown_s: float | None = None,
+        retake_hold_max_s: float = 120.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.scheduler = scheduler
@@ -276,8 +290,12 @@ class SlurmLending:
         self.unwanted_grace_s = unwanted_grace_s
         self.retake_cooldown_s = notice_s + 5.0 if retake_cooldown_s is None else retake_cooldown_s
         self._clock = clock
+        self.retake_hold_max_s = retake_hold_max_s
         self._cooling: dict[tuple[str, int], float] = {}
         """GPUs Slurm took back: (node, GRES index) → until when (clock) no placeholder holds them."""
+        self._awaiting: dict[tuple[str, int], tuple[float, float]] = {}
+        """GPUs Slurm took back on which no training job has been seen since: (node, GRES index) →
+        (taken back at, held back until at most), clock times (:attr:`retake_hold_max_s`)."""
         self._reclaim: Reclaim | None = None
         self._metrics = BrokerMetrics()  # replaced by the service's in bind()
         self._to_hold: ToHold = lambda: ()
@@ -500,10 +518,14 @@ class SlurmLending:
         pending = dict(self._submitting)
         for host, _ in self._submitted.values():
             pending[host] = pending.get(host, 0) + 1
+        cooling = frozenset(w for w, until in self._cooling.items() if until > now)
         return HoldStatus(
             idle=frozenset((host, i) for host, by_index in self._idle.items() for i in by_index),
             pending_by_node={h: n for h, n in pending.items() if n > 0},
-            cooling=frozenset(w for w, until in self._cooling.items() if until > now),
+            cooling=cooling,
+            awaiting_training=frozenset(
+                w for w, (_, cap) in self._awaiting.items() if cap > now and w not in cooling
+            ),
         )
 
     # workload ------------------------------------------------------------------------------------
@@ -761,7 +783,9 @@ class SlurmLending:
 
     async def _poll(self) -> None:
         """One read of Slurm: preemptions and lost holds → reclaims; placeholders kept."""
-        listed = await self.scheduler.jobs()
+        read_at = self._clock()
+        listed, training = await self.scheduler.jobs_and_training()
+        self._seen_training(training, read_at)
         jobs = {h.job_id: h for h in listed if h.state is not HoldState.ENDED}
         taken = {h.job_id: h for h in listed if self._deadline_if_chosen(h) is not None}
         now = self._clock()
@@ -794,10 +818,13 @@ class SlurmLending:
                 del self._submitted[job_id]
                 await self._cancel([job_id], "release")
         cancel: list[str] = []
+        held_back = self._held_back(now)
         for host, by_index in self._idle.items():
             for index, h in by_index.items():
                 if index in wanted.get(host, ()):
                     self._unwanted.pop(h.job_id, None)
+                elif (host, index) in held_back:  # Slurm started one submitted before the take-back there
+                    cancel.append(h.job_id)
                 elif now - self._unwanted.setdefault(h.job_id, now) >= self.unwanted_grace_s:
                     cancel.append(h.job_id)
         if cancel:
@@ -808,9 +835,10 @@ class SlurmLending:
         pending = dict(self._submitting)
         for host, _ in self._submitted.values():
             pending[host] = pending.get(host, 0) + 1
-        cooling = {host for host, _ in self._cooling}  # _wanted() dropped the cool-downs that ended
+        # _wanted() dropped the cool-downs and holds that ended
+        cooling = {host for host, _ in self._cooling} | {host for host, _ in self._awaiting}
         for host, indices in sorted(wanted.items()):
-            if host in cooling:  # Slurm, not gpupool, picks a placeholder's GPU: it may be the one cooling
+            if host in cooling:  # Slurm, not gpupool, picks a placeholder's GPU: it may be one held back
                 continue
             missing = len(indices - set(self._idle.get(host, {}))) - pending.get(host, 0)
             for _ in range(max(0, missing)):  # in the background: the next read is not delayed
@@ -907,32 +935,67 @@ class SlurmLending:
 
     def _wanted(self) -> dict[str, set[int]]:
         """GRES indices per node of the GPUs to hold for lending (what placeholders should hold):
-        those to hold (:attr:`LendingHooks.to_hold`) but the ones cooling down after Slurm took
-        them back (:attr:`retake_cooldown_s`)."""
+        those to hold (:attr:`LendingHooks.to_hold`) but the ones Slurm took back that are in
+        their cool-down (:attr:`retake_cooldown_s`) or still wait for a training job to be seen
+        on them (:attr:`retake_hold_max_s`)."""
         wanted = self.gpu_map.by_node(self._to_hold())
-        if self._cooling:
+        if self._cooling or self._awaiting:
             now = self._clock()
             for where, until in list(self._cooling.items()):
                 if until <= now:
                     del self._cooling[where]
-                elif where[1] in wanted.get(where[0], ()):
+            for where, (taken_at, cap) in list(self._awaiting.items()):
+                if cap <= now:
+                    del self._awaiting[where]
+                    log.info(
+                        "retake_hold_expired",
+                        extra={"host": where[0], "gpu_index": where[1], "held_s": now - taken_at},
+                    )
+            for where in self._cooling.keys() | self._awaiting.keys():
+                if where[1] in wanted.get(where[0], ()):
                     wanted[where[0]].discard(where[1])
         return wanted
 
     def _cool(self, gpus: Iterable[tuple[str, int]]) -> None:
         """Slurm took ``gpus`` (node, GRES index) back: no placeholder for them for
-        :attr:`retake_cooldown_s`."""
-        until = self._clock() + self.retake_cooldown_s
+        :attr:`retake_cooldown_s`, nor after that until a training job is seen on them (at most
+        :attr:`retake_hold_max_s` from now)."""
+        now = self._clock()
+        until = now + self.retake_cooldown_s
+        cap = now + self.retake_hold_max_s
         for where in gpus:
             self._cooling[where] = max(until, self._cooling.get(where, until))
+            self._awaiting[where] = (now, cap)
             log.debug("gpu_cooling", extra={"host": where[0], "gpu_index": where[1], "until": until})
+
+    def _seen_training(self, training: Collection[tuple[str, int]], read_at: float) -> None:
+        """A read of Slurm's jobs started at ``read_at`` (clock) shows jobs other than gpupool's
+        holding ``training`` (node, GRES index): those of them Slurm took back before that read
+        are no longer held back once their cool-down ends (:attr:`retake_hold_max_s`)."""
+        seen = [w for w, (taken_at, _) in self._awaiting.items() if w in training and taken_at <= read_at]
+        for where in seen:
+            taken_at, _ = self._awaiting.pop(where)
+            log.info(
+                "retake_hold_released",
+                extra={"host": where[0], "gpu_index": where[1], "training_seen_after_s": read_at - taken_at},
+            )
+
+    def _held_back(self, now: float) -> set[tuple[str, int]]:
+        """(node, GRES index) of the GPUs Slurm took back that no placeholder may hold at ``now``
+        (clock): in their cool-down, or awaiting a training job (:attr:`retake_hold_max_s`)."""
+        cooling = {w for w, until in self._cooling.items() if until > now}
+        return cooling | {w for w, (_, cap) in self._awaiting.items() if cap > now}
 
     async def _tell(self) -> None:
         """Report the GPUs idle placeholders hold (:attr:`LendingHooks.lendable`) if they changed
-        since the last report."""
+        since the last report; a GPU held back after Slurm took it back (:meth:`_held_back`) is
+        not lendable even when a placeholder submitted before holds it (it is cancelled)."""
         held: set[str] = set()
+        held_back = self._held_back(self._clock())
         for host, by_index in self._idle.items():
             for index in by_index:
+                if (host, index) in held_back:
+                    continue
                 with contextlib.suppress(KeyError):
                     held.add(self.gpu_map.key(host, index))
         now = frozenset(held)

@@ -44,6 +44,8 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 
+import hostlist
+
 from broker.scheduler import Hold, HoldRequest, HoldState, SchedulerError
 from contracts.scheduler import LENT_JOB_NAME
 
@@ -64,6 +66,8 @@ _JOB_STATE = re.compile(r"(?:^|\s)JobState=(\S+)")
 _PREEMPT_TIME = re.compile(r"(?:^|\s)PreemptTime=(\S+)")
 _FIELD = re.compile(r"(?:^|\s)([A-Za-z_][\w:/]*)=(\S*)")
 _GRES_IDX = re.compile(r"gpu(?::[^:(\s]+)?:(\d+)\(IDX:([\d,\-]+)\)")
+_HOLDING_STATES = frozenset(("RUNNING", "SUSPENDED", "SIGNALING", "STOPPED"))
+"""Slurm job states in which a job holds its GPUs (read as running)."""
 _ENDED = {
     "BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
     "PREEMPTED", "TIMEOUT", "COMPLETING", "SPECIAL_EXIT", "REVOKED",
@@ -156,6 +160,40 @@ def hold_from_record(rec: Mapping[str, str]) -> Hold | None:
         preempted_at=preempted_at,
         started_at=parse_time(rec.get("StartTime", "Unknown")) if state is not HoldState.PENDING else None,
     )
+
+
+def training_gpus(text: str) -> frozenset[tuple[str, int]]:
+    """The GPUs that running jobs other than gpupool's hold, from ``scontrol show job -d -o``
+    output: ``{(node, GRES index)}``.
+
+    A job is read when its ``JobName`` is not :data:`JOB_NAME` and its ``JobState`` is one in
+    which it holds its GPUs (``RUNNING``, ``SUSPENDED``, ``SIGNALING``, ``STOPPED``); each of
+    its per-node detail groups (``Nodes=<hostlist> CPU_IDs=... GRES=gpu:h100:4(IDX:0-3)``, one
+    per set of nodes with the same GPU indices, ``-d``) gives every node of the host list (Slurm's
+    hostlist syntax, ``node[01-03,07]``) those indices. Raises ``ValueError`` on a malformed
+    host list or GRES index list.
+    """
+    out: set[tuple[str, int]] = set()
+    for line in text.splitlines():
+        if "JobId=" not in line or f" JobName={JOB_NAME} " in line:
+            continue
+        state = _JOB_STATE.search(line)
+        if state is None or state.group(1) not in _HOLDING_STATES:
+            continue
+        nodes: list[str] = []
+        for key, value in _FIELD.findall(line):
+            if key == "Nodes":
+                try:
+                    nodes = list(hostlist.expand_hostlist(value)) if value not in _NO_TIME else []
+                except hostlist.BadHostlist as e:
+                    raise ValueError(f"bad host list {value!r}: {e}") from e
+            elif key == "GRES" and nodes:
+                for count, spec in _GRES_IDX.findall(value):
+                    indices = expand_indices(spec)
+                    if len(indices) != int(count):
+                        raise ValueError(f"GRES count {count} but indices {spec}")
+                    out.update((node, i) for node in nodes for i in indices)
+    return frozenset(out)
 
 
 def _listed(line: str) -> bool:
@@ -346,9 +384,28 @@ class SlurmScheduler:
                 return []
             raise
 
+    async def jobs_and_training(self) -> tuple[list[Hold], frozenset[tuple[str, int]]]:
+        """One read of every job: the holds (as :meth:`jobs` lists them) and the GPUs the other
+        running jobs (training) hold, ``{(node, GRES index)}`` (:func:`training_gpus`). Raises
+        :class:`SchedulerError` if Slurm cannot be read or prints what cannot be read."""
+        argv = ("scontrol", "show", "job", "-d", "-o")
+        return await asyncio.get_running_loop().run_in_executor(self._executor(), self._read, argv)
+
+    def _read(self, argv: tuple[str, ...]) -> tuple[list[Hold], frozenset[tuple[str, int]]]:
+        """:meth:`jobs_and_training` in the calling thread."""
+        text = self._run(argv, None)
+        try:
+            training = training_gpus(text)
+        except ValueError as e:
+            raise SchedulerError(f"unreadable scontrol output: {e}") from e
+        return self._holds(text), training
+
     def _jobs(self, argv: tuple[str, ...]) -> list[Hold]:
         """:meth:`jobs` in the calling thread."""
-        text = self._run(argv, None)
+        return self._holds(self._run(argv, None))
+
+    def _holds(self, text: str) -> list[Hold]:
+        """The hold jobs of ``scontrol show job -d -o`` output (:meth:`jobs`)."""
         # only gpupool's own lines of jobs not ended (or ended after a preemption) are parsed:
         # the controller lists every job it remembers (finished ones for MinJobAge, 300 s by
         # default), most of it on a busy cluster

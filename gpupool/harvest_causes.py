@@ -14,7 +14,9 @@ wins), from what the stages already know at that moment:
    ``planned_start`` (idle, but a pending training job is planned onto it), ``held_for_training``
    (a pool demand holds it), ``claim_in_flight`` (reserved for a claim being granted);
 3. ``retake_cooldown``: Slurm took it back and no placeholder may hold it yet
-   (:attr:`broker.lending.SlurmLending.retake_cooldown_s`);
+   (:attr:`broker.lending.SlurmLending.retake_cooldown_s`); ``retake_awaiting_training``: its
+   cool-down has ended, and it is still held back because no training job has been seen on it
+   since (at most :attr:`broker.lending.SlurmLending.retake_hold_max_s` from the take-back);
 4. ``placeholder_pending``: the broker wants it held and a placeholder submitted on its node is
    not running yet; ``placeholder_not_submitted``: wanted, none on the way;
 5. ``offered_demand_met`` / ``offered_unclaimed``: it was in an offer and no site claimed it,
@@ -65,6 +67,7 @@ CAUSES: tuple[str, ...] = (
     "held_for_training",
     "claim_in_flight",
     "retake_cooldown",
+    "retake_awaiting_training",
     "placeholder_pending",
     "placeholder_not_submitted",
     "offered_demand_met",
@@ -88,6 +91,7 @@ def gpu_cause(
     cooling: bool,
     node_pending: bool,
     demand_met: bool,
+    awaiting_training: bool = False,
 ) -> str:
     """The cause one GPU no training job holds is not lent (module docstring, first match wins).
 
@@ -98,6 +102,8 @@ def gpu_cause(
         cooling: in its retake cool-down.
         node_pending: a placeholder submitted on its node is not running yet.
         demand_met: the sites hold at least the GPUs their demand asks for now.
+        awaiting_training: past its retake cool-down, held back until a training job is seen
+            on it (:attr:`broker.lending.HoldStatus.awaiting_training`).
     """
     if leased or why == "leased":
         return "lent"
@@ -113,6 +119,8 @@ def gpu_cause(
         return _BOOK_CAUSES[why]
     if cooling:
         return "retake_cooldown"
+    if awaiting_training and why:  # a placeholder started before the take-back may hold it: offered
+        return "retake_awaiting_training"
     if why:  # not held by a placeholder yet
         return "placeholder_pending" if node_pending else "placeholder_not_submitted"
     return "offered_demand_met" if demand_met else "offered_unclaimed"
@@ -165,7 +173,7 @@ class CauseSampler:
             counts[gpu_cause(
                 leased=self.book.lease_of(key) is not None, why=self.book.why_not_lendable(key, now),
                 cap=caps.get(key), cooling=where in hs.cooling, node_pending=hs.pending_by_node.get(where[0], 0) > 0,
-                demand_met=demand_met,
+                demand_met=demand_met, awaiting_training=where in hs.awaiting_training,
             )] += 1  # fmt: skip
         row: dict[str, object] = {"t": now, "causes": dict(counts)}
         self.rows.append(row)

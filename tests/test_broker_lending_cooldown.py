@@ -1,7 +1,9 @@
 """broker.lending.SlurmLending: a GPU Slurm took back gets no new placeholder for
-``retake_cooldown_s`` (default: the notice + 5 s). The training job Slurm preempted for starts
-only once every GPU it preempts is free; a placeholder held again on one of them meanwhile is one
-more it must preempt, with one more notice to wait (and one more GPU taken back for nothing)."""
+``retake_cooldown_s`` (default: the notice + 5 s), nor after that until a training job is seen
+holding it, at most ``retake_hold_max_s`` from the take-back. The training job Slurm preempted
+for starts only once every GPU it needs is free (on other nodes too, perhaps after more
+preemptions); a placeholder held again on one of them meanwhile is one more it must preempt, with
+one more notice to wait (and one more GPU taken back for nothing)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ class _Slurm:
 
     def __init__(self) -> None:
         self.listed: list[Hold] = []
+        self.training: set[tuple[str, int]] = set()
+        """(node, GRES index) that jobs other than gpupool's hold."""
 
     async def command(self, *argv: str, stdin: str | None = None) -> str:
         if argv[0] in ("scancel", "scontrol"):
@@ -28,6 +32,9 @@ class _Slurm:
 
     async def jobs(self, job_id: str | None = None) -> list[Hold]:
         return [h for h in self.listed if job_id is None or h.job_id == job_id]
+
+    async def jobs_and_training(self) -> tuple[list[Hold], frozenset[tuple[str, int]]]:
+        return await self.jobs(), frozenset(self.training)
 
 
 WANTED = ("n1/gpu0", "n1/gpu1", "n1/gpu2")
@@ -60,7 +67,7 @@ async def test_an_idle_placeholder_slurm_preempted_is_not_held_again_until_the_c
     tmp_path: Path,
 ) -> None:
     now = [1000.0]
-    lending, _, _ = _lending(tmp_path, now)
+    lending, _, _ = _lending(tmp_path, now, retake_hold_max_s=0.0)  # the cool-down alone
     assert lending.retake_cooldown_s == 7.0  # notice 2 s + 5 s
     _idle(lending, tmp_path, 0, "10")
     _idle(lending, tmp_path, 1, "11")
@@ -77,7 +84,7 @@ async def test_an_idle_placeholder_slurm_preempted_is_not_held_again_until_the_c
 
 async def test_a_lease_slurm_took_back_cools_its_gpus(tmp_path: Path) -> None:
     now = [1000.0]
-    lending, slurm, reclaims = _lending(tmp_path, now, retake_cooldown_s=30.0)
+    lending, slurm, reclaims = _lending(tmp_path, now, retake_cooldown_s=30.0, retake_hold_max_s=0.0)
     h1, h2 = _idle(lending, tmp_path, 1, "11"), _idle(lending, tmp_path, 2, "12")
     record = LeaseLogRecord(
         lease_id="L1", site="edge-a", claim_id="c1", offer_id="o", gpus=["n1/gpu1", "n1/gpu2"],
@@ -107,7 +114,7 @@ async def test_no_placeholder_goes_to_a_node_while_one_of_its_gpus_cools(tmp_pat
     """A placeholder asks Slurm for one GPU of a node and Slurm picks which: submitted while GPU 0
     of n1 cools, it could be handed GPU 0, which the training job Slurm took it for waits on."""
     now = [1000.0]
-    lending, slurm, _ = _lending(tmp_path, now)
+    lending, slurm, _ = _lending(tmp_path, now, retake_hold_max_s=0.0)
     submitted: list[tuple[str, ...]] = []
 
     async def command(*argv: str, stdin: str | None = None) -> str:
@@ -136,5 +143,169 @@ async def test_no_placeholder_goes_to_a_node_while_one_of_its_gpus_cools(tmp_pat
         await asyncio.sleep(0.05)
         assert len(submitted) == 2 and all("--nodelist=n1" in argv for argv in submitted)
         assert lending.hold_status().pending_by_node == {"n1": 2} and lending.hold_status().cooling == set()
+    finally:
+        await lending.stop()
+
+
+def _sbatch_counter(slurm: _Slurm) -> list[tuple[str, ...]]:
+    submitted: list[tuple[str, ...]] = []
+
+    async def command(*argv: str, stdin: str | None = None) -> str:
+        if argv[0] == "sbatch":
+            submitted.append(argv)
+            return f"{90 + len(submitted)}"
+        return ""
+
+    slurm.command = command  # type: ignore[method-assign]
+    return submitted
+
+
+async def _preempt_idle_gpu0(lending: SlurmLending, slurm: _Slurm, tmp_path: Path) -> None:
+    """Placeholders idle on GPUs 0 and 1 of n1; Slurm preempts the one on GPU 0 (at the clock's now)."""
+    _idle(lending, tmp_path, 0, "10")
+    _idle(lending, tmp_path, 1, "11")
+    slurm.listed = [Hold("", "11", "n1", (1,), HoldState.RUNNING)]
+    (tmp_path / "10.idle").unlink()  # its script left on Slurm's SIGTERM
+    await lending._terms()
+
+
+async def test_a_gpu_taken_back_stays_unlent_past_the_cooldown_until_a_training_job_holds_it(
+    tmp_path: Path,
+) -> None:
+    """The job Slurm preempted GPU 0 for waits for GPUs elsewhere: past the cool-down GPU 0 gets no
+    placeholder (nor does n1: Slurm would pick which GPU); once a read shows a job holding it, the
+    node is lendable again."""
+    now = [1000.0]
+    lending, slurm, _ = _lending(tmp_path, now, retake_hold_max_s=60.0)
+    submitted = _sbatch_counter(slurm)
+    try:
+        await _preempt_idle_gpu0(lending, slurm, tmp_path)
+        now[0] = 1007.0  # the cool-down's end; the preempting job has not started
+        await lending._poll()
+        await asyncio.sleep(0.05)
+        assert lending._wanted() == {"n1": {1, 2}}
+        assert submitted == []
+        status = lending.hold_status()  # the cause sampler: past the cool-down, awaiting training
+        assert status.cooling == set() and status.awaiting_training == {("n1", 0)}
+        now[0] = 1020.0
+        slurm.training = {("n1", 0), ("n2", 3)}  # the job runs on GPU 0 now
+        await lending._poll()
+        await asyncio.sleep(0.05)
+        assert lending.hold_status().awaiting_training == set()
+        assert lending._wanted() == {"n1": {0, 1, 2}}
+        assert len(submitted) == 2 and all("--nodelist=n1" in argv for argv in submitted)
+    finally:
+        await lending.stop()
+
+
+async def test_a_training_job_seen_within_the_cooldown_ends_the_hold_at_the_cooldowns_end(
+    tmp_path: Path,
+) -> None:
+    now = [1000.0]
+    lending, slurm, _ = _lending(tmp_path, now, retake_hold_max_s=60.0)
+    _sbatch_counter(slurm)
+    try:
+        await _preempt_idle_gpu0(lending, slurm, tmp_path)
+        now[0] = 1003.0
+        slurm.training = {("n1", 0)}
+        await lending._poll()
+        assert lending.hold_status().cooling == {("n1", 0)}  # the cool-down is the minimum
+        assert lending.hold_status().awaiting_training == set()
+        now[0] = 1006.999
+        assert lending._wanted() == {"n1": {1, 2}}
+        now[0] = 1007.0
+        assert lending._wanted() == {"n1": {0, 1, 2}}
+    finally:
+        await lending.stop()
+
+
+async def test_the_hold_ends_at_its_cap_when_no_training_job_is_seen(tmp_path: Path) -> None:
+    """A job that never starts on the GPU (cancelled, placed elsewhere) keeps it unlent only up to
+    ``retake_hold_max_s`` after the take-back; a job on another GPU of the node does not end it."""
+    now = [1000.0]
+    lending, slurm, _ = _lending(tmp_path, now, retake_hold_max_s=60.0)
+    assert SlurmLending(slurm, control_dir=tmp_path).retake_hold_max_s == 120.0  # type: ignore[arg-type]
+    _sbatch_counter(slurm)
+    try:
+        await _preempt_idle_gpu0(lending, slurm, tmp_path)
+        slurm.training = {("n1", 3), ("n2", 0)}
+        now[0] = 1059.999
+        await lending._poll()
+        assert lending._wanted() == {"n1": {1, 2}}
+        assert lending.hold_status().awaiting_training == {("n1", 0)}
+        now[0] = 1060.0  # taken back at 1000 + 60 s: lendable again
+        assert lending.hold_status().awaiting_training == set()
+        assert lending._wanted() == {"n1": {0, 1, 2}}
+        assert lending._awaiting == {}
+    finally:
+        await lending.stop()
+
+
+async def test_a_cap_below_the_cooldown_holds_nothing_past_the_cooldown(tmp_path: Path) -> None:
+    now = [1000.0]
+    lending, slurm, _ = _lending(tmp_path, now, retake_hold_max_s=3.0)
+    await _preempt_idle_gpu0(lending, slurm, tmp_path)
+    now[0] = 1006.999
+    assert lending._wanted() == {"n1": {1, 2}}
+    assert lending.hold_status().cooling == {("n1", 0)} and lending.hold_status().awaiting_training == set()
+    now[0] = 1007.0
+    assert lending._wanted() == {"n1": {0, 1, 2}}
+
+
+async def test_only_a_read_started_after_the_take_back_ends_the_hold(tmp_path: Path) -> None:
+    """A read begun before Slurm took the GPU back shows who held it then, not the job it was
+    taken for."""
+    now = [1000.0]
+    lending, slurm, _ = _lending(tmp_path, now, retake_hold_max_s=60.0)
+    await _preempt_idle_gpu0(lending, slurm, tmp_path)
+    lending._seen_training({("n1", 0)}, read_at=999.999)
+    assert ("n1", 0) in lending._awaiting
+    lending._seen_training({("n1", 0)}, read_at=1000.0)
+    assert lending._awaiting == {}
+
+
+async def test_a_placeholder_slurm_starts_on_a_gpu_held_back_is_not_lendable_and_is_cancelled(
+    tmp_path: Path,
+) -> None:
+    """A placeholder submitted on n1 before Slurm took GPU 0 back may be started by Slurm on GPU 0
+    while the job it was taken for still waits: it is not reported lendable, and it is cancelled
+    at the next read (not after ``unwanted_grace_s``)."""
+    now = [1000.0]
+    lending, slurm, _ = _lending(tmp_path, now, retake_hold_max_s=60.0)
+    cancelled: list[tuple[str, ...]] = []
+    told: list[frozenset[str]] = []
+
+    async def command(*argv: str, stdin: str | None = None) -> str:
+        if argv[0] == "scancel":
+            cancelled.append(argv[1:])
+        return ""
+
+    async def lendable(gpus: frozenset[str]) -> None:
+        told.append(gpus)
+
+    slurm.command = command  # type: ignore[method-assign]
+    lending._lendable = lendable
+    try:
+        await _preempt_idle_gpu0(lending, slurm, tmp_path)
+        assert told[-1] == {"n1/gpu1"}
+        now[0] = 1010.0  # past the cool-down, the preempting job not yet running
+        slurm.listed = [
+            Hold("", "11", "n1", (1,), HoldState.RUNNING),
+            Hold("", "20", "n1", (0,), HoldState.RUNNING),
+        ]
+        (tmp_path / "20.idle").write_text("")
+        await lending._poll()
+        assert cancelled == [("20",)]
+        assert told[-1] == {"n1/gpu1"}
+        assert lending._idle["n1"].keys() == {1}
+        now[0] = 1060.0  # the cap: a placeholder on GPU 0 is lendable again
+        slurm.listed = [
+            Hold("", "11", "n1", (1,), HoldState.RUNNING),
+            Hold("", "21", "n1", (0,), HoldState.RUNNING),
+        ]
+        (tmp_path / "21.idle").write_text("")
+        await lending._poll()
+        assert cancelled == [("20",)]
+        assert told[-1] == {"n1/gpu0", "n1/gpu1"}
     finally:
         await lending.stop()

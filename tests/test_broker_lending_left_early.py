@@ -36,6 +36,9 @@ class _Slurm:
     async def jobs(self, job_id: str | None = None) -> list[Hold]:
         return [h for h in self.listed if job_id is None or h.job_id == job_id]
 
+    async def jobs_and_training(self) -> tuple[list[Hold], frozenset[tuple[str, int]]]:
+        return await self.jobs(), frozenset()
+
 
 async def _leased(tmp_path: Path) -> tuple[SlurmLending, _Slurm, list[tuple[str, float, str]]]:
     """A lending (notice 2 s) with lease L1 carved from placeholder 11 (n1, GPU 1)."""

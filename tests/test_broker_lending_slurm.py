@@ -248,9 +248,10 @@ async def test_a_lease_on_two_nodes_runs_its_workload_on_each_and_a_restarted_br
 async def test_gpus_slurm_preempted_get_no_placeholder_until_the_cooldown_ends(
     kafka_bus: Bus, kafka_stage_topics: KafkaTopics, mosquitto: dict[str, Any], slurm: SlurmUnderTest
 ) -> None:
-    """A training job preempts 2 idle placeholders; once it has left again (the GPUs are free and
-    still idle by capacity), the broker holds the other 6 only until the cool-down (notice + 5 s)
-    has passed since Slurm took the 2 back, then all 8 again."""
+    """A training job preempts 2 idle placeholders; the lending's read of Slurm's jobs sees it on
+    them (they are held back no longer than the cool-down); once it has left again (the GPUs are
+    free and still idle by capacity), the broker holds the other 6 only until the cool-down
+    (notice + 5 s) has passed since Slurm took the 2 back, then all 8 again."""
     host = "gpu-node-004"
     async with _lent_node(kafka_bus, kafka_stage_topics, mosquitto, slurm, host) as (lending, _, _):
         assert lending.retake_cooldown_s == SLURM_GRACE_S + 5
@@ -258,6 +259,8 @@ async def test_gpus_slurm_preempted_get_no_placeholder_until_the_cooldown_ends(
         await until(lambda: slurm.training_state(train) == "running", 15)
         taken = dict(lending._cooling)
         assert len(taken) == 2 and {h for h, _ in taken} == {host}
+        # the lending's own read of Slurm's jobs sees the job on them: no hold past the cool-down
+        await until(lambda: not lending._awaiting, 5)
         slurm.cancel(train)
         await until(lambda: slurm.training_state(train) == "GONE", 15)
         await idle_capacity(kafka_bus, kafka_stage_topics, host)

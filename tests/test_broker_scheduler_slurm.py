@@ -20,6 +20,7 @@ from broker.scheduler_slurm import (
     lease_script,
     parse_job_lines,
     parse_time,
+    training_gpus,
 )
 from tests.services import SLURM_GRACE_S
 
@@ -91,6 +92,32 @@ def test_hold_states_and_other_jobs() -> None:
     assert hold_from_record({**rec, "Comment": "(null)"}) is None
     with pytest.raises(ValueError):  # 8 GPUs said, 7 indices listed
         hold_from_record({**rec, "GRES": "gpu:h100:8(IDX:0-6)"})
+
+
+def test_training_gpus_are_the_running_other_jobs_per_node_groups() -> None:
+    train = LINE.replace("JobName=gpupool-lease", "JobName=train")
+    train = train.replace("PreemptTime=2026-12-01T14:01:30 ", "")
+    two_groups = train.replace(
+        "Nodes=gpu-node-002 CPU_IDs=0 Mem=0 GRES=gpu:h100:8(IDX:0-7)",
+        "Nodes=gpu-node-[001,003-004] CPU_IDs=0-3 Mem=0 GRES=gpu:h100:2(IDX:1,6) "
+        "Nodes=gpu-node-002 CPU_IDs=0 Mem=0 GRES=gpu:h100:1(IDX:3)",
+    )
+    assert training_gpus(two_groups) == {
+        ("gpu-node-001", 1), ("gpu-node-001", 6), ("gpu-node-003", 1), ("gpu-node-003", 6),
+        ("gpu-node-004", 1), ("gpu-node-004", 6), ("gpu-node-002", 3),
+    }  # fmt: skip
+    assert training_gpus(LINE) == set()  # gpupool's own hold
+    assert training_gpus(train) == {("gpu-node-002", i) for i in range(8)}
+    for holding in ("SIGNALING", "SUSPENDED", "STOPPED"):
+        assert len(training_gpus(train.replace("JobState=RUNNING", f"JobState={holding}"))) == 8
+    for not_holding in ("PENDING", "COMPLETING", "COMPLETED", "CANCELLED"):
+        assert training_gpus(train.replace("JobState=RUNNING", f"JobState={not_holding}")) == set()
+    both = training_gpus(two_groups) | training_gpus(train)
+    assert training_gpus(f"{LINE}\n\n{two_groups}\n{train}") == both
+    with pytest.raises(ValueError):  # 8 GPUs said, 7 indices listed
+        training_gpus(train.replace("gpu:h100:8(IDX:0-7)", "gpu:h100:8(IDX:0-6)"))
+    with pytest.raises(ValueError):
+        training_gpus(train.replace("Nodes=gpu-node-002", "Nodes=gpu-node-[002"))
 
 
 def test_lease_script_quotes_the_workload() -> None:
