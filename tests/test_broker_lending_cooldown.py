@@ -115,15 +115,7 @@ async def test_no_placeholder_goes_to_a_node_while_one_of_its_gpus_cools(tmp_pat
     of n1 cools, it could be handed GPU 0, which the training job Slurm took it for waits on."""
     now = [1000.0]
     lending, slurm, _ = _lending(tmp_path, now, retake_hold_max_s=0.0)
-    submitted: list[tuple[str, ...]] = []
-
-    async def command(*argv: str, stdin: str | None = None) -> str:
-        if argv[0] == "sbatch":
-            submitted.append(argv)
-            return f"{90 + len(submitted)}"
-        return ""
-
-    slurm.command = command  # type: ignore[method-assign]
+    submitted = _sbatch_counter(slurm)
     _idle(lending, tmp_path, 1, "11")
     slurm.listed = [Hold("", "11", "n1", (1,), HoldState.RUNNING)]
     lending._cool([("n1", 0)])
@@ -283,28 +275,26 @@ async def test_a_placeholder_slurm_starts_on_a_gpu_held_back_is_not_lendable_and
     async def lendable(gpus: frozenset[str]) -> None:
         told.append(gpus)
 
+    async def idle_on_gpu0_at(t: float, job_id: str) -> None:
+        """At ``t``, Slurm runs placeholder ``job_id`` (idle) on GPU 0 beside the one on GPU 1."""
+        now[0] = t
+        slurm.listed = [
+            Hold("", "11", "n1", (1,), HoldState.RUNNING),
+            Hold("", job_id, "n1", (0,), HoldState.RUNNING),
+        ]
+        (tmp_path / f"{job_id}.idle").write_text("")
+        await lending._poll()
+
     slurm.command = command  # type: ignore[method-assign]
     lending._lendable = lendable
     try:
         await _preempt_idle_gpu0(lending, slurm, tmp_path)
         assert told[-1] == {"n1/gpu1"}
-        now[0] = 1010.0  # past the cool-down, the preempting job not yet running
-        slurm.listed = [
-            Hold("", "11", "n1", (1,), HoldState.RUNNING),
-            Hold("", "20", "n1", (0,), HoldState.RUNNING),
-        ]
-        (tmp_path / "20.idle").write_text("")
-        await lending._poll()
+        await idle_on_gpu0_at(1010.0, "20")  # past the cool-down, the preempting job not yet running
         assert cancelled == [("20",)]
         assert told[-1] == {"n1/gpu1"}
         assert lending._idle["n1"].keys() == {1}
-        now[0] = 1060.0  # the cap: a placeholder on GPU 0 is lendable again
-        slurm.listed = [
-            Hold("", "11", "n1", (1,), HoldState.RUNNING),
-            Hold("", "21", "n1", (0,), HoldState.RUNNING),
-        ]
-        (tmp_path / "21.idle").write_text("")
-        await lending._poll()
+        await idle_on_gpu0_at(1060.0, "21")  # the cap: a placeholder on GPU 0 is lendable again
         assert cancelled == [("20",)]
         assert told[-1] == {"n1/gpu0", "n1/gpu1"}
     finally:
