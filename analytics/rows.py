@@ -445,11 +445,11 @@ def _array(values: pa.Array | list[Any], arrow_type: pa.DataType) -> pa.Array:
     return values if isinstance(values, pa.Array) else pa.array(values, type=arrow_type)
 
 
-def _micros_array(ts: list[float] | pa.Array) -> pa.Array:
-    """:func:`_micros` of every value (a list, or a float64 array), as a ``timestamp[us]`` array
-    (same IEEE product and half-to-even rounding). Raises ``ValueError`` if a value is not finite
-    and ``pyarrow.ArrowInvalid`` if one is past the int64 microsecond range."""
-    seconds = ts if isinstance(ts, pa.Array) else pa.array(ts, type=pa.float64())
+def _micros_array(ts: list[float]) -> pa.Array:
+    """:func:`_micros` of every value, as a ``timestamp[us]`` array (same IEEE product and
+    half-to-even rounding). Raises ``ValueError`` if a value is not finite and
+    ``pyarrow.ArrowInvalid`` if one is past the int64 microsecond range."""
+    seconds = pa.array(ts, type=pa.float64())
     if seconds.null_count or not pc.all(pc.is_finite(seconds), min_count=0).as_py():
         bad = next(t for t in seconds.to_pylist() if t is None or not math.isfinite(t))
         raise ValueError(f"timestamp not finite: {bad!r}")

@@ -2,9 +2,9 @@
 straight to columns, by the compiled decoder :class:`analytics_native.ScrapeDecoder` (the crate in
 ``analytics/native``).
 
-One call decodes a batch's scrape records and returns, per record, what it holds once (``host``,
-``source``, ``target``, ``seq``, its GPU count) and, per GPU, the ``gpu_samples`` columns as Arrow
-arrays built on the decoder's own buffers (the maps ``fields`` / ``invalid`` / ``attributes`` as
+One call decodes a batch's scrape records and returns, per record, its GPU count and, per GPU,
+the ``gpu_samples`` columns as Arrow arrays built on the decoder's own buffers (what a record holds
+once, ``host``, ``source``, ``target``, ``seq``, repeated per GPU) (the maps ``fields`` / ``invalid`` / ``attributes`` as
 the producer's JSON text of each map, validated: :func:`contracts.encode` writes it compactly and
 any other valid spelling is kept as sent) plus what the idle classifier reads: one
 :class:`GpuObservation` per GPU, with of its ``fields`` / ``invalid`` only the entries of
@@ -158,8 +158,7 @@ class ScrapeColumns:
     and per GPU (records in batch order, GPUs in column order).
 
     Attributes:
-        msgs, host, source, target, seq, counts: per record its message, the record's members
-            and its number of GPUs.
+        msgs, counts: per record its message and its number of GPUs.
         observed: per GPU its :class:`GpuObservation` (``None`` where the record left a column
             empty; values as decoded: ``int`` or ``float``).
         arrays: per GPU Arrow arrays: ``ts`` (``timestamp[us]``: the Unix seconds times 10**6,
@@ -173,10 +172,6 @@ class ScrapeColumns:
     """
 
     msgs: list[BusMessage] = field(default_factory=list)
-    host: list[str] = field(default_factory=list)
-    source: list[str] = field(default_factory=list)
-    target: list[str] = field(default_factory=list)
-    seq: list[int] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
     observed: list[GpuObservation] = field(default_factory=list)
     arrays: dict[str, pa.Array] = field(default_factory=dict)
@@ -233,10 +228,6 @@ def decode_scrapes(msgs: Sequence[BusMessage]) -> tuple[ScrapeColumns, list[BusM
         arrays[column] = _array(pa.int64(), n, got.whole_fields[name])
     out = ScrapeColumns(
         msgs=[msgs[k] for k in accepted],
-        host=got.host,
-        source=got.source,
-        target=got.target,
-        seq=got.seq,
         counts=got.counts,
         observed=cast("list[GpuObservation]", got.observations),
         arrays=arrays,

@@ -23,11 +23,12 @@
 //! `float(int)`: `-0` is `0.0`); an `int` member may be spelled `-0` (0); a `float | int` map value keeps its kind: a number without fraction or exponent
 //! is an `int`, any other a `float`, as the reference's smart union decides.
 //!
-//! Shapes of one call ([`ScrapeDecoder::decode`]): per accepted record its `host`, `source`,
-//! `target`, `seq` and GPU count; per GPU (records in order, GPUs in column order) one
+//! Shapes of one call ([`ScrapeDecoder::decode`]): per accepted record its GPU count;
+//! per GPU (records in order, GPUs in column order) one
 //! observation, what the idle classifier reads (an instance of the named tuple given at
 //! construction: the `fields` values and `invalid` reasons of the field names given, then `ts`,
-//! `host`, `gpu_uuid`, `gpu_index`, `gpu_instance_id`, `model_name`), and Arrow buffers (little-endian values, LSB-first validity bitmaps, int32 string offsets) of
+//! `host`, `gpu_uuid`, `gpu_index`, `gpu_instance_id`, `model_name`), and Arrow buffers
+//! (little-endian values, LSB-first validity bitmaps, int32 string offsets) of
 //! `ts` (int64: Unix microseconds, the seconds times 10**6 rounded half to even), `host` /
 //! `source` / `target` (utf8: the GPU's record's), `seq` (int64: the record's `seq` plus the
 //! GPU's place in it, NULL past int64), `gpu_uuid` / `gpu_instance_profile` / `model_name` (utf8),
@@ -665,15 +666,14 @@ struct ScrapeDecoder {
     observed_count: usize,
     /// The tuple subclass each GPU's observation is an instance of.
     observation: Py<pyo3::types::PyType>,
-    source_strs: Vec<Py<PyString>>,
-    /// Python strings of the hosts, targets and GPU UUIDs seen, kept from call to call.
+    /// Python strings of the hosts and GPU UUIDs seen, kept from call to call.
     strings: Mutex<StrCache>,
     /// Every field name given, once, with its place in each list (one lookup per map entry).
     names: Vec<FieldName>,
 }
 
-/// Python strings of texts that repeat from record to record and from call to call (hosts,
-/// targets, GPU UUIDs): one object each instead of one per use. Holds at most
+/// Python strings of texts that repeat from record to record and from call to call (hosts
+/// and GPU UUIDs): one object each instead of one per use. Holds at most
 /// `STR_CACHE_ENTRIES` texts of at most `STR_CACHE_BYTES` bytes (emptied when full).
 #[derive(Default)]
 struct StrCache {
@@ -717,15 +717,7 @@ struct DecodedScrapes {
     /// Indexes (into the values given) of the records accepted, in order.
     #[pyo3(get)]
     accepted: Py<PyList>,
-    /// Per accepted record: `host`, `source`, `target` (str), `seq` and GPU count (int).
-    #[pyo3(get)]
-    host: Py<PyList>,
-    #[pyo3(get)]
-    source: Py<PyList>,
-    #[pyo3(get)]
-    target: Py<PyList>,
-    #[pyo3(get)]
-    seq: Py<PyList>,
+    /// Per accepted record its GPU count (int).
     #[pyo3(get)]
     counts: Py<PyList>,
     /// Per GPU one instance of the `observation` class given at construction (a tuple subclass):
@@ -1133,10 +1125,6 @@ impl ScrapeDecoder {
                 });
             }
         }
-        let source_strs = sources
-            .iter()
-            .map(|s| PyString::intern_bound(py, s).unbind())
-            .collect();
         Ok(ScrapeDecoder {
             schema_version,
             sources,
@@ -1149,7 +1137,6 @@ impl ScrapeDecoder {
             whole_fields,
             observed_count,
             observation: observation.unbind(),
-            source_strs,
             strings: Mutex::new(StrCache::default()),
             names,
         })
@@ -1161,10 +1148,6 @@ impl ScrapeDecoder {
     /// `values` is not bytes; never raises for a record's content.
     fn decode(&self, py: Python<'_>, values: &Bound<'_, PyList>) -> PyResult<DecodedScrapes> {
         let mut accepted: Vec<usize> = Vec::new();
-        let mut host: Vec<PyObject> = Vec::new();
-        let mut source: Vec<PyObject> = Vec::new();
-        let mut target: Vec<PyObject> = Vec::new();
-        let mut seq: Vec<PyObject> = Vec::new();
         let mut counts: Vec<PyObject> = Vec::new();
         let mut observations: Vec<PyObject> = Vec::new();
         // one GPU's observation being built: the observed slots, then ts, host, UUID, index,
@@ -1248,11 +1231,7 @@ impl ScrapeDecoder {
             }
             accepted.push(k);
             let host_obj = strings.get(py, &rec.host);
-            host.push(host_obj.clone_ref(py));
-            source.push(self.source_strs[src].clone_ref(py).into_any());
-            target.push(strings.get(py, t_str));
             let first_seq = rec.seq.unwrap_or(self.default_seq);
-            seq.push(first_seq.into_py(py));
             counts.push(n.into_py(py));
             let mut field_start = 0;
             let mut invalid_start = 0;
@@ -1386,10 +1365,6 @@ impl ScrapeDecoder {
         let list = |v: Vec<PyObject>| owned_list(py, v);
         Ok(DecodedScrapes {
             accepted: PyList::new_bound(py, accepted).unbind(),
-            host: list(host)?,
-            source: list(source)?,
-            target: list(target)?,
-            seq: list(seq)?,
             counts: list(counts)?,
             observations: list(observations)?,
             arrays: arrays.unbind(),
