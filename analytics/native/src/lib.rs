@@ -555,6 +555,9 @@ struct Bits {
 }
 
 impl Bits {
+    fn reserve(&mut self, rows: usize) {
+        self.bytes.reserve(rows / 8 + 1);
+    }
     fn push(&mut self, valid: bool) {
         if self.len % 8 == 0 {
             self.bytes.push(0);
@@ -583,6 +586,12 @@ impl StrCol {
             valid: Bits::default(),
         }
     }
+    /// Room for `rows` more values of `bytes` bytes in all, without regrowth.
+    fn reserve(&mut self, rows: usize, bytes: usize) {
+        self.offsets.reserve(4 * rows);
+        self.data.reserve(bytes);
+        self.valid.reserve(rows);
+    }
     fn push(&mut self, v: Option<&str>) {
         if let Some(s) = v {
             self.data.extend_from_slice(s.as_bytes());
@@ -602,6 +611,11 @@ struct FixedCol {
 }
 
 impl FixedCol {
+    /// Room for `rows` more values without regrowth.
+    fn reserve(&mut self, rows: usize) {
+        self.data.reserve(8 * rows);
+        self.valid.reserve(rows);
+    }
     fn push_f64(&mut self, v: Option<f64>) {
         self.data.extend_from_slice(&v.unwrap_or(0.0).to_le_bytes());
         self.valid.push(v.is_some());
@@ -668,6 +682,8 @@ struct ScrapeDecoder {
     observation: Py<pyo3::types::PyType>,
     /// Python strings of the hosts and GPU UUIDs seen, kept from call to call.
     strings: Mutex<StrCache>,
+    /// The last call's sizes ([`LastShape`]).
+    shape: Mutex<LastShape>,
     /// Every field name given, once, with its place in each list (one lookup per map entry).
     names: Vec<FieldName>,
 }
@@ -698,6 +714,28 @@ impl StrCache {
             self.map.insert(text.into(), obj.clone_ref(py));
         }
         obj.into_any()
+    }
+}
+
+/// The sizes of the last call's output and input, from which the next call sizes its buffers
+/// at once in proportion to its input (a batch's buffers then never regrow: no copy, and no
+/// pages touched twice). The nine string columns in the order of [`ScrapeDecoder::decode`]'s.
+#[derive(Clone, Copy, Default)]
+struct LastShape {
+    input_bytes: usize,
+    rows: usize,
+    text_bytes: [usize; 9],
+}
+
+impl LastShape {
+    /// `n` (a size of the last call) scaled to an input of `input_bytes`, at most twice that
+    /// input (a reservation, not a limit: a column that needs more grows).
+    fn scaled(&self, n: usize, input_bytes: usize) -> usize {
+        if self.input_bytes == 0 {
+            return 0;
+        }
+        let v = n as u128 * input_bytes as u128 / self.input_bytes as u128;
+        (v + v / 16).min(2 * input_bytes as u128) as usize
     }
 }
 
@@ -1138,6 +1176,7 @@ impl ScrapeDecoder {
             observed_count,
             observation: observation.unbind(),
             strings: Mutex::new(StrCache::default()),
+            shape: Mutex::new(LastShape::default()),
             names,
         })
     }
@@ -1188,6 +1227,33 @@ impl ScrapeDecoder {
             .iter()
             .map(|item| item.downcast_into::<PyBytes>().map_err(PyErr::from))
             .collect::<PyResult<Vec<_>>>()?;
+        let input_bytes: usize = items.iter().map(|b| b.as_bytes().len()).sum();
+        let shape = *self.shape.lock().unwrap_or_else(|e| e.into_inner());
+        let rows = shape.scaled(shape.rows, input_bytes);
+        observations.reserve(rows);
+        for c in [&mut ts_col, &mut seq_col, &mut index_col, &mut instance_col]
+            .into_iter()
+            .chain(float_cols.iter_mut())
+            .chain(whole_cols.iter_mut())
+        {
+            c.reserve(rows);
+        }
+        for (c, &bytes) in [
+            &mut host_col,
+            &mut source_col,
+            &mut target_col,
+            &mut uuid_col,
+            &mut profile_col,
+            &mut model_col,
+            &mut fields_col,
+            &mut invalid_col,
+            &mut attributes_col,
+        ]
+        .into_iter()
+        .zip(&shape.text_bytes)
+        {
+            c.reserve(rows, shape.scaled(bytes, input_bytes));
+        }
         let mut rec = Checked::default();
         let mut strings = self.strings.lock().unwrap_or_else(|e| e.into_inner());
         let mut last_values: Vec<Option<LastValue<'_>>> =
@@ -1340,6 +1406,22 @@ impl ScrapeDecoder {
                 }
             }
         }
+        *self.shape.lock().unwrap_or_else(|e| e.into_inner()) = LastShape {
+            input_bytes,
+            rows: observations.len(),
+            text_bytes: [
+                &host_col,
+                &source_col,
+                &target_col,
+                &uuid_col,
+                &profile_col,
+                &model_col,
+                &fields_col,
+                &invalid_col,
+                &attributes_col,
+            ]
+            .map(|c| c.data.len()),
+        };
         let arrays = PyDict::new_bound(py);
         arrays.set_item("ts", fixed_buffers(py, ts_col)?)?;
         arrays.set_item("host", str_buffers(py, host_col)?)?;
@@ -1473,6 +1555,17 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn buffers_are_sized_in_proportion_to_the_input_at_most_twice_it() {
+        let shape = LastShape { input_bytes: 1000, rows: 100, text_bytes: [0; 9] };
+        assert_eq!(shape.scaled(100, 1000), 106);
+        assert_eq!(shape.scaled(100, 2000), 212);
+        assert_eq!(shape.scaled(100, 50), 5);
+        assert_eq!(shape.scaled(1900, 1000), 2000);
+        assert_eq!(shape.scaled(1880, 1000), 1997);
+        assert_eq!(LastShape::default().scaled(100, 1000), 0);
     }
 
     #[test]
