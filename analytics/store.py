@@ -5,7 +5,9 @@ after them in one transaction, so after a crash :meth:`AnalyticsStore.stored_off
 to resume and no row is lost or stored twice. Raw rows carry their record's Kafka position, so a
 batch whose rows already say where the next one starts writes no offsets of its own
 (:mod:`analytics.offsets`). Inserts are batched through Arrow
-(``INSERT INTO t BY NAME SELECT * FROM <registered arrow table>``), never row by row.
+(``INSERT INTO t (<the Arrow table's columns>) SELECT * FROM <registered arrow table>``: columns
+matched by name), never row by row; a batch of one statement runs without an explicit
+transaction (a statement is atomic by itself).
 
 DuckDB allows one writer process per database file; inside the process this class owns one
 connection, used by one thread at a time. Another thread reads through :meth:`cursor`.
@@ -152,6 +154,11 @@ class StoreSchemaError(RuntimeError):
     """The database file was written with another :data:`STORE_SCHEMA_VERSION`."""
 
 
+def _column_list(table: pa.Table) -> str:
+    """The column names of ``table`` as a SQL column list (each a quoted identifier)."""
+    return ", ".join('"' + name.replace('"', '""') + '"' for name in table.column_names)
+
+
 class AnalyticsStore:
     """One DuckDB database (a file, or ``:memory:``) holding the stage's data."""
 
@@ -265,17 +272,24 @@ class AnalyticsStore:
         offsets = kafka_offsets.uncovered(batch.offsets, views, self._derived) if batch.offsets else {}
         for name, table in views.items():
             con.register(f"_batch_{name}", table)
+        inserts = [
+            f"INSERT INTO {name} ({_column_list(table)}) SELECT * FROM _batch_{name}"
+            for name, table in views.items()
+        ]
         try:
-            con.begin()
-            try:
-                for name in views:
-                    con.execute(f"INSERT INTO {name} BY NAME SELECT * FROM _batch_{name}")
-                if offsets:
-                    kafka_offsets.upsert(con, offsets)
-                con.commit()
-            except BaseException:
-                con.rollback()
-                raise
+            if len(inserts) == 1 and not offsets:
+                con.execute(inserts[0])  # one statement: atomic without BEGIN / COMMIT
+            else:
+                con.begin()
+                try:
+                    for sql in inserts:
+                        con.execute(sql)
+                    if offsets:
+                        kafka_offsets.upsert(con, offsets)
+                    con.commit()
+                except BaseException:
+                    con.rollback()
+                    raise
         finally:
             for name in views:
                 con.unregister(f"_batch_{name}")

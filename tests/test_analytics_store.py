@@ -136,6 +136,23 @@ def test_failure_mid_batch_leaves_neither_rows_nor_offsets() -> None:
     assert count(store, "gpu_samples") == 6 and store.stored_offsets() == {GPU_TP: 6}
 
 
+def test_a_batch_of_one_statement_is_stored_whole_or_not_at_all() -> None:
+    """One table whose rows hold their own offsets (a store told its tables' topics): its insert
+    is the batch's only statement, run without BEGIN / COMMIT. A last row that fails the JSON
+    cast after three went in leaves none stored; the same rows fixed are all stored."""
+    store = AnalyticsStore(":memory:", sources={"gpu_samples": GPU_TP.topic})
+    rows = gpu_batch(samples(4), 0)
+    fields = rows.schema.get_field_index("fields")
+    broken = rows.set_column(fields, "fields", pa.array(["{}"] * 3 + ["{"]))
+    with pytest.raises(duckdb.Error):
+        store.write(StoreBatch(gpu_samples=broken, offsets={GPU_TP: 4}))
+    assert count(store, "gpu_samples") == 0 and store.stored_offsets() == {}
+    fixed = rows.set_column(fields, "fields", pa.array(["{}"] * 4))
+    store.write(StoreBatch(gpu_samples=fixed, offsets={GPU_TP: 4}))
+    assert count(store, "gpu_samples") == 4 and store.stored_offsets() == {GPU_TP: 4}
+    assert int(store.sql("SELECT count(*) FROM committed_offsets")[1][0][0]) == 0  # the rows hold it
+
+
 def test_offsets_of_known_and_new_partitions_in_one_batch() -> None:
     """A batch's offsets update the partitions that have a row and insert the others; a
     negative offset for a partition that has a row fails the batch like one for a new one."""
