@@ -717,9 +717,68 @@ impl StrCache {
     }
 }
 
+/// The string columns of a batch: the record's own texts repeated per GPU, then the GPUs'.
+struct TextCols {
+    host: StrCol,
+    source: StrCol,
+    target: StrCol,
+    uuid: StrCol,
+    profile: StrCol,
+    model: StrCol,
+    fields: StrCol,
+    invalid: StrCol,
+    attributes: StrCol,
+}
+
+impl Default for TextCols {
+    fn default() -> Self {
+        TextCols {
+            host: StrCol::new(),
+            source: StrCol::new(),
+            target: StrCol::new(),
+            uuid: StrCol::new(),
+            profile: StrCol::new(),
+            model: StrCol::new(),
+            fields: StrCol::new(),
+            invalid: StrCol::new(),
+            attributes: StrCol::new(),
+        }
+    }
+}
+
+impl TextCols {
+    /// Every column, in the order of the fields.
+    fn all(&self) -> [&StrCol; 9] {
+        [
+            &self.host,
+            &self.source,
+            &self.target,
+            &self.uuid,
+            &self.profile,
+            &self.model,
+            &self.fields,
+            &self.invalid,
+            &self.attributes,
+        ]
+    }
+    fn all_mut(&mut self) -> [&mut StrCol; 9] {
+        [
+            &mut self.host,
+            &mut self.source,
+            &mut self.target,
+            &mut self.uuid,
+            &mut self.profile,
+            &mut self.model,
+            &mut self.fields,
+            &mut self.invalid,
+            &mut self.attributes,
+        ]
+    }
+}
+
 /// The sizes of the last call's output and input, from which the next call sizes its buffers
 /// at once in proportion to its input (a batch's buffers then never regrow: no copy, and no
-/// pages touched twice). The nine string columns in the order of [`ScrapeDecoder::decode`]'s.
+/// pages touched twice). The string columns in the order of [`TextCols::all`].
 #[derive(Clone, Copy, Default)]
 struct LastShape {
     input_bytes: usize,
@@ -1194,18 +1253,10 @@ impl ScrapeDecoder {
         let mut slots: Vec<Option<PyObject>> = Vec::new();
         let observation = self.observation.bind(py);
         let mut ts_col = FixedCol::default();
-        let mut host_col = StrCol::new();
-        let mut source_col = StrCol::new();
-        let mut target_col = StrCol::new();
+        let mut text = TextCols::default();
         let mut seq_col = FixedCol::default();
-        let mut uuid_col = StrCol::new();
         let mut index_col = FixedCol::default();
         let mut instance_col = FixedCol::default();
-        let mut profile_col = StrCol::new();
-        let mut model_col = StrCol::new();
-        let mut fields_col = StrCol::new();
-        let mut invalid_col = StrCol::new();
-        let mut attributes_col = StrCol::new();
         let mut float_cols: Vec<FixedCol> = self
             .float_fields
             .iter()
@@ -1238,20 +1289,7 @@ impl ScrapeDecoder {
         {
             c.reserve(rows);
         }
-        for (c, &bytes) in [
-            &mut host_col,
-            &mut source_col,
-            &mut target_col,
-            &mut uuid_col,
-            &mut profile_col,
-            &mut model_col,
-            &mut fields_col,
-            &mut invalid_col,
-            &mut attributes_col,
-        ]
-        .into_iter()
-        .zip(&shape.text_bytes)
-        {
+        for (c, &bytes) in text.all_mut().into_iter().zip(&shape.text_bytes) {
             c.reserve(rows, shape.scaled(bytes, input_bytes));
         }
         let mut rec = Checked::default();
@@ -1260,18 +1298,8 @@ impl ScrapeDecoder {
             (0..width).map(|_| None).collect();
         for (k, item) in items.iter().enumerate() {
             let value = item.as_bytes();
-            let most = [
-                &uuid_col,
-                &profile_col,
-                &model_col,
-                &fields_col,
-                &invalid_col,
-                &attributes_col,
-            ]
-            .iter()
-            .map(|c| c.data.len())
-            .max()
-            .unwrap_or(0);
+            // the columns of the GPUs' own texts (not the record's, repeated: checked below)
+            let most = text.all().iter().skip(3).map(|c| c.data.len()).max().unwrap_or(0);
             // a string column's text never grows by more than the record's length: keep the
             // int32 offsets in range by leaving a record that could pass it to the reference
             if most.saturating_add(value.len()) >= i32::MAX as usize {
@@ -1286,9 +1314,9 @@ impl ScrapeDecoder {
             let t_str = rec.target.as_deref().unwrap_or(&self.default_target);
             // the record's own texts are repeated for each of its GPUs: the same int32 limit
             let repeated = [
-                (&host_col, rec.host.len()),
-                (&source_col, self.sources[src].len()),
-                (&target_col, t_str.len()),
+                (&text.host, rec.host.len()),
+                (&text.source, self.sources[src].len()),
+                (&text.target, t_str.len()),
             ];
             if repeated.iter().any(|(c, len)| {
                 c.data.len().saturating_add(n.saturating_mul(*len)) >= i32::MAX as usize
@@ -1315,22 +1343,22 @@ impl ScrapeDecoder {
                     }
                 };
                 ts_col.push_i64(Some(round_half_even(t * 1e6) as i64));
-                host_col.push(Some(&rec.host));
-                source_col.push(Some(&self.sources[src]));
-                target_col.push(Some(t_str));
+                text.host.push(Some(&rec.host));
+                text.source.push(Some(&self.sources[src]));
+                text.target.push(Some(t_str));
                 seq_col.push_i64(first_seq.checked_add(i as i64));
                 let u = rec.gpu_uuid.get(i).and_then(|u| u.as_deref());
                 let uuid_obj = u.map_or_else(|| none.clone_ref(py), |s| strings.get(py, s));
-                uuid_col.push(u);
+                text.uuid.push(u);
                 let x = rec.gpu_index.get(i).copied().flatten();
                 let index_obj = x.map_or_else(|| none.clone_ref(py), |v| v.into_py(py));
                 index_col.push_i64(x);
                 let g = rec.gpu_instance_id.get(i).copied().flatten();
                 let instance_obj = g.map_or_else(|| none.clone_ref(py), |v| v.into_py(py));
                 instance_col.push_i64(g);
-                profile_col.push(rec.gpu_instance_profile.get(i).and_then(|p| p.as_deref()));
+                text.profile.push(rec.gpu_instance_profile.get(i).and_then(|p| p.as_deref()));
                 let m = rec.model_name.get(i).and_then(|m| m.as_deref());
-                model_col.push(m);
+                text.model.push(m);
                 let model_obj = match m {
                     None => none.clone_ref(py),
                     Some(s) => match &last_model {
@@ -1342,9 +1370,9 @@ impl ScrapeDecoder {
                         }
                     },
                 };
-                fields_col.push(Some(rec.fields.get(i).map_or("{}", |f| f.0)));
-                invalid_col.push(Some(rec.invalid.get(i).map_or("{}", |f| f.0)));
-                attributes_col.push(Some(rec.attributes.get(i).copied().unwrap_or("{}")));
+                text.fields.push(Some(rec.fields.get(i).map_or("{}", |f| f.0)));
+                text.invalid.push(Some(rec.invalid.get(i).map_or("{}", |f| f.0)));
+                text.attributes.push(Some(rec.attributes.get(i).copied().unwrap_or("{}")));
                 floats.iter_mut().for_each(|v| *v = None);
                 wholes.iter_mut().for_each(|v| *v = None);
                 if let Some(&(_, end)) = rec.fields.get(i) {
@@ -1409,33 +1437,22 @@ impl ScrapeDecoder {
         *self.shape.lock().unwrap_or_else(|e| e.into_inner()) = LastShape {
             input_bytes,
             rows: observations.len(),
-            text_bytes: [
-                &host_col,
-                &source_col,
-                &target_col,
-                &uuid_col,
-                &profile_col,
-                &model_col,
-                &fields_col,
-                &invalid_col,
-                &attributes_col,
-            ]
-            .map(|c| c.data.len()),
+            text_bytes: text.all().map(|c| c.data.len()),
         };
         let arrays = PyDict::new_bound(py);
         arrays.set_item("ts", fixed_buffers(py, ts_col)?)?;
-        arrays.set_item("host", str_buffers(py, host_col)?)?;
-        arrays.set_item("source", str_buffers(py, source_col)?)?;
-        arrays.set_item("target", str_buffers(py, target_col)?)?;
+        arrays.set_item("host", str_buffers(py, text.host)?)?;
+        arrays.set_item("source", str_buffers(py, text.source)?)?;
+        arrays.set_item("target", str_buffers(py, text.target)?)?;
         arrays.set_item("seq", fixed_buffers(py, seq_col)?)?;
-        arrays.set_item("gpu_uuid", str_buffers(py, uuid_col)?)?;
+        arrays.set_item("gpu_uuid", str_buffers(py, text.uuid)?)?;
         arrays.set_item("gpu_index", fixed_buffers(py, index_col)?)?;
         arrays.set_item("gpu_instance_id", fixed_buffers(py, instance_col)?)?;
-        arrays.set_item("gpu_instance_profile", str_buffers(py, profile_col)?)?;
-        arrays.set_item("model_name", str_buffers(py, model_col)?)?;
-        arrays.set_item("fields", str_buffers(py, fields_col)?)?;
-        arrays.set_item("invalid", str_buffers(py, invalid_col)?)?;
-        arrays.set_item("attributes", str_buffers(py, attributes_col)?)?;
+        arrays.set_item("gpu_instance_profile", str_buffers(py, text.profile)?)?;
+        arrays.set_item("model_name", str_buffers(py, text.model)?)?;
+        arrays.set_item("fields", str_buffers(py, text.fields)?)?;
+        arrays.set_item("invalid", str_buffers(py, text.invalid)?)?;
+        arrays.set_item("attributes", str_buffers(py, text.attributes)?)?;
         let float_dict = PyDict::new_bound(py);
         for (name, c) in self.float_fields.iter().zip(float_cols) {
             float_dict.set_item(name, fixed_buffers(py, c)?)?;
