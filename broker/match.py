@@ -17,6 +17,11 @@ the fewest nodes; then the tightest fit (fewest GPUs left over on the nodes used
 stay free for bigger claims); then the names (pool, leaf, host, offer id). Several nodes are
 filled biggest first (fewest nodes), better-ranked first among equals; a node's GPUs are taken
 best rank first, then by GPU key.
+
+Anti-affinity (``avoid_hosts``) comes before all of that, as a preference: the best placement
+over the offers of the other nodes is taken when there is one; otherwise the best placement over
+every candidate (the claim is never refused for it). So a spread placement of a worse tier or
+rank beats a better one on an avoided node.
 """
 
 from __future__ import annotations
@@ -219,7 +224,8 @@ def match(
 
     ``min_notice`` / ``min_duration`` are the claim's ``min_notice_seconds`` and
     ``min_duration_seconds``; ``usable(gpu_key)`` is False for GPUs that may not be leased now
-    (leased, reserved, held for training). Returns the best :class:`Placement`, or a sentence
+    (leased, reserved, held for training). ``req.avoid_hosts`` is a preference (module
+    docstring): it never turns a match into a refusal. Returns the best :class:`Placement`, or a sentence
     saying why nothing matched (for a ``no_match`` reply): the offers refused by reason; when
     ``req.zone`` is set and no offer carries a zone, that the operator sets
     ``[broker.pool_zones]``; when a minimum framebuffer is asked, how many offered GPUs have an
@@ -229,7 +235,12 @@ def match(
         raise ValueError(f"count must be >= 1, got {count}")
     offers = list(offers)
     cands, why = candidates(offers, req, now, min_notice, min_duration, usable)
-    found = best_placement(cands, count, req.allow_cross_leaf)
+    found = None
+    if req.avoid_hosts:
+        avoid = set(req.avoid_hosts)
+        found = best_placement([c for c in cands if c.offer.host not in avoid], count, req.allow_cross_leaf)
+    if found is None:
+        found = best_placement(cands, count, req.allow_cross_leaf)
     if found is not None:
         return found
     total = sum(len(c.gpus) for c in cands)

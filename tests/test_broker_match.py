@@ -147,6 +147,54 @@ def test_ties_are_broken_deterministically_whatever_the_input_order() -> None:
         )
 
 
+def test_avoided_hosts_are_a_preference_never_a_refusal() -> None:
+    # n1 is the tightest fit, so it wins without avoid_hosts
+    offers = [_offer("o1", "n1", 2), _offer("o2", "n2", 8), _offer("o3", "n10", 8)]
+    assert _placed(match(offers, Requirements(), 1, 0.0)).hosts == ["n1"]
+    # avoided: the best of the other nodes (n10 and n2 tie on fit: the name breaks it); a name is
+    # avoided as a whole ("n1" does not avoid "n10")
+    assert _placed(match(offers, Requirements(avoid_hosts=["n1"]), 1, 0.0)).hosts == ["n10"]
+    assert _placed(match(offers, Requirements(avoid_hosts=["n1", "n10"]), 1, 0.0)).hosts == ["n2"]
+    # the other nodes hold exactly the count: still spread; one more and it falls back
+    assert _placed(match(offers, Requirements(avoid_hosts=["n1", "n10"]), 8, 0.0)).hosts == ["n2"]
+    assert _placed(match(offers, Requirements(avoid_hosts=["n1", "n2"]), 8, 0.0)).hosts == ["n10"]
+    # only avoided nodes have GPUs: granted there all the same
+    assert _placed(match(offers, Requirements(avoid_hosts=["n1", "n2", "n10"]), 1, 0.0)).hosts == ["n1"]
+    alone = _placed(match(offers[:1], Requirements(avoid_hosts=["n1"]), 2, 0.0))
+    assert alone.gpus == ("n1/GPU-0", "n1/GPU-1")
+    # the other nodes are used up (usable() removes their GPUs): the avoided node it is
+    busy = {"n2/GPU-0", "n10/GPU-0"}
+    taken = _placed(
+        match(offers[1:], Requirements(avoid_hosts=["n2"]), 8, 0.0, usable=lambda g: g not in busy)
+    )
+    assert taken.tier == "leaf" and taken.hosts == ["n10", "n2"] and len(taken.gpus) == 8
+    # and too few GPUs anywhere is answered as without it
+    why = match(offers, Requirements(avoid_hosts=["n1"]), 19, 0.0)
+    assert isinstance(why, str) and "18 matching GPUs on 3 offers for 19 wanted" in why
+
+
+def test_avoided_hosts_come_before_locality_and_preference() -> None:
+    offers = [
+        _offer("o1", "n1", 4, model=A100, leaf="leaf-a"),
+        _offer("o2", "n2", 2, leaf="leaf-a"),
+        _offer("o3", "n3", 2, leaf="leaf-a"),
+        _offer("o4", "n4", 3, leaf="leaf-b"),
+    ]
+    # one node (n1) beats two; avoiding it, two nodes of leaf-a (n2, n3) beat it
+    assert _placed(match(offers, Requirements(), 4, 0.0)).hosts == ["n1"]
+    p = _placed(match(offers, Requirements(avoid_hosts=["n1"]), 4, 0.0))
+    assert p.tier == "leaf" and p.hosts == ["n2", "n3"]
+    # preferred A100 on the avoided node loses to H100 elsewhere
+    p = _placed(match(offers, Requirements(prefer=[A100], avoid_hosts=["n1"]), 2, 0.0))
+    assert p.hosts == ["n2"] and p.rank == 1
+    # no placement without n1 (leaf-a without it: 4, leaf-b: 3, not across leaves): n1 it is,
+    # placed as if nothing were avoided; across leaves allowed, n3 + n4 spread
+    p = _placed(match(offers, Requirements(avoid_hosts=["n1", "n2"]), 4, 0.0))
+    assert p.tier == "node" and p.hosts == ["n1"]
+    p = _placed(match(offers, Requirements(avoid_hosts=["n1", "n2"], allow_cross_leaf=True), 4, 0.0))
+    assert p.tier == "cross_leaf" and p.hosts == ["n3", "n4"]
+
+
 def test_count_must_be_positive() -> None:
     with pytest.raises(ValueError):
         match([], Requirements(), 0, 0.0)
@@ -210,6 +258,21 @@ def test_matched_claim_spans_two_nodes_of_one_leaf_and_grants_every_host() -> No
     msg = lease_message(rec)
     assert msg.hosts == ["n1", "n2"] and msg.offer_ids == rec.offer_ids and msg.min_until == 101.0
     assert ch.decisions == [ClaimDecision("edge-a", "match", "ok")]
+    assert book.violations() == []
+
+
+def test_a_matched_claim_avoiding_a_node_is_granted_on_another_and_there_when_nothing_else_fits() -> None:
+    book = _book()
+    _idle(book, "n1", 1)
+    _idle(book, "n2", 4)
+    # without it the tightest node (n1) would be taken
+    answer, ch = book.claim("edge-a", _want(1, requirements=Requirements(avoid_hosts=["n1"])), 1.0)
+    assert answer.ok and ch.records[0].hosts == ["n2"] and ch.records[0].reason == "match:node"
+    answer, ch = book.claim("edge-a", _want(1, "m2", requirements=Requirements(avoid_hosts=["n2"])), 1.0)
+    assert answer.ok and ch.records[0].hosts == ["n1"]
+    # only the avoided node has GPUs left: granted there, not refused
+    answer, ch = book.claim("edge-a", _want(3, "m3", requirements=Requirements(avoid_hosts=["n2"])), 1.0)
+    assert answer.ok and ch.records[0].hosts == ["n2"] and len(ch.records[0].gpus) == 3
     assert book.violations() == []
 
 
