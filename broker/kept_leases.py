@@ -16,7 +16,11 @@ What a lease goes through (the broker lends through a training scheduler and run
 1. *claimed*: a matched claim (:meth:`broker.edge.EdgeClient.request`) of ``gpus_per_lease`` GPUs
    naming the profile; a refused claim is sent again after a backoff (:class:`runtime.backoff.Backoff`,
    a new ``claim_id``), one without answer (broker or MQTT down) with the same ``claim_id`` (never a
-   second lease);
+   second lease). Each claim asks the broker to keep off the nodes of every kept lease
+   (``Requirements.avoid_hosts``: serving, starting and leaving ones, so a replacement avoids the
+   node being taken back too), so that one node taken back takes at most its own leases; the
+   broker still places it there when no other node can hold it. Claims go one at a time, so each
+   knows where the one before it landed;
 2. *serving*: once its lease message carries an ``endpoint`` (and the site's own ``probe``, if
    given, answers true) the endpoint joins :attr:`KeptLeases.endpoints`; ``on_change`` is called;
    with ``recheck``, a serving endpoint that fails it ``recheck_failures`` times in a row (its
@@ -61,7 +65,7 @@ from typing import Any, Protocol
 
 from broker.edge import ClaimRejected, LeaseRequestRejected, WatchEvent
 from contracts import LeaseMessage, LeaseState, ReasonCode, Reply
-from contracts.mqtt import Requirements
+from contracts.mqtt import LIMITS, Requirements
 from runtime.backoff import Backoff
 
 log = logging.getLogger(__name__)
@@ -218,10 +222,17 @@ class Handover:
         return self.released_at is not None and (self.deadline is None or self.released_at < self.deadline)
 
 
+def lease_hosts(msg: LeaseMessage) -> tuple[str, ...]:
+    """The nodes of a lease, sorted: its message's ``hosts``, or, in messages of brokers that do
+    not send them, the first part of each GPU key (``host/uuid``)."""
+    return tuple(msg.hosts) if msg.hosts else tuple(sorted({g.split("/", 1)[0] for g in msg.gpus}))
+
+
 @dataclass
 class _Kept:
     lease_id: str
     since: float
+    hosts: tuple[str, ...] = ()
     endpoint: str | None = None
     serving: bool = False
     serving_since: float = 0.0
@@ -248,6 +259,7 @@ class KeptLeases:
         workload: the operator's workload profile each claim names.
         gpus_per_lease: GPUs of each lease (>= 1).
         requirements: what the GPUs must meet (:class:`contracts.mqtt.Requirements`); ``None``: any.
+            Each claim adds the nodes of the kept leases to its ``avoid_hosts``.
         duration_seconds: lease length asked for, seconds.
         min_notice_seconds: shortest reclaim notice acceptable, seconds.
         renew_every_s: seconds between renewals of each live lease.
@@ -348,6 +360,7 @@ class KeptLeases:
         self._kept: dict[str, _Kept] = {}
         self._claim_ids: set[str] = set()
         self._claiming = 0
+        self._claim_lock = asyncio.Lock()
         self._changed = asyncio.Condition()
         self._tasks: set[asyncio.Task[None]] = set()
         self._loops: list[asyncio.Task[None]] = []
@@ -394,6 +407,14 @@ class KeptLeases:
                 self._changed.wait_for(lambda: len(self.endpoints.serving) >= self.target), timeout_s
             )
         return self.endpoints.serving
+
+    def avoid_hosts(self) -> list[str]:
+        """What the next claim's ``Requirements.avoid_hosts`` holds: the nodes of every kept lease
+        (serving, starting or leaving) and those of ``requirements``, sorted, at most
+        ``LIMITS.max_list_items``."""
+        own = self.requirements.avoid_hosts if self.requirements is not None else []
+        hosts = {h for k in self._kept.values() for h in k.hosts}.union(own)
+        return sorted(hosts)[: LIMITS.max_list_items]
 
     @property
     def leases(self) -> Mapping[str, str | None]:
@@ -473,6 +494,7 @@ class KeptLeases:
         if not msg.state.live:
             self._ended(k, msg.state)
             return
+        k.hosts = lease_hosts(msg)
         if msg.state is LeaseState.RECLAIMING:
             if k.handover is None:
                 self.counts["reclaims"] += 1
@@ -546,15 +568,18 @@ class KeptLeases:
                 self._claim_ids.add(claim_id)
                 self.counts["claims_sent"] += 1
                 try:
-                    granted = await self.client.request(
-                        self.gpus_per_lease,
-                        self.requirements,
-                        duration_seconds=self.duration_seconds,
-                        min_notice_seconds=self.min_notice_seconds,
-                        timeout_s=self.request_timeout_s,
-                        claim_id=claim_id,
-                        workload=self.workload,
-                    )
+                    # one at a time: the lease granted is kept (its nodes known) before the next claim
+                    async with self._claim_lock:
+                        granted = await self.client.request(
+                            self.gpus_per_lease,
+                            self._requirements(),
+                            duration_seconds=self.duration_seconds,
+                            min_notice_seconds=self.min_notice_seconds,
+                            timeout_s=self.request_timeout_s,
+                            claim_id=claim_id,
+                            workload=self.workload,
+                        )
+                        self._keep(granted)
                     break
                 except ClaimRejected as e:
                     self.counts[f"refused:{e.code.value}"] += 1
@@ -567,11 +592,21 @@ class KeptLeases:
             self._claiming -= 1
         if granted is not None:
             self.counts["granted"] += 1
-            newest = self.client.known_leases.get(granted.lease_id, granted)
-            if newest.state.live and granted.lease_id not in self._kept:
-                self._kept[granted.lease_id] = _Kept(granted.lease_id, self._clock())
-            self._on_lease(newest)
         self._reconcile()
+
+    def _requirements(self) -> Requirements | None:
+        """``requirements`` with :meth:`avoid_hosts` (as given when there is nothing to avoid)."""
+        avoid = self.avoid_hosts()
+        if not avoid:
+            return self.requirements
+        return (self.requirements or Requirements()).model_copy(update={"avoid_hosts": avoid})
+
+    def _keep(self, granted: LeaseMessage) -> None:
+        """Keep a lease granted to one of our claims (its newest message, if one came already)."""
+        newest = self.client.known_leases.get(granted.lease_id, granted)
+        if newest.state.live and granted.lease_id not in self._kept:
+            self._kept[granted.lease_id] = _Kept(granted.lease_id, self._clock())
+        self._on_lease(newest)
 
     async def _probe(self, k: _Kept) -> None:
         assert self.probe is not None and k.endpoint is not None

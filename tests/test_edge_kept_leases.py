@@ -39,6 +39,12 @@ class FakeBroker:
         self.leases: dict[str, LeaseMessage] = {}
         self.by_claim: dict[str, str] = {}
         self.claim_ids: list[str] = []
+        self.requirements: list[Requirements | None] = []
+        """The requirements of each claim sent, in order."""
+        self.nodes: list[str] = []
+        """The nodes of the next grants, in order (then ``n``)."""
+        self.send_hosts = True
+        """Lease messages carry ``hosts`` (False: as an old broker, the host only in GPU keys)."""
         self.refuse: list[ReasonCode] = []
         self.timeouts = 0
         """Requests (claims, renewals, releases) still to go unanswered."""
@@ -65,6 +71,7 @@ class FakeBroker:
     ) -> LeaseMessage:  # fmt: skip
         assert claim_id is not None and workload == "infer" and count == 1
         self.claim_ids.append(claim_id)
+        self.requirements.append(requirements)
         await asyncio.sleep(0)
         if self.timeouts:
             self.timeouts -= 1
@@ -76,9 +83,10 @@ class FakeBroker:
             return self.leases[self.by_claim[claim_id]]
         lease_id = f"L{next(self._ids)}"
         self.by_claim[claim_id] = lease_id
+        node = self.nodes.pop(0) if self.nodes else "n"
         msg = LeaseMessage(
-            lease_id=lease_id, site=self.site, claim_id=claim_id, offer_id="o", gpus=[f"n/gpu{lease_id}"],
-            state=LeaseState.GRANTED, ts=self.clock(), expires_at=self.clock() + 60, notice_seconds=10,
+            lease_id=lease_id, site=self.site, claim_id=claim_id, offer_id="o", gpus=[f"{node}/gpu{lease_id}"],
+            hosts=[node] if self.send_hosts else [], state=LeaseState.GRANTED, ts=self.clock(), expires_at=self.clock() + 60, notice_seconds=10,
             workload=workload,
         )  # fmt: skip
         self.publish(msg)
@@ -526,3 +534,47 @@ async def test_a_serving_endpoint_failing_its_recheck_in_a_row_leaves_at_once_an
         await until(lambda: len(broker.live()) == 2)
     with pytest.raises(ValueError, match="recheck_failures"):
         KeptLeases(broker, target=1, workload="infer", recheck_failures=0)
+
+
+# spreading over nodes ---------------------------------------------------------------------------------
+def _avoided(req: Requirements | None) -> list[str]:
+    return [] if req is None else req.avoid_hosts
+
+
+@pytest.mark.parametrize("send_hosts", [True, False])
+async def test_each_claim_avoids_the_nodes_of_the_kept_leases_and_a_replacement_the_reclaimed_one_too(
+    send_hosts: bool,
+) -> None:
+    clock = Clock()
+    broker = FakeBroker(clock)
+    broker.send_hosts = send_hosts  # an old broker: the nodes are read from the GPU keys
+    broker.nodes = ["node-b", "node-a", "node-c"]
+    async with kept(broker, clock) as pool:
+        first, second = await serving_two(broker, pool)
+        # claims go one at a time: the second knows where the first landed
+        assert [_avoided(r) for r in broker.requirements] == [[], ["node-b"]]
+        assert broker.requirements[0] is None  # nothing to avoid: the site's requirements as given
+        assert pool.avoid_hosts() == ["node-a", "node-b"]
+        broker.reclaim(first)
+        await until(lambda: len(broker.live()) == 3)
+        # the replacement keeps off the node taken back and the other lease's node
+        assert _avoided(broker.requirements[-1]) == ["node-a", "node-b"]
+        (new,) = set(broker.live()) - {first, second}
+        broker.healthy(new)
+        await until(lambda: first not in pool.leases)
+        assert pool.avoid_hosts() == ["node-a", "node-c"]  # the released lease's node is free again
+        assert len(broker.requirements) == 3
+
+
+async def test_the_sites_own_requirements_are_kept_and_its_avoided_nodes_merged() -> None:
+    clock = Clock()
+    broker = FakeBroker(clock)
+    broker.nodes = ["node-z", "node-a"]
+    own = Requirements(model_names=["H100"], avoid_hosts=["node-x"])
+    async with kept(broker, clock, requirements=own) as pool:
+        await serving_two(broker, pool)
+        assert broker.requirements[0] == own
+        second = broker.requirements[1]
+        assert second is not None and second.model_names == ["H100"]
+        assert second.avoid_hosts == ["node-x", "node-z"]
+        assert pool.avoid_hosts() == ["node-a", "node-x", "node-z"]
