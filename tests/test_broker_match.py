@@ -11,6 +11,8 @@ import shlex
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from broker.config import BrokerConfig
@@ -195,6 +197,30 @@ def test_avoided_hosts_come_before_locality_and_preference() -> None:
     assert p.tier == "cross_leaf" and p.hosts == ["n3", "n4"]
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 4), min_size=1, max_size=5),
+    leaves=st.lists(st.sampled_from(["leaf-a", "leaf-b", None]), min_size=5, max_size=5),
+    avoid=st.sets(st.integers(0, 5)),
+    count=st.integers(1, 9),
+    cross_leaf=st.booleans(),
+)
+def test_avoiding_hosts_never_turns_a_match_into_a_refusal_and_spreads_when_it_can(
+    sizes: list[int], leaves: list[str | None], avoid: set[int], count: int, cross_leaf: bool
+) -> None:
+    offers = [_offer(f"o{i}", f"n{i}", n, leaf=leaves[i]) for i, n in enumerate(sizes) if n]
+    avoided = sorted(f"n{i}" for i in avoid)
+    plain = match(offers, Requirements(allow_cross_leaf=cross_leaf), count, 0.0)
+    got = match(offers, Requirements(allow_cross_leaf=cross_leaf, avoid_hosts=avoided), count, 0.0)
+    assert isinstance(got, Placement) == isinstance(plain, Placement)
+    spread = [o for o in offers if o.host not in avoided]
+    elsewhere = match(spread, Requirements(allow_cross_leaf=cross_leaf), count, 0.0)
+    if isinstance(elsewhere, Placement):
+        assert got == elsewhere  # off every avoided node, the best placement there
+    elif isinstance(got, Placement):
+        assert got == plain  # nothing fits elsewhere: as if nothing were avoided
+
+
 def test_count_must_be_positive() -> None:
     with pytest.raises(ValueError):
         match([], Requirements(), 0, 0.0)
@@ -261,7 +287,10 @@ def test_matched_claim_spans_two_nodes_of_one_leaf_and_grants_every_host() -> No
     assert book.violations() == []
 
 
-def test_a_matched_claim_avoiding_a_node_is_granted_on_another_and_there_when_nothing_else_fits() -> None:
+def test_a_matched_claim_avoiding_a_node_is_granted_on_another_and_there_when_nothing_else_fits(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="broker.leases")
     book = _book()
     _idle(book, "n1", 1)
     _idle(book, "n2", 4)
@@ -274,6 +303,9 @@ def test_a_matched_claim_avoiding_a_node_is_granted_on_another_and_there_when_no
     answer, ch = book.claim("edge-a", _want(3, "m3", requirements=Requirements(avoid_hosts=["n2"])), 1.0)
     assert answer.ok and ch.records[0].hosts == ["n2"] and len(ch.records[0].gpus) == 3
     assert book.violations() == []
+    # only that last placement is logged as on an avoided node
+    (on_avoided,) = [r for r in caplog.records if r.getMessage() == "match_on_avoided_hosts"]
+    assert on_avoided.__dict__["claim_id"] == "m3" and on_avoided.__dict__["avoided"] == ["n2"]
 
 
 def test_no_match_is_answered_with_the_reason_and_logged(caplog: pytest.LogCaptureFixture) -> None:

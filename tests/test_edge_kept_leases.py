@@ -85,9 +85,9 @@ class FakeBroker:
         self.by_claim[claim_id] = lease_id
         node = self.nodes.pop(0) if self.nodes else "n"
         msg = LeaseMessage(
-            lease_id=lease_id, site=self.site, claim_id=claim_id, offer_id="o", gpus=[f"{node}/gpu{lease_id}"],
-            hosts=[node] if self.send_hosts else [], state=LeaseState.GRANTED, ts=self.clock(), expires_at=self.clock() + 60, notice_seconds=10,
-            workload=workload,
+            lease_id=lease_id, site=self.site, claim_id=claim_id, offer_id="o",
+            gpus=[f"{node}/gpu{lease_id}"], hosts=[node] if self.send_hosts else [], state=LeaseState.GRANTED,
+            ts=self.clock(), expires_at=self.clock() + 60, notice_seconds=10, workload=workload,
         )  # fmt: skip
         self.publish(msg)
         return msg
