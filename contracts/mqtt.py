@@ -182,11 +182,13 @@ class Requirements(Message):
     avoid_hosts: Annotated[list[Name], Field(max_length=LIMITS.max_list_items)] = Field(
         default_factory=list
     )
-    """Nodes (``Offer.host``) the lease should not be placed on: anti-affinity, a preference. A
-    site names the nodes of its other leases, so that one node taken back cannot take all of
-    them. The broker places the claim on the other nodes' GPUs when they can hold it under every
-    other field, even at a worse locality or ``prefer`` rank; only when they cannot does it place
-    it as if the list were empty. A claim is never refused because of it. Empty: no preference."""
+    """Nodes (``Offer.host``) the lease should not be placed on, most important first:
+    anti-affinity, a preference. A site names the nodes of its other leases, so that one node
+    taken back cannot take all of them. The broker places the claim on the other nodes' GPUs when
+    they can hold it under every other field, even at a worse locality or ``prefer`` rank; when
+    they cannot, it gives up the last names first (the longest prefix of the list it can keep the
+    claim off), and with no room off even the first, it places it as if the list were empty. A
+    claim is never refused because of it. Empty: no preference."""
 
 
 class Claim(Message):

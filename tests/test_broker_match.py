@@ -160,8 +160,11 @@ def test_avoided_hosts_are_a_preference_never_a_refusal() -> None:
     # the other nodes hold exactly the count: still spread; one more and it falls back
     assert _placed(match(offers, Requirements(avoid_hosts=["n1", "n10"]), 8, 0.0)).hosts == ["n2"]
     assert _placed(match(offers, Requirements(avoid_hosts=["n1", "n2"]), 8, 0.0)).hosts == ["n10"]
-    # only avoided nodes have GPUs: granted there all the same
-    assert _placed(match(offers, Requirements(avoid_hosts=["n1", "n2", "n10"]), 1, 0.0)).hosts == ["n1"]
+    # only avoided nodes have GPUs: granted there all the same, off the first names (the list is
+    # in priority order: the last names are given up first)
+    assert _placed(match(offers, Requirements(avoid_hosts=["n1", "n2", "n10"]), 1, 0.0)).hosts == ["n10"]
+    assert _placed(match(offers, Requirements(avoid_hosts=["n10", "n2", "n1"]), 1, 0.0)).hosts == ["n1"]
+    assert _placed(match(offers, Requirements(avoid_hosts=["n2", "n1", "n10"]), 1, 0.0)).hosts == ["n10"]
     alone = _placed(match(offers[:1], Requirements(avoid_hosts=["n1"]), 2, 0.0))
     assert alone.gpus == ("n1/GPU-0", "n1/GPU-1")
     # the other nodes are used up (usable() removes their GPUs): the avoided node it is
@@ -189,36 +192,42 @@ def test_avoided_hosts_come_before_locality_and_preference() -> None:
     # preferred A100 on the avoided node loses to H100 elsewhere
     p = _placed(match(offers, Requirements(prefer=[A100], avoid_hosts=["n1"]), 2, 0.0))
     assert p.hosts == ["n2"] and p.rank == 1
-    # no placement without n1 (leaf-a without it: 4, leaf-b: 3, not across leaves): n1 it is,
-    # placed as if nothing were avoided; across leaves allowed, n3 + n4 spread
+    # no placement off n1 and n2 (leaf-a: n3's 2, leaf-b: 3, not across leaves): the last name
+    # is given up (n2 + n3), or, named first, n2 is kept and n1 given up; across leaves, n3 + n4
     p = _placed(match(offers, Requirements(avoid_hosts=["n1", "n2"]), 4, 0.0))
+    assert p.tier == "leaf" and p.hosts == ["n2", "n3"]
+    p = _placed(match(offers, Requirements(avoid_hosts=["n2", "n1"]), 4, 0.0))
     assert p.tier == "node" and p.hosts == ["n1"]
     p = _placed(match(offers, Requirements(avoid_hosts=["n1", "n2"], allow_cross_leaf=True), 4, 0.0))
     assert p.tier == "cross_leaf" and p.hosts == ["n3", "n4"]
+    # none off even the first name: as if nothing were avoided
+    p = _placed(match(offers, Requirements(avoid_hosts=["n1", "n2"]), 5, 0.0))
+    assert p == _placed(match(offers, Requirements(), 5, 0.0)) and p.hosts == ["n1", "n2"]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(
-    sizes=st.lists(st.integers(0, 4), min_size=1, max_size=5),
-    leaves=st.lists(st.sampled_from(["leaf-a", "leaf-b", None]), min_size=5, max_size=5),
-    avoid=st.sets(st.integers(0, 5)),
+    sizes=st.lists(st.integers(0, 4), min_size=1, max_size=6),
+    leaves=st.lists(st.sampled_from(["leaf-a", "leaf-b", None]), min_size=6, max_size=6),
+    avoid=st.lists(st.integers(0, 6), unique=True),
     count=st.integers(1, 9),
     cross_leaf=st.booleans(),
 )
-def test_avoiding_hosts_never_turns_a_match_into_a_refusal_and_spreads_when_it_can(
-    sizes: list[int], leaves: list[str | None], avoid: set[int], count: int, cross_leaf: bool
+def test_avoiding_hosts_never_turns_a_match_into_a_refusal_and_keeps_off_the_longest_prefix(
+    sizes: list[int], leaves: list[str | None], avoid: list[int], count: int, cross_leaf: bool
 ) -> None:
     offers = [_offer(f"o{i}", f"n{i}", n, leaf=leaves[i]) for i, n in enumerate(sizes) if n]
-    avoided = sorted(f"n{i}" for i in avoid)
+    avoided = [f"n{i}" for i in avoid]
     plain = match(offers, Requirements(allow_cross_leaf=cross_leaf), count, 0.0)
     got = match(offers, Requirements(allow_cross_leaf=cross_leaf, avoid_hosts=avoided), count, 0.0)
     assert isinstance(got, Placement) == isinstance(plain, Placement)
-    spread = [o for o in offers if o.host not in avoided]
-    elsewhere = match(spread, Requirements(allow_cross_leaf=cross_leaf), count, 0.0)
-    if isinstance(elsewhere, Placement):
-        assert got == elsewhere  # off every avoided node, the best placement there
-    elif isinstance(got, Placement):
-        assert got == plain  # nothing fits elsewhere: as if nothing were avoided
+    # every prefix, longest first: the first that leaves a placement gives the answer
+    for k in range(len(avoided), -1, -1):
+        kept_off = [o for o in offers if o.host not in avoided[:k]]
+        there = match(kept_off, Requirements(allow_cross_leaf=cross_leaf), count, 0.0)
+        if isinstance(there, Placement):
+            assert got == there, k
+            break
 
 
 def test_count_must_be_positive() -> None:
