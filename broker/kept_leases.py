@@ -16,11 +16,13 @@ What a lease goes through (the broker lends through a training scheduler and run
 1. *claimed*: a matched claim (:meth:`broker.edge.EdgeClient.request`) of ``gpus_per_lease`` GPUs
    naming the profile; a refused claim is sent again after a backoff (:class:`runtime.backoff.Backoff`,
    a new ``claim_id``), one without answer (broker or MQTT down) with the same ``claim_id`` (never a
-   second lease). Each claim asks the broker to keep off the nodes of every kept lease
-   (``Requirements.avoid_hosts``: serving, starting and leaving ones, so a replacement avoids the
-   node being taken back too), so that one node taken back takes at most its own leases; the
-   broker still places it there when no other node can hold it. Claims go one at a time, so each
-   knows where the one before it landed;
+   second lease). Each claim asks the broker to keep off the nodes of the kept leases
+   (``Requirements.avoid_hosts``), so that one node taken back takes at most its own leases; most
+   important first: the nodes of leases being handed over (a replacement keeps off the node being
+   taken back), then those of the other kept leases, then those of leases taken back in the last
+   ``avoid_taken_back_s``. The broker gives up the last ones first when no other node can hold
+   the lease, and never refuses it for them. Claims go one at a time, so each knows where the one
+   before it landed;
 2. *serving*: once its lease message carries an ``endpoint`` (and the site's own ``probe``, if
    given, answers true) the endpoint joins :attr:`KeptLeases.endpoints`; ``on_change`` is called;
    with ``recheck``, a serving endpoint that fails it ``recheck_failures`` times in a row (its
@@ -244,6 +246,11 @@ class _Kept:
     released: bool = False
 
 
+def _noticed(k: _Kept) -> float:
+    """When a kept lease's hand-over was noticed; infinity without one."""
+    return k.handover.noticed_at if k.handover is not None else float("inf")
+
+
 def _deadline(h: Handover | None) -> float:
     """A hand-over's deadline; infinity without one."""
     return h.deadline if h is not None and h.deadline is not None else float("inf")
@@ -259,7 +266,9 @@ class KeptLeases:
         workload: the operator's workload profile each claim names.
         gpus_per_lease: GPUs of each lease (>= 1).
         requirements: what the GPUs must meet (:class:`contracts.mqtt.Requirements`); ``None``: any.
-            Each claim adds the nodes of the kept leases to its ``avoid_hosts``.
+            Each claim adds the nodes of the kept leases to its ``avoid_hosts`` (:meth:`avoid_hosts`).
+        avoid_taken_back_s: how long the nodes of a lease handed over (reclaim notice, at risk,
+            unhealthy) stay at the end of each claim's ``avoid_hosts``, seconds (0: not kept).
         duration_seconds: lease length asked for, seconds.
         min_notice_seconds: shortest reclaim notice acceptable, seconds.
         renew_every_s: seconds between renewals of each live lease.
@@ -296,7 +305,8 @@ class KeptLeases:
             ``expired``, ``lost``, ``start_failed``, ``renewals``, ``renewal_timeouts``,
             ``broker_restarts``.
 
-    Raises ``ValueError`` for ``target`` or ``gpus_per_lease`` below 1, or a negative ``overlap_s``.
+    Raises ``ValueError`` for ``target`` or ``gpus_per_lease`` below 1, or a negative ``overlap_s``
+    or ``avoid_taken_back_s``.
     """
 
     def __init__(
@@ -307,6 +317,7 @@ class KeptLeases:
         workload: str,
         gpus_per_lease: int = 1,
         requirements: Requirements | None = None,
+        avoid_taken_back_s: float = 30.0,
         duration_seconds: float = 3600.0,
         min_notice_seconds: float = 0.0,
         renew_every_s: float = 10.0,
@@ -330,14 +341,17 @@ class KeptLeases:
                 f"target ({target}), gpus_per_lease ({gpus_per_lease}) and recheck_failures "
                 f"({recheck_failures}) must be >= 1"
             )
-        if overlap_s < 0:
-            raise ValueError(f"overlap_s must be >= 0, got {overlap_s}")
+        if overlap_s < 0 or avoid_taken_back_s < 0:
+            raise ValueError(
+                f"overlap_s ({overlap_s}) and avoid_taken_back_s ({avoid_taken_back_s}) must be >= 0"
+            )
         Backoff(retry_min_s, retry_max_s)  # the bounds are checked here, not at the first refusal
         self.client = client
         self.target = target
         self.workload = workload
         self.gpus_per_lease = gpus_per_lease
         self.requirements = requirements
+        self.avoid_taken_back_s = avoid_taken_back_s
         self.duration_seconds = duration_seconds
         self.min_notice_seconds = min_notice_seconds
         self.renew_every_s = renew_every_s
@@ -361,6 +375,8 @@ class KeptLeases:
         self._claim_ids: set[str] = set()
         self._claiming = 0
         self._claim_lock = asyncio.Lock()
+        self._taken_back: dict[str, float] = {}
+        """Node of a lease handed over → until when claims keep off it (Unix s)."""
         self._changed = asyncio.Condition()
         self._tasks: set[asyncio.Task[None]] = set()
         self._loops: list[asyncio.Task[None]] = []
@@ -409,12 +425,20 @@ class KeptLeases:
         return self.endpoints.serving
 
     def avoid_hosts(self) -> list[str]:
-        """What the next claim's ``Requirements.avoid_hosts`` holds: the nodes of every kept lease
-        (serving, starting or leaving) and those of ``requirements``, sorted, at most
-        ``LIMITS.max_list_items``."""
+        """What the next claim's ``Requirements.avoid_hosts`` holds, most important first, each
+        node once, at most ``LIMITS.max_list_items``: the site's own (``requirements``), the
+        nodes of the kept leases being handed over (in notice order), of the other kept leases
+        (oldest first), then of leases handed over in the last ``avoid_taken_back_s`` (newest
+        first)."""
+        now = self._clock()
+        self._taken_back = {h: t for h, t in self._taken_back.items() if t > now}
+        kept = self._kept.values()
+        leaving = sorted((k for k in kept if k.handover is not None), key=_noticed)
+        staying = sorted((k for k in kept if k.handover is None), key=lambda k: k.since)
+        recent = sorted(self._taken_back, key=lambda h: -self._taken_back[h])
         own = self.requirements.avoid_hosts if self.requirements is not None else []
-        hosts = {h for k in self._kept.values() for h in k.hosts}.union(own)
-        return sorted(hosts)[: LIMITS.max_list_items]
+        ordered = [*own, *(h for k in [*leaving, *staying] for h in k.hosts), *recent]
+        return list(dict.fromkeys(ordered))[: LIMITS.max_list_items]
 
     @property
     def leases(self) -> Mapping[str, str | None]:
@@ -478,6 +502,9 @@ class KeptLeases:
 
     def _notice(self, k: _Kept, reason: str, deadline: float | None) -> None:
         k.handover = Handover(k.lease_id, reason, self._clock(), deadline, k.endpoint if k.serving else None)
+        if self.avoid_taken_back_s > 0:
+            for host in k.hosts:
+                self._taken_back[host] = k.handover.noticed_at + self.avoid_taken_back_s
         self.handovers.append(k.handover)
         log.info(
             "kept_lease_notice",

@@ -542,31 +542,57 @@ def _avoided(req: Requirements | None) -> list[str]:
 
 
 @pytest.mark.parametrize("send_hosts", [True, False])
-async def test_each_claim_avoids_the_nodes_of_the_kept_leases_and_a_replacement_the_reclaimed_one_too(
+async def test_each_claim_avoids_the_nodes_of_the_kept_leases_and_a_replacement_the_reclaimed_one_first(
     send_hosts: bool,
 ) -> None:
     clock = Clock()
     broker = FakeBroker(clock)
     broker.send_hosts = send_hosts  # an old broker: the nodes are read from the GPU keys
-    broker.nodes = ["node-b", "node-a", "node-c"]
-    async with kept(broker, clock) as pool:
+    broker.nodes = ["node-b", "node-a", "node-c", "node-d"]
+    async with kept(broker, clock, avoid_taken_back_s=30.0) as pool:
         first, second = await serving_two(broker, pool)
         # claims go one at a time: the second knows where the first landed
         assert [_avoided(r) for r in broker.requirements] == [[], ["node-b"]]
         assert broker.requirements[0] is None  # nothing to avoid: the site's requirements as given
-        assert pool.avoid_hosts() == ["node-a", "node-b"]
-        broker.reclaim(first)
+        assert pool.avoid_hosts() == ["node-b", "node-a"]  # oldest lease first
+        broker.reclaim(second)
         await until(lambda: len(broker.live()) == 3)
-        # the replacement keeps off the node taken back and the other lease's node
+        # the replacement keeps off the node taken back first, then the other lease's node
         assert _avoided(broker.requirements[-1]) == ["node-a", "node-b"]
         (new,) = set(broker.live()) - {first, second}
         broker.healthy(new)
-        await until(lambda: first not in pool.leases)
-        assert pool.avoid_hosts() == ["node-a", "node-c"]  # the released lease's node is free again
-        assert len(broker.requirements) == 3
+        await until(lambda: second not in pool.leases)
+        # released: its node stays last for avoid_taken_back_s (30 s)
+        assert pool.avoid_hosts() == ["node-b", "node-c", "node-a"]
+        clock.now += 29.9
+        assert pool.avoid_hosts() == ["node-b", "node-c", "node-a"]
+        clock.now += 0.1
+        assert pool.avoid_hosts() == ["node-b", "node-c"]
+        # an at-risk lease (here the oldest) comes first while it is handed over
+        assert pool.at_risk(first)
+        await until(lambda: len(broker.requirements) == 4)
+        assert _avoided(broker.requirements[-1]) == ["node-b", "node-c"]
+        assert len(broker.live()) == 3
+        assert pool.avoid_hosts() == ["node-b", "node-c", "node-d"]
 
 
-async def test_the_sites_own_requirements_are_kept_and_its_avoided_nodes_merged() -> None:
+async def test_nodes_taken_back_are_not_remembered_with_avoid_taken_back_s_0() -> None:
+    clock = Clock()
+    broker = FakeBroker(clock)
+    broker.nodes = ["node-b", "node-a", "node-c"]
+    async with kept(broker, clock, avoid_taken_back_s=0.0) as pool:
+        first, second = await serving_two(broker, pool)
+        broker.reclaim(second)
+        await until(lambda: len(broker.live()) == 3)
+        (new,) = set(broker.live()) - {first, second}
+        broker.healthy(new)
+        await until(lambda: second not in pool.leases)
+        assert pool.avoid_hosts() == ["node-b", "node-c"]
+    with pytest.raises(ValueError, match="avoid_taken_back_s"):
+        kept(broker, clock, avoid_taken_back_s=-1.0)
+
+
+async def test_the_sites_own_requirements_are_kept_and_its_avoided_nodes_come_first() -> None:
     clock = Clock()
     broker = FakeBroker(clock)
     broker.nodes = ["node-z", "node-a"]
@@ -577,4 +603,4 @@ async def test_the_sites_own_requirements_are_kept_and_its_avoided_nodes_merged(
         second = broker.requirements[1]
         assert second is not None and second.model_names == ["H100"]
         assert second.avoid_hosts == ["node-x", "node-z"]
-        assert pool.avoid_hosts() == ["node-a", "node-x", "node-z"]
+        assert pool.avoid_hosts() == ["node-x", "node-z", "node-a"]
