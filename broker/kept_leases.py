@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import uuid
@@ -71,6 +72,10 @@ from contracts.mqtt import LIMITS, Requirements
 from runtime.backoff import Backoff
 
 log = logging.getLogger(__name__)
+
+AVOID_BUDGET_BYTES = LIMITS.max_payload_bytes // 2
+"""Most bytes the ``avoid_hosts`` list of a claim may take in its JSON (half of the protocol's
+``LIMITS.max_payload_bytes``, the rest for the other fields): the least important names are cut."""
 
 _LOST_CODES = frozenset({ReasonCode.UNKNOWN_LEASE, ReasonCode.LEASE_NOT_LIVE})
 """Renewal answers meaning the broker no longer has the lease live."""
@@ -426,10 +431,11 @@ class KeptLeases:
 
     def avoid_hosts(self) -> list[str]:
         """What the next claim's ``Requirements.avoid_hosts`` holds, most important first, each
-        node once, at most ``LIMITS.max_list_items``: the site's own (``requirements``), the
-        nodes of the kept leases being handed over (in notice order), of the other kept leases
-        (oldest first), then of leases handed over in the last ``avoid_taken_back_s`` (newest
-        first)."""
+        node once: the site's own (``requirements``), the nodes of the kept leases being handed
+        over (in notice order), of the other kept leases (oldest first), then of leases handed
+        over in the last ``avoid_taken_back_s`` (newest first). Cut so the claim stays well inside
+        the protocol's limits (:data:`AVOID_BUDGET_BYTES`, ``LIMITS.max_list_items``); names
+        longer than ``LIMITS.max_name_chars`` are left out."""
         now = self._clock()
         self._taken_back = {h: t for h, t in self._taken_back.items() if t > now}
         kept = self._kept.values()
@@ -438,7 +444,15 @@ class KeptLeases:
         recent = sorted(self._taken_back, key=lambda h: -self._taken_back[h])
         own = self.requirements.avoid_hosts if self.requirements is not None else []
         ordered = [*own, *(h for k in [*leaving, *staying] for h in k.hosts), *recent]
-        return list(dict.fromkeys(ordered))[: LIMITS.max_list_items]
+        out: list[str] = []
+        size = 0
+        for host in dict.fromkeys(ordered):
+            size += len(json.dumps(host)) + 2  # the name, quoted and escaped, and ", "
+            if size > AVOID_BUDGET_BYTES or len(out) == LIMITS.max_list_items:
+                break
+            if 0 < len(host) <= LIMITS.max_name_chars:
+                out.append(host)
+        return out
 
     @property
     def leases(self) -> Mapping[str, str | None]:

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from collections.abc import AsyncGenerator, Callable, Mapping
 
 import pytest
 
 from broker.edge import ClaimRejected, LeaseRequestRejected, WatchEvent
-from broker.kept_leases import Endpoints, KeptLeases, NoEndpoint
+from broker.kept_leases import AVOID_BUDGET_BYTES, Endpoints, KeptLeases, NoEndpoint
 from contracts import LeaseMessage, LeaseState, ReasonCode, Reply
-from contracts.mqtt import Requirements
+from contracts.mqtt import LIMITS, Requirements
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -604,3 +605,23 @@ async def test_the_sites_own_requirements_are_kept_and_its_avoided_nodes_come_fi
         assert second is not None and second.model_names == ["H100"]
         assert second.avoid_hosts == ["node-x", "node-z"]
         assert pool.avoid_hosts() == ["node-x", "node-z", "node-a"]
+
+
+async def test_a_long_avoid_list_is_cut_from_its_end_so_the_claim_stays_inside_the_limits() -> None:
+    clock = Clock()
+    broker = FakeBroker(clock)
+    broker.nodes = ["node-a"]
+    names = [f"site-node-{i:018d}" for i in range(2000)]  # 32 bytes each in the JSON, with ", "
+    own = Requirements(avoid_hosts=names[: LIMITS.max_list_items])
+    async with kept(broker, clock, target=1, requirements=own) as pool:
+        await until(lambda: len(broker.live()) == 1)
+        avoid = pool.avoid_hosts()
+        assert avoid == names[: AVOID_BUDGET_BYTES // 32]  # the most important first, to the byte
+        assert len(json.dumps(avoid)) <= AVOID_BUDGET_BYTES
+    short = [f"n{i}" for i in range(1100)]  # 1,024 of them fit in the bytes: the count cuts
+    many = kept(broker, clock, requirements=Requirements.model_construct(avoid_hosts=short))
+    assert many.avoid_hosts() == short[: LIMITS.max_list_items]
+    longest = "n" * LIMITS.max_name_chars
+    too_long = Requirements.model_construct(avoid_hosts=["x" * (LIMITS.max_name_chars + 1), longest])
+    pool = kept(broker, clock, requirements=too_long)
+    assert pool.avoid_hosts() == [longest]
