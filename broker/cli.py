@@ -685,6 +685,13 @@ def claim(
     memory_held: Annotated[
         bool, typer.Option(help="Accept GPUs whose memory a resident model holds. Matching only.")
     ] = True,
+    avoid_host: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A node to keep the lease off when another node can hold it (anti-affinity, e.g. the "
+            "nodes of the site's other leases); repeatable. Matching only."
+        ),
+    ] = None,
     kind: Annotated[
         LeaseKind | None,
         typer.Option(
@@ -697,7 +704,9 @@ def claim(
     picks one node, else several under one leaf switch): print the granted LeaseMessage as JSON
     (contracts/mqtt.py), or the Reply and exit 1 if refused; exit 2 for options that do not fit
     the kind of claim."""
-    matching = bool(model or min_memory_mib is not None or zone or prefer or cross_leaf or not memory_held)
+    matching = bool(
+        model or min_memory_mib is not None or zone or prefer or cross_leaf or not memory_held or avoid_host
+    )
     if offer_id is not None and matching:
         raise typer.BadParameter("requirement options (--model, --zone, ...) only apply without OFFER_ID")
     if offer_id is None and (gpu or count < 1):
@@ -713,6 +722,7 @@ def claim(
         prefer=prefer or [],
         allow_cross_leaf=cross_leaf,
         allow_memory_held=memory_held,
+        avoid_hosts=avoid_host or [],
     )
     timeout = conn.timeout
 

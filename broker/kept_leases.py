@@ -16,7 +16,13 @@ What a lease goes through (the broker lends through a training scheduler and run
 1. *claimed*: a matched claim (:meth:`broker.edge.EdgeClient.request`) of ``gpus_per_lease`` GPUs
    naming the profile; a refused claim is sent again after a backoff (:class:`runtime.backoff.Backoff`,
    a new ``claim_id``), one without answer (broker or MQTT down) with the same ``claim_id`` (never a
-   second lease);
+   second lease). Each claim asks the broker to keep off the nodes of the kept leases
+   (``Requirements.avoid_hosts``), so that one node taken back takes at most its own leases; most
+   important first: the nodes of leases being handed over (a replacement keeps off the node being
+   taken back), then those of the other kept leases, then those of leases taken back in the last
+   ``avoid_taken_back_s``. The broker gives up the last ones first when no other node can hold
+   the lease, and never refuses it for them. Claims go one at a time, so each knows where the one
+   before it landed;
 2. *serving*: once its lease message carries an ``endpoint`` (and the site's own ``probe``, if
    given, answers true) the endpoint joins :attr:`KeptLeases.endpoints`; ``on_change`` is called;
    with ``recheck``, a serving endpoint that fails it ``recheck_failures`` times in a row (its
@@ -51,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import uuid
@@ -61,10 +68,14 @@ from typing import Any, Protocol
 
 from broker.edge import ClaimRejected, LeaseRequestRejected, WatchEvent
 from contracts import LeaseMessage, LeaseState, ReasonCode, Reply
-from contracts.mqtt import Requirements
+from contracts.mqtt import LIMITS, Requirements
 from runtime.backoff import Backoff
 
 log = logging.getLogger(__name__)
+
+AVOID_BUDGET_BYTES = LIMITS.max_payload_bytes // 2
+"""Most bytes the ``avoid_hosts`` list of a claim may take in its JSON (half of the protocol's
+``LIMITS.max_payload_bytes``, the rest for the other fields): the least important names are cut."""
 
 _LOST_CODES = frozenset({ReasonCode.UNKNOWN_LEASE, ReasonCode.LEASE_NOT_LIVE})
 """Renewal answers meaning the broker no longer has the lease live."""
@@ -218,10 +229,17 @@ class Handover:
         return self.released_at is not None and (self.deadline is None or self.released_at < self.deadline)
 
 
+def lease_hosts(msg: LeaseMessage) -> tuple[str, ...]:
+    """The nodes of a lease, sorted: its message's ``hosts``, or, in messages of brokers that do
+    not send them, the first part of each GPU key (``host/uuid``)."""
+    return tuple(msg.hosts) if msg.hosts else tuple(sorted({g.split("/", 1)[0] for g in msg.gpus}))
+
+
 @dataclass
 class _Kept:
     lease_id: str
     since: float
+    hosts: tuple[str, ...] = ()
     endpoint: str | None = None
     serving: bool = False
     serving_since: float = 0.0
@@ -231,6 +249,11 @@ class _Kept:
     failures: int = 0
     releasing: bool = False
     released: bool = False
+
+
+def _noticed(k: _Kept) -> float:
+    """When a kept lease's hand-over was noticed; infinity without one."""
+    return k.handover.noticed_at if k.handover is not None else float("inf")
 
 
 def _deadline(h: Handover | None) -> float:
@@ -248,6 +271,9 @@ class KeptLeases:
         workload: the operator's workload profile each claim names.
         gpus_per_lease: GPUs of each lease (>= 1).
         requirements: what the GPUs must meet (:class:`contracts.mqtt.Requirements`); ``None``: any.
+            Each claim adds the nodes of the kept leases to its ``avoid_hosts`` (:meth:`avoid_hosts`).
+        avoid_taken_back_s: how long the nodes of a lease handed over (reclaim notice, at risk,
+            unhealthy) stay at the end of each claim's ``avoid_hosts``, seconds (0: not kept).
         duration_seconds: lease length asked for, seconds.
         min_notice_seconds: shortest reclaim notice acceptable, seconds.
         renew_every_s: seconds between renewals of each live lease.
@@ -284,7 +310,8 @@ class KeptLeases:
             ``expired``, ``lost``, ``start_failed``, ``renewals``, ``renewal_timeouts``,
             ``broker_restarts``.
 
-    Raises ``ValueError`` for ``target`` or ``gpus_per_lease`` below 1, or a negative ``overlap_s``.
+    Raises ``ValueError`` for ``target`` or ``gpus_per_lease`` below 1, or a negative ``overlap_s``
+    or ``avoid_taken_back_s``.
     """
 
     def __init__(
@@ -295,6 +322,7 @@ class KeptLeases:
         workload: str,
         gpus_per_lease: int = 1,
         requirements: Requirements | None = None,
+        avoid_taken_back_s: float = 30.0,
         duration_seconds: float = 3600.0,
         min_notice_seconds: float = 0.0,
         renew_every_s: float = 10.0,
@@ -318,14 +346,17 @@ class KeptLeases:
                 f"target ({target}), gpus_per_lease ({gpus_per_lease}) and recheck_failures "
                 f"({recheck_failures}) must be >= 1"
             )
-        if overlap_s < 0:
-            raise ValueError(f"overlap_s must be >= 0, got {overlap_s}")
+        if overlap_s < 0 or avoid_taken_back_s < 0:
+            raise ValueError(
+                f"overlap_s ({overlap_s}) and avoid_taken_back_s ({avoid_taken_back_s}) must be >= 0"
+            )
         Backoff(retry_min_s, retry_max_s)  # the bounds are checked here, not at the first refusal
         self.client = client
         self.target = target
         self.workload = workload
         self.gpus_per_lease = gpus_per_lease
         self.requirements = requirements
+        self.avoid_taken_back_s = avoid_taken_back_s
         self.duration_seconds = duration_seconds
         self.min_notice_seconds = min_notice_seconds
         self.renew_every_s = renew_every_s
@@ -348,6 +379,9 @@ class KeptLeases:
         self._kept: dict[str, _Kept] = {}
         self._claim_ids: set[str] = set()
         self._claiming = 0
+        self._claim_lock = asyncio.Lock()
+        self._taken_back: dict[str, float] = {}
+        """Node of a lease handed over → until when claims keep off it (Unix s)."""
         self._changed = asyncio.Condition()
         self._tasks: set[asyncio.Task[None]] = set()
         self._loops: list[asyncio.Task[None]] = []
@@ -394,6 +428,31 @@ class KeptLeases:
                 self._changed.wait_for(lambda: len(self.endpoints.serving) >= self.target), timeout_s
             )
         return self.endpoints.serving
+
+    def avoid_hosts(self) -> list[str]:
+        """What the next claim's ``Requirements.avoid_hosts`` holds, most important first, each
+        node once: the site's own (``requirements``), the nodes of the kept leases being handed
+        over (in notice order), of the other kept leases (oldest first), then of leases handed
+        over in the last ``avoid_taken_back_s`` (newest first). Cut so the claim stays well inside
+        the protocol's limits (:data:`AVOID_BUDGET_BYTES`, ``LIMITS.max_list_items``); names
+        longer than ``LIMITS.max_name_chars`` are left out."""
+        now = self._clock()
+        self._taken_back = {h: t for h, t in self._taken_back.items() if t > now}
+        kept = self._kept.values()
+        leaving = sorted((k for k in kept if k.handover is not None), key=_noticed)
+        staying = sorted((k for k in kept if k.handover is None), key=lambda k: k.since)
+        recent = sorted(self._taken_back, key=lambda h: -self._taken_back[h])
+        own = self.requirements.avoid_hosts if self.requirements is not None else []
+        ordered = [*own, *(h for k in [*leaving, *staying] for h in k.hosts), *recent]
+        out: list[str] = []
+        size = 0
+        for host in dict.fromkeys(ordered):
+            size += len(json.dumps(host)) + 2  # the name, quoted and escaped, and ", "
+            if size > AVOID_BUDGET_BYTES or len(out) == LIMITS.max_list_items:
+                break
+            if 0 < len(host) <= LIMITS.max_name_chars:
+                out.append(host)
+        return out
 
     @property
     def leases(self) -> Mapping[str, str | None]:
@@ -457,6 +516,9 @@ class KeptLeases:
 
     def _notice(self, k: _Kept, reason: str, deadline: float | None) -> None:
         k.handover = Handover(k.lease_id, reason, self._clock(), deadline, k.endpoint if k.serving else None)
+        if self.avoid_taken_back_s > 0:
+            for host in k.hosts:
+                self._taken_back[host] = k.handover.noticed_at + self.avoid_taken_back_s
         self.handovers.append(k.handover)
         log.info(
             "kept_lease_notice",
@@ -473,6 +535,7 @@ class KeptLeases:
         if not msg.state.live:
             self._ended(k, msg.state)
             return
+        k.hosts = lease_hosts(msg)
         if msg.state is LeaseState.RECLAIMING:
             if k.handover is None:
                 self.counts["reclaims"] += 1
@@ -546,15 +609,18 @@ class KeptLeases:
                 self._claim_ids.add(claim_id)
                 self.counts["claims_sent"] += 1
                 try:
-                    granted = await self.client.request(
-                        self.gpus_per_lease,
-                        self.requirements,
-                        duration_seconds=self.duration_seconds,
-                        min_notice_seconds=self.min_notice_seconds,
-                        timeout_s=self.request_timeout_s,
-                        claim_id=claim_id,
-                        workload=self.workload,
-                    )
+                    # one at a time: the lease granted is kept (its nodes known) before the next claim
+                    async with self._claim_lock:
+                        granted = await self.client.request(
+                            self.gpus_per_lease,
+                            self._requirements(),
+                            duration_seconds=self.duration_seconds,
+                            min_notice_seconds=self.min_notice_seconds,
+                            timeout_s=self.request_timeout_s,
+                            claim_id=claim_id,
+                            workload=self.workload,
+                        )
+                        self._keep(granted)
                     break
                 except ClaimRejected as e:
                     self.counts[f"refused:{e.code.value}"] += 1
@@ -567,11 +633,21 @@ class KeptLeases:
             self._claiming -= 1
         if granted is not None:
             self.counts["granted"] += 1
-            newest = self.client.known_leases.get(granted.lease_id, granted)
-            if newest.state.live and granted.lease_id not in self._kept:
-                self._kept[granted.lease_id] = _Kept(granted.lease_id, self._clock())
-            self._on_lease(newest)
         self._reconcile()
+
+    def _requirements(self) -> Requirements | None:
+        """``requirements`` with :meth:`avoid_hosts` (as given when there is nothing to avoid)."""
+        avoid = self.avoid_hosts()
+        if not avoid:
+            return self.requirements
+        return (self.requirements or Requirements()).model_copy(update={"avoid_hosts": avoid})
+
+    def _keep(self, granted: LeaseMessage) -> None:
+        """Keep a lease granted to one of our claims (its newest message, if one came already)."""
+        newest = self.client.known_leases.get(granted.lease_id, granted)
+        if newest.state.live and granted.lease_id not in self._kept:
+            self._kept[granted.lease_id] = _Kept(granted.lease_id, self._clock())
+        self._on_lease(newest)
 
     async def _probe(self, k: _Kept) -> None:
         assert self.probe is not None and k.endpoint is not None

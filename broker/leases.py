@@ -718,6 +718,13 @@ class LeaseBook:
         )
         if isinstance(placed, str):
             return Answer(ReasonCode.NO_MATCH, placed)
+        avoided = claim.requirements.avoid_hosts if claim.requirements is not None else []
+        crowded = sorted(set(placed.hosts).intersection(avoided))
+        if crowded:  # no other node could hold it (broker.match: a preference, never a refusal)
+            log.info(
+                "match_on_avoided_hosts",
+                extra={"site": site, "claim_id": claim.claim_id, "hosts": placed.hosts, "avoided": crowded},
+            )
         refused = self._admit(site, len(placed.gpus), now)
         if refused is not None:
             return refused

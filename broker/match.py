@@ -17,6 +17,12 @@ the fewest nodes; then the tightest fit (fewest GPUs left over on the nodes used
 stay free for bigger claims); then the names (pool, leaf, host, offer id). Several nodes are
 filled biggest first (fewest nodes), better-ranked first among equals; a node's GPUs are taken
 best rank first, then by GPU key.
+
+Anti-affinity (``avoid_hosts``, in priority order) comes before all of that, as a preference:
+the best placement over the offers of the nodes not named is taken when there is one; otherwise
+the last names are given up first: the best placement off the longest prefix of the list that
+leaves one (a claim is never refused for it). So a spread placement of a worse tier or rank beats
+a better one on an avoided node.
 """
 
 from __future__ import annotations
@@ -205,6 +211,34 @@ def best_placement(cands: Sequence[Candidate], count: int, allow_cross_leaf: boo
     return None
 
 
+def spread_placement(cands: Sequence[Candidate], count: int, req: Requirements) -> Placement | None:
+    """The best :class:`Placement` of ``count`` GPUs over ``cands`` off the longest prefix of
+    ``req.avoid_hosts`` that leaves one (module docstring); ``None`` when there is none even with
+    nothing avoided. A placement off a prefix is one off every shorter prefix, so the longest is
+    found by bisection: at most about log2(len(avoid_hosts)) + 2 placements are computed."""
+    avoid = req.avoid_hosts
+
+    def off(k: int) -> Placement | None:
+        skip = set(avoid[:k])
+        return best_placement([c for c in cands if c.offer.host not in skip], count, req.allow_cross_leaf)
+
+    found = off(len(avoid))
+    if found is not None or not avoid:
+        return found
+    found = off(0)
+    if found is None:
+        return None
+    lo, hi = 0, len(avoid)  # off(lo) is ``found``; off(hi) is None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        placed = off(mid)
+        if placed is None:
+            hi = mid
+        else:
+            lo, found = mid, placed
+    return found
+
+
 def match(
     offers: Iterable[Offer],
     req: Requirements,
@@ -219,7 +253,8 @@ def match(
 
     ``min_notice`` / ``min_duration`` are the claim's ``min_notice_seconds`` and
     ``min_duration_seconds``; ``usable(gpu_key)`` is False for GPUs that may not be leased now
-    (leased, reserved, held for training). Returns the best :class:`Placement`, or a sentence
+    (leased, reserved, held for training). ``req.avoid_hosts`` is a preference (module
+    docstring): it never turns a match into a refusal. Returns the best :class:`Placement`, or a sentence
     saying why nothing matched (for a ``no_match`` reply): the offers refused by reason; when
     ``req.zone`` is set and no offer carries a zone, that the operator sets
     ``[broker.pool_zones]``; when a minimum framebuffer is asked, how many offered GPUs have an
@@ -229,7 +264,7 @@ def match(
         raise ValueError(f"count must be >= 1, got {count}")
     offers = list(offers)
     cands, why = candidates(offers, req, now, min_notice, min_duration, usable)
-    found = best_placement(cands, count, req.allow_cross_leaf)
+    found = spread_placement(cands, count, req)
     if found is not None:
         return found
     total = sum(len(c.gpus) for c in cands)

@@ -42,7 +42,7 @@ class _Limits:
     max_name_chars: Final = 256
     """Longest GPU key, model name, pool or zone name in a request."""
     max_list_items: Final = 1024
-    """Most entries of a list in a request (``gpus``, ``model_names``, ``prefer``)."""
+    """Most entries of a list in a request (``gpus``, ``model_names``, ``prefer``, ``avoid_hosts``)."""
     max_count: Final = 1024
     """Most GPUs one claim may ask for (``count``)."""
     max_duration_seconds: Final = 7 * 86_400.0
@@ -76,7 +76,7 @@ Id = Annotated[str, StringConstraints(pattern=r"^[!-~]{1,128}$")]
 SiteName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 """A site name: the MQTT user name and the ``{site}`` topic level."""
 Name = Annotated[str, StringConstraints(min_length=1, max_length=256)]
-"""A GPU key, model, pool or zone name (1..256 characters)."""
+"""A GPU key, model, pool, zone or host name (1..256 characters)."""
 UnixTime = Annotated[float, Field(allow_inf_nan=False, ge=0)]
 """Seconds since the Unix epoch (UTC), finite."""
 
@@ -157,8 +157,9 @@ class Offer(Message):
 
 class Requirements(Message):
     """What a claim without an ``offer_id`` needs; the broker picks the offers (matchmaking,
-    ``broker/match.py``). Every field is a filter except ``prefer`` (an order) and
-    ``allow_cross_leaf`` (a permission); the defaults accept any idle GPU."""
+    ``broker/match.py``). Every field is a filter except ``prefer`` (an order),
+    ``allow_cross_leaf`` (a permission) and ``avoid_hosts`` (a preference); the defaults accept
+    any idle GPU."""
 
     model_names: Annotated[list[Name], Field(max_length=LIMITS.max_list_items)] = Field(
         default_factory=list
@@ -178,6 +179,16 @@ class Requirements(Message):
     leaf has enough; default: never across leaves."""
     allow_memory_held: bool = True
     """GPUs of grade ``memory_held`` may be taken."""
+    avoid_hosts: Annotated[list[Name], Field(max_length=LIMITS.max_list_items)] = Field(
+        default_factory=list
+    )
+    """Nodes (``Offer.host``) the lease should not be placed on, most important first:
+    anti-affinity, a preference. A site names the nodes of its other leases, so that one node
+    taken back cannot take all of them. The broker places the claim on the other nodes' GPUs when
+    they can hold it under every other field, even at a worse locality or ``prefer`` rank; when
+    they cannot, it gives up the last names first (the longest prefix of the list it can keep the
+    claim off), and with no room off even the first, it places it as if the list were empty. A
+    claim is never refused because of it. Empty: no preference."""
 
 
 class Claim(Message):

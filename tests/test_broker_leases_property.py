@@ -58,6 +58,7 @@ REQUIREMENTS = st.builds(
     model_names=st.sampled_from([[], ["H100"], ["A100"]]),
     prefer=st.sampled_from([[], ["A100", "H100"], ["H100"]]),
     allow_cross_leaf=st.booleans(),
+    avoid_hosts=st.lists(st.sampled_from(HOSTS), max_size=3, unique=True),
 )
 
 _ids = itertools.count(1)

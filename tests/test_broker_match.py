@@ -11,6 +11,8 @@ import shlex
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from broker.config import BrokerConfig
@@ -147,6 +149,87 @@ def test_ties_are_broken_deterministically_whatever_the_input_order() -> None:
         )
 
 
+def test_avoided_hosts_are_a_preference_never_a_refusal() -> None:
+    # n1 is the tightest fit, so it wins without avoid_hosts
+    offers = [_offer("o1", "n1", 2), _offer("o2", "n2", 8), _offer("o3", "n10", 8)]
+    assert _placed(match(offers, Requirements(), 1, 0.0)).hosts == ["n1"]
+    # avoided: the best of the other nodes (n10 and n2 tie on fit: the name breaks it); a name is
+    # avoided as a whole ("n1" does not avoid "n10")
+    assert _placed(match(offers, Requirements(avoid_hosts=["n1"]), 1, 0.0)).hosts == ["n10"]
+    assert _placed(match(offers, Requirements(avoid_hosts=["n1", "n10"]), 1, 0.0)).hosts == ["n2"]
+    # the other nodes hold exactly the count: still spread; one more and it falls back
+    assert _placed(match(offers, Requirements(avoid_hosts=["n1", "n10"]), 8, 0.0)).hosts == ["n2"]
+    assert _placed(match(offers, Requirements(avoid_hosts=["n1", "n2"]), 8, 0.0)).hosts == ["n10"]
+    # only avoided nodes have GPUs: granted there all the same, off the first names (the list is
+    # in priority order: the last names are given up first)
+    assert _placed(match(offers, Requirements(avoid_hosts=["n1", "n2", "n10"]), 1, 0.0)).hosts == ["n10"]
+    assert _placed(match(offers, Requirements(avoid_hosts=["n10", "n2", "n1"]), 1, 0.0)).hosts == ["n1"]
+    assert _placed(match(offers, Requirements(avoid_hosts=["n2", "n1", "n10"]), 1, 0.0)).hosts == ["n10"]
+    alone = _placed(match(offers[:1], Requirements(avoid_hosts=["n1"]), 2, 0.0))
+    assert alone.gpus == ("n1/GPU-0", "n1/GPU-1")
+    # the other nodes are used up (usable() removes their GPUs): the avoided node it is
+    busy = {"n2/GPU-0", "n10/GPU-0"}
+    taken = _placed(
+        match(offers[1:], Requirements(avoid_hosts=["n2"]), 8, 0.0, usable=lambda g: g not in busy)
+    )
+    assert taken.tier == "leaf" and taken.hosts == ["n10", "n2"] and len(taken.gpus) == 8
+    # and too few GPUs anywhere is answered as without it
+    why = match(offers, Requirements(avoid_hosts=["n1"]), 19, 0.0)
+    assert isinstance(why, str) and "18 matching GPUs on 3 offers for 19 wanted" in why
+
+
+def test_avoided_hosts_come_before_locality_and_preference() -> None:
+    offers = [
+        _offer("o1", "n1", 4, model=A100, leaf="leaf-a"),
+        _offer("o2", "n2", 2, leaf="leaf-a"),
+        _offer("o3", "n3", 2, leaf="leaf-a"),
+        _offer("o4", "n4", 3, leaf="leaf-b"),
+    ]
+    # one node (n1) beats two; avoiding it, two nodes of leaf-a (n2, n3) beat it
+    assert _placed(match(offers, Requirements(), 4, 0.0)).hosts == ["n1"]
+    p = _placed(match(offers, Requirements(avoid_hosts=["n1"]), 4, 0.0))
+    assert p.tier == "leaf" and p.hosts == ["n2", "n3"]
+    # preferred A100 on the avoided node loses to H100 elsewhere
+    p = _placed(match(offers, Requirements(prefer=[A100], avoid_hosts=["n1"]), 2, 0.0))
+    assert p.hosts == ["n2"] and p.rank == 1
+    # no placement off n1 and n2 (leaf-a: n3's 2, leaf-b: 3, not across leaves): the last name
+    # is given up (n2 + n3), or, named first, n2 is kept and n1 given up; across leaves, n3 + n4
+    p = _placed(match(offers, Requirements(avoid_hosts=["n1", "n2"]), 4, 0.0))
+    assert p.tier == "leaf" and p.hosts == ["n2", "n3"]
+    p = _placed(match(offers, Requirements(avoid_hosts=["n2", "n1"]), 4, 0.0))
+    assert p.tier == "node" and p.hosts == ["n1"]
+    p = _placed(match(offers, Requirements(avoid_hosts=["n1", "n2"], allow_cross_leaf=True), 4, 0.0))
+    assert p.tier == "cross_leaf" and p.hosts == ["n3", "n4"]
+    # none off even the first name: as if nothing were avoided
+    p = _placed(match(offers, Requirements(avoid_hosts=["n1", "n2"]), 5, 0.0))
+    assert p == _placed(match(offers, Requirements(), 5, 0.0)) and p.hosts == ["n1", "n2"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 4), min_size=1, max_size=6),
+    leaves=st.lists(st.sampled_from(["leaf-a", "leaf-b", None]), min_size=6, max_size=6),
+    avoid=st.lists(st.integers(0, 6), unique=True),
+    count=st.integers(1, 9),
+    cross_leaf=st.booleans(),
+)
+def test_avoiding_hosts_never_turns_a_match_into_a_refusal_and_keeps_off_the_longest_prefix(
+    sizes: list[int], leaves: list[str | None], avoid: list[int], count: int, cross_leaf: bool
+) -> None:
+    offers = [_offer(f"o{i}", f"n{i}", n, leaf=leaves[i]) for i, n in enumerate(sizes) if n]
+    avoided = [f"n{i}" for i in avoid]
+    plain = match(offers, Requirements(allow_cross_leaf=cross_leaf), count, 0.0)
+    got = match(offers, Requirements(allow_cross_leaf=cross_leaf, avoid_hosts=avoided), count, 0.0)
+    assert isinstance(got, Placement) == isinstance(plain, Placement)
+    # every prefix, longest first: the first that leaves a placement gives the answer
+    for k in range(len(avoided), -1, -1):
+        kept_off = [o for o in offers if o.host not in avoided[:k]]
+        there = match(kept_off, Requirements(allow_cross_leaf=cross_leaf), count, 0.0)
+        if isinstance(there, Placement):
+            assert got == there, k
+            break
+
+
 def test_count_must_be_positive() -> None:
     with pytest.raises(ValueError):
         match([], Requirements(), 0, 0.0)
@@ -211,6 +294,27 @@ def test_matched_claim_spans_two_nodes_of_one_leaf_and_grants_every_host() -> No
     assert msg.hosts == ["n1", "n2"] and msg.offer_ids == rec.offer_ids and msg.min_until == 101.0
     assert ch.decisions == [ClaimDecision("edge-a", "match", "ok")]
     assert book.violations() == []
+
+
+def test_a_matched_claim_avoiding_a_node_is_granted_on_another_and_there_when_nothing_else_fits(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="broker.leases")
+    book = _book()
+    _idle(book, "n1", 1)
+    _idle(book, "n2", 4)
+    # without it the tightest node (n1) would be taken
+    answer, ch = book.claim("edge-a", _want(1, requirements=Requirements(avoid_hosts=["n1"])), 1.0)
+    assert answer.ok and ch.records[0].hosts == ["n2"] and ch.records[0].reason == "match:node"
+    answer, ch = book.claim("edge-a", _want(1, "m2", requirements=Requirements(avoid_hosts=["n2"])), 1.0)
+    assert answer.ok and ch.records[0].hosts == ["n1"]
+    # only the avoided node has GPUs left: granted there, not refused
+    answer, ch = book.claim("edge-a", _want(3, "m3", requirements=Requirements(avoid_hosts=["n2"])), 1.0)
+    assert answer.ok and ch.records[0].hosts == ["n2"] and len(ch.records[0].gpus) == 3
+    assert book.violations() == []
+    # only that last placement is logged as on an avoided node
+    (on_avoided,) = [r for r in caplog.records if r.getMessage() == "match_on_avoided_hosts"]
+    assert on_avoided.__dict__["claim_id"] == "m3" and on_avoided.__dict__["avoided"] == ["n2"]
 
 
 def test_no_match_is_answered_with_the_reason_and_logged(caplog: pytest.LogCaptureFixture) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from typing import Any
@@ -90,7 +91,10 @@ def _site(creds: dict[str, Any], site: str, run_id: str) -> EdgeClient:
     return edge_client(creds, site, client_id=f"{site}-{run_id}")
 
 
-async def test_matched_claims_quotas_and_guarantees_over_mosquitto(private_mosquitto: dict[str, Any]) -> None:
+async def test_matched_claims_quotas_and_guarantees_over_mosquitto(
+    private_mosquitto: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="broker.leases")
     creds = private_mosquitto
     run_id = uuid.uuid4().hex[:8]
     topics = KafkaTopics()
@@ -150,6 +154,8 @@ async def test_matched_claims_quotas_and_guarantees_over_mosquitto(private_mosqu
                     "metro-1",
                     "--prefer",
                     H100,
+                    "--avoid-host",  # the only node left: placed there all the same
+                    "n3",
                     "--min-duration",
                     "5",
                     "--site",
@@ -167,6 +173,8 @@ async def test_matched_claims_quotas_and_guarantees_over_mosquitto(private_mosqu
             assert res.exit_code == 0, res.output
             cli_lease = json.loads(res.stdout)
             assert cli_lease["hosts"] == ["n3"] and cli_lease["state"] == "granted"
+            on_avoided = [r.__dict__ for r in caplog.records if r.getMessage() == "match_on_avoided_hosts"]
+            assert [(r["site"], r["avoided"]) for r in on_avoided] == [("edge-b", ["n3"])]
             # edge-b's quota is 2: holding 1, 2 more are refused before any matching
             await _capacity(bus, topics, "n4", 2, "leaf-2")
             await until(lambda: any(o.host == "n4" for o in svc.book.offers.values()), 10, "n4 offered")
@@ -175,6 +183,13 @@ async def test_matched_claims_quotas_and_guarantees_over_mosquitto(private_mosqu
             assert (
                 quota.value.reply.code is ReasonCode.QUOTA_EXCEEDED and "quota is 2" in quota.value.reply.text
             )
+            # anti-affinity, a preference: off the avoided node while another can hold the lease
+            # (n5, the tightest, is passed over), on it when none can (not refused)
+            await _capacity(bus, topics, "n5", 1, "leaf-2")
+            await until(lambda: any(o.host == "n5" for o in svc.book.offers.values()), 10, "n5 offered")
+            avoids = (["n5"], ["n4"], ["n4", "n5"])
+            spread = [await a.request(1, Requirements(avoid_hosts=avoid)) for avoid in avoids]
+            assert [m.hosts for m in spread] == [["n4"], ["n5"], ["n4"]]
             # bad CLI input is refused locally with exit 2
             res = await asyncio.to_thread(
                 CliRunner().invoke, edge_app, ["claim", "--site", "edge-b", "--mqtt", "127.0.0.1:1"]

@@ -110,6 +110,12 @@ def test_broken_payloads_are_refused_by_kind(payload: bytes, check: str) -> None
         {"min_notice_seconds": LIMITS.max_notice_seconds + 1},
         {"ts": -1},
         {"requirements": {"model_names": ["x"] * (LIMITS.max_list_items + 1)}},
+        {"requirements": {"avoid_hosts": ["n"] * (LIMITS.max_list_items + 1)}},
+        {"requirements": {"avoid_hosts": "gpu-node-001"}},
+        {"requirements": {"avoid_hosts": [""]}},
+        {"requirements": {"avoid_hosts": ["n" * (LIMITS.max_name_chars + 1)]}},
+        {"requirements": {"avoid_hosts": [7]}},
+        {"requirements": {"avoid_hosts": None}},
         {"requirements": {"allow_cross_leaf": "yes"}},
         {"requirements": [1]},
     ],
@@ -128,6 +134,10 @@ def test_bounds_are_inclusive() -> None:
     ok = {**GOOD, "claim_id": "x" * LIMITS.max_id_chars, "count": LIMITS.max_count,
           "duration_seconds": LIMITS.max_duration_seconds, "min_notice_seconds": LIMITS.max_notice_seconds}
     assert isinstance(_claim(ok), Claim)
+    hosts = [f"n{i}" for i in range(LIMITS.max_list_items)]
+    assert len(json.dumps({**GOOD, "requirements": {"avoid_hosts": hosts}})) <= LIMITS.max_payload_bytes
+    got = _claim({**GOOD, "requirements": {"avoid_hosts": hosts}})
+    assert isinstance(got, Claim) and got.requirements is not None and got.requirements.avoid_hosts == hosts
     renewal = parse_site_message(
         Renewal, json.dumps({"lease_id": "l", "site": "edge-a", "ts": 1, "extend_seconds": LIMITS.max_extend_seconds}).encode(), "lease_id"
     )

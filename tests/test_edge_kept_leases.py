@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from collections.abc import AsyncGenerator, Callable, Mapping
 
 import pytest
 
 from broker.edge import ClaimRejected, LeaseRequestRejected, WatchEvent
-from broker.kept_leases import Endpoints, KeptLeases, NoEndpoint
+from broker.kept_leases import AVOID_BUDGET_BYTES, Endpoints, KeptLeases, NoEndpoint
 from contracts import LeaseMessage, LeaseState, ReasonCode, Reply
-from contracts.mqtt import Requirements
+from contracts.mqtt import LIMITS, Requirements
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -39,6 +40,12 @@ class FakeBroker:
         self.leases: dict[str, LeaseMessage] = {}
         self.by_claim: dict[str, str] = {}
         self.claim_ids: list[str] = []
+        self.requirements: list[Requirements | None] = []
+        """The requirements of each claim sent, in order."""
+        self.nodes: list[str] = []
+        """The nodes of the next grants, in order (then ``n``)."""
+        self.send_hosts = True
+        """Lease messages carry ``hosts`` (False: as an old broker, the host only in GPU keys)."""
         self.refuse: list[ReasonCode] = []
         self.timeouts = 0
         """Requests (claims, renewals, releases) still to go unanswered."""
@@ -65,6 +72,7 @@ class FakeBroker:
     ) -> LeaseMessage:  # fmt: skip
         assert claim_id is not None and workload == "infer" and count == 1
         self.claim_ids.append(claim_id)
+        self.requirements.append(requirements)
         await asyncio.sleep(0)
         if self.timeouts:
             self.timeouts -= 1
@@ -76,10 +84,11 @@ class FakeBroker:
             return self.leases[self.by_claim[claim_id]]
         lease_id = f"L{next(self._ids)}"
         self.by_claim[claim_id] = lease_id
+        node = self.nodes.pop(0) if self.nodes else "n"
         msg = LeaseMessage(
-            lease_id=lease_id, site=self.site, claim_id=claim_id, offer_id="o", gpus=[f"n/gpu{lease_id}"],
-            state=LeaseState.GRANTED, ts=self.clock(), expires_at=self.clock() + 60, notice_seconds=10,
-            workload=workload,
+            lease_id=lease_id, site=self.site, claim_id=claim_id, offer_id="o",
+            gpus=[f"{node}/gpu{lease_id}"], hosts=[node] if self.send_hosts else [], state=LeaseState.GRANTED,
+            ts=self.clock(), expires_at=self.clock() + 60, notice_seconds=10, workload=workload,
         )  # fmt: skip
         self.publish(msg)
         return msg
@@ -526,3 +535,93 @@ async def test_a_serving_endpoint_failing_its_recheck_in_a_row_leaves_at_once_an
         await until(lambda: len(broker.live()) == 2)
     with pytest.raises(ValueError, match="recheck_failures"):
         KeptLeases(broker, target=1, workload="infer", recheck_failures=0)
+
+
+# spreading over nodes ---------------------------------------------------------------------------------
+def _avoided(req: Requirements | None) -> list[str]:
+    return [] if req is None else req.avoid_hosts
+
+
+@pytest.mark.parametrize("send_hosts", [True, False])
+async def test_each_claim_avoids_the_nodes_of_the_kept_leases_and_a_replacement_the_reclaimed_one_first(
+    send_hosts: bool,
+) -> None:
+    clock = Clock()
+    broker = FakeBroker(clock)
+    broker.send_hosts = send_hosts  # an old broker: the nodes are read from the GPU keys
+    broker.nodes = ["node-b", "node-a", "node-c", "node-d"]
+    async with kept(broker, clock, avoid_taken_back_s=30.0) as pool:
+        first, second = await serving_two(broker, pool)
+        # claims go one at a time: the second knows where the first landed
+        assert [_avoided(r) for r in broker.requirements] == [[], ["node-b"]]
+        assert broker.requirements[0] is None  # nothing to avoid: the site's requirements as given
+        assert pool.avoid_hosts() == ["node-b", "node-a"]  # oldest lease first
+        broker.reclaim(second)
+        await until(lambda: len(broker.live()) == 3)
+        # the replacement keeps off the node taken back first, then the other lease's node
+        assert _avoided(broker.requirements[-1]) == ["node-a", "node-b"]
+        (new,) = set(broker.live()) - {first, second}
+        broker.healthy(new)
+        await until(lambda: second not in pool.leases)
+        # released: its node stays last for avoid_taken_back_s (30 s)
+        assert pool.avoid_hosts() == ["node-b", "node-c", "node-a"]
+        clock.now += 29.9
+        assert pool.avoid_hosts() == ["node-b", "node-c", "node-a"]
+        clock.now += 0.1
+        assert pool.avoid_hosts() == ["node-b", "node-c"]
+        # an at-risk lease (here the oldest) comes first while it is handed over
+        assert pool.at_risk(first)
+        await until(lambda: len(broker.requirements) == 4)
+        assert _avoided(broker.requirements[-1]) == ["node-b", "node-c"]
+        assert len(broker.live()) == 3
+        assert pool.avoid_hosts() == ["node-b", "node-c", "node-d"]
+
+
+async def test_nodes_taken_back_are_not_remembered_with_avoid_taken_back_s_0() -> None:
+    clock = Clock()
+    broker = FakeBroker(clock)
+    broker.nodes = ["node-b", "node-a", "node-c"]
+    async with kept(broker, clock, avoid_taken_back_s=0.0) as pool:
+        first, second = await serving_two(broker, pool)
+        broker.reclaim(second)
+        await until(lambda: len(broker.live()) == 3)
+        (new,) = set(broker.live()) - {first, second}
+        broker.healthy(new)
+        await until(lambda: second not in pool.leases)
+        assert pool.avoid_hosts() == ["node-b", "node-c"]
+    with pytest.raises(ValueError, match="avoid_taken_back_s"):
+        kept(broker, clock, avoid_taken_back_s=-1.0)
+
+
+async def test_the_sites_own_requirements_are_kept_and_its_avoided_nodes_come_first() -> None:
+    clock = Clock()
+    broker = FakeBroker(clock)
+    broker.nodes = ["node-z", "node-a"]
+    own = Requirements(model_names=["H100"], avoid_hosts=["node-x"])
+    async with kept(broker, clock, requirements=own) as pool:
+        await serving_two(broker, pool)
+        assert broker.requirements[0] == own
+        second = broker.requirements[1]
+        assert second is not None and second.model_names == ["H100"]
+        assert second.avoid_hosts == ["node-x", "node-z"]
+        assert pool.avoid_hosts() == ["node-x", "node-z", "node-a"]
+
+
+async def test_a_long_avoid_list_is_cut_from_its_end_so_the_claim_stays_inside_the_limits() -> None:
+    clock = Clock()
+    broker = FakeBroker(clock)
+    broker.nodes = ["node-a"]
+    names = [f"site-node-{i:018d}" for i in range(2000)]  # 32 bytes each in the JSON, with ", "
+    own = Requirements(avoid_hosts=names[: LIMITS.max_list_items])
+    async with kept(broker, clock, target=1, requirements=own) as pool:
+        await until(lambda: len(broker.live()) == 1)
+        avoid = pool.avoid_hosts()
+        assert avoid == names[: AVOID_BUDGET_BYTES // 32]  # the most important first, to the byte
+        assert len(json.dumps(avoid)) <= AVOID_BUDGET_BYTES
+    short = [f"n{i}" for i in range(1100)]  # 1,024 of them fit in the bytes: the count cuts
+    many = kept(broker, clock, requirements=Requirements.model_construct(avoid_hosts=short))
+    assert many.avoid_hosts() == short[: LIMITS.max_list_items]
+    longest = "n" * LIMITS.max_name_chars
+    too_long = Requirements.model_construct(avoid_hosts=["x" * (LIMITS.max_name_chars + 1), longest])
+    pool = kept(broker, clock, requirements=too_long)
+    assert pool.avoid_hosts() == [longest]

@@ -96,3 +96,40 @@ async def test_a_kept_lease_is_handed_over_through_slurm_reclaims_without_a_fail
         )
         + f"; {time.time() - load.records[0].sent_at:.0f} s of load"
     )
+
+
+async def test_two_kept_leases_sit_on_two_nodes_and_a_replacement_keeps_off_both(
+    kafka_bus: Bus,
+    kafka_stage_topics: KafkaTopics,
+    mosquitto: dict[str, Any],
+    slurm: SlurmUnderTest,
+) -> None:
+    """Anti-affinity end to end: with every node idle the tightest fit would put both leases on
+    one node (one preemption would then take every endpoint); each claim names the nodes of the
+    kept leases (``Requirements.avoid_hosts``), so they land on two, and the replacement of a
+    lease Slurm takes back lands on a third."""
+    topics = kafka_stage_topics
+    lending = slurm.lending()
+    for host in NODES:
+        await idle_capacity(kafka_bus, topics, host)
+    async with (
+        lending_broker(kafka_bus, topics, mosquitto, lending, SLURM_GRACE_S, (PROFILE,)),
+        edge_site(mosquitto) as site,
+    ):
+        async with KeptLeases(
+            site, target=2, workload=PROFILE.name, renew_every_s=5, ready_timeout_s=40,
+            drain_timeout_s=SLURM_GRACE_S,
+        ) as kept:  # fmt: skip
+            await kept.ready(90)
+            first = {lid: tuple(site.known_leases[lid].hosts) for lid in kept.leases}
+            assert len(first) == 2 and len(set(first.values())) == 2, first
+            taken, (host,) = next(iter(first.items()))
+            await idle_capacity(kafka_bus, topics, host, state=GpuState.BUSY)
+            job = slurm.submit_training(host, 8)
+            await until(lambda: bool(kept.handovers) and kept.handovers[0].released_at is not None, 30)
+            assert kept.handovers[0].lease_id == taken
+            (new,) = set(kept.leases) - set(first)
+            replaced = tuple(site.known_leases[new].hosts)
+            assert len(replaced) == 1 and replaced[0] not in {h for hs in first.values() for h in hs}, replaced
+            slurm.cancel(job)
+            await until(lambda: slurm.training_state(job) == "GONE", 15, 0.2)
