@@ -25,7 +25,9 @@ each reclaim: once every kept lease serves, ``--settle-s`` and then ``--steady-s
 needing all 8 GPUs of the node of one kept lease is submitted to the ``training`` partition; Slurm
 preempts the lease's hold (and the node's placeholders), the broker turns the lease
 ``reclaiming`` with Slurm's deadline, the site claims a replacement, switches traffic once it
-serves, lets the old endpoint drain and releases early; the training job runs; it is cancelled.
+serves, lets the old endpoint drain and releases early; the training job runs at least
+``--train-s`` (so the broker's reads of Slurm see it, as they see any real training job, and end
+its hold on the GPUs taken back: ``retake_hold_max_s`` in :mod:`broker.lending`); it is cancelled.
 
 Printed: reclaims (hand-overs), early releases and GPUs returned before the deadline; requests
 in total and failed, during reclaims (sent between a notice and the early release, or the
@@ -227,7 +229,9 @@ async def _reclaims(
         job = await cluster.submit_training(host, GPUS_PER_NODE)
         try:
             submit_to_running.append(await cluster.until_running(job, t0, args.notice_s + 60, poll_s=0.25))
+            running_at = time.monotonic()
             await _until(lambda: all(_done(h) for h in kept.handovers), args.notice_s + 30, "hand-overs done")
+            await asyncio.sleep(max(0.0, running_at + args.train_s - time.monotonic()))
         finally:
             await cluster.cancel(job)
             await cluster.until_gone(job, poll_s=0.25)
@@ -636,6 +640,8 @@ def main() -> int:
                    help="load before the first reclaim while the broker fills the pool with placeholders, seconds")
     p.add_argument("--steady-s", type=float, default=3.0, help="steady state measured before each reclaim, seconds")
     p.add_argument("--settle-s", type=float, default=3.0, help="wait after a reclaim before the steady state, seconds")
+    p.add_argument("--train-s", type=float, default=2.0,
+                   help="each training job runs at least this long before it is cancelled, seconds")
     p.add_argument("--latency-ms", type=float, default=5.0, help="simulated work per request, ms")
     p.add_argument("--warmup", type=int, default=20,
                    help="the site's readiness probe of a new endpoint: /health, then this many requests "
