@@ -230,7 +230,10 @@ class LeaseBookMachine(RuleBasedStateMachine):
         if fence is not None:
             assert offered <= fence, f"offered {sorted(offered - fence)} outside the fence"
         wanted = set(self.book.to_hold_for_lending(self.now))
-        assert offered <= wanted, "an offered GPU is not one the scheduler should hold"
+        # a GPU whose update went stale (or whose hold ended) since the last tick keeps or gets its
+        # offer until the next tick fires its node's timer: wanted then, or wanted now
+        kept_until_tick = set(self.book.to_hold_for_lending(self.last_tick))
+        assert offered <= wanted | kept_until_tick, "an offered GPU is not one the scheduler should hold"
         for gpu in wanted:  # every GPU the scheduler holds and the book wants is offered
             if fence is None or gpu in fence:
                 assert gpu in offered, f"{gpu} is held for lending and wanted but on no offer"
