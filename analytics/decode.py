@@ -227,20 +227,21 @@ def _as_twin(record: GpuSample | IbPortSample, twin: type[Any]) -> Any:
     return twin(**{name: getattr(record, name) for name in twin.__struct_fields__})
 
 
-def decode_batch(msgs: Sequence[BusMessage], topics: KafkaTopics) -> DecodedBatch:
+def decode_batch(msgs: Sequence[BusMessage], topics: KafkaTopics, threads: int | None = None) -> DecodedBatch:
     """Decode a batch of bus records (module docstring): each by its model's msgspec twin, and
     every record the twin refuses by :func:`decode_telemetry`, so a bad record is rejected alone
     with the reference's reason and detail and nothing else is lost. Raises nothing for bad
-    records: they are in :attr:`DecodedBatch.rejected`.
+    records: they are in :attr:`DecodedBatch.rejected`. ``threads``: at most that many threads
+    read the scrape records (:func:`analytics.scrapes.decode_scrapes`; its default if ``None``).
 
     Runs with the cyclic garbage collector paused (:func:`paused_gc`). The twins themselves are
     not tracked by it, and their dicts, holding only strings and numbers, are not either.
     """
     with paused_gc():
-        return _decode_batch(msgs, topics)
+        return _decode_batch(msgs, topics, threads)
 
 
-def _decode_batch(msgs: Sequence[BusMessage], topics: KafkaTopics) -> DecodedBatch:
+def _decode_batch(msgs: Sequence[BusMessage], topics: KafkaTopics, threads: int | None) -> DecodedBatch:
     out = DecodedBatch()
     gpu_topic, ib_topic = topics.telemetry_gpu, topics.telemetry_ib_port
     gpu_dec, ib_dec = _GPU_DECODER, _IB_DECODER
@@ -276,7 +277,7 @@ def _decode_batch(msgs: Sequence[BusMessage], topics: KafkaTopics) -> DecodedBat
         else:
             ib_ok(rec)
             ib_msgs(msg)
-    out.scrapes, refused = decode_scrapes(scrape_msgs)
+    out.scrapes, refused = decode_scrapes(scrape_msgs, threads)
     if refused:
         slow.extend(refused)
         index = {id(m): i for i, m in enumerate(msgs)}

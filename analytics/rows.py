@@ -294,7 +294,7 @@ def gpu_scrapes_table(
         pa.ListArray.from_arrays(pa.array(starts, pa.int32()), pa.nulls(len(scrapes)))
     )
     host = arrays["host"]
-    cols: dict[str, pa.Array | list[Any]] = {
+    cols: dict[str, pa.Array | pa.ChunkedArray | list[Any]] = {
         "ts": arrays["ts"],
         "gpu_key": _gpu_keys(host, uuid_array, arrays["gpu_index"], arrays["gpu_instance_id"]),
         "host": host,
@@ -317,7 +317,7 @@ def gpu_scrapes_table(
     return _table(GPU_SAMPLE_COLUMNS, cols)
 
 
-def _int32(values: pa.Array) -> pa.Array:
+def _int32(values: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
     """An int64 array as ``int32``, NULL where a value is out of range (:func:`_as_int`)."""
     try:
         return pc.cast(values, pa.int32())
@@ -326,7 +326,9 @@ def _int32(values: pa.Array) -> pa.Array:
         return pc.cast(pc.if_else(fits, values, pa.scalar(None, pa.int64())), pa.int32())
 
 
-def _gpu_keys(host: pa.Array, uuid: pa.Array, index: pa.Array, instance: pa.Array) -> pa.Array:
+def _gpu_keys(
+    host: pa.ChunkedArray, uuid: pa.Array | pa.ChunkedArray, index: pa.ChunkedArray, instance: pa.ChunkedArray
+) -> pa.ChunkedArray:
     """:func:`contracts.topics.gpu_key` of every row, by Arrow: ``host/<id>[/<instance>]`` with
     ``<id>`` the UUID (``uuid``), else (NULL or empty) ``gpu<index>``; ``index`` and
     ``instance`` are int64 arrays."""
@@ -435,14 +437,14 @@ def idle_runs_table(runs: Iterable[tuple[IdleRun, str]]) -> pa.Table:
     return _table(IDLE_RUN_COLUMNS, cols)
 
 
-def _table(columns: Sequence[Column], cols: Mapping[str, pa.Array | list[Any]]) -> pa.Table:
+def _table(columns: Sequence[Column], cols: Mapping[str, pa.Array | pa.ChunkedArray | list[Any]]) -> pa.Table:
     return pa.Table.from_arrays(
         [_array(cols[c.name], c.arrow_type) for c in columns], schema=arrow_schema(columns)
     )
 
 
-def _array(values: pa.Array | list[Any], arrow_type: pa.DataType) -> pa.Array:
-    return values if isinstance(values, pa.Array) else pa.array(values, type=arrow_type)
+def _array(values: pa.Array | pa.ChunkedArray | list[Any], arrow_type: pa.DataType) -> pa.Array | pa.ChunkedArray:
+    return values if isinstance(values, (pa.Array, pa.ChunkedArray)) else pa.array(values, type=arrow_type)
 
 
 def _micros_array(ts: list[float]) -> pa.Array:

@@ -20,6 +20,7 @@ caller, which has the reference decide (:func:`analytics.decode.decode_telemetry
 
 from __future__ import annotations
 
+import os
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -133,6 +134,10 @@ DECODER = ScrapeDecoder(
 )
 """The stage's compiled scrape decoder."""
 
+DECODE_THREADS = max(1, min(4, len(os.sched_getaffinity(0))))
+"""Threads that read a large batch of scrape records (:func:`decode_scrapes`): the CPUs this
+process may run on, at most 4."""
+
 _STRING_ARRAYS = (
     "host", "source", "target", "gpu_uuid", "gpu_instance_profile", "model_name", "fields", "invalid", "attributes"
 )  # fmt: skip
@@ -161,7 +166,8 @@ class ScrapeColumns:
         msgs, counts: per record its message and its number of GPUs.
         observed: per GPU its :class:`GpuObservation` (``None`` where the record left a column
             empty; values as decoded: ``int`` or ``float``).
-        arrays: per GPU Arrow arrays: ``ts`` (``timestamp[us]``: the Unix seconds times 10**6,
+        arrays: per GPU Arrow columns (chunked: one chunk per run of records a thread read,
+            :data:`DECODE_THREADS`): ``ts`` (``timestamp[us]``: the Unix seconds times 10**6,
             rounded half to even), ``host``, ``source``, ``target`` (string: its record's),
             ``seq`` (int64: its record's ``seq`` plus its place in the record, NULL past int64),
             ``gpu_uuid``, ``gpu_instance_profile``, ``model_name`` (string), ``gpu_index``,
@@ -174,7 +180,7 @@ class ScrapeColumns:
     msgs: list[BusMessage] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
     observed: list[GpuObservation] = field(default_factory=list)
-    arrays: dict[str, pa.Array] = field(default_factory=dict)
+    arrays: dict[str, pa.ChunkedArray] = field(default_factory=dict)
 
     def __len__(self) -> int:
         """Number of GPUs."""
@@ -201,31 +207,36 @@ class ScrapeColumns:
         return self.observed
 
 
-def _array(arrow_type: pa.DataType, n: int, buffers: Buffers) -> pa.Array:
-    """An Arrow array of ``n`` values on the decoder's buffers ``(validity or None, values,
-    offsets or None, null count)``."""
-    validity, data, offsets, nulls = buffers
-    bufs = [None if validity is None else pa.py_buffer(validity)]
-    if offsets is not None:
-        bufs.append(pa.py_buffer(offsets))
-    bufs.append(pa.py_buffer(data))
-    return pa.Array.from_buffers(arrow_type, n, bufs, null_count=nulls)
+def _array(arrow_type: pa.DataType, rows: Sequence[int], chunks: Sequence[Buffers]) -> pa.ChunkedArray:
+    """An Arrow column of the decoder's chunks: ``rows[k]`` values on the buffers ``chunks[k]``
+    ``(validity or None, values, offsets or None, null count)``."""
+    arrays = []
+    for n, (validity, data, offsets, nulls) in zip(rows, chunks, strict=True):
+        bufs = [None if validity is None else pa.py_buffer(validity)]
+        if offsets is not None:
+            bufs.append(pa.py_buffer(offsets))
+        bufs.append(pa.py_buffer(data))
+        arrays.append(pa.Array.from_buffers(arrow_type, n, bufs, null_count=nulls))
+    return pa.chunked_array(arrays, arrow_type)
 
 
-def decode_scrapes(msgs: Sequence[BusMessage]) -> tuple[ScrapeColumns, list[BusMessage]]:
+def decode_scrapes(
+    msgs: Sequence[BusMessage], threads: int | None = None
+) -> tuple[ScrapeColumns, list[BusMessage]]:
     """The columns of the scrape records ``msgs`` (values not ``None``) that the compiled decoder
-    accepts, and the messages it refused, in batch order (the reference decides those). Raises
-    nothing for a record's content."""
+    accepts, and the messages it refused, in batch order (the reference decides those). The
+    records are read by at most ``threads`` threads (default :data:`DECODE_THREADS`; each reads
+    a run of at least 1 MiB of JSON, without the GIL). Raises nothing for a record's content."""
     if not msgs:
         return ScrapeColumns(), []
-    got = DECODER.decode([cast(bytes, m.value) for m in msgs])
+    got = DECODER.decode([cast(bytes, m.value) for m in msgs], DECODE_THREADS if threads is None else threads)
     accepted: list[int] = got.accepted
-    n = len(got.observations)
-    arrays = {name: _array(_ARRAY_TYPES[name], n, bufs) for name, bufs in got.arrays.items()}
+    rows = got.chunk_rows
+    arrays = {name: _array(_ARRAY_TYPES[name], rows, bufs) for name, bufs in got.arrays.items()}
     for column, name in GPU_FLOAT_FIELDS.items():
-        arrays[column] = _array(pa.float64(), n, got.float_fields[name])
+        arrays[column] = _array(pa.float64(), rows, got.float_fields[name])
     for column, name in GPU_WHOLE_FIELDS.items():
-        arrays[column] = _array(pa.int64(), n, got.whole_fields[name])
+        arrays[column] = _array(pa.int64(), rows, got.whole_fields[name])
     out = ScrapeColumns(
         msgs=[msgs[k] for k in accepted],
         counts=got.counts,

@@ -78,8 +78,9 @@ class _Clock:
     """What the ingest comparison times (``--clock``): ``wall`` — elapsed time
     (``time.perf_counter``), DuckDB with its default threads, as the stage runs; ``thread`` — CPU
     time of the benchmark's thread (``time.thread_time``) with DuckDB on one thread (which then
-    runs every query on the calling thread), so both sides count all their work and none of
-    the time other processes of a shared machine take."""
+    runs every query on the calling thread) and the scrape records read by that thread alone
+    (:data:`analytics.scrapes.DECODE_THREADS` otherwise), so both sides count all their work
+    and none of the time other processes of a shared machine take."""
 
     def __init__(self) -> None:
         self.now = time.perf_counter
@@ -145,7 +146,7 @@ def _ingest(store: AnalyticsStore, chunk: list[BusMessage], times: list[float]) 
     of per-sample records makes anyway), so both formats are timed for the same work."""
     tp = TopicPartition(TOPICS.telemetry_gpu, 0)
     t0 = _CLOCK.now()
-    batch = decode_batch(chunk, TOPICS)
+    batch = decode_batch(chunk, TOPICS, _CLOCK.threads)
     t1 = _CLOCK.now()
     with paused_gc():
         table = _rows(batch)

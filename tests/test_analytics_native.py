@@ -12,6 +12,7 @@ import math
 from decimal import Decimal
 from typing import Any, cast
 
+import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -390,7 +391,7 @@ def test_the_spellings_the_scanner_accepts() -> None:
     assert not _check_same(spaced)  # a list is not a number
     spaced = spaced.replace(b"[] ", b"2.5 ")
     assert _check_same(spaced)
-    assert bytes(DECODER.decode([spaced]).arrays["fields"][1]) == b'{ "a" : 1 , "b" : 2.5 }'
+    assert bytes(DECODER.decode([spaced]).arrays["fields"][0][1]) == b'{ "a" : 1 , "b" : 2.5 }'
 
 
 @pytest.mark.parametrize(
@@ -463,6 +464,79 @@ def test_mutated_bytes_never_raise_and_never_pass_a_bad_record(data: st.DataObje
         _check_same(bytes(value))
     except RejectedRecord as exc:  # pragma: no cover - the failure this test looks for
         pytest.fail(f"accepted a record the reference rejects ({exc.reason}): {bytes(value)!r}")
+
+
+def _big_batch(records: int, refused_every: int) -> list[bytes]:
+    """``records`` scrape records of 1-8 GPUs each, with values, hosts, UUIDs and escapes that vary
+    from record to record, and a record the decoder refuses every ``refused_every``."""
+    out = []
+    for k in range(records):
+        if k % refused_every == refused_every - 1:
+            out.append(b'{"host":"h","gpus":{"ts":[]}}' if k % 2 else b"{")
+            continue
+        n = 1 + k % 8
+        samples = [
+            GpuSample(
+                ts=1.7e9 + k // 3, host=f"node-{k % 37}\u00e9", gpu_uuid=None if (k + i) % 5 == 0 else f"GPU-{k % 37}-{i}",
+                gpu_index=i, gpu_instance_id=i if k % 4 == 0 else None, model_name="H100" if i % 3 else None,
+                fields={"DCGM_FI_DEV_GPU_UTIL": (k * i) % 101, "DCGM_FI_PROF_SM_ACTIVE": (k % 7) / 7,
+                        "DCGM_FI_DEV_FB_USED": k * 10**15, "DCGM_FI_DEV_POWER_USAGE": 123.5},
+                invalid={"DCGM_FI_PROF_GR_ENGINE_ACTIVE": "sentinel"} if k % 6 == 0 else {},
+                attributes={"pod": f"p{k}"}, source="dcgm-exporter", target="http://n:9400/metrics", seq=k * 8 + i,
+            )  # fmt: skip
+            for i in range(n)
+        ]
+        out.append(_record_bytes(samples))
+    return out
+
+
+def _as_read(got: Any) -> tuple[Any, ...]:
+    """Everything a decode call returned, the kind of every observed value included, its columns
+    as Python values (the chunks joined)."""
+    from analytics.scrapes import _ARRAY_TYPES, _array
+
+    rows = got.chunk_rows
+    columns = {name: _array(_ARRAY_TYPES[name], rows, bufs).to_pylist() for name, bufs in got.arrays.items()}
+    for arrow_type, group in ((pa.float64(), got.float_fields), (pa.int64(), got.whole_fields)):
+        for name, bufs in group.items():
+            columns[name] = _array(arrow_type, rows, bufs).to_pylist()
+    observed = [tuple((type(v), v) for v in o) for o in got.observations]
+    return got.accepted, got.counts, observed, columns, sum(rows)
+
+
+def test_a_batch_read_by_several_threads_is_decoded_as_by_one() -> None:
+    """Runs of records read in parallel give, chunk by chunk, what one thread reads: the same
+    records accepted (refused ones at and around the cuts), observations, columns and rows."""
+    from analytics_native import SHARD_BYTES
+
+    values = _big_batch(9000, refused_every=97)
+    assert sum(map(len, values)) > 3 * SHARD_BYTES
+    one = DECODER.decode(values, 1)
+    assert one.chunk_rows == [len(one.observations)]
+    for threads in (2, 3):
+        got = DECODER.decode(values, threads)
+        assert len(got.chunk_rows) == threads and min(got.chunk_rows) > 0
+        assert _as_read(got) == _as_read(one)
+    msgs = [msg(v, offset=k) for k, v in enumerate(values)]
+    tables = [gpu_scrapes_table(cols, [0] * len(cols.msgs), [m.offset for m in cols.msgs])
+              for cols in (decode_scrapes(msgs, threads)[0] for threads in (1, 3))]  # fmt: skip
+    assert tables[0].num_rows == len(one.observations) and tables[0].equals(tables[1].combine_chunks())
+
+
+def test_a_run_is_cut_for_every_shard_bytes_of_input_up_to_the_threads_given() -> None:
+    from analytics_native import SHARD_BYTES
+
+    record = _big_batch(1, refused_every=10)[0]
+    for runs in (1, 2):
+        total = runs * SHARD_BYTES
+        values = [record] * (total // len(record))
+        values[-1] += b" " * (total - sum(map(len, values)))  # trailing whitespace: the same record
+        assert sum(map(len, values)) == total
+        assert len(DECODER.decode(values, 4).chunk_rows) == runs
+        values[-1] = values[-1][:-1]
+        assert len(DECODER.decode(values, 4).chunk_rows) == max(1, runs - 1)
+        assert len(DECODER.decode(values, 1).chunk_rows) == 1
+        assert len(DECODER.decode(values, 0).chunk_rows) == 1
 
 
 def test_a_value_that_is_not_bytes_is_a_type_error() -> None:

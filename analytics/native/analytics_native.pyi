@@ -9,6 +9,8 @@ COLUMN_MEMBERS: list[str]
 """Members of ``GpuColumns`` (the record's ``gpus``) the decoder knows, in the model's order."""
 SERIES_MEMBERS: list[str]
 """Members of ``SeriesValue`` the decoder knows, in the model's order."""
+SHARD_BYTES: int
+"""Bytes of JSON a thread reads at least (:meth:`ScrapeDecoder.decode`)."""
 
 @final
 class Buffer:
@@ -40,18 +42,21 @@ class DecodedScrapes:
         names were given; None where the GPU has no entry), then ``ts``, ``host``, ``gpu_uuid``,
         ``gpu_index``, ``gpu_instance_id``, ``model_name``."""
     @property
-    def arrays(self) -> dict[str, Buffers]:
+    def chunk_rows(self) -> list[int]:
+        """Rows of each chunk of the columns (one chunk per run of records a thread read)."""
+    @property
+    def arrays(self) -> dict[str, list[Buffers]]:
         """``ts`` (int64: Unix microseconds, rounded half to even), ``host``, ``source``,
         ``target`` (utf8: the GPU's record's), ``seq`` (int64: the record's ``seq`` + the GPU's
         place, NULL past int64), ``gpu_uuid``, ``gpu_instance_profile``, ``model_name`` (utf8),
         ``gpu_index``, ``gpu_instance_id`` (int64), ``fields``, ``invalid``, ``attributes``
-        (utf8: each map's JSON text as sent) → buffers."""
+        (utf8: each map's JSON text as sent) → per chunk its buffers."""
     @property
-    def float_fields(self) -> dict[str, Buffers]:
-        """Promoted field name → float64 buffers."""
+    def float_fields(self) -> dict[str, list[Buffers]]:
+        """Promoted field name → per chunk its float64 buffers."""
     @property
-    def whole_fields(self) -> dict[str, Buffers]:
-        """Promoted field name → int64 buffers (whole numbers; floats rounded half to even)."""
+    def whole_fields(self) -> dict[str, list[Buffers]]:
+        """Promoted field name → per chunk its int64 buffers (whole numbers; floats rounded half to even)."""
 
 @final
 class ScrapeDecoder:
@@ -74,6 +79,8 @@ class ScrapeDecoder:
     ) -> None:
         """Raises ``ValueError`` if ``default_source`` is not one of ``sources``, or
         ``observation`` is not a named tuple of ``2 * len(observed) + 6`` fields."""
-    def decode(self, values: list[bytes]) -> DecodedScrapes:
-        """Decode a batch of records' JSON (UTF-8 bytes). Raises ``TypeError`` for an element
-        that is not bytes; never raises for a record's content."""
+    def decode(self, values: list[bytes], threads: int = 1) -> DecodedScrapes:
+        """Decode a batch of records' JSON (UTF-8 bytes), read by at most ``threads`` threads
+        (each a run of consecutive records of at least 1 MiB, without the GIL; one chunk of the
+        columns per run). Raises ``TypeError`` for an element that is not bytes and
+        ``OverflowError`` for a negative ``threads``; never raises for a record's content."""

@@ -23,12 +23,16 @@
 //! `float(int)`: `-0` is `0.0`); an `int` member may be spelled `-0` (0); a `float | int` map value keeps its kind: a number without fraction or exponent
 //! is an `int`, any other a `float`, as the reference's smart union decides.
 //!
+//! A large batch is read by several threads at once (`threads` of [`ScrapeDecoder::decode`]): cut
+//! into runs of consecutive records, each read without the GIL into its own chunk of every
+//! column; then the calling thread, holding the GIL, makes the Python objects in batch order.
+//!
 //! Shapes of one call ([`ScrapeDecoder::decode`]): per accepted record its GPU count;
 //! per GPU (records in order, GPUs in column order) one
 //! observation, what the idle classifier reads (an instance of the named tuple given at
 //! construction: the `fields` values and `invalid` reasons of the field names given, then `ts`,
 //! `host`, `gpu_uuid`, `gpu_index`, `gpu_instance_id`, `model_name`), and Arrow buffers
-//! (little-endian values, LSB-first validity bitmaps, int32 string offsets) of
+//! (little-endian values, LSB-first validity bitmaps, int32 string offsets), one chunk per run, of
 //! `ts` (int64: Unix microseconds, the seconds times 10**6 rounded half to even), `host` /
 //! `source` / `target` (utf8: the GPU's record's), `seq` (int64: the record's `seq` plus the
 //! GPU's place in it, NULL past int64), `gpu_uuid` / `gpu_instance_profile` / `model_name` (utf8),
@@ -558,6 +562,10 @@ impl Bits {
     fn reserve(&mut self, rows: usize) {
         self.bytes.reserve(rows / 8 + 1);
     }
+    /// Whether value `i` (pushed before) is valid.
+    fn get(&self, i: usize) -> bool {
+        self.bytes[i / 8] & (1 << (i % 8)) != 0
+    }
     fn push(&mut self, valid: bool) {
         if self.len % 8 == 0 {
             self.bytes.push(0);
@@ -592,6 +600,19 @@ impl StrCol {
         self.data.reserve(bytes);
         self.valid.reserve(rows);
     }
+    /// Value `i` (pushed before).
+    fn get(&self, i: usize) -> Option<&str> {
+        if !self.valid.get(i) {
+            return None;
+        }
+        let at = |k: usize| {
+            let mut word = [0u8; 4];
+            word.copy_from_slice(&self.offsets[4 * k..4 * k + 4]);
+            i32::from_le_bytes(word) as usize
+        };
+        // SAFETY: only `&str` values are pushed, so the bytes between two offsets are UTF-8.
+        Some(unsafe { std::str::from_utf8_unchecked(&self.data[at(i)..at(i + 1)]) })
+    }
     fn push(&mut self, v: Option<&str>) {
         if let Some(s) = v {
             self.data.extend_from_slice(s.as_bytes());
@@ -619,6 +640,15 @@ impl FixedCol {
     fn push_f64(&mut self, v: Option<f64>) {
         self.data.extend_from_slice(&v.unwrap_or(0.0).to_le_bytes());
         self.valid.push(v.is_some());
+    }
+    /// Value `i` (pushed before) of an int64 column.
+    fn get_i64(&self, i: usize) -> Option<i64> {
+        if !self.valid.get(i) {
+            return None;
+        }
+        let mut word = [0u8; 8];
+        word.copy_from_slice(&self.data[8 * i..8 * i + 8]);
+        Some(i64::from_le_bytes(word))
     }
     fn push_i64(&mut self, v: Option<i64>) {
         self.data.extend_from_slice(&v.unwrap_or(0).to_le_bytes());
@@ -798,6 +828,80 @@ impl LastShape {
     }
 }
 
+/// A batch's input per thread is cut into runs of consecutive records of at least this many
+/// bytes (a smaller batch is read by the calling thread alone).
+const SHARD_BYTES: usize = 1 << 20;
+
+/// The columns of a run of records (one chunk of each Arrow column).
+struct Columns {
+    ts: FixedCol,
+    seq: FixedCol,
+    index: FixedCol,
+    instance: FixedCol,
+    text: TextCols,
+    floats: Vec<FixedCol>,
+    wholes: Vec<FixedCol>,
+}
+
+/// A `fields` value of an observed name, as a shard keeps it for the GPU's observation:
+/// `kind` 0 (no entry), 1 (an `int`: `bits` its two's complement), 2 (a `float`: `bits` its IEEE
+/// bits) or 3 (an `int` past int64: `bits` the index of its text in [`Shard::bigs`]).
+#[derive(Clone, Copy, Default)]
+struct Seen {
+    bits: u64,
+    kind: u8,
+}
+
+/// What [`ScrapeDecoder::read_shard`] made of a run of records, without Python objects. A GPU's
+/// observation is made of its row in `cols` and of what is kept here.
+struct Shard<'a> {
+    /// Indexes in the batch of the records accepted, and their GPU counts.
+    accepted: Vec<usize>,
+    counts: Vec<usize>,
+    /// Per GPU its `ts` (Unix seconds, as sent).
+    ts: Vec<f64>,
+    /// Per GPU, `observed_count` entries: the observed names' `fields` values.
+    values: Vec<Seen>,
+    bigs: Vec<&'a str>,
+    /// `(GPU, observed name, reason)` of the observed names' `invalid` entries, in order.
+    reasons: Vec<(usize, usize, Cow<'a, str>)>,
+    cols: Columns,
+}
+
+impl<'a> Shard<'a> {
+    /// An empty shard whose buffers are sized for `input_bytes` of input after `shape`.
+    fn new(dec: &ScrapeDecoder, shape: &LastShape, input_bytes: usize) -> Self {
+        let rows = shape.scaled(shape.rows, input_bytes);
+        let fixed = |_| {
+            let mut c = FixedCol::default();
+            c.reserve(rows);
+            c
+        };
+        let mut text = TextCols::default();
+        for (c, &bytes) in text.all_mut().into_iter().zip(&shape.text_bytes) {
+            c.reserve(rows, shape.scaled(bytes, input_bytes));
+        }
+        let width = dec.observed_count;
+        Shard {
+            accepted: Vec::new(),
+            counts: Vec::new(),
+            ts: Vec::with_capacity(rows),
+            values: Vec::with_capacity(rows * width),
+            bigs: Vec::new(),
+            reasons: Vec::new(),
+            cols: Columns {
+                ts: fixed(()),
+                seq: fixed(()),
+                index: fixed(()),
+                instance: fixed(()),
+                text,
+                floats: dec.float_fields.iter().map(|_| fixed(())).collect(),
+                wholes: dec.whole_fields.iter().map(|_| fixed(())).collect(),
+            },
+        }
+    }
+}
+
 /// A field name the decoder reads, and its index in `float_fields` / `whole_fields` / `observed`.
 struct FieldName {
     name: String,
@@ -824,10 +928,14 @@ struct DecodedScrapes {
     /// or None).
     #[pyo3(get)]
     observations: Py<PyList>,
-    /// Column name → `(validity or None, values, offsets or None, null count)`, each a [`Buffer`].
+    /// Rows of each chunk of the columns (their sum is the number of GPUs).
+    #[pyo3(get)]
+    chunk_rows: Py<PyList>,
+    /// Column name → per chunk `(validity or None, values, offsets or None, null count)`, each
+    /// a [`Buffer`].
     #[pyo3(get)]
     arrays: Py<PyDict>,
-    /// Promoted field name → buffers as in `arrays` (float64 / int64).
+    /// Promoted field name → per chunk buffers as in `arrays` (float64 / int64).
     #[pyo3(get)]
     float_fields: Py<PyDict>,
     #[pyo3(get)]
@@ -1176,7 +1284,7 @@ impl ScrapeDecoder {
     #[new]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        py: Python<'_>,
+        _py: Python<'_>,
         schema_version: i64,
         sources: Vec<String>,
         default_source: String,
@@ -1242,62 +1350,144 @@ impl ScrapeDecoder {
 
     /// Decode a batch: `values` holds each record's JSON (bytes, UTF-8). Returns a
     /// [`DecodedScrapes`] of the records accepted; the others are left out (their indexes are
-    /// not in `accepted`) for the reference to decide. Raises `TypeError` if an element of
-    /// `values` is not bytes; never raises for a record's content.
-    fn decode(&self, py: Python<'_>, values: &Bound<'_, PyList>) -> PyResult<DecodedScrapes> {
-        let mut accepted: Vec<usize> = Vec::new();
-        let mut counts: Vec<PyObject> = Vec::new();
-        let mut observations: Vec<PyObject> = Vec::new();
-        // one GPU's observation being built: the observed slots, then ts, host, UUID, index,
-        // instance, model
-        let mut slots: Vec<Option<PyObject>> = Vec::new();
-        let observation = self.observation.bind(py);
-        let mut ts_col = FixedCol::default();
-        let mut text = TextCols::default();
-        let mut seq_col = FixedCol::default();
-        let mut index_col = FixedCol::default();
-        let mut instance_col = FixedCol::default();
-        let mut float_cols: Vec<FixedCol> = self
-            .float_fields
-            .iter()
-            .map(|_| FixedCol::default())
-            .collect();
-        let mut whole_cols: Vec<FixedCol> = self
-            .whole_fields
-            .iter()
-            .map(|_| FixedCol::default())
-            .collect();
-        let none = py.None();
-        let int_type = py.get_type_bound::<pyo3::types::PyLong>();
-        let width = self.observed_count;
-        let mut last_model: Option<(String, PyObject)> = None;
-        let mut last_ts: Option<(f64, Bound<'_, PyAny>)> = None;
-        let mut floats: Vec<Option<f64>> = vec![None; self.float_fields.len()];
-        let mut wholes: Vec<Option<i64>> = vec![None; self.whole_fields.len()];
+    /// not in `accepted`) for the reference to decide. `threads` (at least 1) bounds the threads
+    /// that read the records: a batch of at least [`SHARD_BYTES`] bytes a thread is cut into
+    /// runs of consecutive records of about equal size, read at once without the GIL, and its
+    /// columns come in one chunk a run. Raises `TypeError` if an element of `values` is not
+    /// bytes; never raises for a record's content.
+    #[pyo3(signature = (values, threads = 1))]
+    fn decode(
+        &self,
+        py: Python<'_>,
+        values: &Bound<'_, PyList>,
+        threads: usize,
+    ) -> PyResult<DecodedScrapes> {
         let items = values
             .iter()
             .map(|item| item.downcast_into::<PyBytes>().map_err(PyErr::from))
             .collect::<PyResult<Vec<_>>>()?;
-        let input_bytes: usize = items.iter().map(|b| b.as_bytes().len()).sum();
+        let texts: Vec<&[u8]> = items.iter().map(|b| b.as_bytes()).collect();
+        let input_bytes: usize = texts.iter().map(|t| t.len()).sum();
         let shape = *self.shape.lock().unwrap_or_else(|e| e.into_inner());
-        let rows = shape.scaled(shape.rows, input_bytes);
-        observations.reserve(rows);
-        for c in [&mut ts_col, &mut seq_col, &mut index_col, &mut instance_col]
-            .into_iter()
-            .chain(float_cols.iter_mut())
-            .chain(whole_cols.iter_mut())
-        {
-            c.reserve(rows);
+        let cuts = shard_cuts(&texts, threads.min(input_bytes / SHARD_BYTES).max(1));
+        // SAFETY of reading without the GIL: `items` holds a reference to every bytes object,
+        // whose contents never change, until this call returns.
+        let shards: Vec<Shard<'_>> = py.allow_threads(|| {
+            if cuts.len() == 2 {
+                return vec![self.read_shard(&texts, 0, &shape)];
+            }
+            std::thread::scope(|s| {
+                let handles: Vec<_> = cuts
+                    .windows(2)
+                    .map(|w| {
+                        let (first, run) = (w[0], &texts[w[0]..w[1]]);
+                        s.spawn(move || self.read_shard(run, first, &shape))
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+                    .collect()
+            })
+        });
+        *self.shape.lock().unwrap_or_else(|e| e.into_inner()) = LastShape {
+            input_bytes,
+            rows: shards.iter().map(|s| s.ts.len()).sum(),
+            text_bytes: std::array::from_fn(|c| {
+                shards.iter().map(|s| s.cols.text.all()[c].data.len()).sum()
+            }),
+        };
+        let (counts, observations) = self.observe(py, &shards)?;
+        let mut accepted: Vec<usize> = Vec::new();
+        let arrays = PyDict::new_bound(py);
+        let float_dict = PyDict::new_bound(py);
+        let whole_dict = PyDict::new_bound(py);
+        let mut chunks: Vec<(&str, Bound<'_, PyTuple>)> = Vec::new();
+        let mut chunk_rows: Vec<usize> = Vec::new();
+        for shard in shards {
+            accepted.extend(&shard.accepted);
+            chunk_rows.push(shard.ts.len());
+            chunks.clear();
+            let c = shard.cols;
+            let text = c.text;
+            for (name, col) in [("ts", c.ts), ("seq", c.seq), ("gpu_index", c.index), ("gpu_instance_id", c.instance)] {
+                chunks.push((name, fixed_buffers(py, col)?));
+            }
+            for (name, col) in [
+                ("host", text.host),
+                ("source", text.source),
+                ("target", text.target),
+                ("gpu_uuid", text.uuid),
+                ("gpu_instance_profile", text.profile),
+                ("model_name", text.model),
+                ("fields", text.fields),
+                ("invalid", text.invalid),
+                ("attributes", text.attributes),
+            ] {
+                chunks.push((name, str_buffers(py, col)?));
+            }
+            for (name, tuple) in chunks.drain(..) {
+                append_chunk(&arrays, name, tuple)?;
+            }
+            for (name, col) in self.float_fields.iter().zip(c.floats) {
+                append_chunk(&float_dict, name, fixed_buffers(py, col)?)?;
+            }
+            for (name, col) in self.whole_fields.iter().zip(c.wholes) {
+                append_chunk(&whole_dict, name, fixed_buffers(py, col)?)?;
+            }
         }
-        for (c, &bytes) in text.all_mut().into_iter().zip(&shape.text_bytes) {
-            c.reserve(rows, shape.scaled(bytes, input_bytes));
+        let list = |v: Vec<PyObject>| owned_list(py, v);
+        Ok(DecodedScrapes {
+            accepted: PyList::new_bound(py, accepted).unbind(),
+            counts: list(counts)?,
+            observations: list(observations)?,
+            chunk_rows: PyList::new_bound(py, chunk_rows).unbind(),
+            arrays: arrays.unbind(),
+            float_fields: float_dict.unbind(),
+            whole_fields: whole_dict.unbind(),
+        })
+    }
+}
+
+/// `dict[name]`, a list of chunks' buffers, with `chunk` appended (the list made on first use).
+fn append_chunk(dict: &Bound<'_, PyDict>, name: &str, chunk: Bound<'_, PyTuple>) -> PyResult<()> {
+    match dict.get_item(name)? {
+        Some(list) => list.downcast_into::<PyList>()?.append(chunk),
+        None => dict.set_item(name, PyList::new_bound(dict.py(), [chunk])),
+    }
+}
+
+/// Record indexes that cut `texts` into `shards` runs of consecutive records of about equal
+/// bytes: `shards + 1` ascending indexes from 0 to `texts.len()` (fewer runs when records are
+/// few; never an empty run but for an empty batch).
+fn shard_cuts(texts: &[&[u8]], shards: usize) -> Vec<usize> {
+    let total: usize = texts.iter().map(|t| t.len()).sum();
+    let mut cuts = vec![0];
+    let mut seen = 0usize;
+    for (k, t) in texts.iter().enumerate() {
+        seen += t.len();
+        let next = cuts.len();
+        if next < shards && k + 1 < texts.len() && seen as u128 * shards as u128 >= total as u128 * next as u128 {
+            cuts.push(k + 1);
         }
+    }
+    cuts.push(texts.len());
+    cuts
+}
+
+impl ScrapeDecoder {
+    /// Reads the records `texts` (the batch's records from index `first` on) into a [`Shard`]:
+    /// their columns and, per GPU, what its observation holds. Needs no GIL.
+    fn read_shard<'a>(&self, texts: &[&'a [u8]], first: usize, shape: &LastShape) -> Shard<'a> {
+        let width = self.observed_count;
+        let input_bytes: usize = texts.iter().map(|t| t.len()).sum();
+        let mut out = Shard::new(self, shape, input_bytes);
+        let cols = &mut out.cols;
+        let text = &mut cols.text;
+        let mut floats: Vec<Option<f64>> = vec![None; self.float_fields.len()];
+        let mut wholes: Vec<Option<i64>> = vec![None; self.whole_fields.len()];
         let mut rec = Checked::default();
-        let mut strings = self.strings.lock().unwrap_or_else(|e| e.into_inner());
-        let mut last_values: Vec<Option<LastValue<'_>>> =
-            (0..width).map(|_| None).collect();
-        for (k, item) in items.iter().enumerate() {
-            let value = item.as_bytes();
+        for (k, &value) in texts.iter().enumerate() {
             // the columns of the GPUs' own texts (not the record's, repeated: checked below)
             let most = text.all().iter().skip(3).map(|c| c.data.len()).max().unwrap_or(0);
             // a string column's text never grows by more than the record's length: keep the
@@ -1323,58 +1513,32 @@ impl ScrapeDecoder {
             }) {
                 continue;
             }
-            accepted.push(k);
-            let host_obj = strings.get(py, &rec.host);
+            out.accepted.push(first + k);
+            out.counts.push(n);
             let first_seq = rec.seq.unwrap_or(self.default_seq);
-            counts.push(n.into_py(py));
             let mut field_start = 0;
             let mut invalid_start = 0;
             for i in 0..n {
-                slots.clear();
-                slots.resize_with(2 * width, || None);
                 let t = rec.ts[i];
-                let ts_obj = match &last_ts {
-                    Some((prev, obj)) if prev.to_bits() == t.to_bits() => obj.clone().unbind(),
-                    _ => {
-                        let obj = PyFloat::new_bound(py, t).into_any();
-                        let out = obj.clone().unbind();
-                        last_ts = Some((t, obj));
-                        out
-                    }
-                };
-                ts_col.push_i64(Some(round_half_even(t * 1e6) as i64));
+                out.ts.push(t);
+                cols.ts.push_i64(Some(round_half_even(t * 1e6) as i64));
                 text.host.push(Some(&rec.host));
                 text.source.push(Some(&self.sources[src]));
                 text.target.push(Some(t_str));
-                seq_col.push_i64(first_seq.checked_add(i as i64));
-                let u = rec.gpu_uuid.get(i).and_then(|u| u.as_deref());
-                let uuid_obj = u.map_or_else(|| none.clone_ref(py), |s| strings.get(py, s));
-                text.uuid.push(u);
-                let x = rec.gpu_index.get(i).copied().flatten();
-                let index_obj = x.map_or_else(|| none.clone_ref(py), |v| v.into_py(py));
-                index_col.push_i64(x);
-                let g = rec.gpu_instance_id.get(i).copied().flatten();
-                let instance_obj = g.map_or_else(|| none.clone_ref(py), |v| v.into_py(py));
-                instance_col.push_i64(g);
+                cols.seq.push_i64(first_seq.checked_add(i as i64));
+                text.uuid.push(rec.gpu_uuid.get(i).and_then(|u| u.as_deref()));
+                cols.index.push_i64(rec.gpu_index.get(i).copied().flatten());
+                cols.instance.push_i64(rec.gpu_instance_id.get(i).copied().flatten());
                 text.profile.push(rec.gpu_instance_profile.get(i).and_then(|p| p.as_deref()));
-                let m = rec.model_name.get(i).and_then(|m| m.as_deref());
-                text.model.push(m);
-                let model_obj = match m {
-                    None => none.clone_ref(py),
-                    Some(s) => match &last_model {
-                        Some((text, obj)) if text.as_str() == s => obj.clone_ref(py),
-                        _ => {
-                            let obj = PyString::new_bound(py, s).into_any().unbind();
-                            last_model = Some((s.to_owned(), obj.clone_ref(py)));
-                            obj
-                        }
-                    },
-                };
+                text.model.push(rec.model_name.get(i).and_then(|m| m.as_deref()));
                 text.fields.push(Some(rec.fields.get(i).map_or("{}", |f| f.0)));
                 text.invalid.push(Some(rec.invalid.get(i).map_or("{}", |f| f.0)));
                 text.attributes.push(Some(rec.attributes.get(i).copied().unwrap_or("{}")));
                 floats.iter_mut().for_each(|v| *v = None);
                 wholes.iter_mut().for_each(|v| *v = None);
+                let gpu = out.ts.len() - 1;
+                let seen = out.values.len();
+                out.values.resize(seen + width, Seen::default());
                 if let Some(&(_, end)) = rec.fields.get(i) {
                     for (j, v) in &rec.field_entries[field_start..end] {
                         let name = &self.names[*j];
@@ -1385,91 +1549,132 @@ impl ScrapeDecoder {
                             wholes[j] = as_whole(*v);
                         }
                         if let Some(j) = name.observed {
-                            // the previous GPU's object of this field when the value is the same
-                            let bits = match v {
-                                Num::Int(x) => Some((*x as u64, true)),
-                                Num::Float(x) => Some((x.to_bits(), false)),
-                                Num::Big(_) => None,
-                            };
-                            let obj: Bound<'_, PyAny> = match (&last_values[j], bits) {
-                                (Some((prev, obj)), Some(b)) if *prev == b => obj.clone(),
-                                _ => {
-                                    let obj: Bound<'_, PyAny> = match v {
-                                        Num::Int(x) => x.into_py(py).into_bound(py),
-                                        Num::Big(text) => {
-                                            int_type.call1((PyString::new_bound(py, text),))?
-                                        }
-                                        Num::Float(x) => PyFloat::new_bound(py, *x).into_any(),
-                                    };
-                                    last_values[j] = bits.map(|b| (b, obj.clone()));
-                                    obj
+                            out.values[seen + j] = match *v {
+                                Num::Int(x) => Seen { bits: x as u64, kind: 1 },
+                                Num::Float(x) => Seen { bits: x.to_bits(), kind: 2 },
+                                Num::Big(text) => {
+                                    out.bigs.push(text);
+                                    Seen { bits: (out.bigs.len() - 1) as u64, kind: 3 }
                                 }
                             };
-                            slots[j] = Some(obj.unbind());
                         }
                     }
                     field_start = end;
                 }
                 if let Some(&(_, end)) = rec.invalid.get(i) {
                     for (j, reason) in &rec.invalid_entries[invalid_start..end] {
-                        slots[width + *j] = Some(PyString::new_bound(py, reason).into_any().unbind());
+                        out.reasons.push((gpu, *j, reason.clone()));
                     }
                     invalid_start = end;
                 }
-                slots.extend([
-                    Some(ts_obj),
-                    Some(host_obj.clone_ref(py)),
-                    Some(uuid_obj),
-                    Some(index_obj),
-                    Some(instance_obj),
-                    Some(model_obj),
-                ]);
-                let items = slots.drain(..).map(|o| o.unwrap_or_else(|| none.clone_ref(py)));
-                observations.push(atomic_record(py, observation, items)?);
-                for (c, v) in float_cols.iter_mut().zip(&floats) {
+                for (c, v) in cols.floats.iter_mut().zip(&floats) {
                     c.push_f64(*v);
                 }
-                for (c, v) in whole_cols.iter_mut().zip(&wholes) {
+                for (c, v) in cols.wholes.iter_mut().zip(&wholes) {
                     c.push_i64(*v);
                 }
             }
         }
-        *self.shape.lock().unwrap_or_else(|e| e.into_inner()) = LastShape {
-            input_bytes,
-            rows: observations.len(),
-            text_bytes: text.all().map(|c| c.data.len()),
+        out
+    }
+
+    /// Per record of `shards` its GPU count, and per GPU its observation (an instance of the
+    /// `observation` class: [`DecodedScrapes`]), each as a Python object. A value or text repeated
+    /// from the GPU before, and a host or GPU UUID seen before (kept from call to call), is one
+    /// object.
+    fn observe(&self, py: Python<'_>, shards: &[Shard<'_>]) -> PyResult<(Vec<PyObject>, Vec<PyObject>)> {
+        let width = self.observed_count;
+        let none = py.None();
+        let int_type = py.get_type_bound::<pyo3::types::PyLong>();
+        let observation = self.observation.bind(py);
+        let rows: usize = shards.iter().map(|s| s.ts.len()).sum();
+        let mut counts: Vec<PyObject> = Vec::with_capacity(shards.iter().map(|s| s.counts.len()).sum());
+        let mut observations: Vec<PyObject> = Vec::with_capacity(rows);
+        let mut slots: Vec<PyObject> = Vec::with_capacity(2 * width + 6);
+        let mut last_host: Option<(&str, PyObject)> = None;
+        let mut last_model: Option<(&str, PyObject)> = None;
+        let mut last_ts: Option<(u64, PyObject)> = None;
+        let mut last_values: Vec<Option<LastValue<'_>>> = (0..width).map(|_| None).collect();
+        // Waits for the lock with the GIL released: a thread that holds it may need the GIL.
+        let mut strings = loop {
+            match self.strings.try_lock() {
+                Ok(guard) => break guard,
+                Err(std::sync::TryLockError::Poisoned(e)) => break e.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => py.allow_threads(std::thread::yield_now),
+            }
         };
-        let arrays = PyDict::new_bound(py);
-        arrays.set_item("ts", fixed_buffers(py, ts_col)?)?;
-        arrays.set_item("host", str_buffers(py, text.host)?)?;
-        arrays.set_item("source", str_buffers(py, text.source)?)?;
-        arrays.set_item("target", str_buffers(py, text.target)?)?;
-        arrays.set_item("seq", fixed_buffers(py, seq_col)?)?;
-        arrays.set_item("gpu_uuid", str_buffers(py, text.uuid)?)?;
-        arrays.set_item("gpu_index", fixed_buffers(py, index_col)?)?;
-        arrays.set_item("gpu_instance_id", fixed_buffers(py, instance_col)?)?;
-        arrays.set_item("gpu_instance_profile", str_buffers(py, text.profile)?)?;
-        arrays.set_item("model_name", str_buffers(py, text.model)?)?;
-        arrays.set_item("fields", str_buffers(py, text.fields)?)?;
-        arrays.set_item("invalid", str_buffers(py, text.invalid)?)?;
-        arrays.set_item("attributes", str_buffers(py, text.attributes)?)?;
-        let float_dict = PyDict::new_bound(py);
-        for (name, c) in self.float_fields.iter().zip(float_cols) {
-            float_dict.set_item(name, fixed_buffers(py, c)?)?;
+        for shard in shards {
+            counts.extend(shard.counts.iter().map(|n| n.into_py(py)));
+            let cols = &shard.cols;
+            let mut reasons = shard.reasons.iter().peekable();
+            for (g, &ts) in shard.ts.iter().enumerate() {
+                slots.clear();
+                for (j, v) in shard.values[g * width..(g + 1) * width].iter().enumerate() {
+                    if v.kind == 0 {
+                        slots.push(none.clone_ref(py));
+                        continue;
+                    }
+                    // the previous GPU's object of this field when the value is the same
+                    let obj: Bound<'_, PyAny> = match &last_values[j] {
+                        Some(((bits, int), obj)) if v.kind != 3 && *bits == v.bits && *int == (v.kind == 1) => obj.clone(),
+                        _ => {
+                            let obj: Bound<'_, PyAny> = match v.kind {
+                                1 => (v.bits as i64).into_py(py).into_bound(py),
+                                2 => PyFloat::new_bound(py, f64::from_bits(v.bits)).into_any(),
+                                _ => int_type.call1((PyString::new_bound(py, shard.bigs[v.bits as usize]),))?,
+                            };
+                            last_values[j] = if v.kind == 3 { None } else { Some(((v.bits, v.kind == 1), obj.clone())) };
+                            obj
+                        }
+                    };
+                    slots.push(obj.unbind());
+                }
+                let first_reason = slots.len();
+                slots.extend((0..width).map(|_| none.clone_ref(py)));
+                while let Some((_, j, reason)) = reasons.next_if(|r| r.0 == g) {
+                    slots[first_reason + *j] = PyString::new_bound(py, reason).into_any().unbind();
+                }
+                let ts = match &last_ts {
+                    Some((prev, obj)) if *prev == ts.to_bits() => obj.clone_ref(py),
+                    _ => {
+                        let obj = PyFloat::new_bound(py, ts).into_any().unbind();
+                        last_ts = Some((ts.to_bits(), obj.clone_ref(py)));
+                        obj
+                    }
+                };
+                let host = cols.text.host.get(g).unwrap_or_default();
+                let host = match &last_host {
+                    Some((text, obj)) if *text == host => obj.clone_ref(py),
+                    _ => {
+                        let obj = strings.get(py, host);
+                        last_host = Some((host, obj.clone_ref(py)));
+                        obj
+                    }
+                };
+                let model = match cols.text.model.get(g) {
+                    None => none.clone_ref(py),
+                    Some(s) => match &last_model {
+                        Some((text, obj)) if *text == s => obj.clone_ref(py),
+                        _ => {
+                            let obj = PyString::new_bound(py, s).into_any().unbind();
+                            last_model = Some((s, obj.clone_ref(py)));
+                            obj
+                        }
+                    },
+                };
+                let opt_int = |v: Option<i64>| v.map_or_else(|| none.clone_ref(py), |v| v.into_py(py));
+                slots.extend([
+                    ts,
+                    host,
+                    cols.text.uuid.get(g).map_or_else(|| none.clone_ref(py), |s| strings.get(py, s)),
+                    opt_int(cols.index.get_i64(g)),
+                    opt_int(cols.instance.get_i64(g)),
+                    model,
+                ]);
+                observations.push(atomic_record(py, observation, slots.drain(..))?);
+            }
         }
-        let whole_dict = PyDict::new_bound(py);
-        for (name, c) in self.whole_fields.iter().zip(whole_cols) {
-            whole_dict.set_item(name, fixed_buffers(py, c)?)?;
-        }
-        let list = |v: Vec<PyObject>| owned_list(py, v);
-        Ok(DecodedScrapes {
-            accepted: PyList::new_bound(py, accepted).unbind(),
-            counts: list(counts)?,
-            observations: list(observations)?,
-            arrays: arrays.unbind(),
-            float_fields: float_dict.unbind(),
-            whole_fields: whole_dict.unbind(),
-        })
+        Ok((counts, observations))
     }
 }
 
@@ -1482,6 +1687,7 @@ fn analytics_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("RECORD_MEMBERS", RECORD_MEMBERS.to_vec())?;
     m.add("COLUMN_MEMBERS", COLUMN_MEMBERS.to_vec())?;
     m.add("SERIES_MEMBERS", SERIES_MEMBERS.to_vec())?;
+    m.add("SHARD_BYTES", SHARD_BYTES)?;
     Ok(())
 }
 
@@ -1583,6 +1789,23 @@ mod tests {
         assert_eq!(shape.scaled(1900, 1000), 2000);
         assert_eq!(shape.scaled(1880, 1000), 1997);
         assert_eq!(LastShape::default().scaled(100, 1000), 0);
+    }
+
+    #[test]
+    fn runs_are_cut_at_the_record_that_reaches_their_share_of_the_bytes() {
+        let cut = |sizes: &[usize], shards: usize| {
+            let texts: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![b' '; n]).collect();
+            let slices: Vec<&[u8]> = texts.iter().map(|t| t.as_slice()).collect();
+            shard_cuts(&slices, shards)
+        };
+        assert_eq!(cut(&[10, 10, 10, 10], 2), [0, 2, 4]);
+        assert_eq!(cut(&[10, 10, 10, 10], 4), [0, 1, 2, 3, 4]);
+        assert_eq!(cut(&[10, 10, 10, 11], 2), [0, 3, 4]);
+        assert_eq!(cut(&[10, 10, 10, 10], 1), [0, 4]);
+        assert_eq!(cut(&[100, 1, 1], 3), [0, 1, 2, 3]);
+        assert_eq!(cut(&[1, 1, 100], 3), [0, 3]);
+        assert_eq!(cut(&[5], 4), [0, 1]);
+        assert_eq!(cut(&[], 4), [0, 0]);
     }
 
     #[test]
