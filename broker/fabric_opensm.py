@@ -81,6 +81,7 @@ from broker.fabric_qos import (
 )
 from contracts import LeaseLogRecord
 from contracts.leases import LaneQos, Partition
+from contracts.topics import lease_hosts
 
 __all__ = ["FabricNode", "FabricState", "OpenSmFabric", "default_host_ports"]
 
@@ -364,7 +365,7 @@ class OpenSmFabric:
         """
         state = self._fresh_state()
         limited: set[str] = set()
-        for host in sorted({g.split("/", 1)[0] for g in lease.gpus}):
+        for host in lease_hosts((), lease.gpus):
             ports = self._ports_of(state, host)
             if not ports:
                 raise _Failure("unmapped_host", f"host {host} has no HCA on the fabric ({self.state_path})")

@@ -69,6 +69,7 @@ from typing import Any, Protocol
 from broker.edge import ClaimRejected, LeaseRequestRejected, WatchEvent
 from contracts import LeaseMessage, LeaseState, ReasonCode, Reply
 from contracts.mqtt import LIMITS, Requirements
+from contracts.topics import lease_hosts
 from runtime.backoff import Backoff
 
 log = logging.getLogger(__name__)
@@ -227,12 +228,6 @@ class Handover:
     def early(self) -> bool:
         """Released by the site before the deadline (or with no deadline)."""
         return self.released_at is not None and (self.deadline is None or self.released_at < self.deadline)
-
-
-def lease_hosts(msg: LeaseMessage) -> tuple[str, ...]:
-    """The nodes of a lease, sorted: its message's ``hosts``, or, in messages of brokers that do
-    not send them, the first part of each GPU key (``host/uuid``)."""
-    return tuple(msg.hosts) if msg.hosts else tuple(sorted({g.split("/", 1)[0] for g in msg.gpus}))
 
 
 @dataclass
@@ -535,7 +530,7 @@ class KeptLeases:
         if not msg.state.live:
             self._ended(k, msg.state)
             return
-        k.hosts = lease_hosts(msg)
+        k.hosts = lease_hosts(msg.hosts, msg.gpus)
         if msg.state is LeaseState.RECLAIMING:
             if k.handover is None:
                 self.counts["reclaims"] += 1

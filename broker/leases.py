@@ -96,6 +96,7 @@ from contracts import (
 )
 from contracts.leases import LeaseKind, LeaseReason, Partition
 from contracts.mqtt import Requirements
+from contracts.topics import lease_hosts
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +254,7 @@ def lease_message(record: LeaseLogRecord, endpoints: Mapping[str, str] | None = 
     there (:meth:`broker.lending.Lending.endpoint`). The message's ``endpoints`` lists them in
     the order of the lease's nodes (``record.hosts``; nodes of no lease are left out), its
     ``endpoint`` is the first node's (``None`` until that one is healthy)."""
-    hosts = lease_hosts(record)
+    hosts = lease_hosts(record.hosts, record.gpus)
     found = endpoints or {}
     return LeaseMessage(
         lease_id=record.lease_id,
@@ -282,14 +283,6 @@ def lease_message(record: LeaseLogRecord, endpoints: Mapping[str, str] | None = 
         at_risk_since=record.at_risk_since,
         reclaim_expected_at=record.reclaim_expected_at,
     )
-
-
-def lease_hosts(record: LeaseLogRecord) -> list[str]:
-    """The lease's nodes, sorted: ``record.hosts``, or for a record of an older broker the first
-    part of each GPU key (:func:`contracts.topics.gpu_key`)."""
-    if record.hosts:
-        return list(record.hosts)
-    return sorted({g.partition("/")[0] for g in record.gpus})
 
 
 class LeaseBook:

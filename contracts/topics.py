@@ -21,6 +21,7 @@ a port :func:`ib_port_key` (``node_guid/port``); the records expose both (``key`
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -47,6 +48,15 @@ def gpu_key(host: str, gpu_uuid: str, gpu_instance_id: int | None = None) -> str
     """
     base = f"{host}/{gpu_uuid}"
     return base if gpu_instance_id is None else f"{base}/{gpu_instance_id}"
+
+
+def lease_hosts(hosts: Sequence[str], gpu_keys: Iterable[str]) -> tuple[str, ...]:
+    """The nodes of a lease: ``hosts`` as its log record or MQTT message carries them (sorted by
+    the broker), else, for one of a broker that did not send them, the host part of each of its
+    GPU keys (:func:`gpu_key`: before the first ``/``), sorted and unique."""
+    if hosts:
+        return tuple(hosts)
+    return tuple(sorted({key.partition("/")[0] for key in gpu_keys}))
 
 
 def ib_port_key(node_guid: str, port: int) -> str:

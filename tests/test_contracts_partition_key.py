@@ -19,7 +19,7 @@ from collectors.fabric_parse import parse_ibnetdiscover
 from collectors.fabric_records import port_sample
 from contracts import GpuSample, IbPortSample, KafkaTopics, encode
 from contracts.bus import MemoryBus, TopicPartition, partition_for
-from contracts.topics import gpu_key, ib_port_key, telemetry_partition_key
+from contracts.topics import gpu_key, ib_port_key, lease_hosts, telemetry_partition_key
 from runtime.kafka import KafkaBus
 
 TOPICS = KafkaTopics()
@@ -168,3 +168,10 @@ async def test_kafka_group_gives_partition_p_of_both_topics_to_one_member(
             }, owned
     finally:
         await asyncio.gather(*(c.stop() for c in members))
+
+
+def test_a_leases_nodes_are_its_hosts_or_else_the_hosts_of_its_gpu_keys() -> None:
+    keys = [gpu_key("n2", "GPU-b"), gpu_key("n1", "gpu0"), gpu_key("n2", "GPU-a", 3), gpu_key("n10", "GPU-c")]
+    assert lease_hosts([], keys) == ("n1", "n10", "n2")  # sorted, unique, MIG and stand-in keys too
+    assert lease_hosts(["n2", "n1"], keys) == ("n2", "n1")  # the broker's list as it sent it
+    assert lease_hosts((), []) == ()
