@@ -31,6 +31,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from analytics.allocator import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES, keep_freed_heap
 from analytics.classify import idle_config_from
 from analytics.evaluate import (
     TRACE_STEP_S,
@@ -100,6 +101,11 @@ def run(settings: DeploymentSettings) -> None:
         idle = idle_config_from(s_idle)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    held = keep_freed_heap()
+    log.info(
+        "allocator_settings",
+        extra={"set": held, "mmap_threshold_bytes": MMAP_THRESHOLD_BYTES, "trim_threshold_bytes": TRIM_THRESHOLD_BYTES},
+    )
 
     def build() -> tuple[AnalyticsService, Bus]:
         bus = make_bus(kafka, client_id="gpupool-analytics")

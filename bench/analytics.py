@@ -8,7 +8,8 @@
    offsets in one transaction; a store told its tables' topics, as the service's, so offsets
    the rows keep are not written again: :mod:`analytics.offsets`), as
    :meth:`analytics.service.AnalyticsService.step` calls them, timed from the records' bytes to
-   the commit. Yardstick: DuckDB's own bulk path on the same rows,
+   the commit, in a process with the stage's allocator settings
+   (:func:`analytics.allocator.keep_freed_heap`, as ``gpupool analytics run``). Yardstick: DuckDB's own bulk path on the same rows,
    ``INSERT INTO gpu_samples SELECT * FROM <arrow table>`` of the very tables the stage's path
    writes (built beforehand, not timed), one insert per transaction of the stage's path. Both
    into in-memory databases, run in turn ``--repeat`` times; the best of each is compared (a
@@ -61,6 +62,7 @@ from pydantic_core import to_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from analytics.allocator import keep_freed_heap
 from analytics.classify import FB_USED, GPU_UTIL, GR_ENGINE_ACTIVE, SM_ACTIVE, IdleClassifier
 from analytics.decode import DecodedBatch, decode_batch, decode_telemetry, paused_gc
 from analytics.offsets import table_topics
@@ -530,6 +532,7 @@ def main() -> None:
     )
     ap.add_argument("--memory-phase", action="store_true", help=argparse.SUPPRESS)  # the child of phase 3
     args = ap.parse_args()
+    keep_freed_heap()  # as `gpupool analytics run` does
     if args.memory_phase:
         memory_phase(args.memory_rows, args.batch, args.memory_limit)
         return
