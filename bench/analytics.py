@@ -220,7 +220,7 @@ def _compare(
     e2e_s, steps = min(e2e_runs)
     us = 1e6 / n
     print(
-        f"  {label}: {n:,} rows in {len(chunks)} transactions of {n // len(chunks):,} rows"
+        f"  {label}: {n:,} rows in {len(chunks)} transactions of up to {max(t.num_rows for t in tables):,} rows"
         f" (load average {load:.2f} -> {os.getloadavg()[0]:.2f})"
     )
     print(f"    yardstick  INSERT FROM arrow    {n / yard_s:12,.0f} rows/s   {yard_s * us:5.2f} us/row")
