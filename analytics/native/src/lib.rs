@@ -1402,16 +1402,19 @@ impl ScrapeDecoder {
         let arrays = PyDict::new_bound(py);
         let float_dict = PyDict::new_bound(py);
         let whole_dict = PyDict::new_bound(py);
-        let mut chunks: Vec<(&str, Bound<'_, PyTuple>)> = Vec::new();
         let mut chunk_rows: Vec<usize> = Vec::new();
         for shard in shards {
             accepted.extend(&shard.accepted);
             chunk_rows.push(shard.ts.len());
-            chunks.clear();
             let c = shard.cols;
             let text = c.text;
-            for (name, col) in [("ts", c.ts), ("seq", c.seq), ("gpu_index", c.index), ("gpu_instance_id", c.instance)] {
-                chunks.push((name, fixed_buffers(py, col)?));
+            for (name, col) in [
+                ("ts", c.ts),
+                ("seq", c.seq),
+                ("gpu_index", c.index),
+                ("gpu_instance_id", c.instance),
+            ] {
+                append_chunk(&arrays, name, fixed_buffers(py, col)?)?;
             }
             for (name, col) in [
                 ("host", text.host),
@@ -1424,10 +1427,7 @@ impl ScrapeDecoder {
                 ("invalid", text.invalid),
                 ("attributes", text.attributes),
             ] {
-                chunks.push((name, str_buffers(py, col)?));
-            }
-            for (name, tuple) in chunks.drain(..) {
-                append_chunk(&arrays, name, tuple)?;
+                append_chunk(&arrays, name, str_buffers(py, col)?)?;
             }
             for (name, col) in self.float_fields.iter().zip(c.floats) {
                 append_chunk(&float_dict, name, fixed_buffers(py, col)?)?;
