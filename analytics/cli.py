@@ -122,6 +122,7 @@ def run(settings: DeploymentSettings) -> None:
             max_uplink_xmit_wait=settings.analytics.max_uplink_xmit_wait,
             forget_after_s=s_idle.forget_after_s,
             scheduler=settings.analytics.scheduler,
+            plan_lead_s=settings.analytics.plan_lead_s,
         )
         return service, bus
 

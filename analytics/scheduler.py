@@ -11,15 +11,22 @@ the index DCGM reports: the scheduler's GRES index on the same host, :mod:`contr
   :data:`contracts.scheduler.LENT_JOB_NAME`, which hold it to lend it), ``scheduler_node_<state>`` (the node is down, drained... :data:`contracts.
   scheduler.UNSCHEDULABLE_NODE_STATES`, lowercase), ``scheduler_planned_start`` (a pending job is
   planned onto the node at or before now), ``scheduler_planned`` (the GPU is one the scheduler's
-  plan needs for a pending job, :func:`planned_gpus`: lending it would make that job wait for the
-  lease's notice), ``scheduler_unknown`` (no scheduler state for the host
+  plan needs for a pending job, :func:`planned_gpus`, and the job's planned start is at most
+  ``plan_lead_s`` away: a lease there would still hold it when the job starts, and the job would
+  wait for the lease's notice), ``scheduler_unknown`` (no scheduler state for the host
   yet, or the scheduler does not list a GPU of that index there, or the GPU's index is unknown),
   ``scheduler_stale`` (the host's latest state is older than ``stale_after_s``);
 * :meth:`SchedulerJoin.window_end`: the earliest planned start of a pending job planned onto the
   node: a promise (``predicted_idle_until``) is cut there;
 * :meth:`SchedulerJoin.planned_start`: the planned start of the pending job the plan needs this
-  GPU for (:func:`planned_gpus`), in any state: a lease holding it is at risk
-  (``CapacityUpdate.planned_start``).
+  GPU for (:func:`planned_gpus`), in any state, once it is at most ``plan_lead_s`` away: a lease
+  holding it is at risk (``CapacityUpdate.planned_start``).
+
+A GPU the plan needs for a job planned to start later than ``plan_lead_s`` from now is lent until
+then, as the scheduler's own backfill fills it with jobs that end before the planned start: its
+promise ends at the planned start (:meth:`SchedulerJoin.window_end`), its lease is told it is at
+risk ``plan_lead_s`` before, and if the job can start earlier than planned (the jobs it waits for
+end before their time limit), the scheduler takes the GPUs back with the lease's notice.
 
 It also counts, per job, user and partition, the GPUs allocated to a job that the telemetry says
 are idle (:meth:`SchedulerJoin.allocated_idle`, gauge ``gpupool_analytics_allocated_idle_gpus``)
@@ -52,6 +59,10 @@ __all__ = [
 
 DEFAULT_STALE_AFTER_S = 60.0
 """A host whose latest scheduler state is older than this (s) is not offered."""
+
+DEFAULT_PLAN_LEAD_S = 600.0
+"""A GPU the scheduler's plan needs for a pending job is not offered, and its lease is at risk,
+from this long (s) before the job's planned start."""
 
 SCHEDULER_GPU_COLUMNS: tuple[Column, ...] = (
     Column("ts", "TIMESTAMP", pa.timestamp("us")),
@@ -160,15 +171,21 @@ class SchedulerJoin:
 
     Args:
         stale_after_s: a host's state older than this (s, by the caller's clock) blocks its GPUs.
+        plan_lead_s: a GPU the plan needs for a pending job is blocked (``scheduler_planned``) and
+            its planned start published from this long (s) before that start; ``math.inf``: from
+            the moment it is planned (nothing planned is ever lent).
 
     Raises:
-        ValueError: ``stale_after_s`` not positive.
+        ValueError: ``stale_after_s`` not positive, or ``plan_lead_s`` negative.
     """
 
-    def __init__(self, stale_after_s: float = DEFAULT_STALE_AFTER_S) -> None:
+    def __init__(self, stale_after_s: float = DEFAULT_STALE_AFTER_S, plan_lead_s: float = DEFAULT_PLAN_LEAD_S) -> None:
         if not stale_after_s > 0:
             raise ValueError("stale_after_s must be > 0")
+        if not plan_lead_s >= 0:
+            raise ValueError("plan_lead_s must be >= 0")
         self.stale_after_s = stale_after_s
+        self.plan_lead_s = plan_lead_s
         self._nodes: dict[str, SchedulerNode] = {}
         self._planned: dict[str, dict[int, float]] = {}
         self._index: dict[str, int] = {}
@@ -230,16 +247,18 @@ class SchedulerJoin:
         start = node.next_planned_start()
         if start is not None and start <= max(now, st.ts):
             return "scheduler_planned_start"
-        if index in self._planned.get(st.host, {}):
+        if self.planned_start(st, now) is not None:
             return "scheduler_planned"
         return None
 
-    def planned_start(self, st: GpuStatus) -> float | None:
+    def planned_start(self, st: GpuStatus, now: float) -> float | None:
         """The planned start (Unix s) of the pending job the scheduler's plan needs GPU ``st``
-        for (:func:`planned_gpus`; a MIG instance follows its GPU), ``None`` when none does or
-        the GPU's index is unknown."""
+        for (:func:`planned_gpus`; a MIG instance follows its GPU) when it is at most
+        ``plan_lead_s`` after ``now`` (or after ``st.ts`` when that is later; Unix s); ``None``
+        when no job needs it that soon or the GPU's index is unknown."""
         index = self._index.get(st.key)
-        return None if index is None else self._planned.get(st.host, {}).get(index)
+        start = None if index is None else self._planned.get(st.host, {}).get(index)
+        return start if start is not None and start <= max(now, st.ts) + self.plan_lead_s else None
 
     def window_end(self, host: str) -> float | None:
         """The earliest planned start (Unix s) of a pending job planned onto ``host``."""

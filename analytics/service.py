@@ -119,7 +119,7 @@ from analytics.rows import (
     idle_runs_table,
 )
 from analytics.scrapes import GpuObservation, ScrapeColumns
-from analytics.scheduler import DEFAULT_STALE_AFTER_S, SchedulerJoin, scheduler_gpus_table
+from analytics.scheduler import DEFAULT_PLAN_LEAD_S, DEFAULT_STALE_AFTER_S, SchedulerJoin, scheduler_gpus_table
 from analytics.store import AnalyticsStore, StoreBatch
 from analytics.views import HEADROOM_WINDOW_S
 from contracts import (
@@ -186,6 +186,7 @@ class AnalyticsService:
         forget_after_s: float = 3600.0,
         scheduler: bool = False,
         scheduler_stale_s: float = DEFAULT_STALE_AFTER_S,
+        plan_lead_s: float = DEFAULT_PLAN_LEAD_S,
         metrics: AnalyticsMetrics | None = None,
     ) -> None:
         """Configure; nothing is opened before :meth:`start`.
@@ -224,6 +225,9 @@ class AnalyticsService:
                 training scheduler"); ``False``: the scheduler plays no part.
             scheduler_stale_s: a host whose latest scheduler state is older than this (s) is not
                 offered (with ``scheduler``).
+            plan_lead_s: a GPU the scheduler's plan needs for a pending job is offered until this
+                long (s) before the job's planned start, and its lease is told it is at risk
+                then (:class:`analytics.scheduler.SchedulerJoin`; ``math.inf``: never offered).
             metrics: this service's Prometheus metrics (one :class:`AnalyticsMetrics` per
                 service); ``None``: new ones on a registry of their own. Its ``/metrics`` serves
                 :attr:`registry`.
@@ -315,7 +319,7 @@ class AnalyticsService:
             allocated_idle_gpus=lambda: {k: n for k, n in self._allocated_idle.items()},
         )
         self._last_maintenance = float("-inf")
-        self._scheduler = SchedulerJoin(scheduler_stale_s) if scheduler else None
+        self._scheduler = SchedulerJoin(scheduler_stale_s, plan_lead_s) if scheduler else None
 
     # lifecycle -------------------------------------------------------------------------------
     @property
@@ -1008,10 +1012,11 @@ class AnalyticsService:
         )
 
     def _planned_start(self, st: GpuStatus) -> float | None:
-        """The planned start of the pending job the scheduler plans GPU ``st`` for
+        """The planned start of the pending job the scheduler plans GPU ``st`` for, once it is
+        within the plan lead of the clock's now
         (:meth:`analytics.scheduler.SchedulerJoin.planned_start`), in any state; ``None``
         without the scheduler joined."""
-        return self._scheduler.planned_start(st) if self._scheduler is not None else None
+        return self._scheduler.planned_start(st, self._clock()) if self._scheduler is not None else None
 
     def _due_updates(self, now: float) -> list[CapacityUpdate]:
         due: list[CapacityUpdate] = []

@@ -103,6 +103,7 @@ def _pipeline_config(args: argparse.Namespace, attach: dict, state: Path, compre
         site_lease_gpus=args.lease_gpus, site_claim_every_s=0.5, site_parallel_claims=args.parallel_claims,
         site_lease_kinds=(LeaseKind.WINDOW, LeaseKind.PREEMPTIBLE, LeaseKind.PREEMPTIBLE),
         offer_ttl_s=20.0, cause_sample_s=0.5 if args.scheduler == "slurm" else None,
+        plan_lead_s=args.notice + 5.0 if args.plan_lead is None else args.plan_lead,
     )
 
 
@@ -313,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--notice", type=int, default=2,
                     help="a lease's notice, wall s (Slurm: the lent partition's GraceTime; Kubernetes: the lent "
                          "pods' termination grace period)")
+    ap.add_argument("--plan-lead", type=float, default=None,
+                    help="wall seconds before a pending job's planned start that the GPUs its plan needs "
+                         "stop being lent (default: the notice + 5 s; inf: nothing planned is lent)")
     ap.add_argument("--demand-peak", type=float, default=0.5, help="edge demand at its peak, share of the GPUs")
     ap.add_argument("--demand-trough", type=float, default=0.25, help="edge demand at its trough, share of the GPUs")
     ap.add_argument("--lease-gpus", type=int, default=1,

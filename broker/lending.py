@@ -47,6 +47,14 @@ a preemption is noticed when Slurm signals it rather than at the next full read:
 * a time limit Slurm refuses for a carved placeholder it has just chosen for preemption ("Job has
   already finished") is that preemption, seen early, not a failure.
 
+A placeholder's time limit is ``placeholder_minutes``, but on a node where Slurm plans a pending
+training job to start (``StartTime`` and ``SchedNodeList`` of the job), only the whole minutes
+that end :data:`PLAN_MARGIN_S` before that start (:func:`placeholder_minutes`): Slurm's backfill
+starts a job on GPUs its plan needs for a pending job only if it ends by then, as it fills them
+with any short job. Once running, a placeholder is taken back by preemption like any other when
+the job can start, earlier than planned or not. An idle placeholder that leaves for its time limit is no take-back:
+its GPU does not cool down, and a new placeholder holds it while it is still to hold.
+
 Slurm needs nothing from gpupool: holds are ordinary jobs with time limits (a lease's end), and
 partition preemption takes them back with the grace time whether or not the broker runs.
 
@@ -221,6 +229,26 @@ class NoLending:
         return {}
 
 
+PLAN_MARGIN_S = 10.0
+"""A placeholder on a node with a planned training start ends at least this long (s) before it."""
+
+SIGNAL_EARLY_S = 60.0
+"""How early (s) Slurm may send a job's ``--signal`` before the time given (sbatch(1): "due to
+the resolution of event handling by Slurm, the signal may be sent up to 60 seconds earlier")."""
+
+
+def placeholder_minutes(planned_start: float | None, now: float, most: int) -> int:
+    """Time limit (whole minutes, Slurm's granularity) of a placeholder submitted at ``now`` on
+    a node where Slurm plans a pending job to start at ``planned_start`` (Unix s; ``None``: no
+    plan there): the whole minutes that end at least :data:`PLAN_MARGIN_S` before the planned
+    start, at most ``most``; ``most`` when not one minute fits (Slurm may still start it on a
+    GPU of the node the plan does not need) or there is no plan."""
+    if planned_start is None:
+        return most
+    fits = math.floor((planned_start - now - PLAN_MARGIN_S) / 60.0)
+    return min(most, fits) if fits >= 1 else most
+
+
 class SlurmLending:
     """Leases carved from placeholder jobs in Slurm's lent partition (module docstring).
 
@@ -238,7 +266,8 @@ class SlurmLending:
         read_every_s: seconds between two reads of Slurm's jobs otherwise (what no term file
             tells: a node failure, a placeholder preempted while idle).
         term_poll_s: seconds between two looks for the term files of carved placeholders.
-        placeholder_minutes: time limit of an idle placeholder, minutes.
+        placeholder_minutes: time limit of an idle placeholder, minutes (less on a node with a
+            planned training start: :func:`placeholder_minutes`).
         unwanted_grace_s: an idle placeholder on a GPU no longer offered is cancelled after
             this many seconds; a placeholder pending this long is cancelled too.
         retake_cooldown_s: a GPU Slurm took back (a placeholder it preempted, idle or carved, or
@@ -315,6 +344,8 @@ class SlurmLending:
         """Placeholders submitted and not yet seen running: job id → (node, submit time)."""
         self._submitting: dict[str, int] = {}
         """``sbatch`` of a placeholder in progress, per node."""
+        self._plans: dict[str, float] = {}
+        """Node → when Slurm plans a pending training job to start there (the latest read)."""
         self._unwanted: dict[str, float] = {}
         """Idle placeholders on GPUs not offered: job id → since when (clock)."""
         self._ports: dict[str, dict[str, int]] = {}
@@ -738,12 +769,14 @@ class SlurmLending:
             log.error("scancel_failed", extra={"job_ids": list(job_ids), "error": str(e)})
 
     async def _submit(self, host: str) -> None:
-        """One placeholder on ``host``: one GPU, :attr:`placeholder_cpus` CPUs."""
+        """One placeholder on ``host``: one GPU, :attr:`placeholder_cpus` CPUs, the time limit
+        :func:`placeholder_minutes` gives for the node's planned training start."""
         s = self.scheduler
         gres = f"gpu:{s.gres_type}:1" if s.gres_type else "gpu:1"
+        minutes = placeholder_minutes(self._plans.get(host), self._clock(), self.placeholder_minutes)
         argv = [
             "sbatch", "--parsable", f"--partition={s.partition}", f"--nodelist={host}", "--nodes=1",
-            f"--gres={gres}", f"--cpus-per-task={self.placeholder_cpus}", f"--time={self.placeholder_minutes}",
+            f"--gres={gres}", f"--cpus-per-task={self.placeholder_cpus}", f"--time={minutes}",
             f"--signal=B:TERM@{max(1, math.ceil(self.notice_s))}", f"--job-name={JOB_NAME}",
             f"--comment={IDLE_COMMENT}", f"--output={self.control_dir / 'placeholder-%j.out'}", "--no-requeue",
         ]  # fmt: skip
@@ -784,7 +817,7 @@ class SlurmLending:
     async def _poll(self) -> None:
         """One read of Slurm: preemptions and lost holds → reclaims; placeholders kept."""
         read_at = self._clock()
-        listed, training = await self.scheduler.jobs_and_training()
+        listed, training, self._plans = await self.scheduler.jobs_and_training()
         self._seen_training(training, read_at)
         jobs = {h.job_id: h for h in listed if h.state is not HoldState.ENDED}
         taken = {h.job_id: h for h in listed if self._deadline_if_chosen(h) is not None}
@@ -859,12 +892,13 @@ class SlurmLending:
         one has that job read alone (those of several leases at once); Slurm chose it for preemption → reclaimed with Slurm's
         deadline at once (as :meth:`_poll` would at its next read); gone → ``hold_lost``; still
         running unchosen (its time limit's signal) → left to :meth:`_poll`."""
-        left = [(host, i) for host, by_index in self._idle.items() for i, h in by_index.items()
+        now = self._clock()
+        left = [(host, i, h) for host, by_index in self._idle.items() for i, h in by_index.items()
                 if not self._file(h.job_id, "idle").exists()]  # fmt: skip
         if left:  # preempted while idle (its script renamed the idle file away): not lendable now
-            for host, i in left:
+            for host, i, _ in left:
                 del self._idle[host][i]
-            self._cool(left)
+            self._cool((host, i) for host, i, h in left if not self._timed_out(h, now))
             await self._tell()
         signalled: dict[str, Hold] = {}
         for lease_id, holds in self._leases.items():
@@ -879,6 +913,18 @@ class SlurmLending:
         read = await asyncio.gather(*(self.scheduler.jobs(h.job_id) for h in signalled.values()))
         for (lease_id, h), listed in zip(signalled.items(), read, strict=True):
             await self._judge(lease_id, [h.job_id], listed)
+
+    def _timed_out(self, idle: Hold, now: float) -> bool:
+        """Whether the idle placeholder ``idle``, seen leaving at ``now``, left for its time
+        limit's signal (``--signal=B:TERM@<notice>``, which Slurm may send up to
+        :data:`SIGNAL_EARLY_S` early) rather than a preemption: the signal was due, and no
+        training job is planned to start on its node by the end of a notice (the latest read)."""
+        plan = self._plans.get(idle.host)
+        return (
+            idle.deadline is not None
+            and idle.deadline - self.notice_s - SIGNAL_EARLY_S <= now
+            and (plan is None or plan > now + self.notice_s)
+        )
 
     async def _judge(self, lease_id: str, job_ids: Sequence[str], listed: Sequence[Hold]) -> bool:
         """After a read of some of a lease's jobs (``job_ids``; ``listed``: what Slurm showed of

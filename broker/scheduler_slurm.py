@@ -196,6 +196,35 @@ def training_gpus(text: str) -> frozenset[tuple[str, int]]:
     return frozenset(out)
 
 
+def planned_starts(text: str) -> dict[str, float]:
+    """When Slurm plans to start a pending job other than gpupool's on each node, from
+    ``scontrol show job -d -o`` output: ``{node: earliest StartTime}`` (Unix s).
+
+    A job is read when its ``JobName`` is not :data:`JOB_NAME`, its ``JobState`` is ``PENDING``
+    and both its ``StartTime`` (the backfill scheduler's expected start) and ``SchedNodeList``
+    (the nodes it is planned onto, Slurm's hostlist syntax) are set. Raises ``ValueError`` on a
+    malformed time or host list.
+    """
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if "JobId=" not in line or f" JobName={JOB_NAME} " in line:
+            continue
+        state = _JOB_STATE.search(line)
+        if state is None or state.group(1) != "PENDING":
+            continue
+        rec = parse_job_lines(line)[0]
+        start, nodes = parse_time(rec.get("StartTime", "Unknown")), rec.get("SchedNodeList", "")
+        if start is None or nodes in _NO_TIME:
+            continue
+        try:
+            hosts = hostlist.expand_hostlist(nodes)
+        except hostlist.BadHostlist as e:
+            raise ValueError(f"bad host list {nodes!r}: {e}") from e
+        for host in hosts:
+            out[host] = min(start, out.get(host, start))
+    return out
+
+
 def _listed(line: str) -> bool:
     """True for a job line :meth:`SlurmScheduler.jobs` returns: a job not ended, or one that
     ended after Slurm chose it for preemption (``PreemptTime`` set)."""
@@ -384,21 +413,22 @@ class SlurmScheduler:
                 return []
             raise
 
-    async def jobs_and_training(self) -> tuple[list[Hold], frozenset[tuple[str, int]]]:
-        """One read of every job: the holds (as :meth:`jobs` lists them) and the GPUs the other
-        running jobs (training) hold, ``{(node, GRES index)}`` (:func:`training_gpus`). Raises
-        :class:`SchedulerError` if Slurm cannot be read or prints what cannot be read."""
+    async def jobs_and_training(self) -> tuple[list[Hold], frozenset[tuple[str, int]], dict[str, float]]:
+        """One read of every job: the holds (as :meth:`jobs` lists them), the GPUs the other
+        running jobs (training) hold, ``{(node, GRES index)}`` (:func:`training_gpus`), and when
+        the other pending jobs are planned to start, ``{node: Unix s}`` (:func:`planned_starts`).
+        Raises :class:`SchedulerError` if Slurm cannot be read or prints what cannot be read."""
         argv = ("scontrol", "show", "job", "-d", "-o")
         return await asyncio.get_running_loop().run_in_executor(self._executor(), self._read, argv)
 
-    def _read(self, argv: tuple[str, ...]) -> tuple[list[Hold], frozenset[tuple[str, int]]]:
+    def _read(self, argv: tuple[str, ...]) -> tuple[list[Hold], frozenset[tuple[str, int]], dict[str, float]]:
         """:meth:`jobs_and_training` in the calling thread."""
         text = self._run(argv, None)
         try:
-            training = training_gpus(text)
+            training, planned = training_gpus(text), planned_starts(text)
         except ValueError as e:
             raise SchedulerError(f"unreadable scontrol output: {e}") from e
-        return self._holds(text), training
+        return self._holds(text), training, planned
 
     def _jobs(self, argv: tuple[str, ...]) -> list[Hold]:
         """:meth:`jobs` in the calling thread."""

@@ -135,6 +135,10 @@ class DemoConfig:
     slurm_conf: Path | None = None
     """With Slurm: the ``slurm.conf`` of a cluster someone else runs (and stops): the demo lends
     through it (:meth:`gpupool.demo_slurm.DemoCluster.attach`) instead of starting its own."""
+    plan_lead_s: float = 10.0
+    """With a scheduler: a GPU its plan needs for a pending job is lent until this long (s, wall)
+    before the job's planned start, and its lease is at risk from then
+    (:class:`analytics.scheduler.SchedulerJoin`); ``math.inf``: nothing planned is lent."""
     training_submit: bool = True
     """With Slurm: submit the demo's own training jobs; ``False``: only follow the cluster's jobs
     (someone else submits them, e.g. the harvest replay, ``bench/harvest.py``)."""
@@ -519,7 +523,8 @@ async def _run_pipeline(
                                  idle=IdleConfig(min_idle_s=cfg.min_idle_s if parts is None else min(cfg.min_idle_s, 1.0), stale_after_s=max(3.0, 6 * cfg.scrape_interval_s),
                                                  # the trace is exact: idle means 0 % duty cycle
                                                  idle_threshold=0.0, busy_threshold=0.0),
-                                 refresh_s=5.0, metrics=AnalyticsMetrics(registry), scheduler=parts is not None)
+                                 refresh_s=5.0, metrics=AnalyticsMetrics(registry), scheduler=parts is not None,
+                                 plan_lead_s=cfg.plan_lead_s)
     bu, bp = creds("gpupool-broker")
     broker = BrokerService(bus=bus, topics=topics, mqtt_host=mhost, mqtt_port=port, mqtt_username=bu,
                            mqtt_password=bp, root=root, protocol=protocol, fabric=fabric,

@@ -258,6 +258,11 @@ class AnalyticsSettings(BaseModel):
     """Join the training scheduler's state (telemetry.scheduler, from gpupool collect run
     --slurm-conf or --kubernetes): offer a GPU only when the scheduler has it unallocated, never promise past a
     pending job's planned start on its node."""
+    plan_lead_s: Annotated[float, Flag()] = Field(default=600.0, ge=0)
+    """With scheduler: a GPU the scheduler's plan needs for a pending job is offered until this
+    long before the job's planned start (seconds), as the scheduler's backfill fills it, and its
+    lease is told it is at risk then; keep it above the lease notice. A very large value lends
+    nothing the plan needs."""
 
 
 class BrokerPolicy(BaseModel):

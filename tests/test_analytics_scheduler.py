@@ -299,12 +299,43 @@ def test_a_gpu_the_plan_needs_is_not_lent_and_carries_its_planned_start() -> Non
     # the free GPUs 1, 2 are planned; the lent hold 0 too only past the free ones: not here
     assert [join.block_reason(_status(f"k{i}"), T0) for i in range(4)] == [
         None, "scheduler_planned", "scheduler_planned", None]
-    assert [join.planned_start(_status(f"k{i}")) for i in range(4)] == [None, T0 + 100, T0 + 100, None]
-    assert join.planned_start(_status("unknown-key")) is None
+    assert [join.planned_start(_status(f"k{i}"), T0) for i in range(4)] == [None, T0 + 100, T0 + 100, None]
+    assert join.planned_start(_status("unknown-key"), T0) is None
     # once the planned start is now, the whole node is held back (as before)
     assert join.block_reason(_status("k3"), T0 + 100) == "scheduler_planned_start"
     join.forget_hosts([HOST])
-    assert join.planned_start(_status("k1")) is None
+    assert join.planned_start(_status("k1"), T0) is None
+
+
+def test_a_gpu_planned_later_than_the_lead_is_lent_until_the_lead_before_its_start() -> None:
+    """The plan needs GPUs 0, 1 at T0 + 100: with a lead of 30 s they are lendable (no reason, no
+    planned start: no lease at risk) until T0 + 70, then withheld and their planned start
+    published; the node's window still ends at the planned start (no promise past it)."""
+    join = SchedulerJoin(stale_after_s=600.0, plan_lead_s=30.0)
+    for i in range(8):
+        join.note_gpu(f"k{i}", i)
+    join.observe(_planned_node(need=2))
+    for now, reason, start in (
+        (T0, None, None),
+        (T0 + 69.999, None, None),
+        (T0 + 70.0, "scheduler_planned", T0 + 100),  # exactly the lead before: withheld
+        (T0 + 99.0, "scheduler_planned", T0 + 100),
+    ):
+        assert join.block_reason(_status("k1", ts=T0), now) == reason, now
+        assert join.planned_start(_status("k1", ts=T0), now) == start, now
+        assert join.block_reason(_status("k2", ts=T0), now) is None  # not one the plan needs
+    # a sample newer than the clock counts as now
+    assert join.planned_start(_status("k1", ts=T0 + 70.0), T0) == T0 + 100
+    assert join.window_end(HOST) == T0 + 100
+    # lead 0: lendable until the planned start itself; an infinite lead: never (the strict rule)
+    zero, strict = SchedulerJoin(600.0, plan_lead_s=0.0), SchedulerJoin(600.0, plan_lead_s=float("inf"))
+    for join_ in (zero, strict):
+        join_.note_gpu("k1", 1)
+        join_.observe(_planned_node(need=2))
+    assert zero.block_reason(_status("k1"), T0 + 99.999) is None
+    assert strict.block_reason(_status("k1"), T0 - 1e6) == "scheduler_planned"
+    with pytest.raises(ValueError):
+        SchedulerJoin(600.0, plan_lead_s=-1.0)
 
 
 def test_gpupools_own_pending_placeholders_are_no_demand() -> None:

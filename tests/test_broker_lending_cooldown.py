@@ -33,8 +33,8 @@ class _Slurm:
     async def jobs(self, job_id: str | None = None) -> list[Hold]:
         return [h for h in self.listed if job_id is None or h.job_id == job_id]
 
-    async def jobs_and_training(self) -> tuple[list[Hold], frozenset[tuple[str, int]]]:
-        return await self.jobs(), frozenset(self.training)
+    async def jobs_and_training(self) -> tuple[list[Hold], frozenset[tuple[str, int]], dict[str, float]]:
+        return await self.jobs(), frozenset(self.training), {}
 
 
 WANTED = ("n1/gpu0", "n1/gpu1", "n1/gpu2")

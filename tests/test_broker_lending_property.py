@@ -93,8 +93,8 @@ class _Slurm:
                             j.started_at))  # fmt: skip
         return out
 
-    async def jobs_and_training(self) -> tuple[list[Hold], frozenset[tuple[str, int]]]:
-        return await self.jobs(), frozenset((HOST, i) for i in self.training_gpus())
+    async def jobs_and_training(self) -> tuple[list[Hold], frozenset[tuple[str, int]], dict[str, float]]:
+        return await self.jobs(), frozenset((HOST, i) for i in self.training_gpus()), {}
 
     async def confirm_notice(self, hold: Hold) -> None:
         """The script already leaving ignores it."""

@@ -16,6 +16,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Collection, Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import pytest
 
 from broker.edge import ClaimRejected, EdgeClient
 from broker.lending import SlurmLending
+from broker.scheduler_slurm import JOB_NAME
 from contracts import (
     KafkaTopics,
     LeaseState,
@@ -272,3 +274,42 @@ async def test_gpus_slurm_preempted_get_no_placeholder_until_the_cooldown_ends(
         await idle_capacity(kafka_bus, kafka_stage_topics, host)
         await until(lambda: slurm.idle_held(lending, host) == 8, 20)
         assert lending._cooling == {}
+
+
+async def test_gpus_planned_for_a_later_training_job_are_held_until_then_and_taken_back_at_its_start(
+    kafka_bus: Bus, kafka_stage_topics: KafkaTopics, mosquitto: dict[str, Any], slurm: SlurmUnderTest
+) -> None:
+    """A training job runs on 4 GPUs of the node (time limit 10 min); an 8-GPU job waits for it,
+    planned onto the node at its end. Slurm's backfill starts placeholders on the 4 free GPUs only
+    with a time limit that ends before that planned start (a 60-minute one would wait); when the
+    first job ends early, Slurm preempts them and the 8-GPU job runs within the notice."""
+    host = "gpu-node-004"
+    first = slurm._run(
+        "sbatch", "--parsable", "-p", "training", "-w", host, "--gres=gpu:h100:4", "-c", "1",
+        "--time=10", "-o", "/dev/null", "--wrap", "sleep 600",
+    ).strip()  # fmt: skip
+    await until(lambda: slurm.training_state(first) == "running", 15)
+    waiting = slurm.submit_training(host, 8)
+    planned: list[float] = []
+
+    def plan() -> bool:
+        out = slurm._run("squeue", "-h", "-j", waiting, "-o", "%S", check=False).strip()
+        if out in ("", "N/A"):
+            return False
+        planned[:] = [datetime.strptime(out, "%Y-%m-%dT%H:%M:%S").timestamp()]
+        return True
+
+    await until(plan, 15)
+    lending = slurm.lending()
+    await idle_capacity(kafka_bus, kafka_stage_topics, host)
+    async with lending_broker(kafka_bus, kafka_stage_topics, mosquitto, lending, SLURM_GRACE_S, (PROFILE,)):
+        await until(lambda: slurm.idle_held(lending, host) == 4, 30)
+        assert lending._plans.get(host) == planned[0]
+        ends = slurm._run("squeue", "-h", "-n", JOB_NAME, "-w", host, "-t", "RUNNING", "-o", "%e").split()
+        assert len(ends) == 4
+        assert all(datetime.strptime(e, "%Y-%m-%dT%H:%M:%S").timestamp() <= planned[0] for e in ends)
+        slurm.cancel(first)
+        began = time.time()
+        await until(lambda: slurm.training_state(waiting) == "running", SLURM_GRACE_S + 15)
+        assert time.time() - began <= SLURM_GRACE_S + 15
+        assert slurm.idle_held(lending, host) == 0

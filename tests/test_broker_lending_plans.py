@@ -1,0 +1,108 @@
+"""broker.lending.SlurmLending on a node where Slurm plans a pending training job: placeholders
+get a time limit that ends before the planned start (Slurm's backfill starts nothing longer on
+GPUs its plan needs), and an idle placeholder that leaves for its time limit is no take-back."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from broker.lending import PLAN_MARGIN_S, SIGNAL_EARLY_S, SlurmLending, placeholder_minutes
+from broker.scheduler import Hold, HoldState
+from broker.scheduler_slurm import planned_starts
+from tests.test_broker_lending_cooldown import _idle, _lending, _sbatch_counter
+
+NOW = 1_000_000.0
+
+
+def test_placeholder_minutes_are_the_whole_minutes_that_end_the_margin_before_the_plan() -> None:
+    assert placeholder_minutes(None, NOW, 60) == 60
+    one = NOW + PLAN_MARGIN_S + 60.0
+    assert placeholder_minutes(one, NOW, 60) == 1  # exactly one minute fits
+    assert placeholder_minutes(one - 0.001, NOW, 60) == 60  # none fits: Slurm may use a GPU not planned
+    assert placeholder_minutes(one + 59.999, NOW, 60) == 1
+    assert placeholder_minutes(one + 60.0, NOW, 60) == 2
+    assert placeholder_minutes(NOW + 7200.0, NOW, 60) == 60  # at most the idle placeholder's own
+    assert placeholder_minutes(NOW - 5.0, NOW, 60) == 60  # a plan already due
+
+
+def _line(job: str, name: str, state: str, start: str, sched: str) -> str:
+    return (
+        f"JobId={job} JobName={name} UserId=root(0) Priority=1 JobState={state} Reason=Resources "
+        f"TimeLimit=00:10:00 SubmitTime=2026-12-01T14:01:29 StartTime={start} EndTime=Unknown "
+        f"Partition=training ReqNodeList=(null) NodeList=(null) SchedNodeList={sched} "
+        "NumNodes=2 NumCPUs=2 TresPerNode=gres:gpu:h100:8 Command=(null) WorkDir=/tmp/sj"
+    )
+
+
+def test_planned_starts_are_the_earliest_start_of_other_pending_jobs_per_node() -> None:
+    t = datetime(2026, 12, 1, 14, 20, 0).timestamp()
+    text = "\n".join([
+        _line("41", "train-1", "PENDING", "2026-12-01T14:20:00", "gpu-node-[001-002]"),
+        _line("42", "train-2", "PENDING", "2026-12-01T14:10:00", "gpu-node-002"),
+        _line("43", "gpupool-lease", "PENDING", "2026-12-01T14:01:00", "gpu-node-003"),  # our own
+        _line("44", "train-3", "RUNNING", "2026-12-01T14:00:00", "gpu-node-004"),
+        _line("45", "train-4", "PENDING", "Unknown", "gpu-node-005"),
+        _line("46", "train-5", "PENDING", "2026-12-01T14:05:00", "(null)"),
+        "",
+    ])  # fmt: skip
+    assert planned_starts(text) == {"gpu-node-001": t, "gpu-node-002": t - 600}
+    with pytest.raises(ValueError):
+        planned_starts(_line("47", "train-6", "PENDING", "2026-12-01T14:05:00", "gpu-node-[001"))
+    with pytest.raises(ValueError):
+        planned_starts(_line("48", "train-7", "PENDING", "14:05", "gpu-node-001"))
+
+
+async def test_a_placeholder_on_a_planned_node_ends_before_the_planned_start(tmp_path: Path) -> None:
+    now = [NOW]
+    lending, slurm, _ = _lending(tmp_path, now)
+    submitted = _sbatch_counter(slurm)
+    plans = {"n1": NOW + PLAN_MARGIN_S + 150.0}  # 2 whole minutes and 30 s
+
+    async def read() -> tuple[list[Hold], frozenset[tuple[str, int]], dict[str, float]]:
+        return [], frozenset(), plans
+
+    slurm.jobs_and_training = read  # type: ignore[method-assign]
+    try:
+        await lending._poll()
+        await asyncio.sleep(0.05)
+        assert len(submitted) == 3 and all("--time=2" in argv for argv in submitted)
+        plans.clear()  # the plan is gone: the next ones ask for the whole placeholder time
+        lending._submitted.clear()
+        await lending._poll()
+        await asyncio.sleep(0.05)
+        assert len(submitted) == 6 and all(f"--time={lending.placeholder_minutes}" in a for a in submitted[3:])
+    finally:
+        await lending.stop()
+
+
+def _leaves(lending: SlurmLending, tmp_path: Path, deadline: float | None) -> None:
+    h = _idle(lending, tmp_path, 0, "10")
+    lending._idle["n1"][0] = Hold("", h.job_id, "n1", (0,), HoldState.RUNNING, deadline=deadline)
+    (tmp_path / "10.idle").unlink()  # its script left on a SIGTERM
+
+
+@pytest.mark.parametrize(
+    ("deadline_from_now", "plan_from_now", "cools"),
+    [
+        (2.0 + SIGNAL_EARLY_S, None, False),  # its time limit's signal was due: no take-back
+        (2.0 + SIGNAL_EARLY_S + 0.001, None, True),  # not yet due: Slurm preempted it
+        (None, None, True),  # no time limit known
+        (2.0 + SIGNAL_EARLY_S, 2.0, True),  # due, but a training job is planned there now
+        (2.0 + SIGNAL_EARLY_S, 2.001, False),
+    ],
+)
+async def test_an_idle_placeholder_that_leaves_for_its_time_limit_is_no_take_back(
+    tmp_path: Path, deadline_from_now: float | None, plan_from_now: float | None, cools: bool
+) -> None:
+    now = [NOW]
+    lending, _, _ = _lending(tmp_path, now, retake_hold_max_s=0.0)  # notice 2 s
+    if plan_from_now is not None:
+        lending._plans = {"n1": NOW + plan_from_now}
+    _leaves(lending, tmp_path, None if deadline_from_now is None else NOW + deadline_from_now)
+    await lending._terms()
+    assert lending._idle["n1"] == {}
+    assert (("n1", 0) in lending._cooling) is cools
