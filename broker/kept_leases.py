@@ -9,6 +9,8 @@ replaced on notice (:class:`KeptLeases`), and the endpoints view a site's load b
             await kept.ready(timeout_s=60)          # 2 leases serving
             with kept.endpoints.use() as endpoint:  # per request: a serving host:port (round robin)
                 ...                                  # send the request to http://{endpoint}/...
+            async with kept.endpoints.acquire(wait_s=5) as endpoint:  # or wait for one, at most 5 s
+                ...
 
 What a lease goes through (the broker lends through a training scheduler and runs the workload,
 ``[[broker.workloads]]``; its health check publishes ``LeaseMessage.endpoint``):
@@ -97,6 +99,8 @@ class Endpoints:
         self._next = 0
         self._in_flight: Counter[str] = Counter()
         self._idle: dict[str, asyncio.Event] = {}
+        self._some = asyncio.Event()
+        """Set while at least one endpoint serves (:meth:`acquire` waits on it)."""
 
     @property
     def serving(self) -> tuple[str, ...]:
@@ -126,6 +130,23 @@ class Endpoints:
                 if idle is not None:
                     idle.set()
 
+    @contextlib.asynccontextmanager
+    async def acquire(self, wait_s: float) -> AsyncGenerator[str, None]:
+        """:meth:`use`, but while no endpoint serves, wait for one, at most ``wait_s`` seconds:
+        a request sent in the gap between a lease's deadline and its replacement serving is
+        answered late rather than failed (as KServe's activator holds requests while no replica
+        is ready). Raises :class:`NoEndpoint` when none serves within ``wait_s`` (at once for
+        ``wait_s`` <= 0)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while not self._serving and (left := deadline - loop.time()) > 0:
+            try:
+                await asyncio.wait_for(self._some.wait(), left)
+            except TimeoutError:
+                break
+        with self.use() as endpoint:
+            yield endpoint
+
     async def drained(self, endpoint: str, timeout_s: float) -> bool:
         """Wait until no request is in flight on ``endpoint``, at most ``timeout_s`` seconds;
         True if drained. Call it after the endpoint left :attr:`serving`."""
@@ -147,6 +168,10 @@ class Endpoints:
         if new == self._serving:
             return False
         self._serving = new
+        if new:
+            self._some.set()
+        else:
+            self._some.clear()
         return True
 
 

@@ -52,8 +52,10 @@ class CapacityUpdate(Record):
         planned_start: the training scheduler plans a pending job onto this GPU, to start at
             this time (Unix s; Slurm's expected ``StartTime`` of the job, whose GPUs on the node
             are taken from the node's GPUs no training job holds, lowest index first): set in
-            any ``state``. Such a GPU is not offered (``reason`` ``scheduler_planned``), and a
-            lease holding it is told it is at risk. ``None``: no plan for it.
+            any ``state``, once the start is at most analytics' ``plan_lead_s`` away. Such a GPU is
+            not offered (``reason`` ``scheduler_planned``), and a lease holding it is told it is
+            at risk. ``None``: no plan for it, or one that starts later (the GPU may be lent
+            until then: ``predicted_idle_until`` ends at the planned start).
     """
 
     ts: float

@@ -166,6 +166,8 @@ class ServingSite:
         renew_every_s: renewal period of each lease, seconds (under the broker's lease TTL).
         warmup: requests the site's readiness probe sends to a new endpoint before it takes traffic.
         request_timeout_s: a request without an answer this long fails, seconds.
+        endpoint_wait_s: a request sent while no endpoint serves waits this long for one
+            (:meth:`broker.kept_leases.Endpoints.acquire`), seconds; ``None``: twice the notice.
 
     Attributes:
         kept: the :class:`broker.kept_leases.KeptLeases` while :meth:`run` runs (then the last one).
@@ -182,6 +184,7 @@ class ServingSite:
     renew_every_s: float = 2.0
     warmup: int = 5
     request_timeout_s: float = 2.0
+    endpoint_wait_s: float | None = None
     kept: KeptLeases | None = field(default=None, init=False)
     load: OpenLoopLoad | None = field(default=None, init=False)
     _load_stop: asyncio.Event = field(default_factory=asyncio.Event, init=False)
@@ -227,7 +230,8 @@ class ServingSite:
                             await asyncio.wait_for(self._load_stop.wait(), 0.1)
                     if not self._load_stop.is_set():
                         self.load = OpenLoopLoad(
-                            kept.endpoints, rate_per_s=self.rate_per_s, timeout_s=self.request_timeout_s
+                            kept.endpoints, rate_per_s=self.rate_per_s, timeout_s=self.request_timeout_s,
+                            endpoint_wait_s=2 * self.notice_s if self.endpoint_wait_s is None else self.endpoint_wait_s,
                         )
                         self._began = time.time()
                         try:

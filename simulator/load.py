@@ -178,6 +178,9 @@ class OpenLoopLoad:
         rate_per_s: requests per second (> 0).
         path: the request path (the simulated inference server's ``/v1/infer``).
         timeout_s: a request without an answer this long fails, seconds.
+        endpoint_wait_s: a request sent while no endpoint serves waits this long for one
+            (:meth:`broker.kept_leases.Endpoints.acquire`) before it fails ``no_endpoint``,
+            seconds; the wait counts in its latency. 0: it fails at once.
         clock: Unix time source of ``RequestRecord.sent_at``.
 
     Attributes:
@@ -198,6 +201,7 @@ class OpenLoopLoad:
         rate_per_s: float = 200.0,
         path: str = "/v1/infer",
         timeout_s: float = 2.0,
+        endpoint_wait_s: float = 0.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if not rate_per_s > 0:
@@ -206,6 +210,7 @@ class OpenLoopLoad:
         self.rate_per_s = rate_per_s
         self.path = path
         self.timeout_s = timeout_s
+        self.endpoint_wait_s = endpoint_wait_s
         self._clock = clock
         self.records: list[RequestRecord] = []
         self.sent = 0
@@ -269,7 +274,7 @@ class OpenLoopLoad:
         error = ""
         connect = _Connect()
         try:
-            with self.endpoints.use() as endpoint:
+            async with self.endpoints.acquire(self.endpoint_wait_s) as endpoint:
                 async with session.post(f"http://{endpoint}{self.path}", json={}, trace_request_ctx=connect) as answer:
                     await answer.read()
                     if answer.status != 200:

@@ -213,6 +213,37 @@ async def test_endpoints_round_robin_count_in_flight_and_drain() -> None:
     assert ep.in_flight("a:1") == 0 and await ep.drained("a:1", 0)
 
 
+async def test_acquire_waits_for_an_endpoint_at_most_its_wait_then_fails() -> None:
+    """A request sent while no endpoint serves waits for one (the gap between a lease's deadline
+    and its replacement serving) up to ``wait_s``, then takes the first that joins; past the wait,
+    or with none, it fails ``NoEndpoint``; an endpoint that leaves again keeps it waiting."""
+    ep = Endpoints()
+    with pytest.raises(NoEndpoint):
+        async with ep.acquire(0):
+            pass
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(NoEndpoint):
+        async with ep.acquire(0.05):
+            pass
+    assert asyncio.get_running_loop().time() - t0 >= 0.05
+
+    async def take() -> tuple[str, int]:
+        async with ep.acquire(1.0) as endpoint:
+            return endpoint, ep.in_flight(endpoint)
+
+    waiting = asyncio.create_task(take())
+    await asyncio.sleep(0.02)
+    ep._set(["a:1"])
+    ep._set([])  # gone before the waiter ran: it waits on
+    await asyncio.sleep(0.02)
+    assert not waiting.done()
+    ep._set(["b:2"])
+    assert await asyncio.wait_for(waiting, 1.0) == ("b:2", 1)
+    assert ep.in_flight("b:2") == 0
+    async with ep.acquire(0) as endpoint:  # one serves: at once, as use()
+        assert endpoint == "b:2"
+
+
 # keeping the target ------------------------------------------------------------------------------------
 async def test_claims_up_to_the_target_and_serves_each_endpoint_once_healthy() -> None:
     clock = Clock()
