@@ -892,10 +892,10 @@ class SlurmLending:
         one has that job read alone (those of several leases at once); Slurm chose it for preemption → reclaimed with Slurm's
         deadline at once (as :meth:`_poll` would at its next read); gone → ``hold_lost``; still
         running unchosen (its time limit's signal) → left to :meth:`_poll`."""
-        now = self._clock()
         left = [(host, i, h) for host, by_index in self._idle.items() for i, h in by_index.items()
                 if not self._file(h.job_id, "idle").exists()]  # fmt: skip
         if left:  # preempted while idle (its script renamed the idle file away): not lendable now
+            now = self._clock()
             for host, i, _ in left:
                 del self._idle[host][i]
             self._cool((host, i) for host, i, h in left if not self._timed_out(h, now))
