@@ -49,9 +49,10 @@ a preemption is noticed when Slurm signals it rather than at the next full read:
 
 A placeholder's time limit is ``placeholder_minutes``, but on a node where Slurm plans a pending
 training job to start (``StartTime`` and ``SchedNodeList`` of the job), only the whole minutes
-that end :data:`PLAN_MARGIN_S` before that start (:func:`placeholder_minutes`): Slurm's backfill
-starts a job on GPUs its plan needs for a pending job only if it ends by then, as it fills them
-with any short job. Once running, a placeholder is taken back by preemption like any other when
+that end before that start at the backfill scheduler's resolution (:func:`placeholder_minutes`,
+with the timing read from ``scontrol show config`` at start): Slurm's backfill starts a job on
+GPUs its plan needs for a pending job only if it ends by then, as it fills them with any short
+job. Once running, a placeholder is taken back by preemption like any other when
 the job can start, earlier than planned or not. An idle placeholder that leaves for its time limit is no take-back:
 its GPU does not cool down, and a new placeholder holds it while it is still to hold.
 
@@ -82,7 +83,15 @@ from broker.config import BrokerConfig
 from broker.metrics import BrokerMetrics
 from broker.placeholders import GpuMap, placeholder_script, read_term, start_script
 from broker.scheduler import Hold, HoldState, SchedulerError
-from broker.scheduler_slurm import COMMENT_PREFIX, IDLE_COMMENT, JOB_NAME, SlurmScheduler, job_gone
+from broker.scheduler_slurm import (
+    COMMENT_PREFIX,
+    IDLE_COMMENT,
+    JOB_NAME,
+    SLURM_BACKFILL_DEFAULTS,
+    BackfillTiming,
+    SlurmScheduler,
+    job_gone,
+)
 from broker.workloads import (
     WorkloadError,
     WorkloadProfile,
@@ -229,23 +238,32 @@ class NoLending:
         return {}
 
 
-PLAN_MARGIN_S = 10.0
-"""A placeholder on a node with a planned training start ends at least this long (s) before it."""
+PLAN_SLACK_S = 5.0
+"""How long (s) after ``sbatch`` a placeholder may start, besides waiting for a backfill cycle."""
 
 SIGNAL_EARLY_S = 60.0
 """How early (s) Slurm may send a job's ``--signal`` before the time given (sbatch(1): "due to
 the resolution of event handling by Slurm, the signal may be sent up to 60 seconds earlier")."""
 
 
-def placeholder_minutes(planned_start: float | None, now: float, most: int) -> int:
+def placeholder_minutes(
+    planned_start: float | None, now: float, most: int, timing: BackfillTiming = SLURM_BACKFILL_DEFAULTS
+) -> int:
     """Time limit (whole minutes, Slurm's granularity) of a placeholder submitted at ``now`` on
     a node where Slurm plans a pending job to start at ``planned_start`` (Unix s; ``None``: no
-    plan there): the whole minutes that end at least :data:`PLAN_MARGIN_S` before the planned
-    start, at most ``most``; ``most`` when not one minute fits (Slurm may still start it on a
-    GPU of the node the plan does not need) or there is no plan."""
+    plan there), with the backfill scheduler's ``timing``.
+
+    The placeholder must end by the planned start rounded down to a multiple of
+    ``timing.resolution_s`` (Slurm's backfill keeps times at that resolution: one ending past it
+    stays pending), even if it starts ``timing.interval_s`` + :data:`PLAN_SLACK_S` after
+    ``now`` (the next backfill cycle). The result is the whole minutes that fit, at most
+    ``most``; ``most`` when not one minute fits (Slurm may still start it on a GPU of the node
+    the plan does not need) or there is no plan.
+    """
     if planned_start is None:
         return most
-    fits = math.floor((planned_start - now - PLAN_MARGIN_S) / 60.0)
+    end_by = math.floor(planned_start / timing.resolution_s) * timing.resolution_s
+    fits = math.floor((end_by - now - timing.interval_s - PLAN_SLACK_S) / 60.0)
     return min(most, fits) if fits >= 1 else most
 
 
@@ -346,6 +364,8 @@ class SlurmLending:
         """``sbatch`` of a placeholder in progress, per node."""
         self._plans: dict[str, float] = {}
         """Node → when Slurm plans a pending training job to start there (the latest read)."""
+        self._backfill = SLURM_BACKFILL_DEFAULTS
+        """The backfill scheduler's timing (read at :meth:`start`; Slurm's defaults until then)."""
         self._unwanted: dict[str, float] = {}
         """Idle placeholders on GPUs not offered: job id → since when (clock)."""
         self._ports: dict[str, dict[str, int]] = {}
@@ -372,6 +392,11 @@ class SlurmLending:
         at once (``hold_lost``)."""
         self.control_dir.mkdir(parents=True, exist_ok=True)
         await self._read_addrs()
+        try:
+            self._backfill = await self.scheduler.backfill_timing()
+        except SchedulerError as e:  # Slurm's defaults: placeholders on planned nodes end earlier
+            self._metrics.scheduler_errors.labels(operation="read").inc()
+            log.warning("backfill_timing_unread", extra={"error": str(e), "assumed": str(self._backfill)})
         jobs = [h for h in await self.scheduler.jobs() if h.state is not HoldState.ENDED]
         live_ids = {r.lease_id: r for r in live}
         by_gpu = {g: r for r in live for g in r.gpus}
@@ -417,6 +442,8 @@ class SlurmLending:
             extra={
                 "adopted_leases": sorted(self._leases),
                 "placeholders": sum(len(v) for v in self._idle.values()),
+                "bf_interval_s": self._backfill.interval_s,
+                "bf_resolution_s": self._backfill.resolution_s,
             },
         )
 
@@ -773,7 +800,9 @@ class SlurmLending:
         :func:`placeholder_minutes` gives for the node's planned training start."""
         s = self.scheduler
         gres = f"gpu:{s.gres_type}:1" if s.gres_type else "gpu:1"
-        minutes = placeholder_minutes(self._plans.get(host), self._clock(), self.placeholder_minutes)
+        minutes = placeholder_minutes(
+            self._plans.get(host), self._clock(), self.placeholder_minutes, self._backfill
+        )
         argv = [
             "sbatch", "--parsable", f"--partition={s.partition}", f"--nodelist={host}", "--nodes=1",
             f"--gres={gres}", f"--cpus-per-task={self.placeholder_cpus}", f"--time={minutes}",

@@ -41,6 +41,7 @@ import subprocess
 import time
 from collections.abc import Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -225,6 +226,47 @@ def planned_starts(text: str) -> dict[str, float]:
     return out
 
 
+@dataclass(frozen=True)
+class BackfillTiming:
+    """The backfill scheduler's timing (slurm.conf(5), ``SchedulerParameters``).
+
+    Attributes:
+        interval_s: ``bf_interval``, seconds between two backfill cycles (Slurm's default 30).
+        resolution_s: ``bf_resolution``, seconds: the backfill scheduler keeps the times at
+            which jobs start and end in multiples of this (Slurm's default 60). A job it starts
+            on resources its plan needs later must end by the planned start rounded down to
+            such a multiple (Unix time), not only by the planned start.
+    """
+
+    interval_s: float = 30.0
+    resolution_s: float = 60.0
+
+
+SLURM_BACKFILL_DEFAULTS = BackfillTiming()
+"""Slurm's own ``bf_interval`` and ``bf_resolution`` (what a cluster that sets neither has)."""
+
+_BF_PARAM = re.compile(r"(?:^|,)(bf_interval|bf_resolution)=(\d+)(?=,|$)")
+
+
+def backfill_timing(text: str) -> BackfillTiming:
+    """:class:`BackfillTiming` from ``scontrol show config`` output (its ``SchedulerParameters
+    = a=b,c=d`` line; Slurm's defaults for what it does not set, or when the line is missing).
+    Raises ``ValueError`` for a ``bf_interval`` or ``bf_resolution`` of 0."""
+    params = ""
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.strip() == "SchedulerParameters":
+            params = value.strip()
+    found = {k: float(v) for k, v in _BF_PARAM.findall(params)}
+    timing = BackfillTiming(
+        interval_s=found.get("bf_interval", SLURM_BACKFILL_DEFAULTS.interval_s),
+        resolution_s=found.get("bf_resolution", SLURM_BACKFILL_DEFAULTS.resolution_s),
+    )
+    if timing.interval_s <= 0 or timing.resolution_s <= 0:
+        raise ValueError(f"bf_interval and bf_resolution must be positive: {params!r}")
+    return timing
+
+
 def _listed(line: str) -> bool:
     """True for a job line :meth:`SlurmScheduler.jobs` returns: a job not ended, or one that
     ended after Slurm chose it for preemption (``PreemptTime`` set)."""
@@ -397,6 +439,16 @@ class SlurmScheduler:
             err = proc.stderr.decode(errors="replace").strip()
             raise SchedulerError(f"{shlex.join(argv)} exited {proc.returncode}: {err}", proc.returncode)
         return proc.stdout.decode(errors="replace")
+
+    async def backfill_timing(self) -> BackfillTiming:
+        """The backfill scheduler's timing, from ``scontrol show config``
+        (:func:`backfill_timing`). Raises :class:`SchedulerError` if Slurm cannot be read or
+        prints a timing that cannot be read."""
+        text = await self.command("scontrol", "show", "config")
+        try:
+            return backfill_timing(text)
+        except ValueError as e:
+            raise SchedulerError(f"unreadable scontrol show config: {e}") from e
 
     async def jobs(self, job_id: str | None = None) -> list[Hold]:
         """The hold jobs Slurm lists (one job, or every job) that have not ended, and those that

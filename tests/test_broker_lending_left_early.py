@@ -16,7 +16,7 @@ import pytest
 from broker.lending import LendingHooks, SlurmLending
 from broker.metrics import BrokerMetrics
 from broker.scheduler import Hold, HoldState
-from broker.scheduler_slurm import SlurmScheduler
+from broker.scheduler_slurm import SlurmScheduler, BackfillTiming, SLURM_BACKFILL_DEFAULTS
 from contracts import LeaseLogRecord, LeaseState
 from contracts.leases import LeaseReason
 from tests.test_broker_scheduler_slurm import LINE
@@ -35,6 +35,9 @@ class _Slurm:
 
     async def jobs(self, job_id: str | None = None) -> list[Hold]:
         return [h for h in self.listed if job_id is None or h.job_id == job_id]
+
+    async def backfill_timing(self) -> BackfillTiming:
+        return SLURM_BACKFILL_DEFAULTS
 
     async def jobs_and_training(self) -> tuple[list[Hold], frozenset[tuple[str, int]], dict[str, float]]:
         return await self.jobs(), frozenset(), {}

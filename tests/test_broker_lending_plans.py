@@ -10,23 +10,60 @@ from pathlib import Path
 
 import pytest
 
-from broker.lending import PLAN_MARGIN_S, SIGNAL_EARLY_S, SlurmLending, placeholder_minutes
+from broker.lending import PLAN_SLACK_S, SIGNAL_EARLY_S, SlurmLending, placeholder_minutes
 from broker.scheduler import Hold, HoldState
-from broker.scheduler_slurm import planned_starts
+from broker.scheduler_slurm import SLURM_BACKFILL_DEFAULTS, BackfillTiming, backfill_timing, planned_starts
 from tests.test_broker_lending_cooldown import _idle, _lending, _sbatch_counter
 
 NOW = 1_000_000.0
 
 
-def test_placeholder_minutes_are_the_whole_minutes_that_end_the_margin_before_the_plan() -> None:
-    assert placeholder_minutes(None, NOW, 60) == 60
-    one = NOW + PLAN_MARGIN_S + 60.0
-    assert placeholder_minutes(one, NOW, 60) == 1  # exactly one minute fits
-    assert placeholder_minutes(one - 0.001, NOW, 60) == 60  # none fits: Slurm may use a GPU not planned
-    assert placeholder_minutes(one + 59.999, NOW, 60) == 1
-    assert placeholder_minutes(one + 60.0, NOW, 60) == 2
-    assert placeholder_minutes(NOW + 7200.0, NOW, 60) == 60  # at most the idle placeholder's own
-    assert placeholder_minutes(NOW - 5.0, NOW, 60) == 60  # a plan already due
+LOCAL = BackfillTiming(interval_s=2.0, resolution_s=60.0)
+"""The local cluster's backfill timing (deploy/local/slurm.sh)."""
+
+
+def test_placeholder_minutes_end_by_the_planned_start_rounded_down_to_the_backfill_resolution() -> None:
+    assert placeholder_minutes(None, NOW, 60, LOCAL) == 60
+    plan = 1_000_320.0 + 54.0  # the backfill keeps it as 1_000_320 (a multiple of 60 s)
+    start = LOCAL.interval_s + PLAN_SLACK_S  # latest start after submit
+    one = 1_000_320.0 - start - 60.0  # submitted then, one minute ends exactly at 1_000_320
+    assert placeholder_minutes(plan, one, 60, LOCAL) == 1
+    assert placeholder_minutes(plan, one + 0.001, 60, LOCAL) == 60  # none fits: a GPU not planned
+    assert placeholder_minutes(plan, one - 59.999, 60, LOCAL) == 1
+    assert placeholder_minutes(plan, one - 60.0, 60, LOCAL) == 2
+    assert placeholder_minutes(1_000_320.0, one, 60, LOCAL) == 1  # a plan on a multiple is kept as it is
+    assert placeholder_minutes(1_000_320.0 - 0.001, one, 60, LOCAL) == 60
+    assert placeholder_minutes(plan + 7200.0, one, 60, LOCAL) == 60  # at most the placeholder's own
+    assert placeholder_minutes(plan, plan + 5.0, 60, LOCAL) == 60  # a plan already due
+
+
+def test_placeholder_minutes_follow_the_backfill_interval_and_resolution() -> None:
+    plan = 3_600_000.0 + 600.0  # a multiple of 60 s and of 300 s
+    slow = BackfillTiming(interval_s=30.0, resolution_s=60.0)  # Slurm's defaults
+    at = plan - 120.0 - 30.0 - PLAN_SLACK_S  # two minutes fit exactly with a 30 s cycle
+    assert placeholder_minutes(plan, at, 60, slow) == 2
+    assert placeholder_minutes(plan, at + 0.001, 60, slow) == 1
+    assert placeholder_minutes(plan, at, 60) == 2  # the defaults are Slurm's
+    coarse = BackfillTiming(interval_s=30.0, resolution_s=300.0)
+    assert placeholder_minutes(plan + 299.0, at, 60, coarse) == 2  # kept as plan at 300 s
+    assert placeholder_minutes(plan - 1.0, at, 60, coarse) == 60  # kept as plan - 300 s: none fits
+
+
+def test_backfill_timing_is_read_from_scheduler_parameters() -> None:
+    conf = (
+        "Configuration data as of 2026-12-03T06:40:00\n"
+        "SchedulerParameters     = batch_sched_delay=0,bf_interval=2,sched_min_interval=100000\n"
+        "SchedulerType           = sched/backfill\n"
+    )
+    assert backfill_timing(conf) == BackfillTiming(interval_s=2.0, resolution_s=60.0)
+    conf2 = "SchedulerParameters = bf_resolution=300,bf_interval=45\n"
+    assert backfill_timing(conf2) == BackfillTiming(interval_s=45.0, resolution_s=300.0)
+    assert backfill_timing("SchedulerParameters     = (null)\n") == SLURM_BACKFILL_DEFAULTS
+    assert backfill_timing("") == SLURM_BACKFILL_DEFAULTS
+    # a longer name that ends the same is not the parameter
+    assert backfill_timing("SchedulerParameters = max_bf_interval=9\n") == SLURM_BACKFILL_DEFAULTS
+    with pytest.raises(ValueError):
+        backfill_timing("SchedulerParameters = bf_resolution=0\n")
 
 
 def _line(job: str, name: str, state: str, start: str, sched: str) -> str:
@@ -60,7 +97,8 @@ async def test_a_placeholder_on_a_planned_node_ends_before_the_planned_start(tmp
     now = [NOW]
     lending, slurm, _ = _lending(tmp_path, now)
     submitted = _sbatch_counter(slurm)
-    plans = {"n1": NOW + PLAN_MARGIN_S + 150.0}  # 2 whole minutes and 30 s
+    # kept as 1_000_200 by the backfill; 165 s fit after Slurm's default 30 s cycle and the slack
+    plans = {"n1": 1_000_200.0 + 30.0}
 
     async def read() -> tuple[list[Hold], frozenset[tuple[str, int]], dict[str, float]]:
         return [], frozenset(), plans
@@ -74,7 +112,9 @@ async def test_a_placeholder_on_a_planned_node_ends_before_the_planned_start(tmp
         lending._submitted.clear()
         await lending._poll()
         await asyncio.sleep(0.05)
-        assert len(submitted) == 6 and all(f"--time={lending.placeholder_minutes}" in a for a in submitted[3:])
+        assert len(submitted) == 6 and all(
+            f"--time={lending.placeholder_minutes}" in a for a in submitted[3:]
+        )
     finally:
         await lending.stop()
 

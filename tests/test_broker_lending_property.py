@@ -25,7 +25,7 @@ from broker.leases import Changes, LeaseBook, PendingGrant
 from broker.lending import LendingHooks, SlurmLending
 from broker.metrics import BrokerMetrics
 from broker.scheduler import Hold, HoldState
-from broker.scheduler_slurm import COMMENT_PREFIX, IDLE_COMMENT
+from broker.scheduler_slurm import COMMENT_PREFIX, IDLE_COMMENT, BackfillTiming, SLURM_BACKFILL_DEFAULTS
 from contracts import CapacityUpdate, Claim, GpuState, IdleGrade, LeaseLogRecord, LeaseState, ReasonCode
 from contracts.mqtt import Release
 
@@ -92,6 +92,9 @@ class _Slurm:
             out.append(Hold(lease, j.job_id, HOST if j.indices else "", j.indices, state, j.end, j.preempted_at,
                             j.started_at))  # fmt: skip
         return out
+
+    async def backfill_timing(self) -> BackfillTiming:
+        return SLURM_BACKFILL_DEFAULTS
 
     async def jobs_and_training(self) -> tuple[list[Hold], frozenset[tuple[str, int]], dict[str, float]]:
         return await self.jobs(), frozenset((HOST, i) for i in self.training_gpus()), {}

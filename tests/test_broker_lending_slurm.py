@@ -25,8 +25,8 @@ import httpx
 import pytest
 
 from broker.edge import ClaimRejected, EdgeClient
-from broker.lending import SlurmLending
-from broker.scheduler_slurm import JOB_NAME
+from broker.lending import PLAN_SLACK_S, SlurmLending, placeholder_minutes
+from broker.scheduler_slurm import JOB_NAME, SlurmScheduler
 from contracts import (
     KafkaTopics,
     LeaseState,
@@ -276,14 +276,9 @@ async def test_gpus_slurm_preempted_get_no_placeholder_until_the_cooldown_ends(
         assert lending._cooling == {}
 
 
-async def test_gpus_planned_for_a_later_training_job_are_held_until_then_and_taken_back_at_its_start(
-    kafka_bus: Bus, kafka_stage_topics: KafkaTopics, mosquitto: dict[str, Any], slurm: SlurmUnderTest
-) -> None:
-    """A training job runs on 4 GPUs of the node (time limit 10 min); an 8-GPU job waits for it,
-    planned onto the node at its end. Slurm's backfill starts placeholders on the 4 free GPUs only
-    with a time limit that ends before that planned start (a 60-minute one would wait); when the
-    first job ends early, Slurm preempts them and the 8-GPU job runs within the notice."""
-    host = "gpu-node-004"
+async def _planned_node(slurm: SlurmUnderTest, host: str) -> tuple[str, str, float]:
+    """A training job on 4 GPUs of ``host`` (time limit 10 min) and an 8-GPU one waiting for
+    it, planned onto ``host`` at its end: (running job, waiting job, planned start in Unix s)."""
     first = slurm._run(
         "sbatch", "--parsable", "-p", "training", "-w", host, "--gres=gpu:h100:4", "-c", "1",
         "--time=10", "-o", "/dev/null", "--wrap", "sleep 600",
@@ -300,14 +295,68 @@ async def test_gpus_planned_for_a_later_training_job_are_held_until_then_and_tak
         return True
 
     await until(plan, 15)
+    return first, waiting, planned[0]
+
+
+async def test_slurm_backfills_a_placeholder_of_the_fitted_minutes_on_planned_gpus_and_not_a_minute_more(
+    slurm: SlurmUnderTest,
+) -> None:
+    """Slurm's own rule, which :func:`broker.lending.placeholder_minutes` follows with the
+    cluster's backfill timing: on GPUs planned for a pending job, the backfill starts a job of
+    the minutes it gives, and leaves one a minute longer pending although that one too would end
+    10 s or more before the planned start: past the planned start rounded down to
+    ``bf_resolution``. The planned start is put 40-46 s past a whole minute (up to a minute's
+    wait), the submissions at a moment the longer one ends in that gap (up to another)."""
+    host = "gpu-node-004"
+    timing = await SlurmScheduler(slurm.conf).backfill_timing()
+    assert timing.resolution_s == 60  # the local cluster's (Slurm's default)
+    await until(lambda: 40 <= time.time() % 60 < 46, 61)
+    _, _, planned = await _planned_node(slurm, host)
+    end_by = planned // 60 * 60
+    gap = planned - end_by
+    assert gap >= 30, f"the first job started late: the plan is {gap:.0f} s past a whole minute"
+
+    def past() -> float:
+        """How long after ``end_by`` a placeholder a minute longer than the fitted one ends."""
+        return 60 - (end_by - time.time() - timing.interval_s - PLAN_SLACK_S) % 60 - timing.interval_s - PLAN_SLACK_S
+
+    await until(lambda: 3 <= past() <= gap - 12, 61)
+    fitted = placeholder_minutes(planned, time.time(), 60, timing)
+    assert 1 <= fitted < 10
+
+    def submit(minutes: int) -> str:
+        return slurm._run(
+            "sbatch", "--parsable", "-p", "lent", "-w", host, "--gres=gpu:h100:1", "-c", "1",
+            f"--time={minutes}", f"--job-name={JOB_NAME}", "-o", "/dev/null", "--wrap", "sleep 600",
+        ).strip()  # fmt: skip
+
+    at = time.time()
+    longer, fits = submit(fitted + 1), submit(fitted)
+    await until(lambda: slurm.training_state(fits) == "running", timing.interval_s + PLAN_SLACK_S + 5)
+    await asyncio.sleep(2 * timing.interval_s + 1)  # two more backfill cycles
+    assert slurm.training_state(longer) == "pending"
+    end = slurm._run("squeue", "-h", "-j", fits, "-o", "%e").strip()
+    assert datetime.strptime(end, "%Y-%m-%dT%H:%M:%S").timestamp() <= end_by
+    assert at + 60 * (fitted + 1) <= planned - 10  # the longer one would end 10 s before the plan
+
+
+async def test_gpus_planned_for_a_later_training_job_are_held_until_then_and_taken_back_at_its_start(
+    kafka_bus: Bus, kafka_stage_topics: KafkaTopics, mosquitto: dict[str, Any], slurm: SlurmUnderTest
+) -> None:
+    """A training job runs on 4 GPUs of the node (time limit 10 min); an 8-GPU job waits for it,
+    planned onto the node at its end. Slurm's backfill starts placeholders on the 4 free GPUs only
+    with a time limit that ends before that planned start (a 60-minute one would wait); when the
+    first job ends early, Slurm preempts them and the 8-GPU job runs within the notice."""
+    host = "gpu-node-004"
+    first, waiting, planned = await _planned_node(slurm, host)
     lending = slurm.lending()
     await idle_capacity(kafka_bus, kafka_stage_topics, host)
     async with lending_broker(kafka_bus, kafka_stage_topics, mosquitto, lending, SLURM_GRACE_S, (PROFILE,)):
         await until(lambda: slurm.idle_held(lending, host) == 4, 30)
-        assert lending._plans.get(host) == planned[0]
+        assert lending._plans.get(host) == planned
         ends = slurm._run("squeue", "-h", "-n", JOB_NAME, "-w", host, "-t", "RUNNING", "-o", "%e").split()
         assert len(ends) == 4
-        assert all(datetime.strptime(e, "%Y-%m-%dT%H:%M:%S").timestamp() <= planned[0] for e in ends)
+        assert all(datetime.strptime(e, "%Y-%m-%dT%H:%M:%S").timestamp() <= planned for e in ends)
         slurm.cancel(first)
         began = time.time()
         await until(lambda: slurm.training_state(waiting) == "running", SLURM_GRACE_S + 15)
