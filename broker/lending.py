@@ -52,9 +52,13 @@ training job to start (``StartTime`` and ``SchedNodeList`` of the job), only the
 that end before that start at the backfill scheduler's resolution (:func:`placeholder_minutes`,
 with the timing read from ``scontrol show config`` at start): Slurm's backfill starts a job on
 GPUs its plan needs for a pending job only if it ends by then, as it fills them with any short
-job. Once running, a placeholder is taken back by preemption like any other when
-the job can start, earlier than planned or not. An idle placeholder that leaves for its time limit is no take-back:
-its GPU does not cool down, and a new placeholder holds it while it is still to hold.
+job. Once running, a placeholder is taken back by preemption like any other when the job can
+start, earlier than planned or not, and Slurm's plan does not move for its time limit: so, once
+seen running, a placeholder that started with a shorter limit gets ``placeholder_minutes``
+(``scontrol update ... TimeLimit=``, before any carving renames it) and holds its GPU up to the
+planned start instead of leaving up to a minute and the backfill's rounding before it. An idle
+placeholder that leaves for its time limit is no take-back: its GPU does not cool down, and a new
+placeholder holds it while it is still to hold.
 
 Slurm needs nothing from gpupool: holds are ordinary jobs with time limits (a lease's end), and
 partition preemption takes them back with the grace time whether or not the broker runs.
@@ -365,6 +369,10 @@ class SlurmLending:
         self._plans: dict[str, float] = {}
         """Node → when Slurm plans a pending training job to start there (the latest read)."""
         self._backfill = SLURM_BACKFILL_DEFAULTS
+        self._extended: set[str] = set()
+        """Idle placeholders started with a shorter time limit whose limit was raised (or tried)."""
+        self._extending: dict[str, asyncio.Task[None]] = {}
+        """Raises in progress: job id → the task running ``scontrol update`` (a carving waits)."""
         """The backfill scheduler's timing (read at :meth:`start`; Slurm's defaults until then)."""
         self._unwanted: dict[str, float] = {}
         """Idle placeholders on GPUs not offered: job id → since when (clock)."""
@@ -711,6 +719,9 @@ class SlurmLending:
         ``scontrol update JobId=<id,id,...>`` per time limit (jobs started in the same minute
         share one)."""
         await asyncio.sleep(_RETAG_DELAY_S)
+        raising = {t for h in holds if (t := self._extending.get(h.job_id)) is not None}
+        if raising:  # a raise of the idle placeholder's limit must not land after the lease's
+            await asyncio.wait(raising)
         groups: dict[int | None, list[str]] = {}
         for h in holds:
             minutes = None
@@ -872,6 +883,7 @@ class SlurmLending:
         if confirm:  # every job of the lease gets SIGTERM (the workload drains), off the notices' path
             self._background(self._confirm(confirm), "hold-confirm-notice")
         self._keep_placeholders(jobs, now)
+        self._extend_short()
         wanted = self._wanted()
         for job_id, (_, since) in list(self._submitted.items()):
             if job_id not in jobs:
@@ -1089,6 +1101,48 @@ class SlurmLending:
                 return True
         return any(not indices <= self._idle.get(host, {}).keys() for host, indices in wanted.items())
 
+    def _extend_short(self) -> None:
+        """Raise to :attr:`placeholder_minutes` the time limit of the idle placeholders that
+        started with a shorter one (:func:`placeholder_minutes` fitted it before a planned
+        start), in the background, once each. Slurm's backfill starts a job on GPUs its plan
+        needs only if it ends by the planned start; once running, a placeholder is preempted at
+        that start like any other (the plan does not move for it), so it holds its GPU up to
+        then instead of leaving up to a minute and the backfill's rounding before."""
+        most = self.placeholder_minutes * 60.0
+        short = sorted(
+            h.job_id
+            for by_index in self._idle.values()
+            for h in by_index.values()
+            if h.job_id not in self._extended
+            and h.deadline is not None
+            and h.started_at is not None
+            and h.deadline - h.started_at < most
+        )
+        if not short:
+            return
+        self._extended.update(short)
+        task = self._background(self._extend(short), "placeholder-extend")
+        for job_id in short:
+            self._extending[job_id] = task
+
+    async def _extend(self, job_ids: list[str]) -> None:
+        """One ``scontrol update JobId=<id,...> TimeLimit=<placeholder_minutes>``; a job that
+        ended or that Slurm chose for preemption meanwhile ("already finished") keeps its limit,
+        any other refusal is counted (``operation="extend"``) and logged; never raises."""
+        try:
+            await self.scheduler.command(
+                "scontrol", "update", f"JobId={','.join(job_ids)}", f"TimeLimit={self.placeholder_minutes}"
+            )
+        except SchedulerError as e:
+            if job_gone(e) or "already finished" in str(e):
+                log.info("placeholder_extend_skipped", extra={"job_ids": job_ids, "error": str(e)})
+            else:
+                self._metrics.scheduler_errors.labels(operation="extend").inc()
+                log.error("placeholder_extend_failed", extra={"job_ids": job_ids, "error": str(e)})
+        finally:
+            for job_id in job_ids:
+                self._extending.pop(job_id, None)
+
     def _keep_placeholders(self, jobs: dict[str, Hold], now: float) -> None:
         """Rebuild the idle placeholders from Slurm's jobs whose script has written its idle file
         (those carved meanwhile stay out)."""
@@ -1109,6 +1163,7 @@ class SlurmLending:
         self._idle = idle
         for job_id in [j for j in self._unwanted if j not in jobs]:
             del self._unwanted[job_id]
+        self._extended &= jobs.keys()
 
     async def _confirm(self, holds: list[Hold]) -> None:
         """:meth:`SlurmScheduler.confirm_notice` of each of ``holds``, at once."""
@@ -1128,10 +1183,11 @@ class SlurmLending:
         if self._reclaim is not None:
             await self._reclaim(lease_id, deadline, reason)
 
-    def _background(self, coro: Coroutine[object, object, None], name: str) -> None:
+    def _background(self, coro: Coroutine[object, object, None], name: str) -> asyncio.Task[None]:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
 
 def lending_from(settings: BrokerSettings, config: BrokerConfig, state_dir: Path) -> Lending:

@@ -12,6 +12,7 @@ import pytest
 
 from broker.lending import PLAN_SLACK_S, SIGNAL_EARLY_S, SlurmLending, placeholder_minutes
 from broker.scheduler import Hold, HoldState
+from contracts import LeaseLogRecord, LeaseState
 from broker.scheduler_slurm import SLURM_BACKFILL_DEFAULTS, BackfillTiming, backfill_timing, planned_starts
 from tests.test_broker_lending_cooldown import _idle, _lending, _sbatch_counter
 
@@ -146,3 +147,79 @@ async def test_an_idle_placeholder_that_leaves_for_its_time_limit_is_no_take_bac
     await lending._terms()
     assert lending._idle["n1"] == {}
     assert (("n1", 0) in lending._cooling) is cools
+
+
+def _running(tmp_path: Path, job: str, index: int, limit_s: float) -> Hold:
+    (tmp_path / f"{job}.idle").write_text("")
+    return Hold("", job, "n1", (index,), HoldState.RUNNING, deadline=NOW + limit_s, started_at=NOW)
+
+
+async def test_an_idle_placeholder_started_short_gets_the_whole_placeholder_time_once(tmp_path: Path) -> None:
+    """Slurm's plan does not move for a running placeholder's time limit: one that started with
+    a fitted (shorter) limit gets ``placeholder_minutes`` once it is seen running, once."""
+    lending, slurm, _ = _lending(tmp_path, [NOW])
+    commands: list[tuple[str, ...]] = []
+
+    async def command(*argv: str, stdin: str | None = None) -> str:
+        commands.append(argv)
+        return ""
+
+    slurm.command = command  # type: ignore[method-assign]
+    most = lending.placeholder_minutes * 60.0
+    slurm.listed = [
+        _running(tmp_path, "10", 0, most - 0.001),
+        _running(tmp_path, "11", 1, most),  # the whole placeholder time already
+        Hold("", "12", "n1", (2,), HoldState.PENDING),
+    ]
+    try:
+        await lending._poll()
+        await asyncio.sleep(0.05)
+        assert [a for a in commands if a[0] == "scontrol"] == [("scontrol", "update", "JobId=10", "TimeLimit=60")]
+        await lending._poll()  # read again with the old limit (the update not yet seen): not again
+        await asyncio.sleep(0.05)
+        assert len([a for a in commands if a[0] == "scontrol"]) == 1
+        slurm.listed[2] = _running(tmp_path, "12", 2, 120.0)
+        slurm.listed.append(_running(tmp_path, "13", 3, 60.0))
+        await lending._poll()
+        await asyncio.sleep(0.05)
+        assert commands[-1] == ("scontrol", "update", "JobId=12,13", "TimeLimit=60")  # one update for all
+        assert lending._extending == {}
+    finally:
+        await lending.stop()
+
+
+async def test_a_lease_carved_while_its_placeholder_limit_is_raised_gets_its_own_limit_last(
+    tmp_path: Path,
+) -> None:
+    """The raise of an idle placeholder's limit and the carving's time limit (the lease's end) go
+    to Slurm in that order, however slow the first command is."""
+    lending, slurm, _ = _lending(tmp_path, [NOW])
+    order: list[str] = []
+    slow = asyncio.Event()
+
+    async def command(*argv: str, stdin: str | None = None) -> str:
+        if argv[:2] == ("scontrol", "update") and argv[-1] == "TimeLimit=60":
+            await slow.wait()
+        if argv[0] == "scontrol":
+            order.append(argv[-1])
+        return ""
+
+    slurm.command = command  # type: ignore[method-assign]
+    slurm.listed = [_running(tmp_path, "10", 0, 120.0)]
+    try:
+        await lending._poll()
+        held = lending._idle["n1"][0]
+        rec = LeaseLogRecord(
+            lease_id="L1", site="edge-a", claim_id="c1", offer_id="o1", gpus=["n1/gpu0"], state=LeaseState.GRANTED,
+            ts=NOW, granted_at=NOW, expires_at=NOW + 600.0, ends_at=NOW + 600.0, notice_seconds=2.0,
+        )  # fmt: skip
+        lending._leases["L1"] = [held]
+        retag = asyncio.create_task(lending._retag(rec, [held]))
+        await asyncio.sleep(0.5)  # past the retag's own delay
+        assert order == []  # the carving waits for the raise
+        slow.set()
+        await retag
+        assert order == ["TimeLimit=60", "TimeLimit=10"]
+    finally:
+        slow.set()
+        await lending.stop()

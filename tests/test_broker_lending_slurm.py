@@ -344,9 +344,10 @@ async def test_gpus_planned_for_a_later_training_job_are_held_until_then_and_tak
     kafka_bus: Bus, kafka_stage_topics: KafkaTopics, mosquitto: dict[str, Any], slurm: SlurmUnderTest
 ) -> None:
     """A training job runs on 4 GPUs of the node (time limit 10 min); an 8-GPU job waits for it,
-    planned onto the node at its end. Slurm's backfill starts placeholders on the 4 free GPUs only
-    with a time limit that ends before that planned start (a 60-minute one would wait); when the
-    first job ends early, Slurm preempts them and the 8-GPU job runs within the notice."""
+    planned onto the node at its end. Slurm's backfill starts placeholders on the 4 free GPUs (a
+    time limit that ends before that planned start: a 60-minute one would wait); once running,
+    their limit is raised to the placeholder time and the plan stays; when the first job ends
+    early, Slurm preempts them and the 8-GPU job runs within the notice."""
     host = "gpu-node-004"
     first, waiting, planned = await _planned_node(slurm, host)
     lending = slurm.lending()
@@ -354,9 +355,14 @@ async def test_gpus_planned_for_a_later_training_job_are_held_until_then_and_tak
     async with lending_broker(kafka_bus, kafka_stage_topics, mosquitto, lending, SLURM_GRACE_S, (PROFILE,)):
         await until(lambda: slurm.idle_held(lending, host) == 4, 30)
         assert lending._plans.get(host) == planned
-        ends = slurm._run("squeue", "-h", "-n", JOB_NAME, "-w", host, "-t", "RUNNING", "-o", "%e").split()
-        assert len(ends) == 4
-        assert all(datetime.strptime(e, "%Y-%m-%dT%H:%M:%S").timestamp() <= planned for e in ends)
+
+        def limits() -> list[str]:
+            return slurm._run("squeue", "-h", "-n", JOB_NAME, "-w", host, "-t", "RUNNING", "-o", "%l").split()
+
+        await until(lambda: limits() == ["1:00:00"] * 4, 5)
+        await asyncio.sleep(3)  # a backfill cycle
+        start = slurm._run("squeue", "-h", "-j", waiting, "-o", "%S").strip()
+        assert datetime.strptime(start, "%Y-%m-%dT%H:%M:%S").timestamp() == planned
         slurm.cancel(first)
         began = time.time()
         await until(lambda: slurm.training_state(waiting) == "running", SLURM_GRACE_S + 15)
