@@ -24,7 +24,8 @@ twice:
    (:class:`simulator.sites.DiurnalDemand`, ``--demand-peak`` / ``--demand-trough`` of the
    cluster's GPUs in all, leases of up to ``--lease-gpus`` GPUs, the first site asking for window
    leases, the others for preemptible ones, every site releasing a lease as soon as it is at
-   risk).
+   risk and, below its demand, claiming as soon as an offer arrives; ``--no-claim-on-offer``:
+   every 0.5 s wall).
 
 It prints, in simulated time unless marked wall, one table: idle GPU-hours (unallocated, and
 allocated-but-idle apart) and the share lent; training queueing delay p50/p95/p99 without and with
@@ -36,7 +37,7 @@ tables follow (:mod:`gpupool.harvest_causes`): the unallocated idle GPU-hours no
 taken back that no training job started on, by cause.
 
 Run: ``.venv/bin/python bench/harvest.py [--scheduler slurm|kubernetes] [--nodes 16] [--hours 24] [--wall-minutes 20] [--load 0.8]
-[--notice 2] [--lease-gpus 1] [--parallel-claims 4] [--demand-peak 0.5] [--demand-trough 0.25] [--start-hour 0] [--cluster Seren] [--seed 1] [--warmup-hours 0] [--without-only] [--without-from earlier.json]
+[--notice 2] [--lease-gpus 1] [--parallel-claims 4] [--no-claim-on-offer] [--demand-peak 0.5] [--demand-trough 0.25] [--start-hour 0] [--cluster Seren] [--seed 1] [--warmup-hours 0] [--without-only] [--without-from earlier.json]
 [--keep DIR] [--json out.json]``;
 a small slice: ``--nodes 4 --hours 2 --wall-minutes 3``. Exit 0 when the replays ran, 2 when the
 cluster could not start, 3 when the pipeline failed. The cluster is stopped at the end, also on an
@@ -101,6 +102,7 @@ def _pipeline_config(args: argparse.Namespace, attach: dict, state: Path, compre
         training_submit=False, training_compression=compression, **attach,
         fabric=FabricMode.OFF, sites=sites, site_demand=demand, site_release_on_at_risk=True,
         site_lease_gpus=args.lease_gpus, site_claim_every_s=0.5, site_parallel_claims=args.parallel_claims,
+        site_claim_on_offer=args.claim_on_offer,
         site_lease_kinds=(LeaseKind.WINDOW, LeaseKind.PREEMPTIBLE, LeaseKind.PREEMPTIBLE),
         offer_ttl_s=20.0, cause_sample_s=0.5 if args.scheduler == "slurm" else None,
         plan_lead_s=args.notice + 5.0 if args.plan_lead is None else args.plan_lead,
@@ -323,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="most GPUs per lease a site claims (Slurm takes a lease back whole)")
     ap.add_argument("--parallel-claims", type=int, default=4,
                     help="claims a site sends at once while below its demand, each on another node's offer")
+    ap.add_argument("--claim-on-offer", action=argparse.BooleanOptionalAction, default=True,
+                    help="a site below its demand claims as soon as an offer arrives (else every 0.5 s wall)")
     ap.add_argument("--start-hour", type=float, default=0.0, help="simulated hour of day the replay starts at")
     ap.add_argument("--without-only", action="store_true", help="run only the replay without lending")
     ap.add_argument("--without-from", type=Path,

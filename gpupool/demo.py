@@ -162,6 +162,9 @@ class DemoConfig:
     site_parallel_claims: int = 1
     """With ``site_demand``: claims a site sends at once, each on another node's offer
     (:class:`simulator.sites.SimulatedSite`)."""
+    site_claim_on_offer: bool = False
+    """With ``site_demand``: an offer arriving starts a site's next claim round at once, rather
+    than after ``site_claim_every_s``."""
     serving_site: str | None = None
     """With a training scheduler (the broker runs the workload on leased GPUs): the site of
     ``sites`` that keeps ``serving_target`` leases of the workload and sends a steady request load
@@ -550,7 +553,7 @@ async def _run_pipeline(
                            max_gpus_per_claim=(cfg.site_lease_gpus or 8) if cfg.site_demand else 4 if parts else 2,
                            claim_every_s=cfg.site_claim_every_s,
                            demand=cfg.site_demand, release_on_at_risk=cfg.site_release_on_at_risk,
-                           parallel_claims=cfg.site_parallel_claims,
+                           parallel_claims=cfg.site_parallel_claims, claim_on_offer=cfg.site_claim_on_offer,
                            lease_kind=cfg.site_lease_kinds[i % len(cfg.site_lease_kinds)] if cfg.site_lease_kinds else None)
              for i, s in enumerate(cfg.sites) if serving is None or s != serving.name]
     demand = TrainingDemand(fleet, bus, topics)

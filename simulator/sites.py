@@ -96,6 +96,9 @@ class SimulatedSite:
             takes some of it), as many as it still wants GPUs; without a demand one at a time.
         lease_kind: the kind each claim asks for (``Claim.lease_kind``); ``None``: unset.
         release_on_at_risk: release a lease as soon as its message says it is at risk.
+        claim_on_offer: with a demand, an offer that arrives ends the wait between two claim
+            rounds at once (a site that subscribes to offers claims when one comes), rather than
+            only after ``claim_every_s``.
     """
 
     def __init__(
@@ -116,6 +119,7 @@ class SimulatedSite:
         lease_kind: LeaseKind | None = None,
         release_on_at_risk: bool = False,
         parallel_claims: int = 1,
+        claim_on_offer: bool = False,
         **connection: Any,
     ) -> None:
         if parallel_claims < 1:
@@ -135,6 +139,9 @@ class SimulatedSite:
         self.lease_kind = lease_kind
         self.release_on_at_risk = release_on_at_risk
         self.parallel_claims = parallel_claims
+        self.claim_on_offer = claim_on_offer
+        self._offered = asyncio.Event()
+        """Set when an offer arrives (read by the claim loop when ``claim_on_offer``)."""
         self._t0 = time.time()
         self.counts: Counter[str] = Counter()
         """``claims_sent``, ``leases_granted``, ``claim_timeouts``, ``renewals``, ``renewals_rejected``,
@@ -198,8 +205,23 @@ class SimulatedSite:
                 self._release_now(m.lease_id, "released_for_demand")
         return more
 
+    async def _pause(self, stop: asyncio.Event) -> bool:
+        """The wait between two claim rounds: ``claim_every_s`` jittered ±50 %, cut short by an
+        offer arriving with ``claim_on_offer`` and a demand; True if stopping."""
+        seconds = self.claim_every_s * self._rng.uniform(0.5, 1.5)
+        if not (self.claim_on_offer and self.demand is not None):
+            return await self._sleep(stop, seconds)
+        self._offered.clear()
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._offered.wait())]
+        try:
+            await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        return stop.is_set()
+
     async def _claim_loop(self, stop: asyncio.Event) -> None:
-        while not await self._sleep(stop, self.claim_every_s * self._rng.uniform(0.5, 1.5)):
+        while not await self._pause(stop):
             offers = sorted(self.client.known_offers.values(), key=lambda o: o.offer_id)
             more = self._wanted_more()
             if more is not None:
@@ -258,6 +280,8 @@ class SimulatedSite:
         task.add_done_callback(self._tasks.discard)
 
     def _on_event(self, event: WatchEvent) -> None:
+        if isinstance(event, Offer):
+            self._offered.set()
         if not isinstance(event, LeaseMessage):
             return
         if (event.at_risk_since is not None and event.state in (LeaseState.GRANTED, LeaseState.ACTIVE)

@@ -1,6 +1,7 @@
 """simulator.sites.SimulatedSite's claims against a demand: below its demand it sends up to
 ``parallel_claims`` claims at once, each on another node's offer, never more GPUs than it still
-wants; one at a time by default."""
+wants; one at a time by default; with ``claim_on_offer`` an arriving offer starts the next
+round at once."""
 
 from __future__ import annotations
 
@@ -68,3 +69,20 @@ async def test_one_claim_at_a_time_by_default() -> None:
     assert fake.most_in_flight == 1 and len(fake.claimed) == 1
     with pytest.raises(ValueError):
         SimulatedSite(name="edge-b", host="127.0.0.1", port=1, parallel_claims=0)
+
+
+async def test_with_claim_on_offer_an_arriving_offer_starts_the_next_claim_round_at_once() -> None:
+    for on_offer in (True, False):
+        site = SimulatedSite(name="edge-b", host="127.0.0.1", port=1, seed=3, claim_every_s=10.0, max_gpus_per_claim=1,
+                             demand=DiurnalDemand(peak_gpus=2, trough_gpus=2, compression=1.0),
+                             claim_on_offer=on_offer)  # fmt: skip
+        fake = FakeClient(1)
+        site.client = fake  # type: ignore[assignment]
+        stop = asyncio.Event()
+        loop = asyncio.create_task(site._claim_loop(stop))
+        await asyncio.sleep(0.05)
+        site._on_event(next(iter(fake.known_offers.values())))
+        await asyncio.sleep(0.3)  # one claim takes 0.2 s
+        stop.set()
+        await loop
+        assert len(fake.claimed) == (1 if on_offer else 0)
