@@ -216,7 +216,7 @@ class BrokerMetrics(MetricSet):
         )
         self.scheduler_errors = self.counter(
             "gpupool_broker_scheduler_errors_total",
-            "Training-scheduler commands that failed, by operation: read, submit, retag, release, signal, "
+            "Training-scheduler commands that failed, by operation: read, submit, retag, extend, release, signal, "
             "start (health check).",
             ["operation"],
         )
