@@ -509,6 +509,10 @@ class SlurmLending:
             for h in taken:
                 if h is not leaving:
                     self._idle.setdefault(h.host, {})[h.gpu_indices[0]] = h
+            # its script left on a SIGTERM: not lendable now, as when the terms' look finds it
+            if not self._timed_out(leaving, self._clock()):
+                self._cool([(leaving.host, leaving.gpu_indices[0])])
+            self._background(self._tell(), f"lendable-{record.lease_id}")
             return (
                 f"Slurm is taking a GPU back for training ({self.scheduler.partition} partition); claim again"
             )

@@ -303,3 +303,36 @@ async def test_a_placeholder_slurm_starts_on_a_gpu_held_back_is_not_lendable_and
         assert told[-1] == {"n1/gpu0", "n1/gpu1"}
     finally:
         await lending.stop()
+
+
+async def test_a_claim_on_a_placeholder_that_just_left_reports_it_unlendable_and_cools_it(tmp_path: Path) -> None:
+    """Slurm preempted an idle placeholder and its script left (idle file gone) before the
+    lending's look for it: a claim that finds it gone is refused, and the GPU is at once no longer
+    lendable (else the lease book offers it again after the refusal, while training runs on it)
+    and cools down, as when the look finds it gone."""
+    now = [1000.0]
+    lending, _, _ = _lending(tmp_path, now, retake_hold_max_s=0.0)
+    told: list[frozenset[str]] = []
+
+    async def lendable(gpus: frozenset[str]) -> None:
+        told.append(gpus)
+
+    lending.bind(LendingHooks(reclaim=lambda *_: asyncio.sleep(0), to_hold=lambda: WANTED, lendable=lendable,
+                              republish=lambda _: None), BrokerMetrics())  # fmt: skip
+    _idle(lending, tmp_path, 0, "10")
+    _idle(lending, tmp_path, 1, "11")
+    await lending._tell()
+    assert told == [frozenset({"n1/gpu0", "n1/gpu1"})]
+    (tmp_path / "10.idle").unlink()  # its script left on Slurm's SIGTERM
+    record = LeaseLogRecord(
+        lease_id="L1", site="edge-a", claim_id="c1", offer_id="o", gpus=["n1/gpu1", "n1/gpu0"],
+        state=LeaseState.GRANTED, ts=now[0], granted_at=now[0], expires_at=now[0] + 600, notice_seconds=2.0,
+    )  # fmt: skip
+    try:
+        assert "taking a GPU back" in await lending.hold(record)
+        await asyncio.sleep(0.01)
+        assert told[-1] == frozenset({"n1/gpu1"})
+        assert ("n1", 0) in lending._cooling and ("n1", 1) not in lending._cooling
+        assert (tmp_path / "11.idle").exists()  # the other one is idle again
+    finally:
+        await lending.stop()
