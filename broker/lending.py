@@ -369,11 +369,11 @@ class SlurmLending:
         self._plans: dict[str, float] = {}
         """Node → when Slurm plans a pending training job to start there (the latest read)."""
         self._backfill = SLURM_BACKFILL_DEFAULTS
+        """The backfill scheduler's timing (read at :meth:`start`; Slurm's defaults until then)."""
         self._extended: set[str] = set()
         """Idle placeholders started with a shorter time limit whose limit was raised (or tried)."""
         self._extending: dict[str, asyncio.Task[None]] = {}
         """Raises in progress: job id → the task running ``scontrol update`` (a carving waits)."""
-        """The backfill scheduler's timing (read at :meth:`start`; Slurm's defaults until then)."""
         self._unwanted: dict[str, float] = {}
         """Idle placeholders on GPUs not offered: job id → since when (clock)."""
         self._ports: dict[str, dict[str, int]] = {}
@@ -509,9 +509,7 @@ class SlurmLending:
             for h in taken:
                 if h is not leaving:
                     self._idle.setdefault(h.host, {})[h.gpu_indices[0]] = h
-            # its script left on a SIGTERM: not lendable now, as when the terms' look finds it
-            if not self._timed_out(leaving, self._clock()):
-                self._cool([(leaving.host, leaving.gpu_indices[0])])
+            self._left_idle([leaving])  # its script left on a SIGTERM: not lendable now
             self._background(self._tell(), f"lendable-{record.lease_id}")
             return (
                 f"Slurm is taking a GPU back for training ({self.scheduler.partition} partition); claim again"
@@ -940,10 +938,9 @@ class SlurmLending:
         left = [(host, i, h) for host, by_index in self._idle.items() for i, h in by_index.items()
                 if not self._file(h.job_id, "idle").exists()]  # fmt: skip
         if left:  # preempted while idle (its script renamed the idle file away): not lendable now
-            now = self._clock()
             for host, i, _ in left:
                 del self._idle[host][i]
-            self._cool((host, i) for host, i, h in left if not self._timed_out(h, now))
+            self._left_idle([h for _, _, h in left])
             await self._tell()
         signalled: dict[str, Hold] = {}
         for lease_id, holds in self._leases.items():
@@ -958,6 +955,12 @@ class SlurmLending:
         read = await asyncio.gather(*(self.scheduler.jobs(h.job_id) for h in signalled.values()))
         for (lease_id, h), listed in zip(signalled.items(), read, strict=True):
             await self._judge(lease_id, [h.job_id], listed)
+
+    def _left_idle(self, left: Iterable[Hold]) -> None:
+        """Idle placeholders whose script has left (out of :attr:`_idle` already): the GPU of each
+        that Slurm took back, rather than its time limit's signal (:meth:`_timed_out`), cools."""
+        now = self._clock()
+        self._cool((h.host, h.gpu_indices[0]) for h in left if not self._timed_out(h, now))
 
     def _timed_out(self, idle: Hold, now: float) -> bool:
         """Whether the idle placeholder ``idle``, seen leaving at ``now``, left for its time
