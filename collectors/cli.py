@@ -113,6 +113,7 @@ def run(settings: DeploymentSettings) -> None:
             dcgm_targets=list(cs.dcgm_targets),
             sysfs_roots=roots,
             interval_s=cs.interval_s,
+            sysfs_interval_s=cs.sysfs_interval_s,
             timeout_s=cs.timeout_s,
             concurrency=cs.concurrency,
             nvsmi_commands=commands,

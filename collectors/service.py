@@ -37,7 +37,7 @@ import logging
 import shlex
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -144,6 +144,10 @@ class CollectorService:
         dcgm_targets: dcgm-exporter ``/metrics`` URLs.
         sysfs_roots: ``(host, sys_root)`` pairs; ``sys_root`` holds ``class/infiniband``.
         interval_s: seconds from the start of one cycle to the start of the next.
+        sysfs_interval_s: seconds between the starts of two reads of the sysfs roots; ``None``
+            (or ``interval_s``): every cycle reads them. Any other interval: :meth:`run` reads
+            them on their own schedule (:meth:`read_sysfs_once`), so a slow read never delays a
+            GPU scrape, and :meth:`collect_once` leaves them out.
         timeout_s: deadline of one scrape, seconds.
         concurrency: scrapes in flight at most.
         client_id: the producer's client id.
@@ -185,8 +189,8 @@ class CollectorService:
             their own. Its ``/metrics`` serves :attr:`registry`.
 
     Raises:
-        ValueError: ``interval_s``, ``timeout_s``, ``concurrency``, ``forget_after_s``,
-            ``fabric_interval_s`` or ``fabric_discover_every`` not positive.
+        ValueError: ``interval_s``, ``sysfs_interval_s``, ``timeout_s``, ``concurrency``,
+            ``forget_after_s``, ``fabric_interval_s`` or ``fabric_discover_every`` not positive.
     """
 
     def __init__(
@@ -197,6 +201,7 @@ class CollectorService:
         dcgm_targets: Sequence[str],
         sysfs_roots: Sequence[tuple[str, Path]],
         interval_s: float = 5.0,
+        sysfs_interval_s: float | None = None,
         timeout_s: float = 2.0,
         concurrency: int = 64,
         client_id: str = "gpupool-collector",
@@ -220,6 +225,8 @@ class CollectorService:
             raise ValueError("interval_s, timeout_s and forget_after_s must be > 0 and concurrency >= 1")
         if fabric_interval_s <= 0 or fabric_discover_every < 1:
             raise ValueError("fabric_interval_s must be > 0 and fabric_discover_every >= 1")
+        if sysfs_interval_s is not None and sysfs_interval_s <= 0:
+            raise ValueError("sysfs_interval_s must be > 0 (or None: every cycle)")
         self.metrics = metrics if metrics is not None else CollectorMetrics()
         """This service's Prometheus metrics."""
         self.fabric = fabric
@@ -230,6 +237,8 @@ class CollectorService:
         self.dcgm_targets = list(dcgm_targets)
         self.sysfs_roots = [(h, Path(p)) for h, p in sysfs_roots]
         self.interval_s = interval_s
+        self.sysfs_interval_s = interval_s if sysfs_interval_s is None else sysfs_interval_s
+        """Seconds between two reads of the sysfs roots (``interval_s``: every cycle)."""
         self.timeout_s = timeout_s
         self.concurrency = concurrency
         self.client_id = client_id
@@ -338,8 +347,8 @@ class CollectorService:
 
     async def collect_once(self) -> CollectStats:
         """Run one cycle over every target whose interval is the service's ``interval_s``
-        (targets with an interval of their own are scraped by :meth:`run`) and every root, and
-        return what it did.
+        (targets with an interval of their own are scraped by :meth:`run`) and every sysfs root
+        (unless they have an interval of their own: ``sysfs_interval_s``), and return what it did.
 
         Raises:
             RuntimeError: :meth:`start` was not called.
@@ -348,8 +357,9 @@ class CollectorService:
             raise RuntimeError("CollectorService.start() must be awaited before collect_once()")
         t0 = time.monotonic()
         targets = [t for t in self.targets.targets if t.interval_s == self.interval_s]
-        stats = CollectStats(targets=len(targets), sysfs_roots=len(self.sysfs_roots))
-        reads = [asyncio.create_task(self._read_root(host, root)) for host, root in self.sysfs_roots]
+        roots = self.sysfs_roots if self.sysfs_interval_s == self.interval_s else []
+        stats = CollectStats(targets=len(targets), sysfs_roots=len(roots))
+        reads = [asyncio.create_task(self._read_root(host, root)) for host, root in roots]
         gpu_reads = self._start_gpu_reads(stats)
         ufm_reads = [asyncio.create_task(self._scrape_ufm(url)) for url in self.ufm_targets]
         stats.targets += len(ufm_reads)
@@ -365,11 +375,7 @@ class CollectorService:
         finally:
             for r in [*reads, *gpu_reads, *ufm_reads]:
                 r.cancel()
-        try:
-            await self._flush(self._producer)
-        except Exception as e:  # noqa: BLE001 — counted; the next cycle tries again
-            self.metrics.produce_errors.labels("*", type(e).__name__).inc()
-            log.warning("producer_flush_failed", extra={"error": repr(e)})
+        await self._flush_counted()
         stats.duration_s = time.monotonic() - t0
         self.metrics.cycle_duration.observe(stats.duration_s)
         self.last_stats = stats
@@ -387,10 +393,43 @@ class CollectorService:
         )
         return stats
 
+    async def read_sysfs_once(self) -> CollectStats:
+        """Read every sysfs root and produce its ports (what :meth:`collect_once` does for them
+        when they have no interval of their own); return what it did (``sysfs_roots``,
+        ``ib_ports``, ``sysfs_errors``, ``produced``...).
+
+        Raises:
+            RuntimeError: :meth:`start` was not called.
+        """
+        if self._producer is None:
+            raise RuntimeError("CollectorService.start() must be awaited before read_sysfs_once()")
+        t0 = time.monotonic()
+        stats = CollectStats(sysfs_roots=len(self.sysfs_roots))
+        reads = [asyncio.create_task(self._read_root(host, root)) for host, root in self.sysfs_roots]
+        try:
+            for read in asyncio.as_completed(reads):
+                await self._handle_sysfs(await read, stats)
+        finally:
+            for r in reads:
+                r.cancel()
+        await self._flush_counted()
+        stats.duration_s = time.monotonic() - t0
+        return stats
+
+    async def _flush_counted(self) -> None:
+        """Flush the producer; a failure is counted and logged (the next round tries again)."""
+        assert self._producer is not None  # callers check start() first
+        try:
+            await self._flush(self._producer)
+        except Exception as e:  # noqa: BLE001 — counted; the next cycle tries again
+            self.metrics.produce_errors.labels("*", type(e).__name__).inc()
+            log.warning("producer_flush_failed", extra={"error": repr(e)})
+
     async def run(self, stop: asyncio.Event) -> None:
         """Call :meth:`collect_once` every ``interval_s`` until ``stop`` is set; meanwhile re-read
         the file_sd files every ``file_sd_refresh_s`` and scrape the targets that have an
-        interval of their own on their own schedule, and sweep the fabric every
+        interval of their own on their own schedule, read the sysfs roots every
+        ``sysfs_interval_s`` when that is not ``interval_s``, and sweep the fabric every
         ``fabric_interval_s`` when a fabric collector is configured. An exception of a cycle is
         logged and counted (``gpupool_collector_loop_errors_total``; fabric rounds:
         ``gpupool_collector_fabric_errors_total``), never raised."""
@@ -403,33 +442,42 @@ class CollectorService:
             if self.fabric is not None
             else None
         )
+        sysfs = (
+            asyncio.create_task(self._every(self.sysfs_interval_s, self.read_sysfs_once, "sysfs_read", stop))
+            if self.sysfs_roots and self.sysfs_interval_s != self.interval_s
+            else None
+        )
         try:
-            await self._run_cycles(stop)
+            await self._every(self.interval_s, self.collect_once, "collect_cycle", stop)
         finally:
-            tasks = [watcher, *loops.values(), *([fabric] if fabric is not None else [])]
+            tasks = [watcher, *loops.values(), *(t for t in (fabric, sysfs) if t is not None)]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _run_cycles(self, stop: asyncio.Event) -> None:
-        """The :meth:`collect_once` loop of :meth:`run`."""
+    async def _every(
+        self, interval_s: float, once: Callable[[], Awaitable[CollectStats]], what: str, stop: asyncio.Event
+    ) -> None:
+        """The loops of :meth:`run`: ``once()`` every ``interval_s`` until ``stop`` is set; an
+        exception is counted (``gpupool_collector_loop_errors_total``) and logged
+        (``<what>_failed``), a round longer than the interval is logged (``<what>_overrun``)."""
         while not stop.is_set():
             started = time.monotonic()
             try:
-                await self.collect_once()
+                await once()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the loop must outlive any one cycle (logged with its traceback)
                 self.metrics.loop_errors.labels(type(e).__name__).inc()
-                log.exception("collect_cycle_failed")
+                log.exception(f"{what}_failed", extra={"interval_s": interval_s})
             elapsed = time.monotonic() - started
-            if elapsed > self.interval_s:
+            if elapsed > interval_s:
                 log.warning(
-                    "collect_cycle_overrun",
-                    extra={"elapsed_s": round(elapsed, 3), "interval_s": self.interval_s},
+                    f"{what}_overrun",
+                    extra={"elapsed_s": round(elapsed, 3), "interval_s": interval_s},
                 )
             try:
-                await asyncio.wait_for(stop.wait(), max(0.0, self.interval_s - elapsed))
+                await asyncio.wait_for(stop.wait(), max(0.0, interval_s - elapsed))
             except TimeoutError:
                 pass
 
@@ -501,20 +549,11 @@ class CollectorService:
 
     async def _interval_loop(self, interval_s: float, stop: asyncio.Event) -> None:
         """Scrape the targets whose interval is ``interval_s`` every ``interval_s`` seconds."""
-        while not stop.is_set():
-            started = time.monotonic()
-            targets = [t for t in self.targets.targets if t.interval_s == interval_s]
-            try:
-                await self._collect_targets(targets)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # the loop must outlive any one round (logged with its traceback)
-                self.metrics.loop_errors.labels(type(e).__name__).inc()
-                log.exception("collect_targets_failed", extra={"interval_s": interval_s})
-            try:
-                await asyncio.wait_for(stop.wait(), max(0.0, interval_s - (time.monotonic() - started)))
-            except TimeoutError:
-                pass
+
+        async def once() -> CollectStats:
+            return await self._collect_targets([t for t in self.targets.targets if t.interval_s == interval_s])
+
+        await self._every(interval_s, once, "collect_targets", stop)
 
     async def _collect_targets(self, targets: Sequence[Target]) -> CollectStats:
         """Scrape ``targets`` only (no sysfs, nvidia-smi or NVML) and produce what they yield.
@@ -525,11 +564,7 @@ class CollectorService:
         stats = CollectStats(targets=len(targets))
         async for res in self._scrape(targets):
             await self._handle_scrape(res, stats)
-        try:
-            await self._flush(self._producer)
-        except Exception as e:  # noqa: BLE001 — counted; the next round tries again
-            self.metrics.produce_errors.labels("*", type(e).__name__).inc()
-            log.warning("producer_flush_failed", extra={"error": repr(e)})
+        await self._flush_counted()
         stats.duration_s = time.monotonic() - t0
         log.debug(
             "collect_targets",

@@ -93,6 +93,9 @@ class DemoConfig:
     start_step: int = 120
     seed: int = 7
     scrape_interval_s: float = 0.5
+    sysfs_interval_s: float | None = None
+    """Seconds between two updates and reads of the simulated nodes' InfiniBand sysfs trees;
+    ``None``: every scrape (``scrape_interval_s``)."""
     min_idle_s: float = 3.0
     notice_s: float = 4.0
     lease_ttl_s: float = 6.0
@@ -521,6 +524,7 @@ async def _run_pipeline(
 
     collector = CollectorService(bus=bus, topics=topics, dcgm_targets=list(server.urls().values()),
                                  sysfs_roots=sysfs.roots(), interval_s=cfg.scrape_interval_s,
+                                 sysfs_interval_s=cfg.sysfs_interval_s,
                                  timeout_s=max(0.2, cfg.scrape_interval_s * 2), metrics=CollectorMetrics(registry))
     analytics = AnalyticsService(bus=bus, topics=topics, db_path=str(cfg.state_dir / f"analytics-{run_id}.duckdb"),
                                  idle=IdleConfig(min_idle_s=cfg.min_idle_s if parts is None else min(cfg.min_idle_s, 1.0), stale_after_s=max(3.0, 6 * cfg.scrape_interval_s),
@@ -576,7 +580,7 @@ async def _run_pipeline(
         while not stop.is_set():
             sysfs.update(time.time())
             try:
-                await asyncio.wait_for(stop.wait(), cfg.scrape_interval_s)
+                await asyncio.wait_for(stop.wait(), cfg.sysfs_interval_s or cfg.scrape_interval_s)
             except TimeoutError:
                 pass
 

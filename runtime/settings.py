@@ -185,6 +185,9 @@ class CollectorsSettings(BaseModel):
     """Bytes the spool may take in spool_dir."""
     interval_s: Annotated[float, Flag("interval")] = Field(default=5.0, gt=0)
     """Seconds between the starts of two collection cycles."""
+    sysfs_interval_s: Annotated[float | None, Flag("sysfs_interval")] = Field(default=None, gt=0)
+    """Seconds between the starts of two reads of the sysfs roots (InfiniBand port counters), on
+    their own schedule so that a slow read never delays a GPU scrape; none: every cycle."""
     timeout_s: Annotated[float, Flag("timeout")] = Field(default=2.0, gt=0)
     """Deadline of one scrape, seconds."""
     concurrency: Annotated[int, Flag()] = Field(default=64, ge=1)

@@ -92,6 +92,10 @@ def test_run_fabric_alone_is_a_source_and_its_options_are_settings(
     assert res.exit_code == 1, res.output
     res = runner.invoke(app, ["run", "--kafka", "127.0.0.1:1", "--fabric", "--fabric-interval", "0"])
     assert res.exit_code == 2 and "fabric_interval_s" in res.output
+    res = runner.invoke(app, ["run", "--kafka", "127.0.0.1:1", "--fabric", "--sysfs-interval", "0"])
+    assert res.exit_code == 2 and "sysfs_interval_s" in res.output
+    assert run_settings(None).collectors.sysfs_interval_s is None  # every cycle
+    assert run_settings(None, sysfs_interval=15).collectors.sysfs_interval_s == 15.0
     toml = tmp_path / "gpupool.toml"
     toml.write_text(
         'kafka = "127.0.0.1:1"\n[collectors]\nfabric = true\nfabric_interval_s = 60\n'

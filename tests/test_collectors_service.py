@@ -148,6 +148,72 @@ async def test_run_survives_a_failing_cycle_and_stops_on_event(
     assert len(bus.records(TOPICS.telemetry_gpu)) >= 2  # cycles 1, 3, 4 produced (one record each)
 
 
+async def test_sysfs_roots_with_an_interval_of_their_own_are_read_apart_from_the_cycles(
+    exporters: FakeExporters, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``sysfs_interval_s`` other than ``interval_s``: ``collect_once`` leaves the roots out,
+    ``read_sysfs_once`` reads them, and ``run`` reads them on their own schedule (a slow read
+    delays no GPU scrape); equal to ``interval_s`` (or unset) every cycle reads them."""
+    root = [("h", SYSFS_CASES / "saturated_pma_counters" / "sys")]
+    bus = MemoryBus()
+    svc = CollectorService(bus=bus, topics=TOPICS, dcgm_targets=[exporters.url("/ok/1")], sysfs_roots=root,
+                           interval_s=0.05, sysfs_interval_s=0.3)  # fmt: skip
+    with pytest.raises(RuntimeError):
+        await svc.read_sysfs_once()
+    await svc.start()
+    try:
+        cycle = await svc.collect_once()
+        assert (cycle.gpu_samples, cycle.sysfs_roots, cycle.ib_ports) == (4, 0, 0)
+        assert not bus.records(TOPICS.telemetry_ib_port)
+        read = await svc.read_sysfs_once()
+        assert (read.sysfs_roots, read.ib_ports, read.produced, read.gpu_samples) == (1, 1, 1, 0)
+        assert len(bus.records(TOPICS.telemetry_ib_port)) == 1
+
+        # run(): a sysfs read that hangs (a stuck file) must not hold the GPU cycles back
+        release = asyncio.Event()
+        reads = 0
+        real_read = svc.read_sysfs_once
+
+        async def slow_read() -> CollectStats:
+            nonlocal reads
+            reads += 1
+            await release.wait()
+            return await real_read()
+
+        monkeypatch.setattr(svc, "read_sysfs_once", slow_read)
+        stop = asyncio.Event()
+        before = svc.cycles
+        task = asyncio.create_task(svc.run(stop))
+        while svc.cycles < before + 5:
+            await asyncio.sleep(0.01)
+        assert reads == 1  # started once, still hanging, while five GPU cycles ran
+        release.set()
+
+        async def next_read() -> None:
+            while reads < 2:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(next_read(), 10.0)  # the sysfs loop goes on after the slow read
+        stop.set()
+        await asyncio.wait_for(task, 2.0)
+    finally:
+        await svc.stop()
+    assert len(bus.records(TOPICS.telemetry_ib_port)) >= 2
+
+    for every_cycle in (None, 0.05):
+        bus = MemoryBus()
+        svc = CollectorService(bus=bus, topics=TOPICS, dcgm_targets=[], sysfs_roots=root, interval_s=0.05,
+                               sysfs_interval_s=every_cycle)  # fmt: skip
+        await svc.start()
+        try:
+            cycle = await svc.collect_once()
+        finally:
+            await svc.stop()
+        assert (cycle.sysfs_roots, cycle.ib_ports) == (1, 1)
+    with pytest.raises(ValueError):
+        CollectorService(bus=MemoryBus(), topics=TOPICS, dcgm_targets=[], sysfs_roots=root, sysfs_interval_s=0)
+
+
 async def test_produce_errors_are_counted_not_raised(exporters: FakeExporters) -> None:
     class RefusingBus(MemoryBus):
         async def append(
