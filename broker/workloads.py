@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import ssl
 import string
 import time
 from collections.abc import Callable, Collection
@@ -143,12 +145,18 @@ def placeholder_cpus(profiles: Collection[WorkloadProfile], default: int) -> int
     return max([default, *(p.cpus_per_gpu for p in profiles)])
 
 
+@functools.cache
+def _tls() -> ssl.SSLContext:
+    """One verifying TLS context for every health check (building one loads the CA store)."""
+    return ssl.create_default_context()
+
+
 async def wait_healthy(url: str, timeout_s: float, wanted: Callable[[], bool], step_s: float = 0.1) -> bool:
     """Poll ``url`` (a workload's health path) with GET until it answers 200: True then; False
     after ``timeout_s`` seconds, or as soon as ``wanted()`` is false (the lease ended). Each try
     may take 1 s; a refused or failed connection is a try that failed."""
     deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(timeout=1.0) as client:
+    async with httpx.AsyncClient(timeout=1.0, verify=_tls()) as client:
         while time.monotonic() < deadline and wanted():
             with contextlib.suppress(httpx.HTTPError):
                 if (await client.get(url)).status_code == 200:
