@@ -21,8 +21,7 @@ Rules (DESIGN.md "Idle capacity"; cases GPU-03, GPU-05, GPU-06, GPU-14 in
 * **Hysteresis.** One sample with activity >= ``busy_threshold`` makes the GPU busy at once. A GPU
   becomes idle only after ``min_idle_s`` of consecutive samples with activity <=
   ``idle_threshold``; samples in between the thresholds keep an idle GPU idle and a non-idle GPU
-  not idle (they break a pending idle run). :meth:`IdleClassifier.settle` ends that wait early
-  for a GPU the caller knows no job runs on (analytics: the scheduler released it).
+  not idle (they break a pending idle run).
 * **Grade.** An idle GPU is ``free`` when ``DCGM_FI_DEV_FB_USED`` (MiB) <= ``free_fb_used_mib``,
   ``memory_held`` otherwise. Without a valid FB_USED (absent for MIG GIs on H100, GPU-06) it gets
   ``fb_unknown_grade`` and its confidence is multiplied by ``fb_unknown_confidence``.
@@ -293,28 +292,6 @@ class IdleClassifier:
     def statuses(self) -> dict[str, GpuStatus]:
         """Current status of every GPU seen, by key (a new dict)."""
         return {k: t.status for k, t in self._tracks.items()}
-
-    def idle_pending(self) -> dict[str, float]:
-        """GPUs whose idle run has not reached ``min_idle_s`` yet: key → the run's first idle
-        sample (Unix s)."""
-        return {
-            k: t.idle_start
-            for k, t in self._tracks.items()
-            if t.idle_start is not None and t.status.state is not GpuState.IDLE and not t.stale
-        }
-
-    def settle(self, key: str) -> GpuStatus | None:
-        """Make GPU ``key`` idle now although its idle run is shorter than ``min_idle_s``, from the
-        run's first idle sample: for a caller that knows from elsewhere that no job runs on it
-        (the training scheduler released it after the run began). Returns the new status, or
-        ``None`` (nothing changed) when the GPU has no pending idle run."""
-        track = self._tracks.get(key)
-        if track is None or track.idle_start is None or track.stale or track.status.state is GpuState.IDLE:
-            return None
-        st = track.status
-        signal = st.reason.removesuffix(",idle_pending")
-        track.status = self._idle_status(st, track.idle_start, signal, st.fb_used_mib)
-        return track.status
 
     def drain_runs(self) -> list[IdleRun]:
         """Idle runs ended since the previous call (each returned once), oldest first."""

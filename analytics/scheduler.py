@@ -16,9 +16,6 @@ the index DCGM reports: the scheduler's GRES index on the same host, :mod:`contr
   wait for the lease's notice), ``scheduler_unknown`` (no scheduler state for the host
   yet, or the scheduler does not list a GPU of that index there, or the GPU's index is unknown),
   ``scheduler_stale`` (the host's latest state is older than ``stale_after_s``);
-* :meth:`SchedulerJoin.released`: the scheduler, read after the GPU's telemetry went idle, holds
-  no job on it: analytics then makes it idle without waiting ``min_idle_s`` (the dwell guards
-  against a running job's pauses, and no job runs there);
 * :meth:`SchedulerJoin.window_end`: the earliest planned start of a pending job planned onto the
   node: a promise (``predicted_idle_until``) is cut there;
 * :meth:`SchedulerJoin.planned_start`: the planned start of the pending job the plan needs this
@@ -253,19 +250,6 @@ class SchedulerJoin:
         if self.planned_start(st, now) is not None:
             return "scheduler_planned"
         return None
-
-    def released(self, st: GpuStatus, since: float) -> bool:
-        """Whether the scheduler's latest read of GPU ``st``'s host, taken at or after ``since``
-        (Unix s: when its telemetry went idle), shows no job holding the GPU but gpupool's own
-        (:data:`contracts.scheduler.LENT_JOB_NAME`): nothing the scheduler started runs on it, so
-        its idle telemetry needs no dwell (:meth:`analytics.classify.IdleClassifier.settle`).
-        ``False`` when the host's read is older, or the GPU's index is unknown or not listed."""
-        node = self._nodes.get(st.host)
-        index = self._index.get(st.key)
-        if node is None or node.ts < since or index is None:
-            return False
-        gpu = next((g for g in node.gpus if g.index == index), None)
-        return gpu is not None and (not gpu.allocated or gpu.job_name == LENT_JOB_NAME)
 
     def planned_start(self, st: GpuStatus, now: float) -> float | None:
         """The planned start (Unix s) of the pending job the scheduler's plan needs GPU ``st``

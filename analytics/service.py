@@ -11,9 +11,7 @@ One :meth:`AnalyticsService.step`:
    both with the garbage collector paused; a record that cannot be used (or one GPU of a scrape
    record) is counted by reason (``gpupool_analytics_rejected_records_total``) and skipped, never
    fatal;
-3. feeds GPU samples to the :class:`~analytics.classify.IdleClassifier` (in offset order; with a
-   scheduler joined, a GPU in its idle dwell that the scheduler released is idle at once:
-   :meth:`analytics.scheduler.SchedulerJoin.released`) and, every
+3. feeds GPU samples to the :class:`~analytics.classify.IdleClassifier` (in offset order) and, every
    ``publish_interval_s``, marks GPUs not heard from for ``stale_after_s`` unknown and forgets
    those not heard from for ``forget_after_s`` (no more updates, out of the gauges);
 4. writes the rows, the decided capacity updates, ended idle runs and the offsets after the batch
@@ -444,7 +442,6 @@ class AnalyticsService:
         for sample in decoded.gpu:
             self._classifier.observe(sample)
         scheduler_table = self._observe_scheduler(decoded.scheduler)
-        self._settle_released()
         now = self._clock()
         if await self._read_topology():
             self._last_headroom = float("-inf")  # new leaves and uplinks: their headroom now
@@ -962,17 +959,6 @@ class AnalyticsService:
             self.metrics.rejected_records.labels(reason="unstorable").inc(len(rows))
             log.warning("analytics_scheduler_unstorable", extra={"error": repr(exc)})
             return None
-
-    def _settle_released(self) -> None:
-        """Make idle at once every GPU in its idle dwell that the scheduler released
-        (:meth:`analytics.scheduler.SchedulerJoin.released`; without a scheduler: none)."""
-        join = self._scheduler
-        if join is None:
-            return
-        for key, since in self._classifier.idle_pending().items():
-            st = self._classifier.status(key)
-            if st is not None and join.released(st, since):
-                self._classifier.settle(key)
 
     def _update(self, st: GpuStatus) -> CapacityUpdate:
         headroom = self._headroom.get(st.host)

@@ -104,11 +104,9 @@ async def test_allocated_gpu_is_not_offered_and_the_window_stops_at_the_planned_
             planned = svc.current_states()[f"{HOST}/GPU-{HOST}-{i}"]
             assert planned.state is GpuState.UNKNOWN and planned.reason == "scheduler_planned"
             assert planned.planned_start == T0 + 45
-        # GPU 3: idle from its first sample, without the min_idle_s dwell: the scheduler's read
-        # of that moment holds no job on it (SchedulerJoin.released)
         free = latest(bus)[f"{HOST}/GPU-{HOST}-3"]
-        assert free.state is GpuState.IDLE and free.ts == T0 and free.planned_start is None
-        # without the plan the promise would run past T0 + 45 (no history): cut at T0 + 45
+        assert free.state is GpuState.IDLE and free.ts == T0 + 30 and free.planned_start is None
+        # without the plan the promise would be T0 + 30 + min_idle_s (no history): cut at T0 + 45
         assert free.predicted_idle_until == pytest.approx(T0 + 45)
         assert gauge(svc, partition="training", user="alice", job="42") == 1
         # the idle GPU-hours of job 42: reads at 0, 10, 20, 30 s; GPU 0 decided idle from 30 s only
@@ -364,66 +362,3 @@ def test_gpupools_own_pending_placeholders_are_no_demand() -> None:
     rec = _planned_node(need=2, start=None, more=(theirs,))
     assert planned_gpus(rec) == {0: T0}
     assert rec.next_planned_start() == T0
-
-
-async def test_a_gpu_the_scheduler_released_after_it_went_idle_is_idle_without_the_dwell() -> None:
-    """min_idle_s (30 s here) guards against a running job's pauses. A GPU in that dwell is idle at
-    once when a scheduler read taken at or after its first idle sample holds no job on it (or only
-    gpupool's own hold); a read from before it went idle, or a training job on it, is no proof."""
-    from contracts.scheduler import LENT_JOB_NAME
-
-    bus, clock = MemoryBus(), Clock(T0)
-    svc = service(bus, clock, refresh_s=3600.0, scheduler=True)
-    key = [f"{HOST}/GPU-{HOST}-{i}" for i in range(4)]
-
-    async def step(t: float, rec: SchedulerNode | None, activity: float) -> None:
-        if rec is not None:
-            await send(bus, rec)
-        for i in range(4):
-            await send(bus, sample(T0 + t, i, activity))
-        clock.t = T0 + t
-        await drain(svc)
-
-    await svc.start()
-    try:
-        # job 42 on GPUs 0-2; GPU 3 busy outside the scheduler
-        await step(0, node(T0, job_on={0: "42", 1: "42", 2: "42"}), 0.9)
-        # every GPU idle from T0 + 5; the latest read (T0) is older than that: no GPU is idle yet
-        await step(5, None, 0.0)
-        st = svc.current_states()
-        assert st[key[3]].state is GpuState.BUSY and st[key[0]].state is not GpuState.IDLE
-        # a read at T0 + 5 (the idle runs' first sample): job 42 still on GPU 0, gpupool's hold on
-        # GPU 1, GPU 2 and 3 free -> GPUs 1-3 idle since T0 + 5, GPU 0 not
-        rec = node(T0 + 5, job_on={0: "42", 1: "90"})
-        gpus = [g.model_copy(update={"job_name": LENT_JOB_NAME}) if g.index == 1 else g for g in rec.gpus]
-        await step(6, rec.model_copy(update={"gpus": gpus}), 0.0)
-        st = svc.current_states()
-        for i in (1, 2, 3):
-            assert st[key[i]].state is GpuState.IDLE and st[key[i]].since == T0 + 5, i
-        assert st[key[0]].state is not GpuState.IDLE
-        assert svc._classifier.idle_pending() == {key[0]: T0 + 5}  # still in its dwell
-    finally:
-        await svc.stop()
-
-
-def test_settle_ends_a_pending_idle_run_only() -> None:
-    from analytics.classify import IdleClassifier
-
-    clf = IdleClassifier(IDLE)
-    k = f"{HOST}/GPU-{HOST}-0"
-    assert clf.settle(k) is None  # never seen
-    clf.observe(sample(T0, 0, 0.9))
-    assert clf.settle(k) is None and clf.idle_pending() == {}  # busy: no idle run
-    clf.observe(sample(T0 + 1, 0, 0.0))
-    clf.observe(sample(T0 + 2, 0, 0.0))
-    assert clf.idle_pending() == {k: T0 + 1}
-    st = clf.settle(k)
-    assert st is not None and st.state is GpuState.IDLE and st.since == T0 + 1
-    assert st.reason == GR_ENGINE_ACTIVE and st.grade is not None  # "idle_pending" dropped
-    assert clf.idle_pending() == {} and clf.settle(k) is None  # already idle
-    clf.observe(sample(T0 + 3, 0, 0.0))
-    assert clf.status(k).state is GpuState.IDLE and clf.status(k).since == T0 + 1  # type: ignore[union-attr]
-    clf.observe(sample(T0 + 4, 0, 0.9))
-    clf.observe(sample(T0 + 5, 0, 0.0))
-    clf.tick(T0 + 5 + IDLE.stale_after_s + 1)  # stale: no pending run any more
-    assert clf.idle_pending() == {} and clf.settle(k) is None
