@@ -105,6 +105,9 @@ def _pipeline_config(args: argparse.Namespace, attach: dict, state: Path, compre
         site_claim_on_offer=args.claim_on_offer,
         site_lease_kinds=(LeaseKind.WINDOW, LeaseKind.PREEMPTIBLE, LeaseKind.PREEMPTIBLE),
         offer_ttl_s=20.0, cause_sample_s=0.5 if args.scheduler == "slurm" else None,
+        # the fabric is off: 16 nodes' InfiniBand sysfs trees, written and read every scrape, took
+        # half the pipeline process's CPU (one GIL with every stage) and delayed its telemetry
+        sysfs_interval_s=5.0,
         plan_lead_s=args.notice + 5.0 if args.plan_lead is None else args.plan_lead,
     )
 
